@@ -1,0 +1,298 @@
+"""The autoencoder: FLUX-style Encoder and Decoder and the latent posterior.
+
+Parameter names follow the LDM/FLUX layout (`encoder.down.0.block.0.norm1.weight`,
+`decoder.up.3.upsample.conv.weight`, `encoder.mid.attn_1.q.weight`, ...) so weights convert
+to diffusers' AutoencoderKL and to FLUX without renaming tricks. Pure model code: no training logic.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+POSTERIORS = ("constant", "learned")
+GRAD_CHECKPOINTING = ("none", "decoder_hr", "decoder", "all")
+LOGVAR_RANGE = (-30.0, 20.0)  # LDM's clamp of the learned log-variance
+
+
+@dataclass
+class AutoEncoderParams:
+    """Architecture of the autoencoder. Defaults are the FLUX VAE (f8, 16 latent channels)."""
+    in_channels: int = 3
+    out_ch: int = 3
+    ch: int = 128
+    ch_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+    z_channels: int = 16
+    use_attn: bool = True
+    # "constant": the encoder predicts the mean only and z = mean + sqrt(posterior_var) * noise.
+    # "learned": the encoder predicts mean and log-variance (standard LDM / SD VAE).
+    posterior: str = "constant"
+    posterior_var: float = 0.1  # the fixed variance sigma^2 of the constant posterior (std = sqrt of it)
+    clamp_th: float = 0.0  # clamp the posterior mean to [-clamp_th, clamp_th]; 0 disables
+    norm_groups: int = field(default=32, repr=False)
+
+    @property
+    def downsample_factor(self) -> int:
+        return 2 ** (len(self.ch_mult) - 1)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ch_mult"] = list(self.ch_mult)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AutoEncoderParams":
+        d = dict(d)
+        d["ch_mult"] = tuple(d["ch_mult"])
+        return cls(**d)
+
+
+class GroupNorm32(nn.GroupNorm):
+    """GroupNorm computed in fp32 whatever the autocast: its mean/variance of small activations
+    do not survive bf16/fp16 (seed note 000). The output keeps the input's dtype."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            out = F.group_norm(x.float(), self.num_groups, self.weight.float(), self.bias.float(), self.eps)
+        return out.to(x.dtype)
+
+
+def Normalize(channels: int, groups: int = 32) -> nn.GroupNorm:
+    return GroupNorm32(num_groups=groups, num_channels=channels, eps=1e-6, affine=True)
+
+
+class AttnBlock(nn.Module):
+    """Single-head spatial self-attention (as FLUX and diffusers' AutoencoderKL mid block)."""
+
+    def __init__(self, in_channels: int, groups: int = 32):
+        super().__init__()
+        self.norm = Normalize(in_channels, groups)
+        self.q = nn.Conv2d(in_channels, in_channels, kernel_size=1)
+        self.k = nn.Conv2d(in_channels, in_channels, kernel_size=1)
+        self.v = nn.Conv2d(in_channels, in_channels, kernel_size=1)
+        self.proj_out = nn.Conv2d(in_channels, in_channels, kernel_size=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        b, c, height, width = q.shape
+        q, k, v = (t.reshape(b, 1, c, height * width).transpose(2, 3) for t in (q, k, v))
+        h = F.scaled_dot_product_attention(q, k, v)
+        h = h.transpose(2, 3).reshape(b, c, height, width)
+        return x + self.proj_out(h)
+
+
+class ResnetBlock(nn.Module):
+    def __init__(self, in_channels: int, out_channels: int, groups: int = 32):
+        super().__init__()
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.norm1 = Normalize(in_channels, groups)
+        self.conv1 = nn.Conv2d(in_channels, out_channels, kernel_size=3, stride=1, padding=1)
+        self.norm2 = Normalize(out_channels, groups)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, kernel_size=3, stride=1, padding=1)
+        if in_channels != out_channels:
+            self.nin_shortcut = nn.Conv2d(in_channels, out_channels, kernel_size=1, stride=1, padding=0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        if self.in_channels != self.out_channels:
+            x = self.nin_shortcut(x)
+        return x + h
+
+
+class Downsample(nn.Module):
+    def __init__(self, in_channels: int):
+        super().__init__()
+        # no asymmetric padding in torch conv: pad right/bottom by one, then a valid stride-2 conv
+        self.conv = nn.Conv2d(in_channels, in_channels, kernel_size=3, stride=2, padding=0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(F.pad(x, (0, 1, 0, 1), mode="constant", value=0))
+
+
+class Upsample(nn.Module):
+    def __init__(self, in_channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, in_channels, kernel_size=3, stride=1, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+def _run_level(fn, h: Tensor, use_checkpoint: bool) -> Tensor:
+    # Checkpointing only pays when a backward will follow; use_reentrant=False is exact and DDP-safe.
+    if use_checkpoint and torch.is_grad_enabled() and h.requires_grad:
+        return checkpoint(fn, h, use_reentrant=False)
+    return fn(h)
+
+
+class Encoder(nn.Module):
+    def __init__(self, in_channels: int, ch: int, ch_mult: tuple[int, ...], num_res_blocks: int,
+                 out_channels: int, use_attn: bool = True, groups: int = 32):
+        super().__init__()
+        self.num_resolutions = len(ch_mult)
+        self.num_res_blocks = num_res_blocks
+        self.checkpoint_levels: set[int] = set()
+        self.conv_in = nn.Conv2d(in_channels, ch, kernel_size=3, stride=1, padding=1)
+        in_ch_mult = (1,) + tuple(ch_mult)
+        self.down = nn.ModuleList()
+        block_in = ch
+        for i_level in range(self.num_resolutions):
+            block = nn.ModuleList()
+            block_in = ch * in_ch_mult[i_level]
+            block_out = ch * ch_mult[i_level]
+            for _ in range(num_res_blocks):
+                block.append(ResnetBlock(block_in, block_out, groups))
+                block_in = block_out
+            down = nn.Module()
+            down.block = block
+            if i_level != self.num_resolutions - 1:
+                down.downsample = Downsample(block_in)
+            self.down.append(down)
+        self.mid = nn.Module()
+        self.mid.block_1 = ResnetBlock(block_in, block_in, groups)
+        self.mid.attn_1 = AttnBlock(block_in, groups) if use_attn else nn.Identity()
+        self.mid.block_2 = ResnetBlock(block_in, block_in, groups)
+        self.norm_out = Normalize(block_in, groups)
+        self.conv_out = nn.Conv2d(block_in, out_channels, kernel_size=3, stride=1, padding=1)
+
+    def _level(self, i_level: int):
+        def run(h: Tensor) -> Tensor:
+            for block in self.down[i_level].block:
+                h = block(h)
+            if i_level != self.num_resolutions - 1:
+                h = self.down[i_level].downsample(h)
+            return h
+        return run
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv_in(x)
+        for i_level in range(self.num_resolutions):
+            h = _run_level(self._level(i_level), h, i_level in self.checkpoint_levels)
+        h = self.mid.block_2(self.mid.attn_1(self.mid.block_1(h)))
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
+class Decoder(nn.Module):
+    def __init__(self, ch: int, out_ch: int, ch_mult: tuple[int, ...], num_res_blocks: int,
+                 z_channels: int, use_attn: bool = True, groups: int = 32):
+        super().__init__()
+        self.num_resolutions = len(ch_mult)
+        self.num_res_blocks = num_res_blocks
+        self.checkpoint_levels: set[int] = set()
+        block_in = ch * ch_mult[-1]
+        self.conv_in = nn.Conv2d(z_channels, block_in, kernel_size=3, stride=1, padding=1)
+        self.mid = nn.Module()
+        self.mid.block_1 = ResnetBlock(block_in, block_in, groups)
+        self.mid.attn_1 = AttnBlock(block_in, groups) if use_attn else nn.Identity()
+        self.mid.block_2 = ResnetBlock(block_in, block_in, groups)
+        self.up = nn.ModuleList()
+        for i_level in reversed(range(self.num_resolutions)):
+            block = nn.ModuleList()
+            block_out = ch * ch_mult[i_level]
+            for _ in range(num_res_blocks + 1):
+                block.append(ResnetBlock(block_in, block_out, groups))
+                block_in = block_out
+            up = nn.Module()
+            up.block = block
+            if i_level != 0:
+                up.upsample = Upsample(block_in)
+            self.up.insert(0, up)  # up[0] is the highest resolution, as in the released weights
+        self.norm_out = Normalize(block_in, groups)
+        self.conv_out = nn.Conv2d(block_in, out_ch, kernel_size=3, stride=1, padding=1)
+
+    def _level(self, i_level: int):
+        def run(h: Tensor) -> Tensor:
+            for block in self.up[i_level].block:
+                h = block(h)
+            if i_level != 0:
+                h = self.up[i_level].upsample(h)
+            return h
+        return run
+
+    def forward(self, z: Tensor) -> Tensor:
+        h = self.conv_in(z)
+        h = self.mid.block_2(self.mid.attn_1(self.mid.block_1(h)))
+        for i_level in reversed(range(self.num_resolutions)):
+            h = _run_level(self._level(i_level), h, i_level in self.checkpoint_levels)
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
+def kl_divergence(mean: Tensor, logvar: Tensor | None) -> Tensor:
+    """KL(q(z|x) || N(0, I)), averaged over latent elements, in fp32.
+
+    With a constant variance (logvar None) the KL is 0.5 * mean^2 + a constant that carries no
+    gradient; the constant is dropped, so this returns the latent penalty mean(0.5 * mean^2).
+    """
+    with torch.autocast(mean.device.type, enabled=False):
+        mean = mean.float()
+        if logvar is None:
+            return 0.5 * mean.square().mean()
+        logvar = logvar.float()
+        return 0.5 * (mean.square() + logvar.exp() - 1.0 - logvar).mean()
+
+
+class AutoEncoder(nn.Module):
+    def __init__(self, params: AutoEncoderParams):
+        super().__init__()
+        if params.posterior not in POSTERIORS:
+            raise ValueError(f"posterior must be one of {POSTERIORS}, got {params.posterior!r}")
+        self.params = params
+        moments = params.z_channels * (2 if params.posterior == "learned" else 1)
+        self.encoder = Encoder(params.in_channels, params.ch, params.ch_mult, params.num_res_blocks,
+                               moments, params.use_attn, params.norm_groups)
+        self.decoder = Decoder(params.ch, params.out_ch, params.ch_mult, params.num_res_blocks,
+                               params.z_channels, params.use_attn, params.norm_groups)
+
+    @property
+    def downsample_factor(self) -> int:
+        return self.params.downsample_factor
+
+    def set_grad_checkpointing(self, mode: str) -> None:
+        """none | decoder_hr (the two highest-resolution decoder levels) | decoder | all."""
+        if mode not in GRAD_CHECKPOINTING:
+            raise ValueError(f"grad checkpointing must be one of {GRAD_CHECKPOINTING}, got {mode!r}")
+        n = self.decoder.num_resolutions
+        self.decoder.checkpoint_levels = {"none": set(), "decoder_hr": {0, 1} & set(range(n)),
+                                          "decoder": set(range(n)), "all": set(range(n))}[mode]
+        self.encoder.checkpoint_levels = set(range(n)) if mode == "all" else set()
+
+    def encode_moments(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Posterior mean and log-variance (None for the constant-variance posterior)."""
+        h = self.encoder(x)
+        logvar = None
+        if self.params.posterior == "learned":
+            h, logvar = h.chunk(2, dim=1)
+            logvar = logvar.float().clamp(*LOGVAR_RANGE)
+        if self.params.clamp_th > 0:
+            h = h.clamp(-self.params.clamp_th, self.params.clamp_th)
+        return h, logvar
+
+    def posterior_std(self, logvar: Tensor | None) -> Tensor | float:
+        if logvar is None:
+            return math.sqrt(self.params.posterior_var)
+        return torch.exp(0.5 * logvar)
+
+    def sample(self, mean: Tensor, logvar: Tensor | None) -> Tensor:
+        # the noise is drawn and added in fp32; the decoder casts under autocast as it needs
+        mean = mean.float()
+        return mean + self.posterior_std(logvar) * torch.randn_like(mean)
+
+    def encode(self, x: Tensor) -> Tensor:
+        """Deterministic latent (the posterior mean), for evaluation and export."""
+        return self.encode_moments(x)[0]
+
+    def decode(self, z: Tensor) -> Tensor:
+        return self.decoder(z)
+
+    def forward(self, x: Tensor, sample: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
+        mean, logvar = self.encode_moments(x)
+        z = self.sample(mean, logvar) if sample else mean
+        return self.decode(z), mean, logvar

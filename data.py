@@ -1,0 +1,594 @@
+"""Input pipeline: webdataset shards (or a folder of images) -> batches of uint8 crops; writing shards.
+
+Training stream
+  * `--dataset_url` is what webdataset accepts (brace-expanded local paths, http(s)://, pipe:...,
+    several lists joined by '::') or a plain directory of images.
+  * Shards are split across ranks and dataloader workers (every data worker owns shards[g::G]);
+    with fewer shards than workers every worker reads all shards in its own order.
+  * The stream is endless (epoch after epoch, each in a fresh shard order) and the trainer runs a
+    step budget, so every rank runs the same number of steps whatever the shard count.
+  * Samples pass through a shuffle buffer of raw bytes, then are decoded, converted to RGB, cropped
+    in uint8 and flipped. Batches stay uint8 until the device ([-1, 1] floats are made there).
+  * All randomness is counter-based (seed, stream, counter), so a worker's whole state is a few
+    integers plus the keys of the samples in its buffer: checkpoints store it and a resumed run
+    sees exactly the batches the uninterrupted run would have seen. This is why the shuffling is
+    ours and not webdataset's (whose buffer cannot be saved); reading, key grouping and URL
+    handling are webdataset's.
+  * Corrupt, empty, non-image, oversized and unreadable members are skipped and counted.
+
+CLI: python data.py make-shards SRC_DIR DST_DIR [--shard_size 1000]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import os
+import random
+import re
+import sys
+import tarfile
+import warnings
+from collections import Counter
+from typing import Iterator
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "pbm", "gif")
+DIR_SHARD_SIZE = 256  # files per pseudo-shard when reading a plain directory
+SKIP_REASONS = ("corrupt", "non_image", "too_large", "shard_errors")
+
+
+class DatasetError(RuntimeError):
+    """A problem with the user's data that stops training; the message is one line."""
+
+
+class SkipSample(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+# --------------------------------------------------------------------------------------------
+# Shard lists
+# --------------------------------------------------------------------------------------------
+def is_remote(url: str) -> bool:
+    return bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", url)) or url.startswith("pipe:")
+
+
+def _image_files(root: str) -> list[str]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS and not name.startswith("."):
+                files.append(os.path.join(dirpath, name))
+    return files
+
+
+def list_shards(url: str) -> list:
+    """The shard list of a dataset: tar paths/URLs (str) or, for a directory, tuples of file paths.
+    Raises DatasetError (one line) for an empty or missing local dataset."""
+    import webdataset as wds
+    if not url:
+        raise DatasetError("no dataset given: pass --dataset_url (shards or a folder of images), or --demo")
+    if os.path.isdir(url):
+        files = _image_files(url)
+        if not files:
+            raise DatasetError(f"{url}: directory holds no image files ({', '.join(IMAGE_EXTS[:4])}, ...)")
+        return [tuple(files[i:i + DIR_SHARD_SIZE]) for i in range(0, len(files), DIR_SHARD_SIZE)]
+    try:
+        shards = list(wds.shardlists.expand_urls(url))
+    except Exception as e:
+        raise DatasetError(f"cannot expand dataset url {url!r}: {e}") from None
+    if not shards:
+        raise DatasetError(f"dataset url {url!r} names no shard")
+    local = [s for s in shards if not is_remote(s)]
+    missing = [s for s in local if not os.path.isfile(s)]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise DatasetError(f"dataset shard not found: {missing[0]}{more}")
+    return shards
+
+
+def iter_shard(shard, counters: Counter) -> Iterator[tuple[int, dict]]:
+    """(sample index, sample) pairs of one shard; a sample maps lower-case extensions to bytes.
+    A truncated or unreadable shard ends early and is counted; what was read before stands."""
+    if isinstance(shard, tuple):
+        for idx, path in enumerate(shard):
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError:
+                counters["corrupt"] += 1
+                continue
+            yield idx, {"__key__": path, path.rsplit(".", 1)[-1].lower(): data}
+        return
+    from webdataset.gopen import gopen
+    from webdataset.tariterators import group_by_keys, tar_file_iterator
+
+    def bad_member(exn: Exception) -> bool:
+        counters["corrupt"] += 1
+        return True
+
+    stream = None
+    try:
+        stream = gopen(shard, "rb")
+        files = ({**f, "__url__": shard} for f in tar_file_iterator(stream, handler=bad_member))
+        for idx, sample in enumerate(group_by_keys(files, handler=bad_member)):
+            yield idx, sample
+    except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+        counters["shard_errors"] += 1
+        warn_once(f"shard {shard}: {type(e).__name__}: {e} (skipping the rest of it)")
+    finally:
+        if stream is not None:
+            try:
+                stream.close()
+            except Exception:
+                pass
+
+
+_warned: set[str] = set()
+
+
+def warn_once(msg: str, limit: int = 20) -> None:
+    if msg in _warned or len(_warned) >= limit:
+        return
+    _warned.add(msg)
+    print(f"warning: {msg}" if len(_warned) < limit else "warning: further data warnings suppressed",
+          file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding: any PIL image -> uint8 RGB crop
+# --------------------------------------------------------------------------------------------
+def _pick_image(sample: dict) -> bytes:
+    for ext in IMAGE_EXTS:
+        if ext in sample:
+            return sample[ext]
+    raise SkipSample("non_image")
+
+
+def open_image(data: bytes, max_pixels: int) -> Image.Image:
+    """Open (header only) and check the pixel count before anything is decoded."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        raise SkipSample("too_large") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError):
+        raise SkipSample("corrupt") from None
+    if img.width * img.height > max_pixels or img.width <= 0 or img.height <= 0:
+        raise SkipSample("too_large")
+    return img
+
+
+def _normalise_mode(img: Image.Image) -> Image.Image:
+    """Bring exotic modes to one that PIL can resize and crop: RGB, RGBA, L, LA, I, F or CMYK."""
+    mode = img.mode
+    if mode == "P":
+        return img.convert("RGBA" if "transparency" in img.info else "RGB")
+    if mode == "PA":
+        return img.convert("RGBA")
+    if mode == "1":
+        return img.convert("L")
+    if mode.startswith("I;16"):
+        return img.convert("I")
+    if mode in ("RGB", "RGBA", "L", "LA", "I", "F", "CMYK"):
+        return img
+    return img.convert("RGB")  # YCbCr, LAB, HSV, RGBX, ...
+
+
+def _to_rgb_array(img: Image.Image) -> np.ndarray:
+    """uint8 (H, W, 3). Alpha is composited over white; 16-bit values are scaled to 8 bits."""
+    mode = img.mode
+    if mode == "RGB":
+        return np.asarray(img)
+    if mode == "L":
+        return np.repeat(np.asarray(img)[:, :, None], 3, axis=2)
+    if mode in ("RGBA", "LA"):
+        a = np.asarray(img).astype(np.uint32)
+        color, alpha = (a[..., :3], a[..., 3:]) if mode == "RGBA" else (a[..., :1], a[..., 1:])
+        out = (color * alpha + 255 * (255 - alpha) + 127) // 255
+        return np.broadcast_to(out, out.shape[:2] + (3,)).astype(np.uint8)
+    if mode == "I":  # 16-bit sources (PNG, TIFF) arrive as 32-bit ints
+        a = np.asarray(img, dtype=np.float64) / 257.0
+        return np.repeat(np.clip(np.rint(a), 0, 255).astype(np.uint8)[:, :, None], 3, axis=2)
+    if mode == "F":
+        a = np.asarray(img, dtype=np.float64)
+        return np.repeat(np.clip(np.rint(a), 0, 255).astype(np.uint8)[:, :, None], 3, axis=2)
+    return np.asarray(img.convert("RGB"))
+
+
+def decode_crop(data: bytes, resolution: int, rng: random.Random | None, resize_prob: float = 0.0,
+                max_pixels: int = 100_000_000) -> np.ndarray:
+    """Decode one image to a uint8 (resolution, resolution, 3) RGB crop.
+
+    Training (rng given): with probability `resize_prob` the shorter side is first resized to the
+    resolution (a whole-image view); images smaller than the crop are always resized up; then a
+    random crop and a random horizontal flip. Evaluation (rng None): resize the shorter side to
+    the resolution and take the center crop. The crop happens in uint8, before any float
+    conversion, and JPEGs that will be downscaled are decoded at reduced size (draft mode).
+    """
+    img = open_image(data, max_pixels)
+    try:
+        w, h = img.size
+        resize = rng is None or min(w, h) < resolution or (resize_prob > 0 and rng.random() < resize_prob)
+        if resize and img.format == "JPEG" and min(w, h) > 2 * resolution:
+            scale = resolution / min(w, h)
+            img.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))  # DCT-domain downscale, >= target
+        if img.getexif().get(0x0112, 1) != 1:
+            img = ImageOps.exif_transpose(img)
+        img = _normalise_mode(img)
+        w, h = img.size
+        if resize:
+            scale = resolution / min(w, h)
+            size = (max(resolution, round(w * scale)), max(resolution, round(h * scale)))
+            if size != (w, h):
+                img = img.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0)
+            w, h = size
+        if rng is None:
+            x0, y0 = (w - resolution) // 2, (h - resolution) // 2
+        else:
+            x0, y0 = rng.randint(0, w - resolution), rng.randint(0, h - resolution)
+        arr = _to_rgb_array(img.crop((x0, y0, x0 + resolution, y0 + resolution)))
+    except SkipSample:
+        raise
+    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError, MemoryError):
+        raise SkipSample("corrupt") from None
+    if rng is not None and rng.random() < 0.5:
+        arr = arr[:, ::-1]
+    return arr
+
+
+def to_model_input(batch: torch.Tensor, device: torch.device, channels_last: bool = True) -> torch.Tensor:
+    """uint8 (B, 3, H, W) -> float32 in [-1, 1] on the device (the 4x smaller uint8 crosses the bus)."""
+    x = batch.to(device, non_blocking=True).float().div_(127.5).sub_(1.0)
+    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+# --------------------------------------------------------------------------------------------
+# The resumable training stream
+# --------------------------------------------------------------------------------------------
+def _rng(*parts) -> random.Random:
+    return random.Random(":".join(str(p) for p in parts))
+
+
+class _WorkerStream:
+    """One data worker's endless stream: epochs of its shards in seeded order, a shuffle buffer of
+    raw samples, decoding. `state_dict()` is small and exact."""
+
+    def __init__(self, shards: list, stream_id: int, n_streams: int, seed, resolution: int,
+                 buffer_size: int, resize_prob: float, max_pixels: int, state: dict | None = None):
+        self.shards, self.stream_id, self.seed = shards, stream_id, seed
+        self.resolution, self.buffer_size = resolution, max(1, buffer_size)
+        self.resize_prob, self.max_pixels = resize_prob, max_pixels
+        if len(shards) >= n_streams:
+            self.own = list(range(stream_id, len(shards), n_streams))
+        else:
+            self.own = list(range(len(shards)))
+        state = state or {}
+        self.epoch = state.get("epoch", 0)
+        self.pos = state.get("pos", 0)  # index into this epoch's shard order
+        self.sample = state.get("sample", 0)  # next sample index within the current shard
+        self.drawn = state.get("drawn", 0)  # samples taken out of the buffer so far
+        self.counters = Counter(state.get("counters", {}))
+        self.buffer: list[tuple[tuple[int, int], dict]] = self._reload(state.get("buffer", []))
+        self.failures = 0
+        self.raw = self._raw()
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(self.own)
+        _rng(self.seed, self.stream_id, "epoch", epoch).shuffle(order)
+        return order
+
+    def _raw(self) -> Iterator[tuple[tuple[int, int], dict]]:
+        empty_epochs = 0
+        while True:
+            order, got_any = self._order(self.epoch), False
+            while self.pos < len(order):
+                shard_idx = order[self.pos]
+                for idx, sample in iter_shard(self.shards[shard_idx], self.counters):
+                    if idx < self.sample:
+                        continue
+                    self.sample, got_any = idx + 1, True
+                    yield (shard_idx, idx), sample
+                self.pos, self.sample = self.pos + 1, 0
+            self.epoch, self.pos = self.epoch + 1, 0
+            empty_epochs = 0 if got_any else empty_epochs + 1
+            if empty_epochs >= 2:
+                raise DatasetError("no readable sample in any shard of the dataset")
+
+    def _reload(self, keys: list) -> list:
+        """Re-read the samples a saved buffer held, by (shard, index) key."""
+        wanted: dict[int, set[int]] = {}
+        for shard_idx, idx in keys:
+            wanted.setdefault(shard_idx, set()).add(idx)
+        found = {}
+        for shard_idx, idxs in wanted.items():
+            for idx, sample in iter_shard(self.shards[shard_idx], Counter()):
+                if idx in idxs:
+                    found[(shard_idx, idx)] = sample
+        return [((s, i), found[(s, i)]) for s, i in keys if (s, i) in found]
+
+    def next_image(self) -> np.ndarray:
+        while True:
+            while len(self.buffer) < self.buffer_size:
+                self.buffer.append(next(self.raw))
+            rng = _rng(self.seed, self.stream_id, "draw", self.drawn)
+            j = rng.randrange(len(self.buffer))
+            _, sample = self.buffer[j]
+            self.buffer[j] = self.buffer[-1]
+            self.buffer.pop()
+            self.drawn += 1
+            try:
+                image = decode_crop(_pick_image(sample), self.resolution, rng, self.resize_prob, self.max_pixels)
+                self.failures = 0
+                return image
+            except SkipSample as skip:
+                self.counters[skip.reason] += 1
+                self.failures += 1
+                warn_once(f"skipped a {skip.reason.replace('_', '-')} sample ({sample.get('__key__')})")
+                if self.failures > 10 * self.buffer_size + 1000:
+                    raise DatasetError(f"{self.failures} samples in a row could not be decoded: "
+                                       f"is this an image dataset?") from None
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "sample": self.sample, "drawn": self.drawn,
+                "counters": dict(self.counters), "buffer": [list(k) for k, _ in self.buffer]}
+
+
+class TrainStream(IterableDataset):
+    """Yields dicts {images: uint8 (B, 3, R, R), worker: logical worker id, state, counters}."""
+
+    def __init__(self, shards: list, resolution: int, batch_size: int, seed, rank: int, world_size: int,
+                 num_workers: int, shuffle_buffer: int, resize_prob: float, max_pixels: int,
+                 worker_states: dict | None = None, worker_offset: int = 0):
+        super().__init__()
+        self.shards, self.resolution, self.batch_size, self.seed = shards, resolution, batch_size, seed
+        self.rank, self.world_size, self.num_workers = rank, world_size, max(1, num_workers)
+        self.shuffle_buffer, self.resize_prob, self.max_pixels = shuffle_buffer, resize_prob, max_pixels
+        self.worker_states = worker_states or {}
+        self.worker_offset = worker_offset
+
+    def __iter__(self):
+        info = get_worker_info()
+        physical = info.id if info is not None else 0
+        # DataLoader serves batches round-robin from physical worker 0; after a resume the next
+        # batch must come from logical worker (batches consumed % W), hence the rotation.
+        logical = (physical + self.worker_offset) % self.num_workers
+        stream = _WorkerStream(self.shards, self.rank * self.num_workers + logical,
+                               self.world_size * self.num_workers, self.seed, self.resolution,
+                               self.shuffle_buffer, self.resize_prob, self.max_pixels,
+                               self.worker_states.get(logical))
+        while True:
+            images = np.stack([stream.next_image() for _ in range(self.batch_size)])
+            yield {"images": torch.from_numpy(images).permute(0, 3, 1, 2), "worker": logical,
+                   "state": stream.state_dict()}
+
+
+class TrainLoader:
+    """The training batches of one rank, and the state that resumes them exactly."""
+
+    def __init__(self, url: str, resolution: int, batch_size: int, seed: int, rank: int, world_size: int,
+                 num_workers: int = 4, shuffle_buffer: int = 1000, resize_prob: float = 0.5,
+                 max_pixels: int = 100_000_000, pin_memory: bool = False, state: dict | None = None):
+        self.num_workers = max(0, num_workers)
+        logical_workers = max(1, self.num_workers)
+        shards = list_shards(url)
+        state = state or {}
+        self.batches = int(state.get("batches", 0))
+        self.worker_states = dict(state.get("worker_states", {}))
+        if self.worker_states and state.get("num_workers") != logical_workers:
+            print(f"warning: the data stream was saved with {state.get('num_workers')} workers, not "
+                  f"{logical_workers}: it restarts from a fresh seed (not an exact resume)", file=sys.stderr)
+            self.worker_states = {}
+        stream_seed = seed if self.batches == 0 or self.worker_states else f"{seed}+{self.batches}"
+        self.few_shards = len(shards) < world_size * logical_workers
+        dataset = TrainStream(shards, resolution, batch_size, stream_seed, rank, world_size, logical_workers,
+                              shuffle_buffer, resize_prob, max_pixels, self.worker_states,
+                              self.batches % logical_workers)
+        kwargs = dict(prefetch_factor=4, persistent_workers=True) if self.num_workers > 0 else {}
+        self.loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                                 pin_memory=pin_memory, **kwargs)
+        self._iter = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._iter is None:
+            self._iter = iter(self.loader)
+        item = next(self._iter)
+        self.worker_states[item["worker"]] = item["state"]
+        self.batches += 1
+        return item["images"]
+
+    def skipped(self) -> dict[str, int]:
+        total = Counter()
+        for st in self.worker_states.values():
+            total.update(st.get("counters", {}))
+        return {k: int(total.get(k, 0)) for k in SKIP_REASONS}
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches, "num_workers": max(1, self.num_workers),
+                "worker_states": {int(k): v for k, v in self.worker_states.items()}}
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation reading: every image exactly once, sharded across ranks
+# --------------------------------------------------------------------------------------------
+def iter_eval_batches(url: str, resolution: int, batch_size: int, rank: int = 0, world_size: int = 1,
+                      max_images: int | None = None, max_pixels: int = 100_000_000,
+                      counters: Counter | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """Deterministic center crops of a dataset, in shard order. Image i (counting every sample
+    that carries an image, up to `max_images`) belongs to rank i % world_size, so every image is
+    seen exactly once across ranks, whatever the count. Yields (global indices, uint8 batch)."""
+    counters = counters if counters is not None else Counter()
+    indices, images, i = [], [], 0
+    for shard in list_shards(url):
+        for _, sample in iter_shard(shard, counters):
+            if max_images is not None and i >= max_images:
+                if images:
+                    yield indices, torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)
+                return
+            try:
+                data = _pick_image(sample)
+            except SkipSample as skip:
+                counters[skip.reason] += 1
+                continue
+            mine, i = i % world_size == rank, i + 1
+            if not mine:
+                continue
+            try:
+                images.append(decode_crop(data, resolution, None, max_pixels=max_pixels))
+                indices.append(i - 1)
+            except SkipSample as skip:
+                counters[skip.reason] += 1
+                continue
+            if len(images) == batch_size:
+                yield indices, torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)
+                indices, images = [], []
+    if images:
+        yield indices, torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing shards
+# --------------------------------------------------------------------------------------------
+def write_shards(files: list[str], dst: str, shard_size: int = 1000, verify: bool = True,
+                 root: str | None = None, prefix: str = "") -> tuple[list[str], int]:
+    """Pack image files into `dst/{prefix}{00000..}.tar` with their original bytes (no re-encode).
+    Returns (shard paths, number of files skipped as unreadable)."""
+    import webdataset as wds
+    os.makedirs(dst, exist_ok=True)
+    if root is None:
+        root = os.path.commonpath([os.path.dirname(f) for f in files]) if files else ""
+    paths, skipped, seen = [], 0, set()
+    pattern = os.path.join(dst, f"{prefix}%05d.tar")
+    with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as sink:
+        for path in files:
+            with open(path, "rb") as f:
+                data = f.read()
+            if verify:
+                try:
+                    with Image.open(io.BytesIO(data)) as im:
+                        im.verify()
+                except Exception:
+                    skipped += 1
+                    continue
+            ext = path.rsplit(".", 1)[-1].lower()
+            ext = {"jpeg": "jpg", "tif": "tiff"}.get(ext, ext)
+            # webdataset groups members by the name up to the first dot: keys must hold none
+            key = re.sub(r"[^A-Za-z0-9_/-]", "_", os.path.splitext(os.path.relpath(path, root))[0])
+            while key in seen:
+                key += "_"
+            seen.add(key)
+            sink.write({"__key__": key, ext: data})
+        n = sink.shard
+    paths = [pattern % i for i in range(n) if os.path.exists(pattern % i)]
+    return paths, skipped
+
+
+def brace_url(paths: list[str]) -> str:
+    """'dir/{00000..00011}.tar' for consecutive shard paths written by write_shards."""
+    if len(paths) == 1:
+        return paths[0]
+    head, first = os.path.split(paths[0])
+    last = os.path.basename(paths[-1])
+    m1, m2 = re.match(r"(.*?)(\d+)\.tar$", first), re.match(r"(.*?)(\d+)\.tar$", last)
+    return os.path.join(head, f"{m1.group(1)}{{{m1.group(2)}..{m2.group(2)}}}.tar")
+
+
+# --------------------------------------------------------------------------------------------
+# Demo data: sample photos bundled with scikit-image, or generated ones
+# --------------------------------------------------------------------------------------------
+DEMO_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "hubble_deep_field.jpg", "retina.jpg",
+               "motorcycle_left.png", "motorcycle_right.png", "ihc.png", "camera.png", "coins.png", "grass.png",
+               "gravel.png", "brick.png", "logo.png", "page.png")
+DEMO_TEST = ("chelsea.png", "motorcycle_right.png")  # held out for evaluation
+
+
+def _generated_photos(dst: str, n: int = 16) -> list[str]:
+    """Procedural stand-ins when scikit-image is absent: smooth gradients, discs, stripes and noise."""
+    rng = np.random.default_rng(0)
+    paths = []
+    yy, xx = np.mgrid[0:384, 0:512] / 384.0
+    for i in range(n):
+        img = np.stack([np.sin(xx * rng.uniform(1, 9) + rng.uniform(0, 6)) * 0.5 + 0.5,
+                        yy * rng.uniform(0.3, 1), np.cos((xx + yy) * rng.uniform(1, 12)) * 0.5 + 0.5], -1)
+        for _ in range(6):
+            cy, cx, r = rng.uniform(0, 1), rng.uniform(0, 1.33), rng.uniform(0.05, 0.3)
+            img[(yy - cy) ** 2 + (xx - cx) ** 2 < r * r] = rng.uniform(0, 1, 3)
+        img = np.clip(img + rng.normal(0, 0.02, img.shape), 0, 1)
+        path = os.path.join(dst, f"generated_{i:02d}.png")
+        Image.fromarray((img * 255).astype(np.uint8)).save(path)
+        paths.append(path)
+    return paths
+
+
+def ensure_demo_shards(root: str) -> tuple[str, str]:
+    """Build the demo's train and test shards once under `root`; returns their dataset urls."""
+    done = os.path.join(root, "READY")
+    if not os.path.isfile(done):
+        os.makedirs(root, exist_ok=True)
+        try:
+            import skimage
+            src = os.path.join(os.path.dirname(skimage.__file__), "data")
+            photos = [os.path.join(src, p) for p in DEMO_PHOTOS if os.path.isfile(os.path.join(src, p))]
+        except ImportError:
+            photos = []
+        if len(photos) < 6:
+            gen = os.path.join(root, "generated")
+            os.makedirs(gen, exist_ok=True)
+            photos = _generated_photos(gen)
+        test = [p for p in photos if os.path.basename(p) in DEMO_TEST] or photos[-2:]
+        train = [p for p in photos if p not in test]
+        write_shards(train, root, shard_size=max(1, math.ceil(len(train) / 3)), root=os.path.dirname(train[0]))
+        write_shards(test, root, shard_size=len(test), root=os.path.dirname(test[0]), prefix="test-")
+        with open(done, "w") as f:
+            f.write("ok\n")
+    train = sorted(f for f in os.listdir(root) if re.fullmatch(r"\d{5}\.tar", f))
+    return brace_url([os.path.join(root, f) for f in train]), os.path.join(root, "test-00000.tar")
+
+
+def wait_for_demo_shards(root: str, timeout_s: float = 300) -> None:
+    import time
+    deadline = time.time() + timeout_s
+    while not os.path.isfile(os.path.join(root, "READY")):
+        if time.time() > deadline:
+            raise DatasetError(f"timed out waiting for the demo shards in {root}")
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="data.py", description="Dataset tools for the VAE trainer.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ms = sub.add_parser("make-shards", help="pack a folder of images into webdataset tar shards")
+    ms.add_argument("src", help="folder of images (searched recursively)")
+    ms.add_argument("dst", help="output folder for NNNNN.tar shards")
+    ms.add_argument("--shard_size", type=int, default=1000, help="images per shard (default 1000)")
+    ms.add_argument("--no_verify", action="store_true", help="do not check that each file opens as an image")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.src):
+        print(f"error: {args.src}: not a directory", file=sys.stderr)
+        return 2
+    if args.shard_size <= 0:
+        print("error: --shard_size must be positive", file=sys.stderr)
+        return 2
+    files = _image_files(args.src)
+    if not files:
+        print(f"error: {args.src}: no image files found", file=sys.stderr)
+        return 2
+    paths, skipped = write_shards(files, args.dst, args.shard_size, verify=not args.no_verify, root=args.src)
+    print(f"wrote {len(files) - skipped} images into {len(paths)} shards ({skipped} unreadable skipped)")
+    print(f"--dataset_url '{brace_url(paths)}'")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

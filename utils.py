@@ -1,0 +1,372 @@
+"""Training-side networks and losses: GradNorm, LPIPS, discriminators, pooled and low-pass MSE,
+GAN losses, LDM's adaptive weight, LeCam regularisation, the learning-rate schedule.
+
+Every loss reduction here runs in fp32, whatever the autocast around it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torchvision
+from torch import Tensor, nn
+
+VGG16_SLICES = ((0, 4), (4, 9), (9, 16), (16, 23), (23, 30))  # ends at relu1_2, relu2_2, relu3_3, relu4_3, relu5_3
+VGG16_CHANNELS = (64, 128, 256, 512, 512)
+DISC_TYPES = ("hinge", "bce")
+DISC_NORMS = ("batch", "group_spectral", "spectral", "none")
+
+
+def _dist_world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+# --------------------------------------------------------------------------------------------
+# GradNorm
+# --------------------------------------------------------------------------------------------
+class GradNormFunction(torch.autograd.Function):
+    """Identity forward; backward rescales the incoming gradient to `weight / ||grad||`.
+
+    One loss branch then contributes a gradient of norm `weight` to the reconstruction, whatever
+    its raw scale, which balances LPIPS, MSE and GAN without hand-tuned loss weights. Under DDP
+    the norm is the mean of the ranks' norms, all-reduced as a device tensor (no host sync), so
+    every rank applies the same scale. The norm is accumulated in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(weight)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        (weight,) = ctx.saved_tensors
+        norm = torch.linalg.vector_norm(grad_output, dtype=torch.float32)
+        world = _dist_world()
+        if world > 1:
+            dist.all_reduce(norm)  # SUM then divide: ReduceOp.AVG is NCCL-only
+            norm = norm / world
+        scale = weight.float() / (norm + 1e-12)
+        return (grad_output.float() * scale).to(grad_output.dtype), None
+
+
+def gradnorm(x: Tensor, weight: float | Tensor = 1.0) -> Tensor:
+    if not torch.is_tensor(weight):
+        weight = torch.tensor(float(weight), device=x.device)
+    return GradNormFunction.apply(x, weight)
+
+
+# --------------------------------------------------------------------------------------------
+# VGG16 weights: torchvision's cache, a local file, or (tests and demo only) random
+# --------------------------------------------------------------------------------------------
+class WeightsUnavailable(RuntimeError):
+    """Pretrained weights could not be had; the message is one line for the user."""
+
+
+def vgg16_cache_path() -> str:
+    url = torchvision.models.VGG16_Weights.IMAGENET1K_V1.url
+    return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(url))
+
+
+def ensure_vgg16_weights(spec: str, download: bool = True, wait_s: float = 0.0) -> str | None:
+    """Resolve `--vgg16_weights` to a local file path (None for random init).
+
+    `torchvision` uses torchvision's download cache, downloading once if `download` (the other
+    local ranks pass download=False and wait up to `wait_s` for the file to appear).
+    """
+    if spec == "random":
+        return None
+    if spec != "torchvision":
+        if not os.path.isfile(spec):
+            raise WeightsUnavailable(f"--vgg16_weights {spec}: no such file")
+        return spec
+    path = vgg16_cache_path()
+    deadline = time.time() + wait_s
+    while not download and not os.path.isfile(path) and time.time() < deadline:
+        time.sleep(1.0)
+    if os.path.isfile(path):
+        return path
+    how = (f"put torchvision's vgg16-397923af.pth at {path}, or pass --vgg16_weights PATH "
+           f"(a VGG16 state dict); --vgg16_weights random is for tests only")
+    if not download:
+        raise WeightsUnavailable(f"pretrained VGG16 weights not found at {path}: {how}")
+    try:
+        torch.hub.load_state_dict_from_url(torchvision.models.VGG16_Weights.IMAGENET1K_V1.url,
+                                           progress=False, check_hash=True)
+    except Exception as e:  # offline clusters land here
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise WeightsUnavailable(f"pretrained VGG16 weights unavailable ({reason}): {how}") from None
+    return path
+
+
+def load_vgg16_features(path: str | None) -> dict[str, Tensor] | None:
+    """VGG16 `features` state dict (keys '0.weight', ..., '28.bias') from a torchvision VGG16 state
+    dict, a features-only one, or a safetensors file. None means random init."""
+    if path is None:
+        return None
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+        sd = load_file(path)
+    else:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(sd, dict) and "state_dict" in sd:
+        sd = sd["state_dict"]
+    feats = {k[len("features."):]: v for k, v in sd.items() if k.startswith("features.")}
+    if not feats:
+        feats = {k: v for k, v in sd.items() if k.split(".")[0].isdigit()}
+    expected = {f"{i}.{p}" for i in (0, 2, 5, 7, 10, 12, 14, 17, 19, 21, 24, 26, 28) for p in ("weight", "bias")}
+    if set(feats) != expected:
+        raise WeightsUnavailable(f"{path} is not a VGG16 state dict (missing {sorted(expected - set(feats))[:3]}...)")
+    return feats
+
+
+def warn_random_vgg(what: str) -> None:
+    bar = "!" * 78
+    print(f"{bar}\nWARNING: {what} uses a RANDOMLY INITIALISED VGG16 (--vgg16_weights random).\n"
+          f"Perceptual and adversarial losses are meaningless; use this for tests and the demo only.\n{bar}",
+          file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# LPIPS
+# --------------------------------------------------------------------------------------------
+def build_lpips(vgg_features: dict[str, Tensor] | None) -> nn.Module:
+    """LPIPS (VGG) from the `lpips` package: its learned linear heads ship with the package; the
+    VGG16 backbone comes from `vgg_features` (None: random init, tests only). Frozen, eval mode;
+    inputs in [-1, 1]."""
+    import lpips
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # lpips calls torchvision's deprecated `pretrained=` API
+        model = lpips.LPIPS(net="vgg", pnet_rand=True, verbose=False)
+    if vgg_features is not None:
+        remapped = {}
+        for key, value in vgg_features.items():
+            idx = int(key.split(".")[0])
+            slice_no = next(s for s, (a, b) in enumerate(VGG16_SLICES) if a <= idx < b) + 1
+            remapped[f"slice{slice_no}.{key}"] = value
+        model.net.load_state_dict(remapped, strict=True)
+    model.eval().requires_grad_(False)
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# Discriminators
+# --------------------------------------------------------------------------------------------
+class ImageNetScaling(nn.Module):
+    """[-1, 1] images -> ImageNet-normalised inputs for a torchvision VGG."""
+
+    def __init__(self):
+        super().__init__()
+        mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+        std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+        self.register_buffer("shift", 2 * mean - 1, persistent=False)
+        self.register_buffer("scale", 2 * std, persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x - self.shift) / self.scale
+
+
+class VGG16Discriminator(nn.Module):
+    """Patch discriminator on a (trainable) VGG16 backbone.
+
+    Each feature slice (relu1_2 .. relu5_3) gets a small conv head producing a logit map; the maps
+    are area-pooled to the coarsest slice's grid (1/16 of the input) and summed, so every output
+    logit judges one 16x16 patch with evidence from all depths. Final head convs start at zero:
+    the critic starts neutral (logits 0).
+    """
+
+    def __init__(self, vgg_features: dict[str, Tensor] | None = None, head_channels: int = 64):
+        super().__init__()
+        self.scaling = ImageNetScaling()
+        features = torchvision.models.vgg16(weights=None).features
+        if vgg_features is not None:
+            features.load_state_dict(vgg_features, strict=True)
+        self.slices = nn.ModuleList(nn.Sequential(*features[a:b]) for a, b in VGG16_SLICES)
+        self.heads = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(c, head_channels, 3, padding=1), nn.LeakyReLU(0.2),
+                          nn.Conv2d(head_channels, 1, 1))
+            for c in VGG16_CHANNELS)
+        for head in self.heads:
+            nn.init.zeros_(head[-1].weight)
+            nn.init.zeros_(head[-1].bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.scaling(x)
+        maps = []
+        for block, head in zip(self.slices, self.heads):
+            h = block(h)
+            maps.append(head(h))
+        size = maps[-1].shape[-2:]
+        return sum(F.adaptive_avg_pool2d(m, size) for m in maps)
+
+
+class NLayerDiscriminator(nn.Module):
+    """PatchGAN (pix2pix / taming) with a choice of normalisation. `group_spectral` (GroupNorm +
+    spectral norm) does not depend on the batch statistics, which suits the small per-GPU batches
+    of VAE training (seed note 002)."""
+
+    def __init__(self, input_nc: int = 3, ndf: int = 64, n_layers: int = 3, norm: str = "batch"):
+        super().__init__()
+        if norm not in DISC_NORMS:
+            raise ValueError(f"disc_norm must be one of {DISC_NORMS}")
+        spectral = norm in ("spectral", "group_spectral")
+
+        def conv(cin, cout, stride, bias):
+            layer = nn.Conv2d(cin, cout, kernel_size=4, stride=stride, padding=1, bias=bias)
+            return nn.utils.spectral_norm(layer) if spectral else layer
+
+        def normalization(c):
+            if norm == "batch":
+                return nn.BatchNorm2d(c)
+            if norm == "group_spectral":
+                return nn.GroupNorm(min(32, c), c)
+            return nn.Identity()
+
+        layers = [conv(input_nc, ndf, 2, True), nn.LeakyReLU(0.2)]
+        mult = 1
+        for n in range(1, n_layers + 1):
+            prev, mult = mult, min(2 ** n, 8)
+            stride = 2 if n < n_layers else 1
+            layers += [conv(ndf * prev, ndf * mult, stride, norm in ("none", "spectral")), normalization(ndf * mult),
+                       nn.LeakyReLU(0.2)]
+        layers += [conv(ndf * mult, 1, 1, True)]
+        self.main = nn.Sequential(*layers)
+        if not spectral:
+            for m in self.modules():
+                if isinstance(m, nn.Conv2d):
+                    nn.init.normal_(m.weight, 0.0, 0.02)
+                elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
+                    nn.init.normal_(m.weight, 1.0, 0.02)
+                    nn.init.zeros_(m.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.main(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Reconstruction losses
+# --------------------------------------------------------------------------------------------
+def pooled_mse(recon: Tensor, target: Tensor, pool: int) -> Tensor:
+    """MSE between area-downsampled images: colour and low frequencies only, blind to the
+    high-frequency detail that LPIPS and the GAN take care of."""
+    recon, target = recon.float(), target.float()
+    if pool > 1:
+        recon, target = F.avg_pool2d(recon, pool), F.avg_pool2d(target, pool)
+    return F.mse_loss(recon, target)
+
+
+_LAPLACIAN_5X5 = torch.tensor([[0, 1, 1, 1, 0],
+                               [1, 1, 1, 1, 1],
+                               [1, 1, -20, 1, 1],
+                               [1, 1, 1, 1, 1],
+                               [0, 1, 1, 1, 0]], dtype=torch.float32).view(1, 1, 5, 5)
+
+
+def lowpass_mask(image: Tensor, threshold: float = 0.8, blur_kernel: int = 13, blur_sigma: float = 2.0) -> Tensor:
+    """Mask (B, 1, H, W) in [0, 1] that is non-zero only in low-frequency (blurry) regions.
+
+    Grayscale -> Laplacian-like 5x5 filter -> magnitude -> Gaussian blur -> per-image min-max
+    normalisation -> blurriness = 1 - edge strength -> zero where blurriness < threshold.
+    Normalised per image, so an image's mask does not depend on the rest of its batch. fp32.
+    """
+    with torch.autocast(image.device.type, enabled=False):
+        gray = image.float().mean(dim=1, keepdim=True)
+        edges = F.conv2d(gray, _LAPLACIAN_5X5.to(gray.device), padding=2).abs()
+        edges = torchvision.transforms.functional.gaussian_blur(edges, [blur_kernel] * 2, [blur_sigma] * 2)
+        lo = edges.amin(dim=(1, 2, 3), keepdim=True)
+        hi = edges.amax(dim=(1, 2, 3), keepdim=True)
+        blurriness = 1.0 - (edges - lo) / (hi - lo + 1e-8)
+        return torch.where(blurriness < threshold, torch.zeros_like(blurriness), blurriness)
+
+
+def lowpass_mse(recon: Tensor, target: Tensor, threshold: float = 0.8) -> Tensor:
+    """MSE restricted to the low-frequency regions of the target (mask-weighted mean), so that the
+    pixel loss calibrates colour and flat areas without fighting LPIPS over textures."""
+    mask = lowpass_mask(target, threshold).detach()
+    err = (recon.float() - target.float()).square().mean(dim=1, keepdim=True)
+    return (err * mask).sum() / mask.sum().clamp_min(1e-8)
+
+
+# --------------------------------------------------------------------------------------------
+# GAN losses
+# --------------------------------------------------------------------------------------------
+def discriminator_loss(real_logits: Tensor, fake_logits: Tensor, kind: str) -> Tensor:
+    real_logits, fake_logits = real_logits.float(), fake_logits.float()
+    if kind == "hinge":
+        return F.relu(1.0 - real_logits).mean() + F.relu(1.0 + fake_logits).mean()
+    if kind == "bce":
+        return F.softplus(-real_logits).mean() + F.softplus(fake_logits).mean()
+    raise ValueError(f"disc_type must be one of {DISC_TYPES}, got {kind!r}")
+
+
+def generator_loss(fake_logits: Tensor, real_logits: Tensor | None, kind: str, margin: float = 0.1) -> Tensor:
+    """`thresholded`: the reference trainer's relativistic hinge, relu(D(x) - D(x_hat) - margin):
+    the generator is pushed only where a fake patch scores clearly below its real counterpart,
+    which stops it from chasing a critic it already matches. `ldm`: -mean(D(x_hat)) as in LDM."""
+    fake_logits = fake_logits.float()
+    if kind == "thresholded":
+        return F.relu(real_logits.detach().float() - fake_logits - margin).mean()
+    if kind == "ldm":
+        return -fake_logits.mean()
+    raise ValueError(f"unknown generator loss {kind!r}")
+
+
+def discriminator_accuracy(real_logits: Tensor, fake_logits: Tensor) -> Tensor:
+    return 0.5 * ((real_logits > 0).float().mean() + (fake_logits < 0).float().mean())
+
+
+def adaptive_gan_weight(rec_loss: Tensor, gan_loss: Tensor, last_layer: Tensor, max_weight: float = 1e4) -> Tensor:
+    """LDM's generator weight ||d rec / d w_last|| / ||d gan / d w_last|| at the decoder's last layer,
+    in fp32, clamped to [0, max_weight] and detached."""
+    rec_grad = torch.autograd.grad(rec_loss, last_layer, retain_graph=True)[0]
+    gan_grad = torch.autograd.grad(gan_loss, last_layer, retain_graph=True)[0]
+    ratio = torch.linalg.vector_norm(rec_grad, dtype=torch.float32) / (
+        torch.linalg.vector_norm(gan_grad, dtype=torch.float32) + 1e-4)
+    return ratio.clamp(0.0, max_weight).detach()
+
+
+class LeCam(nn.Module):
+    """LeCam regularisation (Tseng et al. 2021): keeps the critic's logits near EMA anchors of its own
+    past real/fake logits. The anchors are averaged across ranks and saved in checkpoints (buffers)."""
+
+    def __init__(self, decay: float = 0.99):
+        super().__init__()
+        self.decay = decay
+        self.register_buffer("ema_real", torch.zeros(()))
+        self.register_buffer("ema_fake", torch.zeros(()))
+        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+
+    @torch.no_grad()
+    def update(self, real_logits: Tensor, fake_logits: Tensor) -> None:
+        means = torch.stack([real_logits.float().mean(), fake_logits.float().mean()])
+        world = _dist_world()
+        if world > 1:
+            dist.all_reduce(means)
+            means /= world
+        decay = self.decay * self.initialized.float()  # the first update sets the anchors
+        self.ema_real.copy_(decay * self.ema_real + (1 - decay) * means[0])
+        self.ema_fake.copy_(decay * self.ema_fake + (1 - decay) * means[1])
+        self.initialized.fill_(True)
+
+    def penalty(self, real_logits: Tensor, fake_logits: Tensor) -> Tensor:
+        return (F.relu(real_logits.float() - self.ema_fake).square().mean()
+                + F.relu(self.ema_real - fake_logits.float()).square().mean())
+
+
+# --------------------------------------------------------------------------------------------
+# Schedule
+# --------------------------------------------------------------------------------------------
+def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float = 0.0):
+    """LR multiplier: linear warm-up from 1/warmup to 1, then cosine decay to `min_ratio`."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return factor

@@ -1,0 +1,1101 @@
+"""Train a latent-diffusion autoencoder (FLUX-style, constant-variance latent) with torchrun.
+
+    torchrun --nproc_per_node=8 vae_trainer.py --dataset_url 'shards/{00000..01023}.tar' --do_ganloss
+    python vae_trainer.py --demo                      # no data of your own needed
+
+Recipe: LPIPS + pooled MSE + low-pass MSE + a VGG16 hinge discriminator, each loss branch balanced by
+GradNorm; a latent penalty (the KL of the constant-variance posterior). fp32 by default. Every
+hyperparameter is a flag (`--help`); the run directory <output_dir>/<run_name>/ holds config.json,
+metrics.jsonl, checkpoints/ and samples/, and a run started again in it resumes where it stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import data as data_lib
+from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoder, AutoEncoderParams, kl_divergence
+from utils import (DISC_NORMS, DISC_TYPES, LeCam, NLayerDiscriminator, VGG16Discriminator, WeightsUnavailable,
+                   adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy,
+                   discriminator_loss, ensure_vgg16_weights, generator_loss, gradnorm, load_vgg16_features,
+                   lowpass_mse, pooled_mse, vgg16_cache_path, warn_random_vgg)
+
+
+# ============================================================================================
+# Configuration: one dataclass; flags, config.json, checkpoints and wandb all come from it
+# ============================================================================================
+def opt(default, help: str, group: str, choices=None):
+    return field(default=default, metadata={"help": help, "group": group, "choices": choices})
+
+
+@dataclass
+class Config:
+    # data
+    dataset_url: str = opt("", "training data: webdataset shards ('shards/{00000..01023}.tar', http(s)://, "
+                               "pipe:..., lists joined by '::') or a directory of images", "data")
+    test_dataset_url: str = opt("", "held-out data for evaluation and sample grids (same forms)", "data")
+    batch_size: int = opt(8, "images per GPU per micro-step", "data")
+    num_workers: int = opt(4, "dataloader worker processes per GPU", "data")
+    vae_resolution: int = opt(256, "training crop size in pixels", "data")
+    shuffle_buffer: int = opt(1000, "samples held (as raw bytes) in each worker's shuffle buffer", "data")
+    resize_prob: float = opt(0.5, "probability of resizing the shorter side to the crop size before cropping "
+                                  "(a whole-image view); otherwise crops are taken at native scale", "data")
+    max_image_pixels: int = opt(100_000_000, "images with more pixels are skipped (decompression bombs)", "data")
+    # model
+    vae_ch: int = opt(128, "base channel count", "model")
+    vae_ch_mult: str = opt("1,2,4,4", "channel multiplier per level; downsampling = 2^(levels-1)", "model")
+    vae_num_res_blocks: int = opt(2, "ResnetBlocks per level", "model")
+    vae_z_channels: int = opt(16, "latent channels", "model")
+    do_attn: bool = opt(True, "self-attention in the mid blocks", "model")
+    posterior: str = opt("constant", "constant: z = mean + sqrt(posterior_var) * noise; learned: the encoder "
+                                     "also predicts the log-variance (standard SD VAE)", "model", POSTERIORS)
+    posterior_var: float = opt(0.1, "the fixed VARIANCE sigma^2 of the constant posterior (std = sqrt)", "model")
+    do_clamp: bool = opt(False, "clamp the posterior mean to [-clamp_th, clamp_th]", "model")
+    clamp_th: float = opt(8.0, "latent clamp threshold used with --do_clamp", "model")
+    # losses
+    loss_balance: str = opt("gradnorm", "gradnorm: each branch's gradient on the reconstruction is normalised to "
+                                        "its weight; adaptive: LDM's adaptive GAN weight; none: plain weighted sum",
+                            "loss", ("gradnorm", "adaptive", "none"))
+    perceptual_weight: float = opt(1.0, "LPIPS branch weight", "loss")
+    mse_weight: float = opt(0.2, "pixel (pooled + low-pass MSE) branch weight", "loss")
+    pooled_mse_weight: float = opt(1.0, "pooled MSE inside the pixel branch", "loss")
+    lowpass_mse_weight: float = opt(1.0, "low-pass MSE inside the pixel branch", "loss")
+    mse_pool_factor: int = opt(16, "area-pooling factor of the pooled MSE", "loss")
+    lowpass_threshold: float = opt(0.8, "blurriness above which a pixel counts as low-frequency", "loss")
+    kl_weight: float = opt(1.0, "weight of the KL / latent penalty, averaged per latent element "
+                                "(constant posterior: mean(0.5 * mean^2))", "loss")
+    # GAN
+    do_ganloss: bool = opt(False, "train with the discriminator", "gan")
+    discriminator: str = opt("vgg16", "vgg16: VGG16 feature slices with conv heads; patchgan: N-layer PatchGAN",
+                             "gan", ("vgg16", "patchgan"))
+    disc_type: str = opt("hinge", "discriminator loss", "gan", DISC_TYPES)
+    disc_norm: str = opt("group_spectral", "PatchGAN normalisation", "gan", DISC_NORMS)
+    gen_loss: str = opt("thresholded", "generator loss: thresholded = relu(D(x) - D(x_hat) - margin) (reference); "
+                                       "ldm = -mean(D(x_hat))", "gan", ("thresholded", "ldm"))
+    gan_weight: float = opt(1.0, "GAN branch weight (with adaptive balance: multiplies the adaptive weight)", "gan")
+    gan_margin: float = opt(0.1, "margin of the thresholded generator loss", "gan")
+    disc_start: int = opt(20, "step from which the generator gets the adversarial term (D trains from 0)", "gan")
+    learning_rate_disc: float = opt(2e-4, "discriminator learning rate", "gan")
+    lecam_weight: float = opt(0.0, "LeCam regularisation weight for the discriminator (0: off)", "gan")
+    adaptive_weight_max: float = opt(1e4, "clamp of LDM's adaptive weight", "gan")
+    vgg16_weights: str = opt("torchvision", "VGG16 for LPIPS and the discriminator: torchvision (its download "
+                                            "cache), a local state-dict PATH, or random (tests/demo only)", "gan")
+    # optimisation
+    learning_rate_vae: float = opt(1e-4, "VAE learning rate (AdamW)", "optim")
+    weight_decay: float = opt(1e-3, "AdamW weight decay (both networks)", "optim")
+    adam_beta1: float = opt(0.9, "AdamW beta1", "optim")
+    adam_beta2: float = opt(0.95, "AdamW beta2", "optim")
+    warmup_steps: int = opt(200, "linear warm-up steps of the cosine schedule", "optim")
+    min_lr_ratio: float = opt(0.0, "final learning rate as a fraction of the peak", "optim")
+    grad_clip: float = opt(1.0, "clip the global gradient norm of each network (0: off)", "optim")
+    max_steps: int = opt(10000, "optimizer steps to train (every rank runs exactly this many)", "optim")
+    grad_accum: int = opt(1, "micro-batches per optimizer step", "optim")
+    ema_decay: float = opt(0.999, "EMA of the VAE weights, in fp32, with warm-up (0: off)", "optim")
+    seed: int = opt(42, "random seed", "optim")
+    # precision and speed
+    precision: str = opt("fp32", "fp32 (recommended for VAEs), or bf16/fp16 autocast with fp32 islands",
+                         "speed", ("fp32", "bf16", "fp16"))
+    allow_tf32: bool = opt(False, "allow TF32 matmuls/convolutions on Ampere+ GPUs", "speed")
+    grad_checkpointing: str = opt("none", "recompute activations in backward: decoder_hr (two highest-resolution "
+                                          "decoder levels), decoder, all", "speed", GRAD_CHECKPOINTING)
+    channels_last: bool = opt(True, "channels_last memory format", "speed")
+    compile: bool = opt(False, "torch.compile the encoder, decoder and discriminator", "speed")
+    # run, logging, checkpoints
+    output_dir: str = opt("runs", "where run directories live", "run")
+    run_name: str = opt("vae", "run directory name and wandb run name", "run")
+    project_name: str = opt("vae-trainer", "wandb project", "run")
+    wandb_mode: str = opt("offline", "wandb: offline (sync later), online, or disabled", "run",
+                          ("offline", "online", "disabled"))
+    log_every_n_steps: int = opt(50, "log (stdout, metrics.jsonl, wandb) every N steps", "run")
+    save_every_n_steps: int = opt(1000, "checkpoint and sample grid every N steps", "run")
+    evaluate_every_n_steps: int = opt(1000, "evaluate on --test_dataset_url every N steps (0: off)", "run")
+    eval_max_images: int = opt(256, "images of the test set used by evaluation during training", "run")
+    num_samples: int = opt(8, "images in each sample grid", "run")
+    keep_last_k: int = opt(3, "checkpoints kept in <run_dir>/checkpoints", "run")
+    resume: str = opt("auto", "auto: continue from the run directory's latest checkpoint; never: refuse a "
+                              "run directory that has checkpoints; or a checkpoint PATH", "run")
+    load_path: str = opt("", "initialise the VAE weights from a checkpoint or .safetensors (fine-tuning)", "run")
+    force: bool = opt(False, "accept a run directory written with a different architecture", "run")
+    max_bad_steps: int = opt(20, "stop after this many consecutive non-finite (skipped) steps", "run")
+    demo: bool = opt(False, "train a tiny model on bundled sample photos (defaults below are overridden)", "run")
+
+
+ARCH_FIELDS = ("vae_ch", "vae_ch_mult", "vae_num_res_blocks", "vae_z_channels", "do_attn", "posterior",
+               "do_ganloss", "discriminator", "disc_norm")
+
+# The demo: a tiny f4 model at 64 px that visibly learns in a few CPU minutes.
+DEMO = dict(vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_channels=4, do_attn=False,
+            vae_resolution=64, batch_size=4, num_workers=2, shuffle_buffer=64, max_steps=300,
+            learning_rate_vae=5e-4, warmup_steps=20, mse_pool_factor=4, do_ganloss=True, disc_start=150,
+            log_every_n_steps=25, save_every_n_steps=100, evaluate_every_n_steps=100, eval_max_images=16,
+            run_name="demo", ema_decay=0.99)
+
+
+class ConfigError(Exception):
+    """A user error in flags or paths: printed as one `error:` line, before any process group exists."""
+
+
+def parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           argument_default=argparse.SUPPRESS)
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(Config):
+        meta = f.metadata
+        group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+        help_text = f"{meta['help']} (default: {f.default})"
+        kwargs: dict[str, Any] = dict(help=help_text)
+        if f.type in ("bool", bool):
+            kwargs.update(nargs="?", const=True, type=parse_bool, metavar="BOOL")
+        else:
+            kwargs["type"] = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+            if meta["choices"]:
+                kwargs["choices"] = meta["choices"]
+        group.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    given = vars(build_parser().parse_args(argv))
+    values = dict(DEMO) if given.get("demo") else {}
+    values.update(given)
+    return Config(**values)
+
+
+def ch_mult_of(cfg: Config) -> tuple[int, ...]:
+    try:
+        mult = tuple(int(m) for m in cfg.vae_ch_mult.split(","))
+    except ValueError:
+        raise ConfigError(f"--vae_ch_mult must be comma-separated integers, got {cfg.vae_ch_mult!r}") from None
+    if not mult or min(mult) <= 0:
+        raise ConfigError(f"--vae_ch_mult must be positive integers, got {cfg.vae_ch_mult!r}")
+    return mult
+
+
+def model_params(cfg: Config) -> AutoEncoderParams:
+    return AutoEncoderParams(ch=cfg.vae_ch, ch_mult=ch_mult_of(cfg), num_res_blocks=cfg.vae_num_res_blocks,
+                             z_channels=cfg.vae_z_channels, use_attn=cfg.do_attn, posterior=cfg.posterior,
+                             posterior_var=cfg.posterior_var, clamp_th=cfg.clamp_th if cfg.do_clamp else 0.0)
+
+
+def validate(cfg: Config) -> None:
+    """Refuse bad flags and paths with one line, before any process group or worker starts."""
+    positive = ["batch_size", "vae_resolution", "vae_ch", "vae_num_res_blocks", "vae_z_channels", "max_steps",
+                "grad_accum", "learning_rate_vae", "learning_rate_disc", "log_every_n_steps",
+                "save_every_n_steps", "posterior_var", "shuffle_buffer", "mse_pool_factor", "keep_last_k",
+                "max_bad_steps", "num_samples", "max_image_pixels", "eval_max_images"]
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
+    non_negative = ["num_workers", "warmup_steps", "weight_decay", "grad_clip", "perceptual_weight", "mse_weight",
+                    "pooled_mse_weight", "lowpass_mse_weight", "kl_weight", "gan_weight", "gan_margin",
+                    "disc_start", "lecam_weight", "evaluate_every_n_steps", "min_lr_ratio"]
+    for name in non_negative:
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    for name in ("resize_prob", "lowpass_threshold", "adam_beta1", "adam_beta2", "min_lr_ratio"):
+        if not 0 <= getattr(cfg, name) <= 1:
+            raise ConfigError(f"--{name} must be in [0, 1], got {getattr(cfg, name)}")
+    if not 0 <= cfg.ema_decay < 1:
+        raise ConfigError(f"--ema_decay must be in [0, 1), got {cfg.ema_decay}")
+    if cfg.do_clamp and cfg.clamp_th <= 0:
+        raise ConfigError(f"--clamp_th must be positive with --do_clamp, got {cfg.clamp_th}")
+    params = model_params(cfg)
+    factor = params.downsample_factor
+    if cfg.vae_resolution % factor:
+        raise ConfigError(f"--vae_resolution {cfg.vae_resolution} is not divisible by the downsample factor "
+                          f"{factor} of --vae_ch_mult {cfg.vae_ch_mult}")
+    if cfg.vae_resolution % cfg.mse_pool_factor:
+        raise ConfigError(f"--vae_resolution {cfg.vae_resolution} is not divisible by --mse_pool_factor "
+                          f"{cfg.mse_pool_factor}")
+    for mult in (1,) + params.ch_mult:
+        if (cfg.vae_ch * mult) % params.norm_groups:
+            raise ConfigError(f"channel count {cfg.vae_ch} x {mult} = {cfg.vae_ch * mult} is not divisible by the "
+                              f"{params.norm_groups} GroupNorm groups (--vae_ch / --vae_ch_mult)")
+    if cfg.do_ganloss and cfg.discriminator == "vgg16" and cfg.vae_resolution < 32:
+        raise ConfigError("--vae_resolution must be at least 32 for the VGG16 discriminator")
+    if cfg.vgg16_weights not in ("torchvision", "random") and not os.path.isfile(cfg.vgg16_weights):
+        raise ConfigError(f"--vgg16_weights {cfg.vgg16_weights}: no such file (or use torchvision / random)")
+    if cfg.resume not in ("auto", "never") and not os.path.isfile(cfg.resume):
+        raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file (or use auto / never)")
+    if cfg.load_path and not os.path.isfile(cfg.load_path):
+        raise ConfigError(f"--load_path {cfg.load_path}: no such file")
+    if not re.fullmatch(r"[A-Za-z0-9_.=+-]+", cfg.run_name):
+        raise ConfigError(f"--run_name {cfg.run_name!r}: use letters, digits and _.=+- only")
+    for name in ("dataset_url", "test_dataset_url"):
+        if name == "dataset_url" or getattr(cfg, name):
+            try:
+                data_lib.list_shards(getattr(cfg, name))
+            except data_lib.DatasetError as e:
+                raise ConfigError(f"--{name}: {e}") from None
+
+
+# ============================================================================================
+# Plumbing: distributed setup, secrets, atomic checkpoints
+# ============================================================================================
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    ctrl_group: Any = None  # a gloo group for host-side agreement (stop flags, checkpoint gathering)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed() -> DistInfo:
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return DistInfo(device=torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        ctrl = dist.new_group(backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+        ctrl = dist.group.WORLD
+    return DistInfo(rank, local, world, device, ctrl)
+
+
+_SECRET_PATTERNS = [
+    (re.compile(r"(?<=://)[^/@\s]+:[^/@\s]+@"), "***@"),  # user:password@host
+    (re.compile(r"(?i)([?&](?:token|key|api_key|access_token|sig|signature|x-amz-signature|x-amz-credential|"
+                r"x-goog-signature|secret|password)=)[^&\s']+"), r"\1***"),
+]
+
+
+def redact(text: str) -> str:
+    """Strip credentials from URLs before they reach config.json, logs, checkpoints or wandb."""
+    for pattern, repl in _SECRET_PATTERNS:
+        text = pattern.sub(repl, text)
+    return text
+
+
+def public_config(cfg: Config) -> dict:
+    return {k: redact(v) if isinstance(v, str) else v for k, v in dataclasses.asdict(cfg).items()}
+
+
+def atomic_write(path: str, write) -> None:
+    """Write via a temp file in the same directory, flush + fsync, rename, fsync the directory: a crash
+    at any point leaves either the old file or the new one, never a torn one."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def checkpoint_files(ckpt_dir: str) -> list[str]:
+    """Checkpoints of a run, newest first (the `latest` pointer's target leads)."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    files = sorted((os.path.join(ckpt_dir, f) for f in os.listdir(ckpt_dir) if re.fullmatch(r"step_\d+\.pt", f)),
+                   reverse=True)
+    pointer = os.path.join(ckpt_dir, "latest")
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            target = os.path.join(ckpt_dir, f.read().strip())
+        if target in files:
+            files.remove(target)
+            files.insert(0, target)
+    return files
+
+
+def load_checkpoint(path: str) -> dict:
+    """weights_only: a checkpoint from elsewhere cannot run code when loaded."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_latest_checkpoint(ckpt_dir: str, log=print) -> tuple[str, dict] | None:
+    for path in checkpoint_files(ckpt_dir):
+        try:
+            return path, load_checkpoint(path)
+        except Exception as e:
+            log(f"warning: checkpoint {path} is unreadable ({type(e).__name__}); falling back to the previous one")
+    return None
+
+
+def load_vae_weights(path: str, prefer_ema: bool = False) -> dict:
+    """A VAE state dict from one of our checkpoints, a bare state dict, or a .safetensors file."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+        return load_file(path)
+    obj = load_checkpoint(path)
+    if isinstance(obj, dict) and "vae" in obj:
+        return obj["ema"] if prefer_ema and obj.get("ema") else obj["vae"]
+    return obj
+
+
+# ============================================================================================
+# Training-side state: EMA, metrics, collapse tracker, stop flag
+# ============================================================================================
+class EMA:
+    """fp32 exponential moving average of the VAE parameters, decay warmed up as min(decay, (1+t)/(10+t)).
+    The update is skipped (on the device, no host sync) on steps the guard rejected."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.names = [n for n, _ in model.named_parameters()]
+        self.shadow = [p.detach().float().clone() for p in model.parameters()]
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module, step: int, skip: torch.Tensor) -> None:
+        decay = min(self.decay, (1 + step) / (10 + step))
+        params = [p.detach().float() for p in model.parameters()]
+        delta = torch._foreach_sub(params, self.shadow)
+        torch._foreach_mul_(delta, (1.0 - decay) * (1.0 - skip))
+        torch._foreach_add_(self.shadow, delta)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.shadow))
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, tensor in zip(self.names, self.shadow):
+            tensor.copy_(state[name])
+
+
+class Metrics:
+    """Running sums of device tensors; reduced across ranks and fetched only on logging steps."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.maxes: dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    def add(self, **values: torch.Tensor) -> None:
+        for k, v in values.items():
+            v = v.detach().float()
+            self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
+
+    def max(self, **values: torch.Tensor) -> None:
+        for k, v in values.items():
+            v = v.detach().float()
+            self.maxes[k] = torch.maximum(self.maxes[k], v) if k in self.maxes else v.clone()
+
+    def reduce(self, info: DistInfo) -> dict[str, Any]:
+        """One all-reduce and one device->host copy for everything."""
+        if not self.sums:
+            return {}
+        keys, max_keys = sorted(self.sums), sorted(self.maxes)
+        flat = torch.cat([self.sums[k].reshape(-1) / max(1, self.count) for k in keys])
+        flat_max = torch.cat([self.maxes[k].reshape(-1) for k in max_keys]) if max_keys else None
+        if info.distributed:
+            dist.all_reduce(flat)
+            flat /= info.world_size
+            if flat_max is not None:
+                dist.all_reduce(flat_max, op=dist.ReduceOp.MAX)
+        out: dict[str, Any] = {}
+        for source, names, table in ((flat, keys, self.sums), (flat_max, max_keys, self.maxes)):
+            if source is None:
+                continue
+            values, offset = source.cpu().tolist(), 0
+            for k in names:
+                n = table[k].numel()
+                out[k] = values[offset] if table[k].dim() == 0 else values[offset:offset + n]
+                offset += n
+        self.sums, self.maxes, self.count = {}, {}, 0
+        return out
+
+
+class CollapseTracker:
+    """Warns once per episode (until the condition clears) on posterior collapse, exploding latents and
+    a discriminator that has won."""
+
+    def __init__(self, log):
+        self.log, self.active = log, set()
+
+    def check(self, m: dict, step: int) -> None:
+        conditions = {
+            "posterior_collapse": (m.get("latent/collapsed_fraction", 0) >= 0.5,
+                                   f"{m.get('latent/collapsed_fraction', 0):.0%} of latent channels carry no signal "
+                                   "above the posterior noise (posterior collapse): lower --kl_weight"),
+            "exploding_latents": (m.get("latent/abs_max", 0) > 1e3 or not math.isfinite(m.get("latent/std", 0)),
+                                  f"latent abs max {m.get('latent/abs_max', 0):.3g}: exploding latents"),
+            "discriminator_won": (m.get("gan/disc_acc", 0) > 0.95,
+                                  f"discriminator accuracy {m.get('gan/disc_acc', 0):.2f}: the critic has won; "
+                                  "consider --lecam_weight, a lower --learning_rate_disc or a later --disc_start"),
+        }
+        for name, (bad, msg) in conditions.items():
+            if bad and name not in self.active:
+                self.log(f"warning: step {step}: {msg}")
+                self.active.add(name)
+            elif not bad:
+                self.active.discard(name)
+
+
+class StopFlag:
+    """SIGTERM/SIGINT ask for a checkpoint and a clean exit at the end of the current step; a second
+    SIGINT aborts."""
+
+    def __init__(self):
+        self.signum = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def agreed(self, info: DistInfo) -> bool:
+        flag = torch.tensor([1 if self.signum is not None else 0])
+        if info.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=info.ctrl_group)
+        return bool(flag.item())
+
+
+def _fault_injection(name: str, rank: int) -> set[int]:
+    """Test hooks: VAE_TRAINER_<NAME>='3,4@1' -> steps {3, 4} on rank 1 (all ranks without '@')."""
+    spec = os.environ.get(f"VAE_TRAINER_{name}", "")
+    if not spec:
+        return set()
+    steps, _, ranks = spec.partition("@")
+    if ranks and str(rank) not in ranks.split(","):
+        return set()
+    return {int(s) for s in steps.split(",") if s}
+
+
+# ============================================================================================
+# The trainer
+# ============================================================================================
+class Trainer:
+    def __init__(self, cfg: Config, info: DistInfo):
+        self.cfg, self.info = cfg, info
+        self.device = info.device
+        self.run_dir = os.path.join(cfg.output_dir, cfg.run_name)
+        self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
+        self.sample_dir = os.path.join(self.run_dir, "samples")
+        self.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
+        self.memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+        self.step = 0
+        self.gan = cfg.do_ganloss
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
+            torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
+            torch.backends.cudnn.benchmark = True
+
+        resume = self._find_resume()  # (path, checkpoint) or None; refuses incompatible run dirs
+        if info.is_main:
+            os.makedirs(self.ckpt_dir, exist_ok=True)
+            os.makedirs(self.sample_dir, exist_ok=True)
+            atomic_write(os.path.join(self.run_dir, "config.json"),
+                         lambda f: f.write(json.dumps(public_config(cfg), indent=2).encode()))
+
+        # --- networks: built from the same seed on every rank (DDP also broadcasts rank 0's weights)
+        torch.manual_seed(cfg.seed)
+        self.vae = AutoEncoder(model_params(cfg))
+        if cfg.load_path and resume is None:
+            missing = self.vae.load_state_dict(load_vae_weights(cfg.load_path), strict=False)
+            if missing.missing_keys or missing.unexpected_keys:
+                raise ConfigError(f"--load_path {cfg.load_path} does not fit this architecture "
+                                  f"(missing {missing.missing_keys[:2]}, unexpected {missing.unexpected_keys[:2]})")
+            self.log(f"initialised VAE weights from {cfg.load_path}")
+        self.vae.set_grad_checkpointing(cfg.grad_checkpointing)
+        self.vae.to(self.device, memory_format=self.memory_format)
+        self.ema = EMA(self.vae, cfg.ema_decay) if cfg.ema_decay > 0 else None
+
+        vgg_path = self._vgg16_weights()
+        vgg_features = load_vgg16_features(vgg_path)
+        self.lpips = build_lpips(vgg_features).to(self.device, memory_format=self.memory_format)
+        self.disc = None
+        if self.gan:
+            self.disc = (VGG16Discriminator(vgg_features) if cfg.discriminator == "vgg16"
+                         else NLayerDiscriminator(norm=cfg.disc_norm))
+            self.disc.to(self.device, memory_format=self.memory_format)
+        self.lecam = LeCam().to(self.device) if self.gan and cfg.lecam_weight > 0 else None
+        if cfg.compile:
+            for module in (self.vae.encoder, self.vae.decoder, self.disc):
+                if module is not None:
+                    module.compile()  # the inner modules, never the DDP wrapper
+
+        self.vae_ddp = self._wrap(self.vae)
+        self.disc_ddp = self._wrap(self.disc) if self.disc is not None else None
+        self.opt_vae = self._adamw(self.vae, cfg.learning_rate_vae)
+        self.opt_disc = self._adamw(self.disc, cfg.learning_rate_disc) if self.disc is not None else None
+        schedule = cosine_with_warmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        self.sched_vae = torch.optim.lr_scheduler.LambdaLR(self.opt_vae, schedule)
+        self.sched_disc = torch.optim.lr_scheduler.LambdaLR(self.opt_disc, schedule) if self.opt_disc else None
+        fp16 = cfg.precision == "fp16"
+        self.scaler_vae = torch.amp.GradScaler(self.device.type, enabled=fp16)
+        self.scaler_disc = torch.amp.GradScaler(self.device.type, enabled=fp16 and self.gan)
+
+        self.bad_total = torch.zeros((), device=self.device)
+        self.bad_streak = torch.zeros((), device=self.device)
+        data_state, self.resumed_from = None, None
+        torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank posterior noise
+        if resume is not None:
+            data_state = self._restore(*resume)
+        self.loader = data_lib.TrainLoader(
+            cfg.dataset_url, cfg.vae_resolution, cfg.batch_size, cfg.seed, info.rank, info.world_size,
+            cfg.num_workers, cfg.shuffle_buffer, cfg.resize_prob, cfg.max_image_pixels,
+            pin_memory=self.device.type == "cuda", state=data_state)
+        if self.loader.few_shards and info.is_main:
+            self.log(f"note: fewer shards than data workers ({info.world_size} x {max(1, cfg.num_workers)}): "
+                     "every worker reads every shard, in its own order")
+        self.metrics, self.tracker = Metrics(), CollapseTracker(self.log)
+        self.inject_nan = _fault_injection("INJECT_NAN", info.rank)
+        self.kill_at = _fault_injection("KILL_AT", info.rank) if os.environ.get(
+            "TORCHELASTIC_RESTART_COUNT", "0") == "0" else set()
+        self.wandb = self._init_wandb() if info.is_main else None
+        self.sample_images = self._fixed_sample_images() if info.is_main else None
+
+    # ----------------------------------------------------------------------------- setup helpers
+    def log(self, msg: str) -> None:
+        if self.info.is_main:
+            print(msg, flush=True)
+
+    def _vgg16_weights(self) -> str | None:
+        spec = self.cfg.vgg16_weights
+        if spec == "random":
+            if self.info.is_main:
+                warn_random_vgg("LPIPS" + (" and the discriminator" if self.gan else ""))
+            return None
+        # local rank 0 downloads into torchvision's cache; the other local ranks wait for the file
+        return ensure_vgg16_weights(spec, download=self.info.local_rank == 0, wait_s=600)
+
+    def _wrap(self, module):
+        if not self.info.distributed:
+            return module
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DDP(module, device_ids=ids, gradient_as_bucket_view=True)
+
+    def _adamw(self, module, lr):
+        kwargs = dict(lr=lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), weight_decay=self.cfg.weight_decay)
+        # fused AdamW reads `found_inf` on the device: a rejected step is skipped without a host sync
+        return torch.optim.AdamW(module.parameters(), fused=True, **kwargs)
+
+    def _find_resume(self) -> tuple[str, dict] | None:
+        cfg = self.cfg
+        existing = checkpoint_files(self.ckpt_dir)
+        config_path = os.path.join(self.run_dir, "config.json")
+        if os.path.isfile(config_path):
+            with open(config_path) as f:
+                self._check_compatible(json.load(f), config_path)
+        if cfg.resume == "never":
+            if existing:
+                raise ConfigError(f"{self.run_dir} already holds checkpoints and --resume never was given: "
+                                  "choose another --run_name or --output_dir")
+            return None
+        if cfg.resume == "auto":
+            found = load_latest_checkpoint(self.ckpt_dir, self.log) if existing else None
+            if existing and found is None:
+                raise ConfigError(f"no readable checkpoint in {self.ckpt_dir}")
+        else:
+            try:
+                found = (cfg.resume, load_checkpoint(cfg.resume))
+            except Exception as e:
+                raise ConfigError(f"--resume {cfg.resume}: unreadable checkpoint ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+        if found is not None:
+            self._check_compatible(found[1]["config"], found[0])
+        return found
+
+    def _check_compatible(self, saved: dict, where: str) -> None:
+        diff = [f"{k}: {saved.get(k)!r} -> {getattr(self.cfg, k)!r}" for k in ARCH_FIELDS
+                if k in saved and saved[k] != getattr(self.cfg, k)]
+        if diff and not self.cfg.force:
+            raise ConfigError(f"{where} was written with a different architecture ({'; '.join(diff)}): use "
+                              "another --run_name, or --force to continue anyway")
+
+    def _restore(self, path: str, ckpt: dict) -> dict | None:
+        self.vae.load_state_dict(ckpt["vae"])
+        if self.ema is not None:
+            if ckpt.get("ema"):
+                self.ema.load_state_dict(ckpt["ema"])
+            else:
+                self.ema = EMA(self.vae, self.cfg.ema_decay)
+        self.opt_vae.load_state_dict(ckpt["optimizer_vae"])
+        self.sched_vae.load_state_dict(ckpt["scheduler_vae"])
+        self.scaler_vae.load_state_dict(ckpt.get("scaler_vae") or {})
+        if self.disc is not None and ckpt.get("discriminator") is not None:
+            self.disc.load_state_dict(ckpt["discriminator"])
+            self.opt_disc.load_state_dict(ckpt["optimizer_disc"])
+            self.sched_disc.load_state_dict(ckpt["scheduler_disc"])
+            self.scaler_disc.load_state_dict(ckpt.get("scaler_disc") or {})
+        if self.lecam is not None and ckpt.get("lecam") is not None:
+            self.lecam.load_state_dict(ckpt["lecam"])
+        self.step = int(ckpt["step"])
+        guard = ckpt.get("guard", {})
+        self.bad_total.fill_(guard.get("bad_steps_total", 0))
+        self.bad_streak.fill_(guard.get("bad_streak", 0))
+        self.resumed_from = path
+        per_rank = ckpt.get("ranks") or []
+        if len(per_rank) == self.info.world_size:
+            mine = per_rank[self.info.rank]
+            restore_rng(mine["rng"])
+            data_state = mine["data"]
+        else:
+            self.log(f"warning: {path} was written by {len(per_rank)} ranks, this run has {self.info.world_size}: "
+                     "weights and optimizer resume exactly, the data stream and noise restart from new seeds")
+            torch.manual_seed(self.cfg.seed + 1000 * self.info.rank + 7919 * self.step)
+            data_state = {"batches": self.step * self.cfg.grad_accum}
+        self.log(f"resumed from {path} at step {self.step}")
+        return data_state
+
+    def _init_wandb(self):
+        if self.cfg.wandb_mode == "disabled":
+            return None
+        try:
+            import wandb
+            id_path = os.path.join(self.run_dir, "wandb_id")
+            run_id = open(id_path).read().strip() if os.path.isfile(id_path) else wandb.util.generate_id()
+            atomic_write(id_path, lambda f: f.write(run_id.encode()))
+            return wandb.init(project=self.cfg.project_name, name=self.cfg.run_name, id=run_id, resume="allow",
+                              dir=self.run_dir, mode=self.cfg.wandb_mode, config=public_config(self.cfg))
+        except Exception as e:  # wandb must never stop or block a run
+            self.log(f"warning: wandb unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
+                     "logging to stdout and metrics.jsonl only")
+            return None
+
+    def _fixed_sample_images(self) -> torch.Tensor:
+        url = self.cfg.test_dataset_url or self.cfg.dataset_url
+        batches = data_lib.iter_eval_batches(url, self.cfg.vae_resolution, self.cfg.num_samples,
+                                             max_images=self.cfg.num_samples, max_pixels=self.cfg.max_image_pixels)
+        return next(iter(batches), (None, torch.zeros(0, 3, self.cfg.vae_resolution, self.cfg.vae_resolution,
+                                                      dtype=torch.uint8)))[1]
+
+    # ----------------------------------------------------------------------------- the step
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+
+    def train_step(self) -> None:
+        cfg, m = self.cfg, self.metrics
+        accum = cfg.grad_accum
+        gan_on = self.gan and self.step >= cfg.disc_start
+        real_logits = None
+        step_loss = torch.zeros((), device=self.device)  # this step's losses, for the guard
+        for micro in range(accum):
+            sync = micro == accum - 1
+            x = data_lib.to_model_input(next(self.loader), self.device, cfg.channels_last)
+            no_sync_vae = self.vae_ddp.no_sync() if self.info.distributed and not sync else contextlib.nullcontext()
+            with no_sync_vae:
+                with self.autocast():
+                    recon, mean, logvar = self.vae_ddp(x)
+                recon = recon.float()  # every loss below reduces in fp32
+                kl = kl_divergence(mean, logvar)
+
+                if self.gan:  # the critic learns real vs detached fakes, every step
+                    real_logits, d_loss = self.discriminator_backward(x, recon, sync, accum)
+                    step_loss = step_loss + d_loss.detach()
+
+                losses = self.vae_losses(x, recon, kl, real_logits, gan_on, accum)
+                if self.step in self.inject_nan:
+                    losses["backward"] = losses["backward"] * float("nan")
+                if self.disc is not None:
+                    self.disc.requires_grad_(False)  # the generator's loss must not touch the critic
+                backward = losses.pop("backward")
+                step_loss = step_loss + backward.detach()
+                backward.backward()
+                if self.disc is not None:
+                    self.disc.requires_grad_(True)
+            m.add(**{f"loss/{k}": v / accum for k, v in losses.items()})
+            self.track_latents(mean, logvar, accum)
+        m.count += 1
+
+        # ---- guarded optimizer steps: a non-finite loss or gradient skips the step on every rank
+        bad_vae = self.nonfinite(self.vae, self.opt_vae, self.scaler_vae, "vae")
+        bad_disc = self.nonfinite(self.disc, self.opt_disc, self.scaler_disc, "disc") if self.gan else None
+        bad_loss = ~torch.isfinite(step_loss)
+        bad_vae = bad_vae | bad_loss
+        bad_disc = bad_disc | bad_loss if bad_disc is not None else torch.zeros_like(bad_vae)
+        flags = torch.stack([bad_vae, bad_disc]).float()
+        if self.info.distributed:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.guarded_step(self.opt_vae, self.scaler_vae, flags[0])
+        if self.gan:
+            self.guarded_step(self.opt_disc, self.scaler_disc, flags[1])
+        if self.ema is not None:
+            self.ema.update(self.vae, self.step, flags[0])
+        self.sched_vae.step()
+        if self.sched_disc is not None:
+            self.sched_disc.step()
+        bad = flags.amax()
+        self.bad_total += bad
+        self.bad_streak = (self.bad_streak + 1) * bad
+        if bad_disc is not None:
+            m.add(**{"guard/skipped_disc": flags[1]})
+        m.add(**{"guard/skipped_vae": flags[0]})
+
+    def discriminator_backward(self, x, recon, sync, accum) -> torch.Tensor:
+        cfg = self.cfg
+        no_sync = self.disc_ddp.no_sync() if self.info.distributed and not sync else contextlib.nullcontext()
+        with no_sync:
+            with self.autocast():
+                logits = self.disc_ddp(torch.cat([x, recon.detach()]).contiguous(memory_format=self.memory_format))
+            real_logits, fake_logits = logits.float().chunk(2)
+            d_loss = discriminator_loss(real_logits, fake_logits, cfg.disc_type)
+            if self.lecam is not None:
+                self.lecam.update(real_logits, fake_logits)
+                d_loss = d_loss + cfg.lecam_weight * self.lecam.penalty(real_logits, fake_logits)
+            self.scaler_disc.scale(d_loss / accum).backward()
+        self.metrics.add(**{"loss/disc": d_loss / accum,
+                            "gan/disc_acc": discriminator_accuracy(real_logits, fake_logits) / accum,
+                            "gan/real_logits": real_logits.mean() / accum,
+                            "gan/fake_logits": fake_logits.mean() / accum})
+        return real_logits.detach(), d_loss
+
+    def vae_losses(self, x, recon, kl, real_logits, gan_on, accum) -> dict[str, torch.Tensor]:
+        """Loss terms (for logging) and the tensor to backpropagate ('backward')."""
+        cfg = self.cfg
+        scale = self.scaler_vae.scale(torch.ones((), device=self.device))  # 1 unless fp16
+        if cfg.loss_balance == "gradnorm":
+            # GradNorm fixes each branch's gradient norm, so a loss scale and 1/accum enter as weights
+            def branch(weight):
+                return gradnorm(recon, scale * (weight / accum))
+        else:
+            def branch(weight):
+                return recon
+        with self.autocast():
+            perceptual = self.lpips(branch(cfg.perceptual_weight).contiguous(memory_format=self.memory_format),
+                                    x).float().mean()
+        pixel_in = branch(cfg.mse_weight)
+        pooled = pooled_mse(pixel_in, x, cfg.mse_pool_factor)
+        lowpass = lowpass_mse(pixel_in, x, cfg.lowpass_threshold)
+        pixel = cfg.pooled_mse_weight * pooled + cfg.lowpass_mse_weight * lowpass
+        terms = {"perceptual": perceptual, "pooled_mse": pooled, "lowpass_mse": lowpass, "kl": kl}
+        g_loss = torch.zeros((), device=self.device)
+        if gan_on:
+            with self.autocast():
+                fake_logits = self.disc(branch(cfg.gan_weight).contiguous(memory_format=self.memory_format))
+            g_loss = generator_loss(fake_logits.float(), real_logits, cfg.gen_loss, cfg.gan_margin)
+            terms["gan_g"] = g_loss
+        if cfg.loss_balance == "gradnorm":
+            backward = perceptual + pixel + g_loss + scale * (cfg.kl_weight * kl / accum)
+        else:
+            rec = cfg.perceptual_weight * perceptual + cfg.mse_weight * pixel
+            gan_w = torch.full((), cfg.gan_weight, device=self.device)
+            if gan_on and cfg.loss_balance == "adaptive":
+                gan_w = cfg.gan_weight * adaptive_gan_weight(scale * rec, scale * g_loss,
+                                                             self.vae.decoder.conv_out.weight, cfg.adaptive_weight_max)
+                terms["adaptive_weight"] = gan_w
+            backward = scale * ((rec + gan_w * g_loss + cfg.kl_weight * kl) / accum)
+        terms["total"] = (cfg.perceptual_weight * perceptual + cfg.mse_weight * pixel
+                          + cfg.gan_weight * g_loss + cfg.kl_weight * kl).detach()
+        terms["backward"] = backward
+        return terms
+
+    def track_latents(self, mean, logvar, accum) -> None:
+        with torch.no_grad():
+            mean = mean.float()
+            channel_std = mean.std(dim=(0, 2, 3))
+            noise_std = (torch.exp(0.5 * logvar.float()).mean(dim=(0, 2, 3)) if logvar is not None
+                         else torch.full_like(channel_std, math.sqrt(self.cfg.posterior_var)))
+            collapsed = (channel_std / noise_std < 0.1).float().mean()
+            self.metrics.add(**{"latent/mean": mean.mean() / accum, "latent/std": mean.std() / accum,
+                                "latent/channel_mean": mean.mean(dim=(0, 2, 3)) / accum,
+                                "latent/channel_std": channel_std / accum,
+                                "latent/collapsed_fraction": collapsed / accum})
+            self.metrics.max(**{"latent/abs_max": mean.abs().amax(),
+                                "latent/channel_abs_max": mean.abs().amax(dim=(0, 2, 3))})
+            if logvar is not None:
+                self.metrics.add(**{"latent/logvar_mean": logvar.float().mean() / accum})
+
+    def nonfinite(self, module, optimizer, scaler, name: str) -> torch.Tensor:
+        """Unscale (fp16), clip, log the norm; True (a device bool) if the gradient is not finite."""
+        if scaler.is_enabled():
+            scaler.unscale_(optimizer)
+        params = [p for p in module.parameters() if p.grad is not None]
+        if self.cfg.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        self.metrics.add(**{f"grad_norm/{name}": norm})
+        return ~torch.isfinite(norm)
+
+    @staticmethod
+    def guarded_step(optimizer, scaler, bad: torch.Tensor) -> None:
+        optimizer.grad_scale, optimizer.found_inf = None, bad  # grads are already unscaled
+        optimizer.step()
+        del optimizer.grad_scale, optimizer.found_inf
+        if scaler.is_enabled():
+            scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    # ----------------------------------------------------------------------------- checkpoints, samples
+    def checkpoint_state(self) -> dict:
+        """Everything needed to continue exactly; tensors and plain containers only (weights_only loads)."""
+        ranks = [None] * self.info.world_size
+        mine = {"rng": capture_rng(), "data": self.loader.state_dict()}
+        if self.info.distributed:
+            dist.all_gather_object(ranks, mine, group=self.info.ctrl_group)
+        else:
+            ranks = [mine]
+        return {
+            "format_version": 1,
+            "step": self.step,
+            "config": public_config(self.cfg),
+            "model_params": model_params(self.cfg).to_dict(),
+            "vae": {k: v.detach().cpu() for k, v in self.vae.state_dict().items()},
+            "ema": {k: v.detach().cpu() for k, v in self.ema.state_dict().items()} if self.ema else None,
+            "discriminator": self.disc.state_dict() if self.disc is not None else None,
+            "optimizer_vae": self.opt_vae.state_dict(),
+            "optimizer_disc": self.opt_disc.state_dict() if self.opt_disc else None,
+            "scheduler_vae": self.sched_vae.state_dict(),
+            "scheduler_disc": self.sched_disc.state_dict() if self.sched_disc else None,
+            "scaler_vae": self.scaler_vae.state_dict(),
+            "scaler_disc": self.scaler_disc.state_dict(),
+            "lecam": self.lecam.state_dict() if self.lecam is not None else None,
+            "guard": {"bad_steps_total": int(self.bad_total.item()), "bad_streak": int(self.bad_streak.item())},
+            "ranks": ranks,
+            "world_size": self.info.world_size,
+        }
+
+    def save(self) -> str | None:
+        state = self.checkpoint_state()  # every rank takes part in the gather
+        if not self.info.is_main:
+            return None
+        name = f"step_{self.step:08d}.pt"
+        path = os.path.join(self.ckpt_dir, name)
+        atomic_write(path, lambda f: torch.save(state, f))
+        atomic_write(os.path.join(self.ckpt_dir, "latest"), lambda f: f.write(name.encode()))
+        for old in checkpoint_files(self.ckpt_dir)[self.cfg.keep_last_k:]:
+            if old != path:
+                os.remove(old)
+        self.save_samples()
+        return path
+
+    @torch.no_grad()
+    def save_samples(self) -> str | None:
+        import torchvision
+        if self.sample_images is None or len(self.sample_images) == 0:
+            return None
+        x = data_lib.to_model_input(self.sample_images, self.device, self.cfg.channels_last)
+        with self.autocast():
+            recon = self.vae.decode(self.vae.encode(x)).float()
+        grid = torchvision.utils.make_grid(torch.cat([x, recon.clamp(-1, 1)]).float().cpu() * 0.5 + 0.5,
+                                           nrow=len(x), padding=2)
+        path = os.path.join(self.sample_dir, f"step_{self.step:08d}.png")
+        atomic_write(path, lambda f: torchvision.utils.save_image(grid, f, format="png"))
+        if self.wandb is not None:
+            import wandb
+            self.wandb.log({"samples": wandb.Image(path, caption="top: input, bottom: reconstruction")},
+                           step=self.step)
+        return path
+
+    # ----------------------------------------------------------------------------- logging
+    def write_log(self, metrics: dict, t_start: float, steps_done: int) -> None:
+        cfg = self.cfg
+        elapsed = max(1e-9, time.time() - t_start)
+        images = steps_done * cfg.batch_size * cfg.grad_accum * self.info.world_size
+        metrics["img_per_s"] = images / elapsed
+        metrics["eta_s"] = elapsed / max(1, steps_done) * (cfg.max_steps - self.step)
+        metrics["lr/vae"] = self.sched_vae.get_last_lr()[0]
+        for k, v in self.loader_skipped().items():
+            metrics[f"data/skipped_{k}"] = v
+        self.tracker.check(metrics, self.step)
+        if not self.info.is_main:
+            return
+        line = [f"step {self.step}/{cfg.max_steps}", f"loss {metrics.get('loss/total', float('nan')):.4f}",
+                f"lpips {metrics.get('loss/perceptual', 0):.4f}", f"pmse {metrics.get('loss/pooled_mse', 0):.5f}",
+                f"lpmse {metrics.get('loss/lowpass_mse', 0):.5f}", f"kl {metrics.get('loss/kl', 0):.4f}"]
+        if self.gan:
+            line += [f"g {metrics.get('loss/gan_g', 0):.4f}", f"d {metrics.get('loss/disc', 0):.4f}",
+                     f"dacc {metrics.get('gan/disc_acc', 0):.2f}"]
+        line += [f"z mean {metrics.get('latent/mean', 0):+.3f} std {metrics.get('latent/std', 0):.3f}",
+                 f"{metrics['img_per_s']:.1f} img/s", f"eta {fmt_duration(metrics['eta_s'])}"]
+        skipped = sum(v for k, v in metrics.items() if k.startswith("data/skipped"))
+        if skipped:
+            line.append(f"skipped {skipped}")
+        if metrics.get("guard/bad_steps_total", 0):
+            line.append(f"bad steps {int(metrics['guard/bad_steps_total'])}")
+        print(" | ".join(line), flush=True)
+        record = {"step": self.step, **metrics}
+        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=self.step)
+
+    def loader_skipped(self) -> dict[str, int]:
+        counts = torch.tensor(list(self.loader.skipped().values()), dtype=torch.float64)
+        if self.info.distributed:
+            dist.all_reduce(counts, group=self.info.ctrl_group)
+        return dict(zip(data_lib.SKIP_REASONS, (int(c) for c in counts.tolist())))
+
+    def truncate_metrics(self) -> None:
+        """After a resume, drop log lines of steps the crashed run did after its last checkpoint."""
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        if not (self.info.is_main and os.path.isfile(path)):
+            return
+        with open(path) as f:
+            lines = [ln for ln in f if ln.strip()]
+        kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= self.step]
+        if len(kept) != len(lines):
+            atomic_write(path, lambda f: f.write("".join(kept).encode()))
+
+    # ----------------------------------------------------------------------------- the loop
+    def train(self) -> int:
+        cfg, info = self.cfg, self.info
+        stop = StopFlag()
+        if self.resumed_from:
+            self.truncate_metrics()
+        n_params = sum(p.numel() for p in self.vae.parameters())
+        self.log(f"run dir {self.run_dir} | {info.world_size} x {self.device.type} | VAE {n_params / 1e6:.1f}M params "
+                 f"| f{self.vae.downsample_factor} z{cfg.vae_z_channels} {cfg.posterior} posterior | "
+                 f"{cfg.precision} | batch {cfg.batch_size} x {cfg.grad_accum} accum x {info.world_size} ranks")
+        t_start, steps_since = time.time(), 0
+        last_saved = self.step if self.resumed_from else -1
+        while self.step < cfg.max_steps:
+            if self.step in self.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)  # fault-injection test hook
+            self.train_step()
+            self.step += 1
+            steps_since += 1
+            final = self.step == cfg.max_steps
+            if self.step % cfg.log_every_n_steps == 0 or final:
+                metrics = self.metrics.reduce(info)
+                metrics["guard/bad_steps_total"] = self.bad_total.item()
+                streak = int(self.bad_streak.item())
+                self.write_log(metrics, t_start, steps_since)
+                t_start, steps_since = time.time(), 0
+                if streak >= cfg.max_bad_steps:
+                    latest = checkpoint_files(self.ckpt_dir)
+                    self.log(f"error: {streak} consecutive steps had non-finite losses or gradients and were "
+                             f"skipped; stopping. Last good checkpoint: {latest[0] if latest else 'none'}")
+                    return 1
+            stopping = stop.agreed(info)
+            due = self.step % cfg.save_every_n_steps == 0 or final or stopping
+            if due and self.step != last_saved:
+                if int(self.bad_streak.item()) == 0:
+                    path = self.save()
+                    last_saved = self.step
+                    if path:
+                        self.log(f"saved {path}")
+                else:
+                    self.log(f"not saving at step {self.step}: inside a streak of skipped steps")
+            if stopping:
+                self.log(f"received signal {stop.signum}: checkpoint written at step {self.step}, exiting")
+                return 0
+        self.log(f"done: {cfg.max_steps} steps; checkpoints in {self.ckpt_dir}, samples in {self.sample_dir}")
+        return 0
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            try:
+                self.wandb.finish()
+            except Exception:
+                pass
+
+
+def capture_rng() -> dict:
+    np_state = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                       "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])}}
+    if torch.cuda.is_available():
+        state["cuda"] = [s for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def fmt_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def prepare_demo(cfg: Config) -> Config:
+    """Point the demo at its bundled shards (built once) and pick VGG weights it can use offline."""
+    train_url, test_url = data_lib.ensure_demo_shards(os.path.join(cfg.output_dir, "demo_data"))
+    changes = {}
+    if not cfg.dataset_url:
+        changes["dataset_url"] = train_url
+    if not cfg.test_dataset_url:
+        changes["test_dataset_url"] = test_url
+    if cfg.vgg16_weights == "torchvision" and not os.path.isfile(vgg16_cache_path()):
+        changes["vgg16_weights"] = "random"  # loudly warned about at start-up
+    return dataclasses.replace(cfg, **changes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    is_rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        cfg = parse_config(argv)
+        if cfg.demo and os.environ.get("LOCAL_RANK", "0") == "0":
+            cfg = prepare_demo(cfg)
+        elif cfg.demo:
+            cfg = prepare_demo_wait(cfg)
+        validate(cfg)
+    except ConfigError as e:
+        if is_rank0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    info = init_distributed()
+    trainer = None
+    try:
+        trainer = Trainer(cfg, info)
+        return trainer.train()
+    except (ConfigError, WeightsUnavailable, data_lib.DatasetError) as e:
+        if info.is_main:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def prepare_demo_wait(cfg: Config) -> Config:
+    """Ranks other than local rank 0 wait for the demo shards that rank builds."""
+    data_lib.wait_for_demo_shards(os.path.join(cfg.output_dir, "demo_data"))
+    return prepare_demo(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
