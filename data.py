@@ -114,21 +114,43 @@ def iter_shard(shard, counters: Counter) -> Iterator[tuple[int, dict]]:
         counters["corrupt"] += 1
         return True
 
-    stream = None
+    def members(stream):
+        # a truncated or unreadable tar ends the member stream normally, so that group_by_keys still
+        # yields the last complete sample it holds
+        try:
+            for f in tar_file_iterator(stream, handler=bad_member):
+                yield {**f, "__url__": shard}
+        except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+            counters["shard_errors"] += 1
+            warn_once(f"shard {shard}: {type(e).__name__}: {e} (skipping the rest of it)")
+
     try:
         stream = gopen(shard, "rb")
-        files = ({**f, "__url__": shard} for f in tar_file_iterator(stream, handler=bad_member))
-        for idx, sample in enumerate(group_by_keys(files, handler=bad_member)):
-            yield idx, sample
-    except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+    except (OSError, ValueError) as e:
         counters["shard_errors"] += 1
-        warn_once(f"shard {shard}: {type(e).__name__}: {e} (skipping the rest of it)")
+        warn_once(f"shard {shard}: {type(e).__name__}: {e}")
+        return
+    try:
+        yield from enumerate(group_by_keys(members(stream), handler=bad_member))
     finally:
-        if stream is not None:
-            try:
-                stream.close()
-            except Exception:
-                pass
+        try:
+            stream.close()
+        except Exception:
+            pass
+
+
+_SECRET_PATTERNS = [
+    (re.compile(r"(?<=://)[^/@\s]+:[^/@\s]+@"), "***@"),  # user:password@host
+    (re.compile(r"(?i)([?&](?:token|key|api_key|access_token|sig|signature|x-amz-signature|x-amz-credential|"
+                r"x-goog-signature|secret|password)=)[^&\s']+"), r"\1***"),
+]
+
+
+def redact(text: str) -> str:
+    """Strip credentials from URLs before they reach config.json, logs, checkpoints or wandb."""
+    for pattern, repl in _SECRET_PATTERNS:
+        text = pattern.sub(repl, text)
+    return text
 
 
 _warned: set[str] = set()
@@ -138,6 +160,7 @@ def warn_once(msg: str, limit: int = 20) -> None:
     if msg in _warned or len(_warned) >= limit:
         return
     _warned.add(msg)
+    msg = redact(msg)
     print(f"warning: {msg}" if len(_warned) < limit else "warning: further data warnings suppressed",
           file=sys.stderr, flush=True)
 
@@ -366,7 +389,11 @@ class TrainStream(IterableDataset):
                                self.shuffle_buffer, self.resize_prob, self.max_pixels,
                                self.worker_states.get(logical))
         while True:
-            images = np.stack([stream.next_image() for _ in range(self.batch_size)])
+            try:
+                images = np.stack([stream.next_image() for _ in range(self.batch_size)])
+            except DatasetError as e:  # crosses the worker boundary as data: one line, not a traceback
+                yield {"error": str(e)}
+                return
             yield {"images": torch.from_numpy(images).permute(0, 3, 1, 2), "worker": logical,
                    "state": stream.state_dict()}
 
@@ -393,8 +420,10 @@ class TrainLoader:
                               shuffle_buffer, resize_prob, max_pixels, self.worker_states,
                               self.batches % logical_workers)
         kwargs = dict(prefetch_factor=4, persistent_workers=True) if self.num_workers > 0 else {}
-        self.loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                                 pin_memory=pin_memory, **kwargs)
+        # its own generator: creating the iterator must not draw from the global torch RNG, or a resumed
+        # run's posterior noise would be shifted by one draw
+        self.loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=pin_memory,
+                                 generator=torch.Generator().manual_seed(0), **kwargs)
         self._iter = None
 
     def __iter__(self):
@@ -404,9 +433,17 @@ class TrainLoader:
         if self._iter is None:
             self._iter = iter(self.loader)
         item = next(self._iter)
+        if "error" in item:
+            raise DatasetError(item["error"])
         self.worker_states[item["worker"]] = item["state"]
         self.batches += 1
         return item["images"]
+
+    def close(self) -> None:
+        """Stop the worker processes."""
+        if self._iter is not None and hasattr(self._iter, "_shutdown_workers"):
+            self._iter._shutdown_workers()
+        self._iter = None
 
     def skipped(self) -> dict[str, int]:
         total = Counter()
@@ -585,6 +622,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.src}: no image files found", file=sys.stderr)
         return 2
     paths, skipped = write_shards(files, args.dst, args.shard_size, verify=not args.no_verify, root=args.src)
+    if skipped == len(files):
+        for p in paths:
+            os.remove(p)
+        print(f"error: {args.src}: none of the {len(files)} image files could be read", file=sys.stderr)
+        return 2
     print(f"wrote {len(files) - skipped} images into {len(paths)} shards ({skipped} unreadable skipped)")
     print(f"--dataset_url '{brace_url(paths)}'")
     return 0

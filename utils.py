@@ -110,13 +110,18 @@ def load_vgg16_features(path: str | None) -> dict[str, Tensor] | None:
     dict, a features-only one, or a safetensors file. None means random init."""
     if path is None:
         return None
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-        sd = load_file(path)
-    else:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            sd = load_file(path)
+        else:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise WeightsUnavailable(f"{path}: cannot be read as a VGG16 state dict ({type(e).__name__})") from None
     if isinstance(sd, dict) and "state_dict" in sd:
         sd = sd["state_dict"]
+    if not isinstance(sd, dict):
+        raise WeightsUnavailable(f"{path}: holds a {type(sd).__name__}, not a VGG16 state dict")
     feats = {k[len("features."):]: v for k, v in sd.items() if k.startswith("features.")}
     if not feats:
         feats = {k: v for k, v in sd.items() if k.split(".")[0].isdigit()}
@@ -184,7 +189,8 @@ class VGG16Discriminator(nn.Module):
     def __init__(self, vgg_features: dict[str, Tensor] | None = None, head_channels: int = 64):
         super().__init__()
         self.scaling = ImageNetScaling()
-        features = torchvision.models.vgg16(weights=None).features
+        # only the convolutional part: building the whole VGG16 would initialise a 120M-parameter classifier
+        features = torchvision.models.vgg.make_layers(torchvision.models.vgg.cfgs["D"])
         if vgg_features is not None:
             features.load_state_dict(vgg_features, strict=True)
         self.slices = nn.ModuleList(nn.Sequential(*features[a:b]) for a, b in VGG16_SLICES)
@@ -277,7 +283,8 @@ def lowpass_mask(image: Tensor, threshold: float = 0.8, blur_kernel: int = 13, b
     """
     with torch.autocast(image.device.type, enabled=False):
         gray = image.float().mean(dim=1, keepdim=True)
-        edges = F.conv2d(gray, _LAPLACIAN_5X5.to(gray.device), padding=2).abs()
+        # replicate padding: zero padding would make the image frame look like an edge
+        edges = F.conv2d(F.pad(gray, (2, 2, 2, 2), mode="replicate"), _LAPLACIAN_5X5.to(gray.device)).abs()
         edges = torchvision.transforms.functional.gaussian_blur(edges, [blur_kernel] * 2, [blur_sigma] * 2)
         lo = edges.amin(dim=(1, 2, 3), keepdim=True)
         hi = edges.amax(dim=(1, 2, 3), keepdim=True)

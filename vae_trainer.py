@@ -285,32 +285,22 @@ def init_distributed() -> DistInfo:
         return DistInfo(device=torch.device("cuda", 0) if cuda else torch.device("cpu"))
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    # torchrun's agent keeps one store across restarts: without a per-attempt namespace the restarted
+    # workers read the dead attempt's peer addresses and hang in the connect (seen with gloo).
+    store, _, _ = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"vae_trainer/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     if cuda:
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
         ctrl = dist.new_group(backend="gloo")
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         ctrl = dist.group.WORLD
     return DistInfo(rank, local, world, device, ctrl)
 
 
-_SECRET_PATTERNS = [
-    (re.compile(r"(?<=://)[^/@\s]+:[^/@\s]+@"), "***@"),  # user:password@host
-    (re.compile(r"(?i)([?&](?:token|key|api_key|access_token|sig|signature|x-amz-signature|x-amz-credential|"
-                r"x-goog-signature|secret|password)=)[^&\s']+"), r"\1***"),
-]
-
-
-def redact(text: str) -> str:
-    """Strip credentials from URLs before they reach config.json, logs, checkpoints or wandb."""
-    for pattern, repl in _SECRET_PATTERNS:
-        text = pattern.sub(repl, text)
-    return text
-
-
 def public_config(cfg: Config) -> dict:
-    return {k: redact(v) if isinstance(v, str) else v for k, v in dataclasses.asdict(cfg).items()}
+    return {k: data_lib.redact(v) if isinstance(v, str) else v for k, v in dataclasses.asdict(cfg).items()}
 
 
 def atomic_write(path: str, write) -> None:
@@ -582,8 +572,9 @@ class Trainer:
                      "every worker reads every shard, in its own order")
         self.metrics, self.tracker = Metrics(), CollapseTracker(self.log)
         self.inject_nan = _fault_injection("INJECT_NAN", info.rank)
-        self.kill_at = _fault_injection("KILL_AT", info.rank) if os.environ.get(
-            "TORCHELASTIC_RESTART_COUNT", "0") == "0" else set()
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.kill_at = _fault_injection("KILL_AT", info.rank) if first_attempt else set()
+        self.sigterm_at = _fault_injection("SIGTERM_AT", info.rank) if first_attempt else set()
         self.wandb = self._init_wandb() if info.is_main else None
         self.sample_images = self._fixed_sample_images() if info.is_main else None
 
@@ -683,13 +674,18 @@ class Trainer:
     def _init_wandb(self):
         if self.cfg.wandb_mode == "disabled":
             return None
+        if self.cfg.wandb_mode == "online" and not wandb_key_configured():
+            self.log("warning: --wandb_mode online but no wandb API key (WANDB_API_KEY or ~/.netrc): wandb off; "
+                     "logging to stdout and metrics.jsonl only")
+            return None
         try:
             import wandb
             id_path = os.path.join(self.run_dir, "wandb_id")
             run_id = open(id_path).read().strip() if os.path.isfile(id_path) else wandb.util.generate_id()
             atomic_write(id_path, lambda f: f.write(run_id.encode()))
             return wandb.init(project=self.cfg.project_name, name=self.cfg.run_name, id=run_id, resume="allow",
-                              dir=self.run_dir, mode=self.cfg.wandb_mode, config=public_config(self.cfg))
+                              dir=self.run_dir, mode=self.cfg.wandb_mode, config=public_config(self.cfg),
+                              settings=wandb.Settings(init_timeout=60, silent=True))
         except Exception as e:  # wandb must never stop or block a run
             self.log(f"warning: wandb unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
                      "logging to stdout and metrics.jsonl only")
@@ -888,10 +884,25 @@ class Trainer:
             "world_size": self.info.world_size,
         }
 
+    @torch.no_grad()
+    def ranks_in_sync(self) -> bool:
+        """DDP keeps replicas equal by construction; verify it (exact float64 per-tensor sums) at each save."""
+        if not self.info.distributed:
+            return True
+        sums = torch.stack([t.double().sum() for t in self.vae.state_dict().values()]
+                           + [t.double().abs().sum() for t in self.vae.state_dict().values()])
+        gathered = [torch.empty_like(sums) for _ in range(self.info.world_size)]
+        dist.all_gather(gathered, sums)
+        return all(torch.equal(gathered[0], g) for g in gathered[1:])
+
     def save(self) -> str | None:
+        in_sync = self.ranks_in_sync()
         state = self.checkpoint_state()  # every rank takes part in the gather
+        state["ranks_in_sync"] = in_sync
         if not self.info.is_main:
             return None
+        if not in_sync:
+            self.log("warning: VAE weights differ across ranks (DDP desynchronised); saving rank 0's")
         name = f"step_{self.step:08d}.pt"
         path = os.path.join(self.ckpt_dir, name)
         atomic_write(path, lambda f: torch.save(state, f))
@@ -983,8 +994,10 @@ class Trainer:
         t_start, steps_since = time.time(), 0
         last_saved = self.step if self.resumed_from else -1
         while self.step < cfg.max_steps:
-            if self.step in self.kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)  # fault-injection test hook
+            if self.step in self.kill_at:  # fault-injection test hooks
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.step in self.sigterm_at:
+                os.kill(os.getpid(), signal.SIGTERM)
             self.train_step()
             self.step += 1
             steps_since += 1
@@ -1007,7 +1020,8 @@ class Trainer:
                     path = self.save()
                     last_saved = self.step
                     if path:
-                        self.log(f"saved {path}")
+                        sync = " (weights identical on all ranks)" if self.info.distributed else ""
+                        self.log(f"saved {path}{sync}")
                 else:
                     self.log(f"not saving at step {self.step}: inside a streak of skipped steps")
             if stopping:
@@ -1017,11 +1031,22 @@ class Trainer:
         return 0
 
     def close(self) -> None:
+        self.loader.close()
         if self.wandb is not None:
             try:
                 self.wandb.finish()
             except Exception:
                 pass
+
+
+def wandb_key_configured() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        import netrc
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def capture_rng() -> dict:
@@ -1073,7 +1098,7 @@ def main(argv: list[str] | None = None) -> int:
         validate(cfg)
     except ConfigError as e:
         if is_rank0:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
         return 2
     info = init_distributed()
     trainer = None
@@ -1082,7 +1107,7 @@ def main(argv: list[str] | None = None) -> int:
         return trainer.train()
     except (ConfigError, WeightsUnavailable, data_lib.DatasetError) as e:
         if info.is_main:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
         return 1
     finally:
         if trainer is not None:

@@ -1,0 +1,677 @@
+"""Unit tests of data.py: decoding every image kind a crawl holds, skipping and counting the broken ones,
+the endless sharded stream and its exact resume, evaluation reading and the make-shards command.
+CPU only; tiny images and resolutions; every loader use is bounded by a deadline."""
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import os
+import random
+import re
+import signal
+import struct
+import tarfile
+import zlib
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import data
+from conftest import run_cli
+
+R = 32  # crop resolution used throughout
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+def encode(img: Image.Image, fmt: str, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kwargs)
+    return buf.getvalue()
+
+
+def noise_image(seed: int, size=(48, 40), mode="RGB") -> Image.Image:
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "L": 1}[mode]
+    arr = rng.integers(0, 256, (size[1], size[0], channels), dtype=np.uint8)
+    return Image.fromarray(arr[..., 0] if channels == 1 else arr, mode)
+
+
+def solid_png(value: int, size=(40, 40)) -> bytes:
+    return encode(Image.new("RGB", size, (value, 255 - value, 7)), "PNG")
+
+
+def write_tar(path, members: list[tuple[str, bytes]]) -> str:
+    with tarfile.open(path, "w") as tf:
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(payload), 0
+            tf.addfile(info, io.BytesIO(payload))
+    return str(path)
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that declares width x height pixels and holds none: a decompression bomb's header."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fail instead of hanging: SIGALRM raises in the main thread after `seconds`."""
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"no result within {seconds} s (the data pipeline hangs)")
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@contextlib.contextmanager
+def train_loader(url: str, **kwargs):
+    """A TrainLoader whose worker processes are shut down on exit (so later forks do not inherit them)."""
+    args = dict(resolution=R, batch_size=2, seed=0, rank=0, world_size=1, num_workers=0, shuffle_buffer=4,
+                resize_prob=0.5)
+    args.update(kwargs)
+    loader = data.TrainLoader(url, **args)
+    try:
+        yield loader
+    finally:
+        iterator = getattr(loader, "_iter", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        del loader
+        gc.collect()
+
+
+def take(loader, n: int, seconds: float = 60) -> list[torch.Tensor]:
+    with deadline(seconds):
+        return [next(loader) for _ in range(n)]
+
+
+def round_trip(state: dict) -> dict:
+    """As a checkpoint stores it (the trainer loads checkpoints with weights_only=True)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def sample_ids(batch: torch.Tensor) -> list[int]:
+    """The id of each image of a batch of solid_png images (its red value)."""
+    flat = batch.reshape(batch.shape[0], 3, -1)
+    assert (flat == flat[:, :, :1]).all(), "solid images stay solid through crop, resize and flip"
+    return flat[:, 0, 0].tolist()
+
+
+# --------------------------------------------------------------------------------------------
+# the zoo of image kinds and broken members
+# --------------------------------------------------------------------------------------------
+def good_members() -> list[tuple[str, bytes]]:
+    a16 = np.zeros((40, 48), np.uint16)
+    a16[:, :24], a16[:, 24:] = 65535, 32896
+    palette = Image.new("P", (40, 40), 1)
+    palette.putpalette([0, 0, 0, 200, 100, 50] + [0] * 762)
+    return [
+        ("rgb_png.png", encode(noise_image(1), "PNG")),
+        ("rgb_jpg.jpg", encode(noise_image(2), "JPEG", quality=90)),
+        ("gray.png", encode(noise_image(3, mode="L"), "PNG")),
+        ("rgba.png", encode(Image.new("RGBA", (40, 40), (10, 20, 30, 0)), "PNG")),
+        ("la.png", encode(Image.new("LA", (40, 40), (10, 0)), "PNG")),
+        ("palette.png", encode(palette, "PNG")),
+        ("palette_t.png", encode(palette, "PNG", transparency=1)),
+        ("gray16.png", encode(Image.fromarray(a16), "PNG")),
+        ("cmyk.jpg", encode(Image.new("CMYK", (40, 40), (0, 255, 255, 0)), "JPEG")),
+        ("image.webp", encode(noise_image(4), "WEBP", lossless=True)),
+        ("small.png", encode(noise_image(5, size=(10, 20)), "PNG")),
+        ("upper.JPEG", encode(noise_image(6), "JPEG")),
+    ]
+
+
+def broken_members() -> list[tuple[str, bytes]]:
+    jpeg = encode(noise_image(7, size=(64, 64)), "JPEG")
+    return [
+        ("ok0.png", encode(noise_image(10), "PNG")),
+        ("corrupt.jpg", b"this is not an image at all"),
+        ("ok1.png", encode(noise_image(11), "PNG")),
+        ("empty.png", b""),
+        ("truncated.jpg", jpeg[: len(jpeg) // 2]),
+        ("notes.txt", b"a caption without an image"),
+        ("notes.json", b"{}"),
+        ("bomb.png", encode(Image.new("L", (1000, 1000)), "PNG")),  # 1e6 px > max_pixels, 1 kB on disk
+        ("bomb_header.png", png_header_only(100_000, 100_000)),  # beyond PIL's own bomb limit
+        ("ok2.png", encode(noise_image(12), "PNG")),
+    ]
+
+
+MAX_PIXELS = 200_000
+
+
+def truncated_tar(path, n: int = 6) -> str:
+    """A tar of n good PNGs cut in the middle of member 3's data (members 0, 1 and 2 are whole)."""
+    write_tar(path, [(f"t{i}.png", encode(noise_image(20 + i), "PNG")) for i in range(n)])
+    with tarfile.open(path) as tf:
+        member = tf.getmembers()[3]
+    cut = member.offset_data + member.size // 2
+    with open(path, "rb") as f:
+        raw = f.read()
+    with open(path, "wb") as f:
+        f.write(raw[:cut])
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zoo")
+    write_tar(root / "00000.tar", good_members())
+    write_tar(root / "00001.tar", broken_members())
+    truncated_tar(root / "00002.tar")
+    return str(root / "{00000..00002}.tar")
+
+
+@pytest.fixture(scope="module")
+def solid_shards(tmp_path_factory):
+    """3 shards of 3 solid-colour images each; image (shard s, index i) has red value 10 * (s + 1) + i."""
+    root = tmp_path_factory.mktemp("solid")
+    for s in range(3):
+        write_tar(root / f"{s:05d}.tar", [(f"s{s}_{i}.png", solid_png(10 * (s + 1) + i)) for i in range(3)])
+    return str(root / "{00000..00002}.tar")
+
+
+def shard_ids(shard: int) -> set[int]:
+    return {10 * (shard + 1) + i for i in range(3)}
+
+
+# --------------------------------------------------------------------------------------------
+# decoding
+# --------------------------------------------------------------------------------------------
+def eval_decode(payload: bytes, resolution: int = R) -> np.ndarray:
+    out = data.decode_crop(payload, resolution, None)
+    assert out.dtype == np.uint8 and out.shape == (resolution, resolution, 3)
+    return out
+
+
+def test_decode_alpha_composited_over_white():
+    transparent = Image.new("RGBA", (32, 32), (10, 20, 30, 0))
+    assert (eval_decode(encode(transparent, "PNG")) == 255).all()
+    half = Image.new("RGBA", (32, 32), (0, 100, 255, 128))
+    # colour * a + 255 * (1 - a), a = 128 / 255
+    expected = [round(c * 128 / 255 + 255 * 127 / 255) for c in (0, 100, 255)]
+    assert np.abs(eval_decode(encode(half, "PNG"))[5, 5].astype(int) - expected).max() <= 1
+    opaque = Image.new("RGBA", (32, 32), (10, 20, 30, 255))
+    assert (eval_decode(encode(opaque, "PNG")) == (10, 20, 30)).all()
+    la = Image.new("LA", (32, 32), (10, 0))
+    assert (eval_decode(encode(la, "PNG")) == 255).all()
+    la_opaque = Image.new("LA", (32, 32), (10, 255))
+    assert (eval_decode(encode(la_opaque, "PNG")) == 10).all()
+
+
+def test_decode_palette_with_and_without_transparency():
+    img = Image.new("P", (32, 32), 1)
+    img.putpixel((0, 0), 0)
+    img.putpalette([0, 0, 0, 200, 100, 50] + [0] * 762)
+    plain = eval_decode(encode(img, "PNG"))
+    assert tuple(plain[5, 5]) == (200, 100, 50) and tuple(plain[0, 0]) == (0, 0, 0)
+    with_t = eval_decode(encode(img, "PNG", transparency=0))  # index 0 transparent
+    assert tuple(with_t[0, 0]) == (255, 255, 255) and tuple(with_t[5, 5]) == (200, 100, 50)
+
+
+def test_decode_16bit_grayscale():
+    a16 = np.zeros((32, 32), np.uint16)
+    a16[:, :16], a16[:, 16:] = 65535, 32896
+    payload = encode(Image.fromarray(a16), "PNG")
+    assert Image.open(io.BytesIO(payload)).mode in ("I;16", "I")
+    out = eval_decode(payload)
+    assert (out[:, :16] == 255).all()
+    assert (np.abs(out[:, 16:].astype(int) - 128) <= 1).all()
+    # and through a resize (training crop of a larger 16-bit image)
+    big = np.full((80, 64), 32896, np.uint16)
+    crop = data.decode_crop(encode(Image.fromarray(big), "PNG"), R, random.Random(0), resize_prob=1.0)
+    assert crop.dtype == np.uint8 and (np.abs(crop.astype(int) - 128) <= 1).all()
+
+
+def test_decode_gray_cmyk_webp():
+    gray = eval_decode(encode(Image.new("L", (32, 32), 77), "PNG"))
+    assert (gray == 77).all()
+    cmyk_red = eval_decode(encode(Image.new("CMYK", (32, 32), (0, 255, 255, 0)), "JPEG", quality=95))
+    assert np.abs(cmyk_red[10, 10].astype(int) - (255, 0, 0)).max() <= 3
+    webp = eval_decode(encode(Image.new("RGB", (32, 32), (200, 10, 60)), "WEBP", lossless=True))
+    assert (webp == (200, 10, 60)).all()
+
+
+def test_decode_exif_orientation():
+    img = Image.new("RGB", (64, 32), (0, 0, 0))
+    img.paste((255, 255, 255), (32, 0, 64, 32))  # right half white as stored
+    exif = Image.Exif()
+    exif[0x0112] = 3  # rotate 180 for display
+    out = eval_decode(encode(img, "JPEG", quality=95, exif=exif.tobytes()))
+    # displayed: left half white; the center crop covers stored columns 16..48
+    assert out[:, :12].min() > 200 and out[:, 20:].max() < 50
+
+
+def test_decode_small_image_is_resized_up():
+    payload = encode(noise_image(5, size=(10, 20)), "PNG")
+    for seed in range(3):
+        crop = data.decode_crop(payload, R, random.Random(seed), resize_prob=0.0)
+        assert crop.shape == (R, R, 3) and crop.dtype == np.uint8
+    assert eval_decode(payload).shape == (R, R, 3)
+
+
+@pytest.mark.parametrize("name,payload,reason", [
+    ("garbage", b"definitely not an image", "corrupt"),
+    ("empty", b"", "corrupt"),
+    ("truncated jpeg", encode(noise_image(7, size=(64, 64)), "JPEG")[:700], "corrupt"),
+    ("bomb", encode(Image.new("L", (1000, 1000)), "PNG"), "too_large"),
+    ("bomb header", png_header_only(100_000, 100_000), "too_large"),
+])
+def test_decode_rejects(name, payload, reason):
+    with pytest.raises(data.SkipSample) as info:
+        data.decode_crop(payload, R, random.Random(0), max_pixels=MAX_PIXELS)
+    assert info.value.reason == reason
+
+
+def test_training_crops_vary_and_flip():
+    # a horizontal ramp: an unflipped crop increases left to right, a flipped one decreases
+    ramp = np.tile(np.linspace(0, 255, 96).astype(np.uint8)[None, :, None], (80, 1, 3))
+    payload = encode(Image.fromarray(ramp), "PNG")
+    crops = [data.decode_crop(payload, R, random.Random(seed), resize_prob=0.0) for seed in range(24)]
+    for c in crops:
+        assert c.dtype == np.uint8 and c.shape == (R, R, 3)
+    increasing = [int(c[0, -1, 0]) > int(c[0, 0, 0]) for c in crops]
+    assert any(increasing) and not all(increasing)  # flips happen, not always
+    assert len({c[0, :, 0].tobytes() for c in crops}) > 5  # random positions
+    # seeded: the same rng state gives the same crop
+    again = data.decode_crop(payload, R, random.Random(3), resize_prob=0.0)
+    assert np.array_equal(again, crops[3])
+
+
+def test_eval_center_crop_matches_manual(photos_dir):
+    for name, resolution in (("chelsea.png", 64), ("coffee.png", 48), ("astronaut.png", 40)):
+        with open(os.path.join(photos_dir, name), "rb") as f:
+            payload = f.read()
+        out = data.decode_crop(payload, resolution, None)
+        assert np.array_equal(out, data.decode_crop(payload, resolution, None))  # deterministic
+        img = Image.open(io.BytesIO(payload)).convert("RGB")
+        w, h = img.size
+        scale = resolution / min(w, h)
+        size = (max(resolution, round(w * scale)), max(resolution, round(h * scale)))
+        resized = img.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0)
+        x0, y0 = (size[0] - resolution) // 2, (size[1] - resolution) // 2
+        manual = np.asarray(resized.crop((x0, y0, x0 + resolution, y0 + resolution)))
+        assert np.abs(out.astype(int) - manual.astype(int)).max() <= 1, name
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L", "CMYK"])
+def test_large_jpeg_draft_mode(mode):
+    yy, xx = np.mgrid[0:1200, 0:1600]
+    smooth = ((np.sin(xx / 90.0) + np.cos(yy / 70.0)) * 60 + 128).astype(np.uint8)
+    img = Image.fromarray(smooth, "L")
+    if mode != "L":
+        img = Image.merge("RGB", (img, img.transpose(Image.Transpose.FLIP_LEFT_RIGHT), img)).convert(mode)
+    payload = encode(img, "JPEG", quality=90)
+    out = data.decode_crop(payload, 64, None)
+    assert out.shape == (64, 64, 3) and out.dtype == np.uint8
+    train = data.decode_crop(payload, 64, random.Random(0), resize_prob=1.0)
+    assert train.shape == (64, 64, 3)
+    # close to a full-resolution decode + resize (DCT-domain downscaling is not bit-exact)
+    full = Image.open(io.BytesIO(payload)).convert("RGB").resize((85, 64), Image.Resampling.BICUBIC)
+    reference = np.asarray(full.crop((10, 0, 74, 64))).astype(int)
+    assert np.abs(out.astype(int) - reference).mean() < 4
+
+
+def test_to_model_input_range():
+    batch = torch.tensor([0, 1, 127, 128, 254, 255], dtype=torch.uint8).view(1, 1, 2, 3).expand(2, 3, 2, 3)
+    x = data.to_model_input(batch, torch.device("cpu"))
+    assert x.dtype == torch.float32 and x.shape == (2, 3, 2, 3)
+    assert x.min().item() == -1.0 and x.max().item() == 1.0
+    torch.testing.assert_close(x[0, 0].flatten(), torch.tensor([0, 1, 127, 128, 254, 255]) / 127.5 - 1)
+    assert x.is_contiguous(memory_format=torch.channels_last)
+
+
+# --------------------------------------------------------------------------------------------
+# skipping and counting the broken ones
+# --------------------------------------------------------------------------------------------
+def test_eval_reading_counts_each_kind_once(zoo):
+    counters = Counter()
+    good_url = zoo.replace("{00000..00002}", "{00000..00001}")
+    with deadline(60):
+        batches = list(data.iter_eval_batches(good_url, R, 4, max_pixels=MAX_PIXELS, counters=counters))
+    images = torch.cat([b for _, b in batches])
+    indices = [i for idx, _ in batches for i in idx]
+    assert images.dtype == torch.uint8 and images.shape == (len(good_members()) + 3, 3, R, R)
+    assert dict(counters) == {"corrupt": 3, "non_image": 1, "too_large": 2}
+    # the samples that carry an image are numbered 0.. in shard order; the broken ones lose their slot
+    assert indices == list(range(12)) + [12, 14, 19]  # ok0, ok1, ok2 of shard 1
+
+    counters = Counter()
+    with deadline(60):
+        batches = list(data.iter_eval_batches(zoo.replace("{00000..00002}", "00002"), R, 4, counters=counters))
+    assert counters["shard_errors"] == 1 and counters["non_image"] == counters["too_large"] == 0
+    assert sum(len(idx) for idx, _ in batches) >= 2  # what was read before the cut stands
+
+
+def test_truncated_tar_keeps_every_whole_sample(tmp_path):
+    path = truncated_tar(tmp_path / "cut.tar")
+    counters = Counter()
+    keys = [s["__key__"] for _, s in data.iter_shard(path, counters)]
+    assert counters["shard_errors"] == 1
+    assert keys == ["t0", "t1", "t2"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_train_loader_survives_the_zoo(zoo, num_workers):
+    with train_loader(zoo, batch_size=4, num_workers=num_workers, max_pixels=MAX_PIXELS) as loader:
+        batches = take(loader, 16)
+        for b in batches:
+            assert b.dtype == torch.uint8 and b.shape == (4, 3, R, R)
+            x = data.to_model_input(b, torch.device("cpu"))
+            assert x.dtype == torch.float32 and x.min().item() >= -1.0 and x.max().item() <= 1.0
+        skipped = loader.skipped()
+        assert set(skipped) == {"corrupt", "non_image", "too_large", "shard_errors"}
+        assert all(skipped[k] > 0 for k in skipped), skipped
+        # several epochs went by (each counts its broken members again)
+        state = loader.state_dict()
+        assert sum(st["epoch"] for st in state["worker_states"].values()) >= 2
+        # and it keeps going
+        assert take(loader, 4)[-1].shape == (4, 3, R, R)
+
+
+def test_train_loader_clean_data_counts_nothing(solid_shards):
+    with train_loader(solid_shards) as loader:
+        take(loader, 12)
+        assert loader.skipped() == {"corrupt": 0, "non_image": 0, "too_large": 0, "shard_errors": 0}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_nothing_decodable_raises_dataset_error(tmp_path, num_workers):
+    url = write_tar(tmp_path / "bad.tar", [(f"k{i}.jpg", b"garbage %d" % i) for i in range(5)]
+                    + [("caption.txt", b"text")])
+    # the stream gives up after 10 * buffer + 1000 failures in a row: well under a second here
+    with train_loader(url, num_workers=num_workers, shuffle_buffer=2) as loader:
+        with deadline(60), pytest.raises(data.DatasetError):
+            next(loader)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_unreadable_shards_raise_dataset_error(tmp_path, num_workers):
+    write_tar(tmp_path / "a.tar", [])  # a valid but empty tar
+    with open(tmp_path / "b.tar", "wb") as f:
+        f.write(b"\x00garbage" * 100)
+    with train_loader(str(tmp_path / "{a,b}.tar"), num_workers=num_workers) as loader:
+        with deadline(60), pytest.raises(data.DatasetError):
+            next(loader)
+
+
+def test_dataset_error_from_worker_is_one_line(tmp_path):
+    url = write_tar(tmp_path / "bad.tar", [(f"k{i}.jpg", b"garbage") for i in range(3)])
+    with train_loader(url, num_workers=2, shuffle_buffer=2) as loader:
+        with deadline(60), pytest.raises(data.DatasetError) as info:
+            next(loader)
+    assert "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------
+# shard lists
+# --------------------------------------------------------------------------------------------
+def test_list_shards_brace_expansion(solid_shards):
+    shards = data.list_shards(solid_shards)
+    root = os.path.dirname(solid_shards)
+    assert shards == [os.path.join(root, f"{i:05d}.tar") for i in range(3)]
+    assert data.list_shards(os.path.join(root, "00001.tar")) == [os.path.join(root, "00001.tar")]
+    two_lists = f"{os.path.join(root, '00000.tar')}::{os.path.join(root, '{00001..00002}.tar')}"
+    assert data.list_shards(two_lists) == shards
+
+
+def test_list_shards_directory_pseudo_shards(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    for name in ("b.png", "a.JPG", "sub/c.webp", ".hidden.png", "readme.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    shards = data.list_shards(str(tmp_path))
+    assert shards == [(str(tmp_path / "a.JPG"), str(tmp_path / "b.png"), str(tmp_path / "sub" / "c.webp"))]
+    monkeypatch.setattr(data, "DIR_SHARD_SIZE", 2)
+    assert [len(s) for s in data.list_shards(str(tmp_path))] == [2, 1]
+
+
+def test_directory_dataset_trains(photos_dir):
+    with train_loader(photos_dir, batch_size=3) as loader:
+        batches = take(loader, 4)
+    assert all(b.shape == (3, 3, R, R) and b.dtype == torch.uint8 for b in batches)
+
+
+@pytest.mark.parametrize("url_kind", ["missing_shard", "missing_in_range", "empty_dir", "empty_url"])
+def test_list_shards_errors_are_one_line(tmp_path, solid_shards, url_kind):
+    root = os.path.dirname(solid_shards)
+    url = {"missing_shard": str(tmp_path / "nope.tar"),
+           "missing_in_range": os.path.join(root, "{00000..00004}.tar"),
+           "empty_dir": str(tmp_path),
+           "empty_url": ""}[url_kind]
+    with pytest.raises(data.DatasetError) as info:
+        data.list_shards(url)
+    msg = str(info.value)
+    assert msg and "\n" not in msg
+    if url_kind == "missing_in_range":
+        assert "00003.tar" in msg and "1 more" in msg
+    if url_kind in ("missing_shard", "empty_dir"):
+        assert str(tmp_path) in msg
+
+
+# --------------------------------------------------------------------------------------------
+# sharding across ranks and workers; the endless stream
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_ranks_read_disjoint_shards(solid_shards, num_workers):
+    seen = {}
+    for rank in (0, 1):
+        with train_loader(solid_shards, rank=rank, world_size=2, num_workers=num_workers) as loader:
+            batches = take(loader, 20)
+        assert len(batches) == 20 and all(b.shape == (2, 3, R, R) for b in batches)
+        seen[rank] = [i for b in batches for i in sample_ids(b)]
+    assert set(seen[0]) == shard_ids(0) | shard_ids(2)  # 40 images: ~7 epochs of rank 0's 6 images
+    assert set(seen[1]) == shard_ids(1)  # ~13 epochs of rank 1's 3 images
+    # every epoch visits every sample once: none is starved (40 draws of 3 samples: ~13 each)
+    assert min(Counter(seen[1]).values()) >= 8
+
+
+def test_fewer_shards_than_workers(tmp_path):
+    url = write_tar(tmp_path / "only.tar", [(f"k{i}.png", solid_png(100 + i)) for i in range(3)])
+    with train_loader(url, num_workers=2) as loader:
+        batches = take(loader, 8)
+        state = loader.state_dict()
+    assert set(state["worker_states"]) == {0, 1}  # both workers delivered
+    ids = [i for b in batches for i in sample_ids(b)]
+    assert set(ids) == {100, 101, 102}
+    # 2 ranks x 2 workers over 2 shards: every (rank, worker) still yields batches
+    for s in range(2):
+        write_tar(tmp_path / f"two{s}.tar", [(f"k{i}.png", solid_png(150 + 10 * s + i)) for i in range(2)])
+    for rank in (0, 1):
+        with train_loader(str(tmp_path / "two{0,1}.tar"), rank=rank, world_size=2, num_workers=2) as loader:
+            take(loader, 6)
+            assert set(loader.state_dict()["worker_states"]) == {0, 1}
+
+
+def test_stream_is_seeded(solid_shards):
+    with train_loader(solid_shards, seed=5) as a, train_loader(solid_shards, seed=5) as b:
+        first, second = take(a, 6), take(b, 6)
+    assert all(torch.equal(x, y) for x, y in zip(first, second))
+    with train_loader(solid_shards, seed=6) as c:
+        other = take(c, 6)
+    assert not all(torch.equal(x, y) for x, y in zip(first, other))
+
+
+# --------------------------------------------------------------------------------------------
+# exact resume
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_workers,k,n", [(0, 3, 5), (2, 1, 4), (2, 3, 5), (2, 4, 4)])
+def test_exact_resume(shard_url, num_workers, k, n):
+    kwargs = dict(batch_size=2, num_workers=num_workers, shuffle_buffer=3, seed=11)
+    with train_loader(shard_url, **kwargs) as loader:
+        take(loader, k)
+        state = round_trip(loader.state_dict())
+        expected = take(loader, n)
+    assert state["batches"] == k
+    # mid-epoch, with samples waiting in a shuffle buffer
+    buffers = [st["buffer"] for st in state["worker_states"].values()]
+    assert any(len(b) > 0 for b in buffers)
+    with train_loader(shard_url, state=state, **kwargs) as resumed:
+        got = take(resumed, n)
+        assert resumed.state_dict()["batches"] == k + n
+    for i, (a, b) in enumerate(zip(expected, got)):
+        assert torch.equal(a, b), f"batch {k + i} differs after resume"
+    # the comparison has teeth: a fresh stream (no state) gives other batches at that point
+    with train_loader(shard_url, **kwargs) as fresh:
+        restart = take(fresh, n)
+    assert not all(torch.equal(a, b) for a, b in zip(expected, restart))
+
+
+def test_resume_with_another_worker_count_restarts(shard_url, capsys):
+    kwargs = dict(batch_size=2, shuffle_buffer=3, seed=11)
+    with train_loader(shard_url, num_workers=0, **kwargs) as loader:
+        first = take(loader, 3)
+        state = round_trip(loader.state_dict())
+    with train_loader(shard_url, num_workers=2, state=state, **kwargs) as other:
+        assert "not an exact resume" in capsys.readouterr().err
+        batches = take(other, 3)
+    assert all(b.shape == (2, 3, R, R) for b in batches)
+    # a fresh seed, not a replay of the first batches
+    assert not all(torch.equal(a, b) for a, b in zip(first, batches))
+
+
+# --------------------------------------------------------------------------------------------
+# evaluation reading
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def five_images(tmp_path_factory):
+    root = tmp_path_factory.mktemp("five")
+    write_tar(root / "00000.tar", [(f"k{i}.png", solid_png(50 + i)) for i in range(3)])
+    write_tar(root / "00001.tar", [(f"k{i}.png", solid_png(53 + i)) for i in range(2)])
+    return str(root / "{00000..00001}.tar")
+
+
+def eval_ids(url: str, **kwargs) -> tuple[list[int], list[int]]:
+    indices, ids = [], []
+    with deadline(60):
+        for idx, batch in data.iter_eval_batches(url, R, 2, **kwargs):
+            assert batch.dtype == torch.uint8 and batch.shape[1:] == (3, R, R) and len(idx) == batch.shape[0]
+            indices += idx
+            ids += sample_ids(batch)
+    return indices, ids
+
+
+def test_iter_eval_batches_split_across_ranks(five_images):
+    single = eval_ids(five_images)
+    assert single == ([0, 1, 2, 3, 4], [50, 51, 52, 53, 54])  # shard order, deterministic
+    assert eval_ids(five_images) == single
+    rank0, rank1 = eval_ids(five_images, rank=0, world_size=2), eval_ids(five_images, rank=1, world_size=2)
+    assert rank0 == ([0, 2, 4], [50, 52, 54])
+    assert rank1 == ([1, 3], [51, 53])
+    assert sorted(rank0[0] + rank1[0]) == list(range(5))
+
+
+def test_iter_eval_batches_max_images(five_images):
+    assert eval_ids(five_images, max_images=3) == ([0, 1, 2], [50, 51, 52])
+    r0 = eval_ids(five_images, rank=0, world_size=2, max_images=3)
+    r1 = eval_ids(five_images, rank=1, world_size=2, max_images=3)
+    assert sorted(r0[0] + r1[0]) == [0, 1, 2]
+    assert eval_ids(five_images, max_images=0) == ([], [])
+
+
+# --------------------------------------------------------------------------------------------
+# make-shards
+# --------------------------------------------------------------------------------------------
+@pytest.fixture()
+def image_folder(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub1").mkdir(parents=True)
+    (src / "sub2").mkdir()
+    files = {
+        "a.b.png": encode(noise_image(30), "PNG"),
+        "a_b.png": encode(noise_image(31), "PNG"),  # the same key as a.b.png once dots go
+        "sub1/x.png": encode(noise_image(32), "PNG"),
+        "sub2/x.png": encode(noise_image(33), "PNG"),  # the same basename in another folder
+        "photo.jpeg": encode(noise_image(34), "JPEG"),
+    }
+    for name, payload in files.items():
+        (src / name).write_bytes(payload)
+    (src / "broken.jpg").write_bytes(b"not a jpeg")
+    return src, files
+
+
+def read_tar_members(paths: list[str]) -> dict[str, bytes]:
+    members = {}
+    for path in paths:
+        with tarfile.open(path) as tf:
+            for m in tf.getmembers():
+                assert m.name not in members
+                members[m.name] = tf.extractfile(m).read()
+    return members
+
+
+def test_make_shards_cli(image_folder, tmp_path):
+    src, files = image_folder
+    dst = tmp_path / "dst"
+    proc = run_cli("data.py", ["make-shards", str(src), str(dst), "--shard_size", "2"], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"wrote 5 images into 3 shards \(1 unreadable skipped\)", proc.stdout), proc.stdout
+    m = re.search(r"--dataset_url '([^']+)'", proc.stdout)
+    assert m, proc.stdout
+    url = m.group(1)
+    assert url == str(dst / "{00000..00002}.tar")
+    shards = data.list_shards(url)
+    assert len(shards) == 3
+    members = read_tar_members(shards)
+    assert len(members) == 5
+    keys = {name.split(".", 1)[0] for name in members}
+    assert len(keys) == 5  # every image its own sample, duplicates included
+    assert all("." not in name.rsplit(".", 1)[0] for name in members)  # keys hold no dot
+    assert sorted(members.values()) == sorted(files.values())  # original bytes, no re-encode
+    assert {"sub1/x.png", "sub2/x.png"} <= set(members)
+    assert any(name.endswith(".jpg") for name in members)  # .jpeg is stored as jpg
+    # and the shards read back through the training stream
+    with train_loader(url, batch_size=5) as loader:
+        assert take(loader, 2)[1].shape == (5, 3, R, R)
+        assert loader.skipped()["corrupt"] == 0
+
+
+@pytest.mark.parametrize("args", [["make-shards", "/nonexistent/src", "/tmp/whatever"],
+                                  ["make-shards", "{src}", "{dst}", "--shard_size", "0"]])
+def test_make_shards_bad_input(tmp_path, args):
+    args = [a.format(src=tmp_path, dst=tmp_path / "dst") for a in args]
+    proc = run_cli("data.py", args, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    assert not (tmp_path / "dst").exists()
+
+
+def test_make_shards_in_process(image_folder, tmp_path, capsys):
+    src, files = image_folder
+    assert data.main(["make-shards", str(src), str(tmp_path / "one"), "--shard_size", "100"]) == 0
+    out = capsys.readouterr().out
+    assert f"--dataset_url '{tmp_path / 'one' / '00000.tar'}'" in out
+    assert len(read_tar_members([str(tmp_path / "one" / "00000.tar")])) == 5
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert data.main(["make-shards", str(empty), str(tmp_path / "two")]) == 2
+    assert capsys.readouterr().err.startswith("error:")
+
+
+def test_make_shards_nothing_readable(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jpg").write_bytes(b"junk")
+    (src / "b.png").write_bytes(b"")
+    rc = data.main(["make-shards", str(src), str(tmp_path / "dst")])
+    captured = capsys.readouterr()
+    assert rc != 0
+    assert "--dataset_url" not in captured.out
+    assert captured.err.strip().startswith("error:") and len(captured.err.strip().splitlines()) == 1

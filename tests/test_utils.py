@@ -1,0 +1,536 @@
+"""Unit tests of utils.py: GradNorm (single process and 2 gloo ranks), pooled and low-pass MSE, GAN
+losses, discriminators, LDM's adaptive weight, LeCam, the LR schedule and VGG16 weight handling.
+CPU only; VGG16 networks are randomly initialised (no internet here)."""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import urllib.error
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+import torchvision
+
+import utils
+from utils import (DISC_NORMS, GradNormFunction, LeCam, NLayerDiscriminator, VGG16Discriminator, WeightsUnavailable,
+                   adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy, discriminator_loss,
+                   ensure_vgg16_weights, generator_loss, gradnorm, load_vgg16_features, lowpass_mask, lowpass_mse,
+                   pooled_mse)
+
+VGG16_CONV_INDICES = (0, 2, 5, 7, 10, 12, 14, 17, 19, 21, 24, 26, 28)
+
+
+# --------------------------------------------------------------------------------------------
+# GradNorm
+# --------------------------------------------------------------------------------------------
+def test_gradnorm_forward_is_identity():
+    x = torch.randn(2, 3, 5, 7, requires_grad=True)
+    y = gradnorm(x, 0.3)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize("weight", [0.1, 1.0, 2.5])
+@pytest.mark.parametrize("upstream_scale", [1e-6, 1.0, 1e4])
+def test_gradnorm_gradient_has_norm_weight(weight, upstream_scale):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    upstream = torch.randn(2, 3, 8, 8) * upstream_scale
+    (gradnorm(x, weight) * upstream).sum().backward()
+    g = x.grad
+    assert torch.linalg.vector_norm(g).item() == pytest.approx(weight, rel=1e-5)
+    assert F.cosine_similarity(g.flatten(), upstream.flatten(), dim=0).item() == pytest.approx(1.0, abs=1e-6)
+    expected = weight * upstream.double() / torch.linalg.vector_norm(upstream.double())
+    torch.testing.assert_close(g.double(), expected, rtol=1e-5, atol=1e-7 * weight)
+
+
+def test_gradnorm_tensor_weight_and_bf16():
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    upstream = (torch.randn(4, 16) * 300).bfloat16()
+    (gradnorm(x, torch.tensor(0.5)) * upstream).sum().backward()
+    assert x.grad.dtype == torch.bfloat16
+    assert torch.linalg.vector_norm(x.grad.float()).item() == pytest.approx(0.5, rel=1e-2)
+    # the weight is not a learnable input: no gradient flows to it
+    w = torch.tensor(2.0, requires_grad=True)
+    x2 = torch.randn(3, requires_grad=True)
+    GradNormFunction.apply(x2, w).sum().backward()
+    assert w.grad is None
+    assert torch.linalg.vector_norm(x2.grad).item() == pytest.approx(2.0, rel=1e-6)
+
+
+def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        # rank r's upstream gradient: the same direction pattern, very different norms
+        upstream = torch.arange(1.0, 13.0).view(3, 4) * (1.0 if rank == 0 else 7.0) + rank
+        x = torch.zeros(3, 4, requires_grad=True)
+        (gradnorm(x, 0.8) * upstream).sum().backward()
+        # LeCam anchors are averaged across ranks
+        lecam = LeCam(decay=0.5)
+        lecam.update(torch.full((4,), float(rank + 1)), torch.full((4,), -2.0 * (rank + 1)))
+        torch.save({"upstream": upstream, "grad": x.grad, "ema_real": lecam.ema_real.clone(),
+                    "ema_fake": lecam.ema_fake.clone()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gradnorm_two_gloo_ranks(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"), str(out)), nprocs=2, join=True)
+    results = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    norms = [torch.linalg.vector_norm(r["upstream"].double()) for r in results]
+    mean_norm = (norms[0] + norms[1]) / 2
+    assert abs(norms[0] - norms[1]) > 50  # the ranks really differ
+    for r in results:
+        # every rank is scaled by the same factor weight / mean(||g_0||, ||g_1||)
+        expected = 0.8 * r["upstream"].double() / mean_norm
+        torch.testing.assert_close(r["grad"].double(), expected, rtol=1e-6, atol=1e-9)
+    # so the norms differ per rank but average to the weight
+    grad_norms = [torch.linalg.vector_norm(r["grad"]).item() for r in results]
+    assert sum(grad_norms) / 2 == pytest.approx(0.8, rel=1e-6)
+    assert grad_norms[0] < 0.8 < grad_norms[1]
+    for r in results:  # means over ranks: real (1 + 2) / 2, fake (-2 - 4) / 2
+        assert r["ema_real"].item() == pytest.approx(1.5)
+        assert r["ema_fake"].item() == pytest.approx(-3.0)
+
+
+# --------------------------------------------------------------------------------------------
+# pooled MSE
+# --------------------------------------------------------------------------------------------
+def test_pooled_mse_blind_to_zero_mean_pattern_at_pool_period():
+    torch.manual_seed(0)
+    image = torch.rand(2, 3, 16, 24) * 2 - 1
+    tile = torch.randn(3, 4, 4)
+    tile = tile - tile.mean(dim=(1, 2), keepdim=True)  # zero mean over each 4x4 pooling window
+    pattern = tile.repeat(1, 4, 6)
+    noisy = image + pattern
+    assert pooled_mse(noisy, image, 4).item() == pytest.approx(0.0, abs=1e-10)
+    plain = F.mse_loss(noisy, image).item()
+    assert plain == pytest.approx(pattern.square().mean().item(), rel=1e-5) and plain > 0.1
+    assert pooled_mse(noisy, image, 1).item() == pytest.approx(plain, rel=1e-6)
+    # a pooling window smaller than the pattern's period sees it
+    assert pooled_mse(noisy, image, 2).item() > 1e-3
+
+
+@pytest.mark.parametrize("shift", [0.25, -0.5])
+def test_pooled_mse_constant_shift(shift):
+    image = torch.rand(1, 3, 16, 16)
+    assert pooled_mse(image + shift, image, 4).item() == pytest.approx(shift ** 2, rel=1e-5)
+    assert pooled_mse(image + shift, image, 8).item() == pytest.approx(shift ** 2, rel=1e-5)
+
+
+def test_pooled_mse_fp32_under_autocast():
+    a, b = torch.rand(1, 3, 16, 16).bfloat16(), torch.rand(1, 3, 16, 16).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = pooled_mse(a, b, 4)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(pooled_mse(a.float(), b.float(), 4).item(), rel=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# low-pass mask and MSE
+# --------------------------------------------------------------------------------------------
+def half_flat_half_checker(h: int = 64, w: int = 64, flat_value: float = 0.0) -> torch.Tensor:
+    """(1, 3, H, W): left half flat, right half a +-1 checkerboard (the highest frequency)."""
+    yy, xx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    checker = ((yy + xx) % 2 * 2 - 1).float()
+    img = torch.full((1, 3, h, w), flat_value)
+    img[..., w // 2:] = checker[:, w // 2:]
+    return img
+
+
+@pytest.mark.parametrize("flat_value", [0.0, 0.8])
+def test_lowpass_mask_flat_vs_checkerboard(flat_value):
+    img = half_flat_half_checker(flat_value=flat_value)
+    mask = lowpass_mask(img)
+    assert mask.shape == (1, 1, 64, 64) and mask.dtype == torch.float32
+    # away from the boundary (Laplacian radius 2 + blur radius 6) and from the image frame
+    assert mask[..., 4:-4, 4:20].min().item() > 0.95
+    assert mask[..., 40:].max().item() == 0.0
+    assert ((mask == 0) | (mask >= 0.8)).all()
+    assert mask.min().item() >= 0.0 and mask.max().item() <= 1.0
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.8, 0.95])
+def test_lowpass_mask_range_and_threshold(threshold):
+    torch.manual_seed(0)
+    img = F.interpolate(torch.rand(2, 3, 8, 8) * 2 - 1, size=48, mode="bilinear") + 0.1 * torch.randn(2, 3, 48, 48)
+    mask = lowpass_mask(img, threshold)
+    assert mask.min().item() >= 0.0 and mask.max().item() <= 1.0 + 1e-6
+    nonzero = mask[mask > 0]
+    assert nonzero.numel() > 0 and (mask == 0).any()
+    assert nonzero.min().item() >= threshold
+
+
+def test_lowpass_mask_is_normalised_per_image():
+    torch.manual_seed(1)
+    # `a`: faint texture everywhere (its weakest edge is not 0); `b`: 4x stronger edges and a flat half
+    a = half_flat_half_checker() + 0.05 * torch.randn(1, 1, 64, 64)
+    b = 4.0 * half_flat_half_checker()
+    alone = lowpass_mask(a)
+    assert 0 < alone[..., :32].count_nonzero() < 64 * 32  # a non-trivial mask to compare
+    batched = lowpass_mask(torch.cat([b, a]))
+    torch.testing.assert_close(batched[1:], alone, rtol=0, atol=1e-6)
+    torch.testing.assert_close(batched[:1], lowpass_mask(b), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("value", [0.5, -1.0])
+def test_lowpass_mask_flat_image_is_all_low_frequency(value):
+    mask = lowpass_mask(torch.full((1, 3, 32, 32), value))
+    assert mask.min().item() == pytest.approx(1.0)
+
+
+def test_lowpass_mse_ignores_high_frequency_region_errors():
+    target = half_flat_half_checker()
+    mask = lowpass_mask(target)
+    assert mask[..., 32:].sum().item() == 0.0  # nothing of the checkerboard half counts
+    torch.manual_seed(0)
+    error_hf = torch.zeros_like(target)
+    error_hf[..., 32:] = torch.randn(1, 3, 64, 32)
+    assert lowpass_mse(target + error_hf, target).item() == 0.0
+    assert F.mse_loss(target + error_hf, target).item() > 0.4
+    # a constant error d over the flat half: the mask-weighted mean is d^2
+    error_flat = torch.zeros_like(target)
+    error_flat[..., :32] = 0.3
+    assert lowpass_mse(target + error_flat, target).item() == pytest.approx(0.09, rel=1e-5)
+    # identical images: zero
+    assert lowpass_mse(target, target).item() == 0.0
+
+
+def test_lowpass_fp32_under_bf16_autocast():
+    target = half_flat_half_checker().bfloat16()
+    recon = (target.float() + 0.1).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mask = lowpass_mask(target)
+        loss = lowpass_mse(recon, target)
+    assert mask.dtype == torch.float32 and loss.dtype == torch.float32
+    torch.testing.assert_close(mask, lowpass_mask(target.float()), rtol=0, atol=1e-6)
+    assert loss.item() == pytest.approx(lowpass_mse(recon.float(), target.float()).item(), rel=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# GAN losses
+# --------------------------------------------------------------------------------------------
+REAL = torch.tensor([2.0, 0.5, -1.0, 0.0])
+FAKE = torch.tensor([-2.0, 0.0, 0.5, 3.0])
+
+
+def _softplus(v: float) -> float:
+    return math.log1p(math.exp(v))
+
+
+def test_discriminator_loss_hinge():
+    # relu(1 - real): [0, .5, 2, 1] -> 3.5 / 4;  relu(1 + fake): [0, 1, 1.5, 4] -> 6.5 / 4
+    assert discriminator_loss(REAL, FAKE, "hinge").item() == pytest.approx(3.5 / 4 + 6.5 / 4, rel=1e-6)
+
+
+def test_discriminator_loss_bce():
+    expected = (sum(_softplus(-r) for r in REAL.tolist()) / 4 + sum(_softplus(f) for f in FAKE.tolist()) / 4)
+    assert discriminator_loss(REAL, FAKE, "bce").item() == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError):
+        discriminator_loss(REAL, FAKE, "wasserstein")
+
+
+def test_discriminator_loss_fp32_for_bf16_logits():
+    loss = discriminator_loss(REAL.bfloat16(), FAKE.bfloat16(), "hinge")
+    assert loss.dtype == torch.float32
+
+
+def test_generator_loss_thresholded_and_ldm():
+    fake = FAKE.clone().requires_grad_(True)
+    real = REAL.clone().requires_grad_(True)
+    loss = generator_loss(fake, real, "thresholded", margin=0.1)
+    # real - fake - 0.1 = [3.9, 0.4, -1.6, -3.1] -> relu -> 4.3 / 4
+    assert loss.item() == pytest.approx(4.3 / 4, rel=1e-6)
+    loss.backward()
+    assert real.grad is None  # the real logits are a fixed target
+    assert torch.equal(fake.grad, torch.tensor([-0.25, -0.25, 0.0, 0.0]))
+    assert generator_loss(FAKE, REAL, "thresholded", margin=1.0).item() == pytest.approx((3.0 + 0.0) / 4)
+    assert generator_loss(FAKE, None, "ldm").item() == pytest.approx(-1.5 / 4)
+    with pytest.raises(ValueError):
+        generator_loss(FAKE, REAL, "nonsaturating")
+
+
+def test_discriminator_accuracy():
+    # real > 0: 2 of 4 ; fake < 0: 1 of 4 -> 0.5 * (0.5 + 0.25)
+    assert discriminator_accuracy(REAL, FAKE).item() == pytest.approx(0.375)
+    assert discriminator_accuracy(torch.ones(3), -torch.ones(3)).item() == 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# discriminators
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vgg_disc():
+    torch.manual_seed(0)
+    return VGG16Discriminator(None)
+
+
+def test_vgg16_discriminator_shape_and_neutral_start(vgg_disc):
+    x = (torch.rand(2, 3, 64, 48) * 2 - 1).requires_grad_(True)
+    logits = vgg_disc(x)
+    assert logits.shape == (2, 1, 4, 3)
+    assert torch.count_nonzero(logits).item() == 0  # zero-initialised final head convs
+    logits.sum().backward()
+    head_grads = [h[-1].weight.grad for h in vgg_disc.heads]
+    assert all(g is not None and g.abs().sum().item() > 0 for g in head_grads)  # it can learn
+
+
+def test_vgg16_discriminator_gradients_reach_input(vgg_disc):
+    disc = copy.deepcopy(vgg_disc)
+    torch.manual_seed(1)
+    for head in disc.heads:
+        torch.nn.init.normal_(head[-1].weight, std=0.1)
+    x = (torch.rand(1, 3, 32, 32) * 2 - 1).requires_grad_(True)
+    disc(x).sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum().item() > 0
+
+
+@pytest.mark.parametrize("norm", DISC_NORMS)
+def test_nlayer_discriminator_norms(norm):
+    torch.manual_seed(0)
+    disc = NLayerDiscriminator(ndf=8, norm=norm)
+    x = (torch.rand(2, 3, 64, 64) * 2 - 1).requires_grad_(True)
+    out = disc(x)
+    # 64 -> 32 -> 16 -> 8 (stride 2) -> 7 -> 6 (stride 1, kernel 4, padding 1)
+    assert out.shape == (2, 1, 6, 6)
+    out.mean().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum().item() > 0
+    with pytest.raises(ValueError):
+        NLayerDiscriminator(norm="layer")
+
+
+# --------------------------------------------------------------------------------------------
+# adaptive GAN weight
+# --------------------------------------------------------------------------------------------
+def _tiny_generator():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    x, target = torch.randn(5, 4), torch.randn(5, 3)
+    out = net(x)
+    rec = F.mse_loss(out, target)
+    return net, out, rec
+
+
+def test_adaptive_gan_weight_formula():
+    net, out, rec = _tiny_generator()
+    gan = -(out * torch.tensor([0.3, -0.2, 0.5])).mean()
+    w = net[2].weight
+    g_rec = torch.autograd.grad(rec, w, retain_graph=True)[0]
+    g_gan = torch.autograd.grad(gan, w, retain_graph=True)[0]
+    expected = g_rec.norm().item() / (g_gan.norm().item() + 1e-4)
+    weight = adaptive_gan_weight(rec, gan, w)
+    assert weight.item() == pytest.approx(expected, rel=1e-5)
+    assert not weight.requires_grad and weight.grad_fn is None
+    assert weight.dtype == torch.float32
+    # the graph was retained: the losses can still be backpropagated
+    (rec + weight * gan).backward()
+    assert w.grad is not None
+
+
+def test_adaptive_gan_weight_clamped():
+    net, out, rec = _tiny_generator()
+    tiny_gan = -out.mean() * 1e-12
+    assert adaptive_gan_weight(rec, tiny_gan, net[2].weight, max_weight=10.0).item() == 10.0
+    assert adaptive_gan_weight(rec, tiny_gan, net[2].weight).item() <= 1e4
+    # a gan loss that ignores the layer (zero gradient): rec / 1e-4, then the clamp
+    zero_gan = (out * 0).sum()
+    g_rec = torch.autograd.grad(rec, net[2].weight, retain_graph=True)[0]
+    expected = min(g_rec.norm().item() / 1e-4, 1e4)
+    assert adaptive_gan_weight(rec, zero_gan, net[2].weight).item() == pytest.approx(expected, rel=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# LeCam
+# --------------------------------------------------------------------------------------------
+def test_lecam_penalty_on_hand_values():
+    lecam = LeCam()
+    lecam.ema_real.fill_(0.5)
+    lecam.ema_fake.fill_(-0.5)
+    real = torch.tensor([1.0, -1.0, 0.0])
+    fake = torch.tensor([0.0, 1.0, -2.0])
+    # relu(real - ema_fake)^2: [1.5, 0, 0.5]^2 -> 2.5 / 3 ; relu(ema_real - fake)^2: [0.5, 0, 2.5]^2 -> 6.5 / 3
+    assert lecam.penalty(real, fake).item() == pytest.approx(2.5 / 3 + 6.5 / 3, rel=1e-6)
+
+
+def test_lecam_update_ema():
+    lecam = LeCam(decay=0.9)
+    assert not bool(lecam.initialized)
+    lecam.update(torch.tensor([1.0, 3.0]), torch.tensor([-4.0, 0.0]))
+    assert bool(lecam.initialized)
+    assert lecam.ema_real.item() == pytest.approx(2.0) and lecam.ema_fake.item() == pytest.approx(-2.0)
+    lecam.update(torch.tensor([12.0]), torch.tensor([8.0]))
+    assert lecam.ema_real.item() == pytest.approx(0.9 * 2.0 + 0.1 * 12.0)
+    assert lecam.ema_fake.item() == pytest.approx(0.9 * -2.0 + 0.1 * 8.0)
+
+
+def test_lecam_state_dict_round_trip():
+    lecam = LeCam(decay=0.9)
+    lecam.update(torch.tensor([1.0]), torch.tensor([-1.0]))
+    lecam.update(torch.tensor([3.0]), torch.tensor([1.0]))
+    state = lecam.state_dict()
+    assert set(state) == {"ema_real", "ema_fake", "initialized"}
+    fresh = LeCam(decay=0.9)
+    fresh.load_state_dict(state)
+    for name in ("ema_real", "ema_fake", "initialized"):
+        assert torch.equal(getattr(fresh, name), getattr(lecam, name)), name
+    # the restored one continues the EMA rather than re-seeding its anchors
+    for m in (lecam, fresh):
+        m.update(torch.tensor([5.0]), torch.tensor([5.0]))
+    assert fresh.ema_real.item() == pytest.approx(lecam.ema_real.item())
+    assert fresh.ema_real.item() == pytest.approx(0.9 * (0.9 * 1 + 0.1 * 3) + 0.1 * 5)
+
+
+# --------------------------------------------------------------------------------------------
+# schedule
+# --------------------------------------------------------------------------------------------
+def test_cosine_with_warmup():
+    f = cosine_with_warmup(warmup_steps=10, total_steps=110, min_ratio=0.1)
+    warm = [f(s) for s in range(10)]
+    assert warm == pytest.approx([(s + 1) / 10 for s in range(10)])  # linear
+    assert f(9) == pytest.approx(1.0) and f(10) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the cosine
+    assert f(110) == pytest.approx(0.1)
+    assert f(111) == pytest.approx(0.1) and f(10_000) == pytest.approx(0.1)
+    decay = [f(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+    no_warmup = cosine_with_warmup(0, 100)
+    assert no_warmup(0) == pytest.approx(1.0) and no_warmup(100) == pytest.approx(0.0, abs=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# VGG16 weights without internet
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vgg16_state() -> dict:
+    torch.manual_seed(1234)
+    return torchvision.models.vgg16(weights=None).state_dict()
+
+
+def test_ensure_vgg16_weights_random_and_paths(tmp_path):
+    assert ensure_vgg16_weights("random") is None
+    assert load_vgg16_features(None) is None
+    missing = tmp_path / "nope.pth"
+    with pytest.raises(WeightsUnavailable) as info:
+        ensure_vgg16_weights(str(missing))
+    assert "\n" not in str(info.value) and str(missing) in str(info.value)
+    existing = tmp_path / "vgg.pth"
+    existing.write_bytes(b"x")
+    assert ensure_vgg16_weights(str(existing)) == str(existing)
+
+
+def test_ensure_vgg16_weights_torchvision_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    with pytest.raises(WeightsUnavailable) as info:
+        ensure_vgg16_weights("torchvision", download=False)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert str(tmp_path / "torch_home") in msg and "--vgg16_weights" in msg
+
+    # downloading fails offline: one line, same advice
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", offline)
+    with pytest.raises(WeightsUnavailable) as info:
+        ensure_vgg16_weights("torchvision", download=True)
+    assert "\n" not in str(info.value) and "--vgg16_weights" in str(info.value)
+
+    # once torchvision's cache holds the file it is used
+    path = utils.vgg16_cache_path()
+    assert path.startswith(str(tmp_path / "torch_home"))
+    os.makedirs(os.path.dirname(path))
+    open(path, "wb").close()
+    assert ensure_vgg16_weights("torchvision", download=False) == path
+
+
+def _assert_features_equal(feats: dict, state: dict, prefix: str = "features.") -> None:
+    expected = {f"{i}.{p}" for i in VGG16_CONV_INDICES for p in ("weight", "bias")}
+    assert set(feats) == expected
+    for key, value in feats.items():
+        assert torch.equal(value, state[prefix + key]), key
+
+
+def test_load_vgg16_features_formats(tmp_path, vgg16_state):
+    full = tmp_path / "vgg16-torchvision.pth"
+    torch.save(vgg16_state, full)
+    _assert_features_equal(load_vgg16_features(str(full)), vgg16_state)
+
+    features_only = {k[len("features."):]: v for k, v in vgg16_state.items() if k.startswith("features.")}
+    fpath = tmp_path / "features.pt"
+    torch.save(features_only, fpath)
+    _assert_features_equal(load_vgg16_features(str(fpath)), vgg16_state)
+
+    wrapped = tmp_path / "wrapped.pt"
+    torch.save({"state_dict": features_only}, wrapped)
+    _assert_features_equal(load_vgg16_features(str(wrapped)), vgg16_state)
+
+    from safetensors.torch import save_file
+    spath = tmp_path / "features.safetensors"
+    save_file({k: v.contiguous() for k, v in features_only.items()}, str(spath))
+    _assert_features_equal(load_vgg16_features(str(spath)), vgg16_state)
+
+
+def test_load_vgg16_features_rejects_other_dicts(tmp_path, vgg16_state):
+    other = tmp_path / "resnet.pt"
+    torch.save({"conv1.weight": torch.zeros(64, 3, 7, 7), "fc.bias": torch.zeros(10)}, other)
+    with pytest.raises(WeightsUnavailable) as info:
+        load_vgg16_features(str(other))
+    assert "\n" not in str(info.value) and "VGG16" in str(info.value)
+    # a VGG16 with a layer missing is not accepted either
+    partial = {k: v for k, v in vgg16_state.items() if k.startswith("features.") and not k.startswith("features.28.")}
+    ppath = tmp_path / "partial.pt"
+    torch.save(partial, ppath)
+    with pytest.raises(WeightsUnavailable):
+        load_vgg16_features(str(ppath))
+
+
+@pytest.mark.parametrize("kind", ["garbage.pth", "tensor.pth", "garbage.safetensors"])
+def test_load_vgg16_features_unreadable_file_is_one_line_error(tmp_path, kind):
+    path = tmp_path / kind
+    if kind == "tensor.pth":
+        torch.save(torch.zeros(3), path)
+    else:
+        path.write_bytes(b"this is not a checkpoint")
+    with pytest.raises(WeightsUnavailable) as info:
+        load_vgg16_features(str(path))
+    assert "\n" not in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def lpips_with_features(vgg16_state):
+    feats = {k[len("features."):]: v for k, v in vgg16_state.items() if k.startswith("features.")}
+    return build_lpips(feats), feats
+
+
+def test_build_lpips_loads_backbone(lpips_with_features):
+    model, feats = lpips_with_features
+    state = model.net.state_dict()
+    assert torch.equal(state["slice1.0.weight"], feats["0.weight"])
+    assert torch.equal(state["slice2.5.weight"], feats["5.weight"])
+    assert torch.equal(state["slice3.14.bias"], feats["14.bias"])
+    assert torch.equal(state["slice5.28.weight"], feats["28.weight"])
+
+
+def test_lpips_frozen_eval_and_zero_on_identical(lpips_with_features):
+    model, _ = lpips_with_features
+    assert not model.training and not any(m.training for m in model.modules())
+    assert not any(p.requires_grad for p in model.parameters())
+    torch.manual_seed(0)
+    x = torch.rand(2, 3, 32, 32) * 2 - 1
+    y = torch.rand(2, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        same = model(x, x)
+        diff = model(x, y)
+    assert same.abs().max().item() == 0.0
+    assert diff.shape[0] == 2 and (diff > 0).all()
+    # gradients still flow to the input (the perceptual loss trains the decoder)
+    xr = x.clone().requires_grad_(True)
+    model(xr, y).sum().backward()
+    assert xr.grad.abs().sum().item() > 0
