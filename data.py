@@ -59,7 +59,7 @@ def is_remote(url: str) -> bool:
     return bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", url)) or url.startswith("pipe:")
 
 
-def _image_files(root: str) -> list[str]:
+def image_files(root: str) -> list[str]:
     files = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         dirnames.sort()
@@ -76,7 +76,7 @@ def list_shards(url: str) -> list:
     if not url:
         raise DatasetError("no dataset given: pass --dataset_url (shards or a folder of images), or --demo")
     if os.path.isdir(url):
-        files = _image_files(url)
+        files = image_files(url)
         if not files:
             raise DatasetError(f"{url}: directory holds no image files ({', '.join(IMAGE_EXTS[:4])}, ...)")
         return [tuple(files[i:i + DIR_SHARD_SIZE]) for i in range(0, len(files), DIR_SHARD_SIZE)]
@@ -225,6 +225,18 @@ def _to_rgb_array(img: Image.Image) -> np.ndarray:
         a = np.asarray(img, dtype=np.float64)
         return np.repeat(np.clip(np.rint(a), 0, 255).astype(np.uint8)[:, :, None], 3, axis=2)
     return np.asarray(img.convert("RGB"))
+
+
+def load_rgb(data: bytes, max_pixels: int = 100_000_000) -> np.ndarray:
+    """A whole image as uint8 (H, W, 3) with the training conversions (EXIF rotation, alpha over white,
+    16 bit to 8 bit); raises SkipSample."""
+    img = open_image(data, max_pixels)
+    try:
+        if img.getexif().get(0x0112, 1) != 1:
+            img = ImageOps.exif_transpose(img)
+        return _to_rgb_array(_normalise_mode(img))
+    except (OSError, ValueError, SyntaxError, EOFError, MemoryError):
+        raise SkipSample("corrupt") from None
 
 
 def decode_crop(data: bytes, resolution: int, rng: random.Random | None, resize_prob: float = 0.0,
@@ -617,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shard_size <= 0:
         print("error: --shard_size must be positive", file=sys.stderr)
         return 2
-    files = _image_files(args.src)
+    files = image_files(args.src)
     if not files:
         print(f"error: {args.src}: no image files found", file=sys.stderr)
         return 2

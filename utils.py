@@ -5,10 +5,10 @@ Every loss reduction here runs in fp32, whatever the autocast around it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
-import time
 import warnings
 
 import torch
@@ -74,11 +74,11 @@ def vgg16_cache_path() -> str:
     return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(url))
 
 
-def ensure_vgg16_weights(spec: str, download: bool = True, wait_s: float = 0.0) -> str | None:
+def ensure_vgg16_weights(spec: str, download: bool = True) -> str | None:
     """Resolve `--vgg16_weights` to a local file path (None for random init).
 
     `torchvision` uses torchvision's download cache, downloading once if `download` (the other
-    local ranks pass download=False and wait up to `wait_s` for the file to appear).
+    local ranks pass download=False after local rank 0 is done).
     """
     if spec == "random":
         return None
@@ -87,9 +87,6 @@ def ensure_vgg16_weights(spec: str, download: bool = True, wait_s: float = 0.0) 
             raise WeightsUnavailable(f"--vgg16_weights {spec}: no such file")
         return spec
     path = vgg16_cache_path()
-    deadline = time.time() + wait_s
-    while not download and not os.path.isfile(path) and time.time() < deadline:
-        time.sleep(1.0)
     if os.path.isfile(path):
         return path
     how = (f"put torchvision's vgg16-397923af.pth at {path}, or pass --vgg16_weights PATH "
@@ -97,8 +94,9 @@ def ensure_vgg16_weights(spec: str, download: bool = True, wait_s: float = 0.0) 
     if not download:
         raise WeightsUnavailable(f"pretrained VGG16 weights not found at {path}: {how}")
     try:
-        torch.hub.load_state_dict_from_url(torchvision.models.VGG16_Weights.IMAGENET1K_V1.url,
-                                           progress=False, check_hash=True)
+        with contextlib.redirect_stdout(sys.stderr):  # torch.hub announces downloads on stdout
+            torch.hub.load_state_dict_from_url(torchvision.models.VGG16_Weights.IMAGENET1K_V1.url,
+                                               progress=False, check_hash=True)
     except Exception as e:  # offline clusters land here
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise WeightsUnavailable(f"pretrained VGG16 weights unavailable ({reason}): {how}") from None
@@ -146,8 +144,9 @@ def build_lpips(vgg_features: dict[str, Tensor] | None) -> nn.Module:
     VGG16 backbone comes from `vgg_features` (None: random init, tests only). Frozen, eval mode;
     inputs in [-1, 1]."""
     import lpips
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.random.fork_rng():
         warnings.simplefilter("ignore")  # lpips calls torchvision's deprecated `pretrained=` API
+        torch.manual_seed(0)  # a random backbone (tests) is then the same in every process
         model = lpips.LPIPS(net="vgg", pnet_rand=True, verbose=False)
     if vgg_features is not None:
         remapped = {}

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data as data_lib
+import evaluate as evaluate_lib
 from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoder, AutoEncoderParams, kl_divergence
 from utils import (DISC_NORMS, DISC_TYPES, LeCam, NLayerDiscriminator, VGG16Discriminator, WeightsUnavailable,
                    adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy,
@@ -97,6 +98,8 @@ class Config:
     adaptive_weight_max: float = opt(1e4, "clamp of LDM's adaptive weight", "gan")
     vgg16_weights: str = opt("torchvision", "VGG16 for LPIPS and the discriminator: torchvision (its download "
                                             "cache), a local state-dict PATH, or random (tests/demo only)", "gan")
+    inception_weights: str = opt("torchvision", "FID Inception-v3 for rFID during evaluation: torchvision (torch "
+                                                "hub's cache), a local PATH, random (tests only) or none", "run")
     # optimisation
     learning_rate_vae: float = opt(1e-4, "VAE learning rate (AdamW)", "optim")
     weight_decay: float = opt(1e-3, "AdamW weight decay (both networks)", "optim")
@@ -245,6 +248,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--vae_resolution must be at least 32 for the VGG16 discriminator")
     if cfg.vgg16_weights not in ("torchvision", "random") and not os.path.isfile(cfg.vgg16_weights):
         raise ConfigError(f"--vgg16_weights {cfg.vgg16_weights}: no such file (or use torchvision / random)")
+    if cfg.inception_weights not in ("torchvision", "random", "none") and not os.path.isfile(cfg.inception_weights):
+        raise ConfigError(f"--inception_weights {cfg.inception_weights}: no such file (or torchvision / random / none)")
     if cfg.resume not in ("auto", "never") and not os.path.isfile(cfg.resume):
         raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file (or use auto / never)")
     if cfg.load_path and not os.path.isfile(cfg.load_path):
@@ -353,15 +358,16 @@ def load_latest_checkpoint(ckpt_dir: str, log=print) -> tuple[str, dict] | None:
     return None
 
 
-def load_vae_weights(path: str, prefer_ema: bool = False) -> dict:
+def load_vae_weights(path: str) -> dict:
     """A VAE state dict from one of our checkpoints, a bare state dict, or a .safetensors file."""
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-        return load_file(path)
-    obj = load_checkpoint(path)
-    if isinstance(obj, dict) and "vae" in obj:
-        return obj["ema"] if prefer_ema and obj.get("ema") else obj["vae"]
-    return obj
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            return load_file(path)
+        obj = load_checkpoint(path)
+    except Exception as e:
+        raise ConfigError(f"{path}: cannot be loaded as weights ({type(e).__name__})") from None
+    return obj["vae"] if isinstance(obj, dict) and "vae" in obj else obj
 
 
 # ============================================================================================
@@ -540,6 +546,7 @@ class Trainer:
             self.disc = (VGG16Discriminator(vgg_features) if cfg.discriminator == "vgg16"
                          else NLayerDiscriminator(norm=cfg.disc_norm))
             self.disc.to(self.device, memory_format=self.memory_format)
+        self.inception = self._inception()
         self.lecam = LeCam().to(self.device) if self.gan and cfg.lecam_weight > 0 else None
         if cfg.compile:
             for module in (self.vae.encoder, self.vae.decoder, self.disc):
@@ -571,6 +578,7 @@ class Trainer:
             self.log(f"note: fewer shards than data workers ({info.world_size} x {max(1, cfg.num_workers)}): "
                      "every worker reads every shard, in its own order")
         self.metrics, self.tracker = Metrics(), CollapseTracker(self.log)
+        self._ema_model = None
         self.inject_nan = _fault_injection("INJECT_NAN", info.rank)
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.kill_at = _fault_injection("KILL_AT", info.rank) if first_attempt else set()
@@ -583,14 +591,37 @@ class Trainer:
         if self.info.is_main:
             print(msg, flush=True)
 
+    def _resolve_weights(self, ensure, spec: str) -> str | None:
+        """Local rank 0 downloads into the cache first; the other ranks then only look there."""
+        first = self.info.local_rank == 0
+        if self.info.distributed and not first:
+            dist.barrier(group=self.info.ctrl_group)
+        try:
+            return ensure(spec, download=first)
+        finally:
+            if self.info.distributed and first:
+                dist.barrier(group=self.info.ctrl_group)
+
     def _vgg16_weights(self) -> str | None:
-        spec = self.cfg.vgg16_weights
-        if spec == "random":
-            if self.info.is_main:
-                warn_random_vgg("LPIPS" + (" and the discriminator" if self.gan else ""))
+        if self.cfg.vgg16_weights == "random" and self.info.is_main:
+            warn_random_vgg("LPIPS" + (" and the discriminator" if self.gan else ""))
+        return self._resolve_weights(ensure_vgg16_weights, self.cfg.vgg16_weights)
+
+    def _inception(self):
+        """The FID network for evaluation, or None (rFID then reported missing, never faked)."""
+        cfg = self.cfg
+        if not (cfg.test_dataset_url and cfg.evaluate_every_n_steps > 0) or cfg.inception_weights == "none":
             return None
-        # local rank 0 downloads into torchvision's cache; the other local ranks wait for the file
-        return ensure_vgg16_weights(spec, download=self.info.local_rank == 0, wait_s=600)
+        try:
+            path = self._resolve_weights(evaluate_lib.ensure_inception_weights, cfg.inception_weights)
+        except WeightsUnavailable as e:
+            if cfg.inception_weights != "torchvision":
+                raise
+            self.log(f"warning: rFID will not be computed: {e}")
+            return None
+        if path is None and self.info.is_main:
+            evaluate_lib.warn_random("rFID (--inception_weights random)")
+        return evaluate_lib.load_inception(path).to(self.device)
 
     def _wrap(self, module):
         if not self.info.distributed:
@@ -886,11 +917,14 @@ class Trainer:
 
     @torch.no_grad()
     def ranks_in_sync(self) -> bool:
-        """DDP keeps replicas equal by construction; verify it (exact float64 per-tensor sums) at each save."""
+        """DDP keeps replicas equal by construction; verify it at each save. The fingerprint of each tensor
+        is its float64 dot product with a fixed random vector: any differing element changes it."""
         if not self.info.distributed:
             return True
-        sums = torch.stack([t.double().sum() for t in self.vae.state_dict().values()]
-                           + [t.double().abs().sum() for t in self.vae.state_dict().values()])
+        gen = torch.Generator(device=self.device).manual_seed(12345)
+        sums = torch.stack([torch.dot(t.detach().double().flatten(),
+                                      torch.randn(t.numel(), generator=gen, device=self.device, dtype=torch.float64))
+                            for t in self.vae.state_dict().values()])
         gathered = [torch.empty_like(sums) for _ in range(self.info.world_size)]
         dist.all_gather(gathered, sums)
         return all(torch.equal(gathered[0], g) for g in gathered[1:])
@@ -930,6 +964,46 @@ class Trainer:
             self.wandb.log({"samples": wandb.Image(path, caption="top: input, bottom: reconstruction")},
                            step=self.step)
         return path
+
+    def evaluate(self) -> dict:
+        """PSNR, SSIM, LPIPS, rFID on the fixed test subset, for the weights and (if on) their EMA; every
+        rank takes part (images are sharded); rank 0 logs and writes the grid."""
+        cfg, results = self.cfg, {}
+        models = [("eval", self.vae)]
+        if self.ema is not None:
+            if self._ema_model is None:
+                self._ema_model = AutoEncoder(model_params(cfg)).to(self.device, memory_format=self.memory_format)
+            self._ema_model.load_state_dict(self.ema.state_dict())
+            models.append(("eval_ema", self._ema_model))
+        for prefix, model in models:
+            res = evaluate_lib.evaluate_model(
+                model, cfg.test_dataset_url, cfg.vae_resolution, batch_size=cfg.batch_size, device=self.device,
+                rank=self.info.rank, world_size=self.info.world_size, max_images=cfg.eval_max_images,
+                lpips_model=self.lpips, inception=self.inception, autocast=self.autocast,
+                channels_last=cfg.channels_last, grid_images=cfg.num_samples, max_pixels=cfg.max_image_pixels)
+            grid = res.pop("grid")
+            results.update({f"{prefix}/{k}": v for k, v in res.items() if not k.endswith("_missing")})
+            if self.info.is_main:
+                import torchvision
+                path = os.path.join(self.sample_dir, f"{prefix}_step_{self.step:08d}.png")
+                atomic_write(path, lambda f: torchvision.utils.save_image(grid.float() / 255, f, format="png"))
+                if self.wandb is not None:
+                    import wandb
+                    self.wandb.log({f"{prefix}/grid": wandb.Image(path)}, step=self.step)
+        if self.info.is_main:
+            def fmt(prefix):
+                vals = [f"{k} {results[f'{prefix}/{k}']:.4f}" for k in ("psnr", "ssim", "lpips", "rfid")
+                        if results.get(f"{prefix}/{k}") is not None]
+                return " ".join(vals) + f" ({results[f'{prefix}/n_images']} images)"
+            line = f"eval step {self.step} | {fmt('eval')}"
+            if self.ema is not None:
+                line += f" | ema {fmt('eval_ema')}"
+            print(line, flush=True)
+            with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": self.step, **results}) + "\n")
+            if self.wandb is not None:
+                self.wandb.log(results, step=self.step)
+        return results
 
     # ----------------------------------------------------------------------------- logging
     def write_log(self, metrics: dict, t_start: float, steps_done: int) -> None:
@@ -991,6 +1065,9 @@ class Trainer:
         self.log(f"run dir {self.run_dir} | {info.world_size} x {self.device.type} | VAE {n_params / 1e6:.1f}M params "
                  f"| f{self.vae.downsample_factor} z{cfg.vae_z_channels} {cfg.posterior} posterior | "
                  f"{cfg.precision} | batch {cfg.batch_size} x {cfg.grad_accum} accum x {info.world_size} ranks")
+        eval_on = bool(cfg.test_dataset_url and cfg.evaluate_every_n_steps)
+        if eval_on and self.step == 0:
+            self.evaluate()  # the untrained baseline, and a sanity check of the test set before hours of training
         t_start, steps_since = time.time(), 0
         last_saved = self.step if self.resumed_from else -1
         while self.step < cfg.max_steps:
@@ -1027,6 +1104,8 @@ class Trainer:
             if stopping:
                 self.log(f"received signal {stop.signum}: checkpoint written at step {self.step}, exiting")
                 return 0
+            if eval_on and (self.step % cfg.evaluate_every_n_steps == 0 or final):
+                self.evaluate()
         self.log(f"done: {cfg.max_steps} steps; checkpoints in {self.ckpt_dir}, samples in {self.sample_dir}")
         return 0
 

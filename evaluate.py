@@ -1,0 +1,671 @@
+"""Evaluate a trained autoencoder: PSNR, SSIM, LPIPS and rFID on a held-out set, the latent
+scale/shift factors, and reconstructions of any images.
+
+    python evaluate.py --ckpt runs/vae --dataset_url 'test/{00000..00009}.tar' --max_images 5000 --out eval/
+    torchrun --nproc_per_node=8 evaluate.py --ckpt runs/vae --dataset_url 'test/{00000..00009}.tar'
+    python evaluate.py --ckpt runs/vae --dataset_url 'train/{00000..00099}.tar' --latent_stats --max_images 10000
+    python evaluate.py --ckpt runs/vae --images photos/ --reconstruct_to recon/ --tile_size 1024
+
+Metrics: deterministic center crops (data.iter_eval_batches), the posterior mean (no noise), images in
+[0, 1]; PSNR and SSIM per image, then averaged; LPIPS (VGG); rFID between the Inception-v3 pool
+features of inputs and reconstructions (the standard FID network, via torch-fidelity). Under torchrun
+image i belongs to rank i % world and the ranks all-reduce float64 sums, so every image counts once.
+One JSON object goes to stdout. `evaluate_model` and `latent_stats` are what the trainer and export.py call.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torchvision
+from torch import Tensor, nn
+
+import data as data_lib
+from ae import AutoEncoder, AutoEncoderParams
+from utils import WeightsUnavailable, build_lpips, ensure_vgg16_weights, load_vgg16_features, warn_random_vgg
+
+# vae_trainer (checkpoint files, the one-line parser, distributed setup) is imported inside the command's
+# functions only: the trainer imports this module for evaluate_model, and a cycle at import time would break.
+
+FID_DIM = 2048  # Inception-v3 pool3 features
+GRID_IMAGES = 8
+
+
+# ============================================================================================
+# Metric math: small functions on tensors, called by the tests directly
+# ============================================================================================
+def psnr_per_image(recon: Tensor, target: Tensor) -> Tensor:
+    """PSNR in dB of images in [0, 1], one value per image (float64). A perfect reconstruction is
+    capped at 100 dB (MSE floor 1e-10) so that an average stays finite."""
+    mse = (recon.double() - target.double()).square().flatten(1).mean(1)
+    return 10.0 * torch.log10(1.0 / mse.clamp_min(1e-10))
+
+
+def _gaussian_window(size: int = 11, sigma: float = 1.5) -> Tensor:
+    g = torch.exp(-0.5 * ((torch.arange(size, dtype=torch.float64) - (size - 1) / 2) / sigma) ** 2)
+    return g / g.sum()
+
+
+def ssim_per_image(recon: Tensor, target: Tensor, data_range: float = 1.0) -> Tensor:
+    """SSIM (Wang et al. 2004) of images in [0, 1], one value per image (float64): 11x11 Gaussian window,
+    sigma 1.5, K1 0.01, K2 0.03, population statistics, averaged over channels and over the windows that
+    lie inside the image (as the reference MATLAB code and skimage; torchmetrics 1.9 also averages the
+    reflect-padded border windows, which moves the value by ~1e-3)."""
+    x, y = recon.double(), target.double()
+    channels = x.shape[1]
+    g = _gaussian_window().to(x.device)
+    window_h, window_w = g.view(1, 1, -1, 1).repeat(channels, 1, 1, 1), g.view(1, 1, 1, -1).repeat(channels, 1, 1, 1)
+
+    def blur(t: Tensor) -> Tensor:  # separable, 'valid' windows only
+        return F.conv2d(F.conv2d(t, window_h, groups=channels), window_w, groups=channels)
+
+    mu_x, mu_y = blur(x), blur(y)
+    var_x = blur(x * x) - mu_x.square()
+    var_y = blur(y * y) - mu_y.square()
+    cov_xy = blur(x * y) - mu_x * mu_y
+    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
+    luminance = (2 * mu_x * mu_y + c1) / (mu_x.square() + mu_y.square() + c1)
+    contrast_structure = (2 * cov_xy + c2) / (var_x + var_y + c2)
+    ssim_map = luminance * contrast_structure
+    return ssim_map.flatten(1).mean(1)
+
+
+def _all_reduce(*tensors: Tensor) -> None:
+    """Sum across ranks, in place, on the tensors' device (a no-op in a single process)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        for t in tensors:
+            dist.all_reduce(t)
+
+
+class FeatureStats:
+    """Sufficient statistics of a feature distribution, in float64: count, sum and sum of outer products.
+    Sums add up over batches and over ranks (all_reduce), so mean and covariance do not depend on how
+    the images were split."""
+
+    def __init__(self, dim: int = FID_DIM, device: torch.device | str = "cpu"):
+        self.count = torch.zeros((), dtype=torch.float64, device=device)
+        self.sum = torch.zeros(dim, dtype=torch.float64, device=device)
+        self.outer = torch.zeros(dim, dim, dtype=torch.float64, device=device)
+
+    def update(self, features: Tensor) -> None:
+        f = features.double()
+        self.count += f.shape[0]
+        self.sum += f.sum(0)
+        self.outer += f.T @ f
+
+    def all_reduce(self) -> None:
+        _all_reduce(self.count, self.sum, self.outer)
+
+    def mean_cov(self) -> tuple[np.ndarray, np.ndarray]:
+        """Mean and unbiased covariance (as numpy.cov), float64."""
+        n = self.count.item()
+        mean = self.sum / n
+        cov = (self.outer - n * torch.outer(mean, mean)) / (n - 1)
+        return mean.cpu().numpy(), cov.cpu().numpy()
+
+
+def _drop_rounding_noise(eigenvalues: np.ndarray) -> np.ndarray:
+    """Zero the eigenvalues of a PSD matrix that are below its float64 rounding level. With fewer images
+    than feature dimensions most eigenvalues are exactly 0 in theory and +-1e-16 * max in practice; their
+    square roots (1e-8 * sqrt(max) each, times ~2000) would otherwise add noise to the trace."""
+    cutoff = eigenvalues.max(initial=0.0) * len(eigenvalues) * np.finfo(np.float64).eps
+    return np.where(eigenvalues > cutoff, eigenvalues, 0.0)
+
+
+def frechet_distance(mu1: np.ndarray, cov1: np.ndarray, mu2: np.ndarray, cov2: np.ndarray) -> float:
+    """||mu1 - mu2||^2 + tr(C1 + C2 - 2 (C1 C2)^(1/2)), in float64.
+
+    tr (C1 C2)^(1/2) is computed as tr (S C2 S)^(1/2) with S = C1^(1/2) (both products have the same
+    eigenvalues): S C2 S is symmetric positive semi-definite, so `eigvalsh` gives real eigenvalues and
+    there is no complex sqrtm whose tiny imaginary parts would have to be discarded. Eigenvalues at the
+    rounding level (rank-deficient covariances of few images) count as zero.
+    """
+    mu1, mu2, cov1, cov2 = (np.asarray(a, dtype=np.float64) for a in (mu1, mu2, cov1, cov2))
+    w, v = np.linalg.eigh(cov1)
+    sqrt_cov1 = (v * np.sqrt(_drop_rounding_noise(w))) @ v.T
+    middle = sqrt_cov1 @ cov2 @ sqrt_cov1
+    tr_covmean = np.sqrt(_drop_rounding_noise(np.linalg.eigvalsh((middle + middle.T) / 2))).sum()
+    diff = mu1 - mu2
+    return float(max(0.0, diff @ diff + np.trace(cov1) + np.trace(cov2) - 2.0 * tr_covmean))
+
+
+def to_uint8(images: Tensor) -> Tensor:
+    """[-1, 1] floats -> uint8 (the inverse of data.to_model_input)."""
+    return ((images.float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+
+
+# ============================================================================================
+# Metric networks: LPIPS (VGG16) and the FID Inception-v3
+# ============================================================================================
+def inception_url() -> str:
+    from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3
+    return URL_INCEPTION_V3
+
+
+def inception_cache_path() -> str:
+    return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(inception_url()))
+
+
+def ensure_inception_weights(spec: str, download: bool = True) -> str | None:
+    """Resolve `--inception_weights` to a local file (None: random init). `torchvision` means torch
+    hub's download cache, where torch-fidelity keeps the FID network's weights (downloaded once)."""
+    if spec == "random":
+        return None
+    if spec != "torchvision":
+        if not os.path.isfile(spec):
+            raise WeightsUnavailable(f"--inception_weights {spec}: no such file")
+        return spec
+    path = inception_cache_path()
+    if os.path.isfile(path):
+        return path
+    if not download:
+        raise WeightsUnavailable(f"FID Inception weights not found at {path}")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.hub.download_url_to_file(inception_url(), path, progress=False)
+    except Exception as e:  # offline clusters land here
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise WeightsUnavailable(f"FID Inception weights unavailable ({reason}): put {os.path.basename(path)} at "
+                                 f"{path}, or pass --inception_weights PATH") from None
+    return path
+
+
+def _random_inception_state_dict() -> dict[str, Tensor]:
+    """A fixed random init of the FID network (torchvision's Inception-v3 has the same parameter names;
+    the TF port's classifier has 1008 outputs). He-normal convs keep the features O(1)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        net = torchvision.models.inception_v3(weights=None, aux_logits=False, init_weights=False)
+        net.fc = nn.Linear(2048, 1008)
+        for m in net.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+    return net.state_dict()
+
+
+def load_inception(path: str | None) -> nn.Module:
+    """torch-fidelity's FID Inception-v3 ("pt_inception-2015-12-05", the TF weights of pytorch-fid and
+    torchmetrics) returning 2048-d pool features: `inception(uint8 NCHW)[0]`, any input size (it resizes
+    to 299 as TF did). `path` None: random init, for tests only (warned about)."""
+    from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+    with tempfile.TemporaryDirectory() as tmp:
+        if path is None:
+            path = os.path.join(tmp, "random_inception.pth")
+            torch.save(_random_inception_state_dict(), path)
+        else:  # torch-fidelity loads with weights_only=False; refuse anything that is not plain tensors first
+            try:
+                torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise WeightsUnavailable(f"{path}: not a loadable Inception state dict ({type(e).__name__})") from None
+        try:
+            return FeatureExtractorInceptionV3("inception-v3-compat", [str(FID_DIM)],
+                                               feature_extractor_weights_path=path)
+        except RuntimeError as e:  # load_state_dict: missing/unexpected keys
+            raise WeightsUnavailable(f"{path}: not the FID Inception-v3 ({str(e).splitlines()[0][:120]})") from None
+
+
+def warn_random(what: str) -> None:
+    bar = "!" * 78
+    print(f"{bar}\nWARNING: {what} uses a RANDOMLY INITIALISED network: its value is meaningless.\n"
+          f"Use random weights for tests only.\n{bar}", file=sys.stderr, flush=True)
+
+
+def metric_networks(vgg16_spec: str, inception_spec: str, device: torch.device, local_rank: int = 0,
+                    log=print) -> tuple[nn.Module | None, nn.Module | None, dict]:
+    """(lpips_model, inception, missing) for the CLI. A spec of `none` skips the metric; weights that
+    cannot be had are reported in `missing` (metric -> reason), never replaced by random ones.
+    Local rank 0 downloads first; the other ranks then only look in the cache."""
+    def resolve(ensure, spec):
+        if local_rank != 0 and dist.is_initialized():
+            dist.barrier()
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # torch.hub prints "Downloading: ..." on stdout
+                return ensure(spec, download=local_rank == 0), None
+        except WeightsUnavailable as e:
+            if spec not in ("torchvision", "random"):
+                raise  # the user named a file: that is an error, not a missing metric
+            return None, str(e)
+        finally:
+            if local_rank == 0 and dist.is_initialized():
+                dist.barrier()
+
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    missing, lpips_model, inception = {}, None, None
+    if vgg16_spec == "none":
+        missing["lpips"] = "disabled (--vgg16_weights none)"
+    else:
+        path, reason = resolve(ensure_vgg16_weights, vgg16_spec)
+        if reason:
+            missing["lpips"] = reason
+        else:
+            if path is None and is_main:
+                warn_random_vgg("LPIPS")
+            with torch.random.fork_rng():
+                torch.manual_seed(0)  # a random VGG must be the same on every rank
+                lpips_model = build_lpips(load_vgg16_features(path)).to(device)
+    if inception_spec == "none":
+        missing["rfid"] = "disabled (--inception_weights none)"
+    else:
+        path, reason = resolve(ensure_inception_weights, inception_spec)
+        if reason:
+            missing["rfid"] = reason
+        else:
+            if path is None and is_main:
+                warn_random("rFID (--inception_weights random)")
+            inception = load_inception(path).to(device)
+    for metric, reason in missing.items():
+        if not reason.startswith("disabled"):
+            log(f"warning: {metric} is not computed: {reason}")
+    return lpips_model, inception, missing
+
+
+# ============================================================================================
+# Evaluation: one pass over the held-out set
+# ============================================================================================
+@torch.no_grad()
+def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: int, device: torch.device,
+                   rank: int = 0, world_size: int = 1, max_images: int | None = None,
+                   lpips_model: nn.Module | None = None, inception: nn.Module | None = None,
+                   autocast: Callable | None = None, channels_last: bool = False, grid_images: int = GRID_IMAGES,
+                   max_pixels: int = 100_000_000, log: Callable | None = None) -> dict:
+    """PSNR, SSIM, LPIPS and rFID of `vae` on the center crops of `url`, in one pass.
+
+    Every rank must call this (it all-reduces on the default process group, on `device`). The result,
+    the same on every rank, holds `psnr`, `ssim`, `lpips`, `rfid` (None, with `<name>_missing`, when its
+    network is not given or there are fewer than 2 images), `n_images`, and `grid`: uint8 (3, H, W), this
+    rank's first inputs (top row) over their reconstructions. `autocast` is a context-manager factory for the VAE only (e.g. the trainer's
+    `self.autocast`); every metric is computed in fp32/fp64. Reconstructions are clamped to [-1, 1];
+    PSNR/SSIM/LPIPS use them unquantised, the Inception sees them as uint8 like the inputs.
+    """
+    autocast = autocast or contextlib.nullcontext
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # psnr, ssim, lpips, images
+    real_stats = FeatureStats(FID_DIM, device) if inception is not None else None
+    recon_stats = FeatureStats(FID_DIM, device) if inception is not None else None
+    grid_inputs, grid_recons = [], []
+    was_training = vae.training
+    vae.eval()
+    for n_batches, (_, batch) in enumerate(data_lib.iter_eval_batches(
+            url, resolution, batch_size, rank, world_size, max_images, max_pixels), start=1):
+        x = data_lib.to_model_input(batch, device, channels_last)
+        with autocast():
+            recon = vae.decode(vae.encode(x))
+        recon = recon.float().clamp(-1.0, 1.0)
+        x = x.float()
+        target01, recon01 = x * 0.5 + 0.5, recon * 0.5 + 0.5
+        sums[0] += psnr_per_image(recon01, target01).sum()
+        sums[1] += ssim_per_image(recon01, target01).sum()
+        if lpips_model is not None:
+            sums[2] += lpips_model(recon, x).double().sum()
+        sums[3] += x.shape[0]
+        if inception is not None:
+            real_stats.update(inception(batch.to(device))[0])
+            recon_stats.update(inception(to_uint8(recon))[0])
+        if sum(len(g) for g in grid_inputs) < grid_images:
+            grid_inputs.append(x[:grid_images].cpu())
+            grid_recons.append(recon[:grid_images].cpu())
+        if log is not None and n_batches % 20 == 0:
+            log(f"evaluated ~{int(sums[3].item()) * world_size} images")
+    vae.train(was_training)
+
+    _all_reduce(sums)
+    if inception is not None:
+        real_stats.all_reduce()
+        recon_stats.all_reduce()
+    n = int(sums[3].item())
+    mean = (sums[:3] / max(n, 1)).tolist()
+    out = {"psnr": mean[0] if n else None, "ssim": mean[1] if n else None,
+           "lpips": mean[2] if n and lpips_model is not None else None, "rfid": None, "n_images": n}
+    if lpips_model is None:
+        out["lpips_missing"] = "no LPIPS network"
+    if inception is None:
+        out["rfid_missing"] = "no Inception network"
+    elif n < 2:
+        out["rfid_missing"] = f"FID needs at least 2 images, got {n}"
+    else:
+        out["rfid"] = frechet_distance(*real_stats.mean_cov(), *recon_stats.mean_cov())
+    grid = torch.zeros(3, 2, 2, dtype=torch.uint8)
+    if grid_inputs:
+        inputs, recons = torch.cat(grid_inputs)[:grid_images], torch.cat(grid_recons)[:grid_images]
+        grid = to_uint8(torchvision.utils.make_grid(torch.cat([inputs, recons]), nrow=len(inputs), padding=2,
+                                                    pad_value=-1.0))
+    out["grid"] = grid
+    return out
+
+
+@torch.no_grad()
+def latent_stats(vae: AutoEncoder, url: str, resolution: int, *, batch_size: int, device: torch.device,
+                 rank: int = 0, world_size: int = 1, max_images: int | None = None,
+                 autocast: Callable | None = None, max_pixels: int = 100_000_000) -> dict:
+    """Mean and std of the latents (posterior means of center crops), global and per channel, from
+    float64 sums all-reduced across ranks. FLUX convention: z' = (z - shift_factor) * scaling_factor,
+    with shift_factor = mean and scaling_factor = 1 / std, so z' has zero mean and unit variance.
+    These are statistics of the posterior mean; a diffusion model trained on sampled latents sees a
+    variance larger by the posterior variance."""
+    autocast = autocast or contextlib.nullcontext
+    channels = vae.params.z_channels
+    sums = torch.zeros(3, channels, dtype=torch.float64, device=device)  # elements, sum, sum of squares
+    images = torch.zeros((), dtype=torch.float64, device=device)
+    for _, batch in data_lib.iter_eval_batches(url, resolution, batch_size, rank, world_size, max_images, max_pixels):
+        with autocast():
+            z = vae.encode(data_lib.to_model_input(batch, device, channels_last=False))
+        z = z.double()
+        sums[0] += z[:, 0].numel()
+        sums[1] += z.sum(dim=(0, 2, 3))
+        sums[2] += z.square().sum(dim=(0, 2, 3))
+        images += z.shape[0]
+    _all_reduce(sums, images)
+    if images.item() == 0:
+        raise data_lib.DatasetError(f"{url}: no readable image for the latent statistics")
+    count, total, total_sq = sums
+    channel_mean = total / count
+    channel_std = (total_sq / count - channel_mean.square()).clamp_min(0).sqrt()
+    mean = total.sum() / count.sum()
+    std = (total_sq.sum() / count.sum() - mean.square()).clamp_min(0).sqrt()
+    return {"shift_factor": mean.item(), "scaling_factor": 1.0 / std.item(), "latent_mean": mean.item(),
+            "latent_std": std.item(), "channel_mean": channel_mean.tolist(), "channel_std": channel_std.tolist(),
+            "n_images": int(images.item())}
+
+
+# ============================================================================================
+# Reconstructing images of any size: padding and tiling
+# ============================================================================================
+def tile_starts(size: int, tile: int, overlap: int) -> list[int]:
+    """Evenly spaced tile starts covering [0, size), neighbours overlapping by at least `overlap`."""
+    if size <= tile:
+        return [0]
+    n = math.ceil((size - tile) / (tile - overlap)) + 1
+    return [round(i * (size - tile) / (n - 1)) for i in range(n)]
+
+
+def _ramp(length: int, before: int, after: int) -> Tensor:
+    """Blend weights along one axis of a tile: rising over the `before` pixels shared with the previous
+    tile, falling over the `after` pixels shared with the next; the two ramps of an overlap sum to 1."""
+    w = torch.ones(length)
+    if before > 0:
+        w[:before] = (torch.arange(before) + 0.5) / before
+    if after > 0:  # (a tile overlapping both neighbours by more than half keeps the lower weight)
+        w[length - after:] = torch.minimum(w[length - after:], ((torch.arange(after) + 0.5) / after).flip(0))
+    return w
+
+
+def tiled_apply(fn: Callable[[Tensor], Tensor], x: Tensor, grid_hw: tuple[int, int], tile: int, overlap: int,
+                in_scale: int, out_scale: int) -> Tensor:
+    """Apply `fn` to overlapping tiles of `x` and blend the outputs linearly across the overlaps
+    (as diffusers' tiled VAE), so that only one tile's activations are alive at a time.
+
+    Tiles are laid out on the latent grid: `grid_hw`, `tile` and `overlap` count latent pixels; one latent
+    pixel is `in_scale` pixels of `x` and `out_scale` pixels of the output (decode: 1 and f; encode: f and 1).
+    Each tile is normalised on its own (GroupNorm, attention), so the result differs from a single pass.
+    """
+    h, w = grid_hw
+    th, tw = min(tile, h), min(tile, w)
+    ys, xs = tile_starts(h, tile, overlap), tile_starts(w, tile, overlap)
+    out = weight_sum = None
+    for iy, y in enumerate(ys):
+        for ix, x0 in enumerate(xs):
+            piece = fn(x[..., y * in_scale:(y + th) * in_scale, x0 * in_scale:(x0 + tw) * in_scale]).float()
+            if out is None:
+                out = piece.new_zeros(*piece.shape[:2], h * out_scale, w * out_scale)
+                weight_sum = piece.new_zeros(h * out_scale, w * out_scale)
+            up = (ys[iy - 1] + th - y) if iy > 0 else 0  # overlaps with the neighbours, in latent pixels
+            down = (y + th - ys[iy + 1]) if iy + 1 < len(ys) else 0
+            left = (xs[ix - 1] + tw - x0) if ix > 0 else 0
+            right = (x0 + tw - xs[ix + 1]) if ix + 1 < len(xs) else 0
+            weight = torch.outer(_ramp(th * out_scale, up * out_scale, down * out_scale),
+                                 _ramp(tw * out_scale, left * out_scale, right * out_scale)).to(piece.device)
+            rows, cols = slice(y * out_scale, (y + th) * out_scale), slice(x0 * out_scale, (x0 + tw) * out_scale)
+            out[..., rows, cols] += piece * weight
+            weight_sum[rows, cols] += weight
+    return out / weight_sum
+
+
+def tiled_encode(vae: AutoEncoder, x: Tensor, tile_size: int, tile_overlap: int) -> Tensor:
+    """Posterior mean of x (sides multiples of the downsample factor), in pixel tiles of `tile_size`."""
+    f = vae.downsample_factor
+    return tiled_apply(vae.encode, x, (x.shape[-2] // f, x.shape[-1] // f), tile_size // f, tile_overlap // f, f, 1)
+
+
+def tiled_decode(vae: AutoEncoder, z: Tensor, tile_size: int, tile_overlap: int) -> Tensor:
+    """Decode z in latent tiles of tile_size / f (pixel sizes, as the encoder's)."""
+    f = vae.downsample_factor
+    return tiled_apply(vae.decode, z, tuple(z.shape[-2:]), tile_size // f, tile_overlap // f, 1, f)
+
+
+@torch.no_grad()
+def reconstruct(vae: AutoEncoder, image: np.ndarray, device: torch.device, tile_size: int = 0,
+                tile_overlap: int = 0, autocast: Callable | None = None) -> np.ndarray:
+    """uint8 (H, W, 3) of any size -> its reconstruction, uint8 (H, W, 3). The image is reflect-padded to
+    a multiple of the downsample factor and cropped back. `tile_size` > 0: encode and decode in tiles
+    of that many pixels (a no-op for images that fit in one tile)."""
+    autocast = autocast or contextlib.nullcontext
+    f = vae.downsample_factor
+    h, w = image.shape[:2]
+    x = data_lib.to_model_input(torch.from_numpy(np.array(image)).permute(2, 0, 1)[None], device,
+                                channels_last=False)
+    pad_h, pad_w = -h % f, -w % f
+    mode = "reflect" if pad_h < h and pad_w < w else "replicate"  # reflect needs a pad smaller than the side
+    x = F.pad(x, (0, pad_w, 0, pad_h), mode=mode)
+    with autocast():
+        if tile_size > 0:
+            recon = tiled_decode(vae, tiled_encode(vae, x, tile_size, tile_overlap), tile_size, tile_overlap)
+        else:
+            recon = vae.decode(vae.encode(x))
+    return to_uint8(recon[0, :, :h, :w].clamp(-1, 1)).permute(1, 2, 0).cpu().numpy()
+
+
+def load_rgb(path: str, max_pixels: int = 100_000_000) -> np.ndarray:
+    """An image file as uint8 (H, W, 3), with data.py's conversions (EXIF rotation, alpha over white, 16 bit)."""
+    with open(path, "rb") as f:
+        return data_lib.load_rgb(f.read(), max_pixels)
+
+
+def reconstruct_folder(vae: AutoEncoder, src: str, dst: str, device: torch.device, tile_size: int,
+                       tile_overlap: int, rank: int = 0, world_size: int = 1, autocast=None, log=print) -> int:
+    """Reconstruct every image under `src` into `dst` as PNG, same relative path and name (extension .png;
+    `a.jpg` next to `a.png` becomes `a.jpg.png`). Files are split across ranks. Returns this rank's count."""
+    from PIL import Image
+    files = data_lib.image_files(src)
+    names, taken, done = {}, set(), 0
+    for path in files:
+        rel = os.path.relpath(path, src)
+        name = os.path.splitext(rel)[0] + ".png"
+        names[path] = rel + ".png" if name in taken else name
+        taken.add(names[path])
+    for path in files[rank::world_size]:
+        try:
+            image = load_rgb(path)
+        except (data_lib.SkipSample, OSError, ValueError) as e:
+            log(f"warning: skipped {path} ({getattr(e, 'reason', type(e).__name__)})")
+            continue
+        out = reconstruct(vae, image, device, tile_size, tile_overlap, autocast)
+        target = os.path.join(dst, names[path])
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        Image.fromarray(out).save(target)
+        done += 1
+    return done
+
+
+# ============================================================================================
+# Loading a model: run directory, checkpoint file, or an export.py --format safetensors folder
+# ============================================================================================
+def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
+    """(model on CPU in eval mode, info with `checkpoint`, `step`, `resolution`); ConfigError (one line)
+    for anything the user can get wrong."""
+    from vae_trainer import ConfigError, checkpoint_files, load_checkpoint, load_latest_checkpoint
+    if not os.path.exists(ckpt):
+        raise ConfigError(f"--ckpt {ckpt}: no such file or directory")
+    if os.path.isdir(ckpt) and os.path.isfile(os.path.join(ckpt, "model.safetensors")):
+        if ema:
+            raise ConfigError(f"--ema: {ckpt} is an exported model, which holds one set of weights")
+        from export import load_autoencoder
+        vae, config = load_autoencoder(ckpt)
+        return vae.eval(), {"checkpoint": ckpt, "step": config.get("step"), "resolution": config.get("resolution")}
+    if os.path.isdir(ckpt):
+        ckpt_dir = os.path.join(ckpt, "checkpoints") if os.path.isdir(os.path.join(ckpt, "checkpoints")) else ckpt
+        if not checkpoint_files(ckpt_dir):
+            raise ConfigError(f"--ckpt {ckpt}: no checkpoints (step_*.pt) in {ckpt_dir}")
+        quiet = os.environ.get("RANK", "0") != "0"
+        found = load_latest_checkpoint(ckpt_dir, log=lambda m: quiet or print(m, file=sys.stderr))
+        if found is None:
+            raise ConfigError(f"--ckpt {ckpt}: no readable checkpoint in {ckpt_dir}")
+        path, state = found
+    else:
+        path = ckpt
+        try:
+            state = load_checkpoint(path)
+        except Exception as e:
+            raise ConfigError(f"--ckpt {path}: unreadable checkpoint ({type(e).__name__})") from None
+    if not isinstance(state, dict) or "model_params" not in state or "vae" not in state:
+        raise ConfigError(f"--ckpt {path}: not a trainer checkpoint (no model_params/vae)")
+    if ema and not state.get("ema"):
+        raise ConfigError(f"--ema: {path} holds no EMA weights (trained with --ema_decay 0?)")
+    try:
+        vae = AutoEncoder(AutoEncoderParams.from_dict(state["model_params"]))
+        vae.load_state_dict(state["ema"] if ema else state["vae"])
+    except (TypeError, ValueError, RuntimeError) as e:
+        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise ConfigError(f"--ckpt {path}: weights do not fit its model_params ({reason})") from None
+    resolution = (state.get("config") or {}).get("vae_resolution")
+    return vae.eval(), {"checkpoint": path, "step": state.get("step"), "resolution": resolution}
+
+
+# ============================================================================================
+# The command
+# ============================================================================================
+def build_parser() -> argparse.ArgumentParser:
+    from vae_trainer import OneLineParser
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="run directory (its latest readable checkpoint), checkpoint "
+                                                 "file, or an export.py --format safetensors folder")
+    p.add_argument("--dataset_url", default="", help="held-out shards or image folder (metrics, --latent_stats)")
+    p.add_argument("--resolution", type=int, default=0, help="crop size (default: the checkpoint's vae_resolution)")
+    p.add_argument("--max_images", type=int, default=0, help="use the first N images (default: all)")
+    p.add_argument("--batch_size", type=int, default=16, help="images per batch per process")
+    p.add_argument("--ema", action="store_true", help="use the checkpoint's EMA weights")
+    p.add_argument("--out", default="", help="also write metrics.json and reconstructions.png here")
+    p.add_argument("--vgg16_weights", default="torchvision",
+                   help="LPIPS backbone: torchvision (its download cache), a state-dict PATH, random (tests), none")
+    p.add_argument("--inception_weights", default="torchvision",
+                   help="FID Inception: torchvision (torch hub's cache, torch-fidelity's weights), PATH, random "
+                        "(tests), none")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="autocast of the VAE")
+    p.add_argument("--latent_stats", action="store_true",
+                   help="print the latent shift_factor / scaling_factor (FLUX: z' = (z - shift) * scale) instead")
+    p.add_argument("--images", default="", help="reconstruct every image in this folder (any size) ...")
+    p.add_argument("--reconstruct_to", default="", help="... into this folder, as PNG with the same names")
+    p.add_argument("--tile_size", type=int, default=1024, help="--images: encode/decode larger images in tiles "
+                                                               "of this many pixels (0: never tile)")
+    p.add_argument("--tile_overlap", type=int, default=128, help="--images: overlap of neighbouring tiles, pixels")
+    return p
+
+
+def validate(args, vae: AutoEncoder, resolution: int | None) -> None:
+    from vae_trainer import ConfigError
+    f = vae.downsample_factor
+    if bool(args.images) != bool(args.reconstruct_to):
+        raise ConfigError("--images and --reconstruct_to go together")
+    if args.images and args.latent_stats:
+        raise ConfigError("--latent_stats works on --dataset_url, not on --images")
+    if args.images:
+        if not os.path.isdir(args.images):
+            raise ConfigError(f"--images {args.images}: not a directory")
+        if args.tile_size < 0 or (args.tile_size and (args.tile_size % f or args.tile_overlap % f)):
+            raise ConfigError(f"--tile_size and --tile_overlap must be multiples of the downsample factor {f}")
+        if args.tile_size and not 0 <= args.tile_overlap < args.tile_size:
+            raise ConfigError("--tile_overlap must be >= 0 and smaller than --tile_size")
+        return
+    if not args.dataset_url:
+        raise ConfigError("give --dataset_url (metrics, --latent_stats) or --images with --reconstruct_to")
+    data_lib.list_shards(args.dataset_url)  # DatasetError: one line
+    if not resolution or resolution <= 0 or resolution % f:
+        raise ConfigError(f"--resolution must be a positive multiple of the downsample factor {f}, got {resolution}")
+    if resolution < 16:
+        raise ConfigError(f"--resolution must be at least 16 (SSIM uses 11x11 windows), got {resolution}")
+    if args.batch_size <= 0 or args.max_images < 0:
+        raise ConfigError("--batch_size must be positive and --max_images >= 0")
+    for flag in ("vgg16_weights", "inception_weights"):
+        spec = getattr(args, flag)
+        if spec not in ("torchvision", "random", "none") and not os.path.isfile(spec):
+            raise ConfigError(f"--{flag} {spec}: no such file (or use torchvision / random / none)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vae_trainer import ConfigError, init_distributed
+    is_rank0 = os.environ.get("RANK", "0") == "0"
+
+    def log(msg: str) -> None:
+        if is_rank0:
+            print(msg, file=sys.stderr, flush=True)
+
+    try:
+        args = build_parser().parse_args(argv)
+        vae, info = load_model(args.ckpt, args.ema)
+        resolution = args.resolution or info["resolution"]
+        validate(args, vae, resolution)
+    except (ConfigError, data_lib.DatasetError) as e:
+        log(f"error: {e}")
+        return 2
+    dist_info = init_distributed()
+    vae.to(dist_info.device)
+    autocast = None
+    if args.precision == "bf16":  # the VAE only; every metric stays in fp32/fp64
+        autocast = lambda: torch.autocast(dist_info.device.type, dtype=torch.bfloat16)  # noqa: E731
+    common = dict(batch_size=args.batch_size, device=dist_info.device, rank=dist_info.rank,
+                  world_size=dist_info.world_size, max_images=args.max_images or None, autocast=autocast)
+    try:
+        if args.images:
+            n = reconstruct_folder(vae, args.images, args.reconstruct_to, dist_info.device, args.tile_size,
+                                   args.tile_overlap, dist_info.rank, dist_info.world_size, autocast, log)
+            count = torch.tensor(n, dtype=torch.float64)
+            _all_reduce(count)
+            result = {"reconstructed": int(count.item()), "reconstruct_to": args.reconstruct_to}
+        elif args.latent_stats:
+            result = latent_stats(vae, args.dataset_url, resolution, **common)
+        else:
+            lpips_model, inception, missing = metric_networks(args.vgg16_weights, args.inception_weights,
+                                                              dist_info.device, dist_info.local_rank, log)
+            result = evaluate_model(vae, args.dataset_url, resolution, lpips_model=lpips_model, inception=inception,
+                                    log=log, **common)
+            result.update({f"{k}_missing": v for k, v in missing.items()})
+            if result["n_images"] == 0:
+                raise data_lib.DatasetError(f"{args.dataset_url}: no readable image to evaluate")
+        result.update(checkpoint=info["checkpoint"], step=info["step"], ema=args.ema, world_size=dist_info.world_size)
+        if not args.images:
+            result["resolution"] = resolution
+        if not args.images and not args.latent_stats:
+            result.update(vgg16_weights=args.vgg16_weights, inception_weights=args.inception_weights)
+        grid = result.pop("grid", None)
+        if dist_info.is_main:
+            if args.out:
+                write_outputs(args.out, result, grid)
+            print(json.dumps(result), flush=True)
+        return 0
+    except (ConfigError, WeightsUnavailable, data_lib.DatasetError) as e:
+        log(f"error: {e}")
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def write_outputs(out_dir: str, result: dict, grid: Tensor | None) -> None:
+    from PIL import Image
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "metrics.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    if grid is not None:
+        Image.fromarray(grid.permute(1, 2, 0).numpy()).save(os.path.join(out_dir, "reconstructions.png"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""export.py: the diffusers AutoencoderKL export computes what our model computes (encode mean, decode,
+log-variance), our safetensors format round-trips, and the command sets the latent factors."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import run_cli
+
+import evaluate as ev
+import export
+from ae import AutoEncoder, AutoEncoderParams
+
+CONFIGS = {
+    "constant_attn_3_levels": AutoEncoderParams(ch=32, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4,
+                                                use_attn=True),
+    "constant_no_attn_2_levels": AutoEncoderParams(ch=32, ch_mult=(1, 2), num_res_blocks=2, z_channels=4,
+                                                   use_attn=False, posterior_var=0.25),
+    "learned_attn_3_levels": AutoEncoderParams(ch=32, ch_mult=(1, 1, 2), num_res_blocks=1, z_channels=4,
+                                               use_attn=True, posterior="learned"),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """In-process tests run single-threaded like the CLI ones (conftest.cli_env sets OMP_NUM_THREADS=1):
+    on a small shared machine two OpenMP threads waiting on each other are many times slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_vae(params: AutoEncoderParams, seed: int = 0) -> AutoEncoder:
+    """Random weights, with GroupNorm affines moved off (1, 0) so that a swapped norm would show."""
+    torch.manual_seed(seed)
+    vae = AutoEncoder(params).eval()
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return vae
+
+
+def load_diffusers(path):
+    from diffusers import AutoencoderKL
+    return AutoencoderKL.from_pretrained(path, low_cpu_mem_usage=False).eval()
+
+
+def save_checkpoint(path, params: AutoEncoderParams, resolution: int = 32) -> AutoEncoder:
+    """A checkpoint in the trainer's format (the keys export/evaluate read), EMA weights different from `vae`."""
+    vae = make_vae(params)
+    ema = {k: v + 0.01 * torch.randn_like(v) for k, v in vae.state_dict().items()}
+    torch.save({"vae": vae.state_dict(), "ema": ema, "model_params": params.to_dict(),
+                "config": {"vae_resolution": resolution}, "step": 7}, path)
+    return vae
+
+
+def assert_one_line_error(r, message: str) -> None:
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_diffusers_export_matches_our_model(name, tmp_path):
+    params = CONFIGS[name]
+    vae = make_vae(params)
+    export.export_diffusers(vae, str(tmp_path), resolution=32, scaling_factor=0.7, shift_factor=-0.1)
+    theirs = load_diffusers(tmp_path)
+    torch.manual_seed(1)
+    x = torch.rand(2, 3, 32, 40) * 2 - 1
+    with torch.no_grad():
+        mean, logvar = vae.encode_moments(x)
+        posterior = theirs.encode(x).latent_dist
+        z = torch.randn_like(mean)
+        ours_decoded, theirs_decoded = vae.decode(z), theirs.decode(z).sample
+    torch.testing.assert_close(posterior.mean, mean, atol=1e-5, rtol=0)
+    torch.testing.assert_close(theirs_decoded, ours_decoded, atol=1e-5, rtol=0)
+    if params.posterior == "constant":
+        torch.testing.assert_close(posterior.logvar, torch.full_like(mean, math.log(params.posterior_var)),
+                                   atol=1e-6, rtol=0)
+    else:
+        torch.testing.assert_close(posterior.logvar, logvar, atol=1e-5, rtol=0)
+    config = theirs.config
+    assert (config.scaling_factor, config.shift_factor, config.sample_size) == (0.7, -0.1, 32)
+    assert not config.use_quant_conv and not config.use_post_quant_conv and config.force_upcast
+    assert config.mid_block_add_attention == params.use_attn
+    assert list(config.block_out_channels) == [params.ch * m for m in params.ch_mult]
+
+
+def test_safetensors_round_trip_is_identical(tmp_path):
+    vae = make_vae(CONFIGS["learned_attn_3_levels"])
+    export.export_safetensors(vae, str(tmp_path), resolution=32, scaling_factor=0.5, shift_factor=0.25)
+    loaded, config = export.load_autoencoder(str(tmp_path))
+    assert (config["scaling_factor"], config["shift_factor"], config["resolution"]) == (0.5, 0.25, 32)
+    assert loaded.params == vae.params
+    x = torch.rand(1, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        for ours, theirs in zip(vae(x, sample=False), loaded(x, sample=False)):
+            assert torch.equal(ours, theirs)
+    reloaded, info = ev.load_model(str(tmp_path))  # evaluate.py takes the folder as --ckpt
+    assert info["resolution"] == 32 and torch.equal(reloaded.encode(x), loaded.encode(x))
+
+
+def test_cli_diffusers_with_factors_and_ema(tmp_path):
+    params = CONFIGS["constant_attn_3_levels"]
+    save_checkpoint(tmp_path / "ckpt.pt", params)
+    out = tmp_path / "vae-diffusers"
+    r = run_cli("export.py", ["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(out), "--format", "diffusers",
+                              "--ema", "--scaling_factor", "0.3611", "--shift_factor", "0.1159"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads(r.stdout)
+    assert (summary["scaling_factor"], summary["shift_factor"], summary["ema"]) == (0.3611, 0.1159, True)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["scaling_factor"], config["shift_factor"]) == (0.3611, 0.1159)
+    assert (out / "diffusion_pytorch_model.safetensors").is_file()
+    # the EMA weights were exported, not the raw ones
+    ema_vae, _ = ev.load_model(str(tmp_path / "ckpt.pt"), ema=True)
+    x = torch.rand(1, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        torch.testing.assert_close(load_diffusers(out).encode(x).latent_dist.mean, ema_vae.encode(x), atol=1e-5, rtol=0)
+
+
+def test_cli_factors_from_latent_stats(tmp_path, photos_dir):
+    params = CONFIGS["constant_no_attn_2_levels"]
+    vae = save_checkpoint(tmp_path / "ckpt.pt", params)
+    out = tmp_path / "vae-st"
+    r = run_cli("export.py", ["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(out), "--format", "safetensors",
+                              "--dataset_url", photos_dir, "--latent_stats_images", "4", "--batch_size", "2"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    ref = ev.latent_stats(vae, photos_dir, 32, batch_size=2, device=torch.device("cpu"), max_images=4)
+    config = json.loads((out / "config.json").read_text())
+    assert config["shift_factor"] == pytest.approx(ref["shift_factor"], abs=1e-6)
+    assert config["scaling_factor"] == pytest.approx(ref["scaling_factor"], rel=1e-5)
+    assert json.loads(r.stdout)["latent_stats"]["n_images"] == 4
+
+
+def test_cli_defaults_and_clamp_warning(tmp_path):
+    params = AutoEncoderParams(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4, use_attn=False, clamp_th=4.0)
+    save_checkpoint(tmp_path / "ckpt.pt", params)
+    out = tmp_path / "vae-diffusers"
+    r = run_cli("export.py", ["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(out)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "scaling_factor 1.0 and shift_factor 0.0" in r.stderr and "does not clamp" in r.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert (config["scaling_factor"], config["shift_factor"], config["sample_size"]) == (1.0, 0.0, 32)
+
+
+def test_cli_user_errors(tmp_path, photos_dir):
+    r = run_cli("export.py", ["--ckpt", str(tmp_path / "missing.pt"), "--out", str(tmp_path / "o")])
+    assert_one_line_error(r, "missing.pt")
+    save_checkpoint(tmp_path / "ckpt.pt", CONFIGS["constant_no_attn_2_levels"])
+    r = run_cli("export.py", ["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "o"),
+                              "--scaling_factor", "0.5", "--dataset_url", photos_dir])
+    assert_one_line_error(r, "not both")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--format", "onnx"], "invalid choice"),
+    (["--scaling_factor", "-1"], "positive"),
+    (["--dataset_url", "/no/such/shards/{0..3}.tar"], "not found"),
+])
+def test_user_errors_in_process(tmp_path, capsys, args, message):
+    params = CONFIGS["constant_no_attn_2_levels"]
+    save_checkpoint(tmp_path / "ckpt.pt", params)
+    assert export.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "o"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
