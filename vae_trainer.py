@@ -140,8 +140,9 @@ class Config:
     demo: bool = opt(False, "train a tiny model on bundled sample photos (defaults below are overridden)", "run")
 
 
-ARCH_FIELDS = ("vae_ch", "vae_ch_mult", "vae_num_res_blocks", "vae_z_channels", "do_attn", "posterior",
-               "do_ganloss", "discriminator", "disc_norm")
+# A run directory written with other values of these cannot be resumed (the VAE's weights would not fit).
+# The GAN settings are not among them: switching the critic on after a reconstruction-only warm-up is normal.
+ARCH_FIELDS = ("vae_ch", "vae_ch_mult", "vae_num_res_blocks", "vae_z_channels", "do_attn", "posterior")
 
 # The demo: a tiny f4 model at 64 px that visibly learns in a few CPU minutes.
 DEMO = dict(vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_channels=4, do_attn=False,
@@ -640,7 +641,9 @@ class Trainer:
         config_path = os.path.join(self.run_dir, "config.json")
         if os.path.isfile(config_path):
             with open(config_path) as f:
-                self._check_compatible(json.load(f), config_path)
+                if not self._check_compatible(json.load(f), config_path) and existing:
+                    self._set_aside_checkpoints()
+                    existing = []
         if cfg.resume == "never":
             if existing:
                 raise ConfigError(f"{self.run_dir} already holds checkpoints and --resume never was given: "
@@ -656,16 +659,28 @@ class Trainer:
             except Exception as e:
                 raise ConfigError(f"--resume {cfg.resume}: unreadable checkpoint ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
-        if found is not None:
-            self._check_compatible(found[1]["config"], found[0])
+        if found is not None and not self._check_compatible(found[1]["config"], found[0]):
+            return None  # --force with a --resume PATH of another architecture: start from scratch
         return found
 
-    def _check_compatible(self, saved: dict, where: str) -> None:
+    def _check_compatible(self, saved: dict, where: str) -> bool:
+        """False (with --force) or ConfigError if `saved` describes another VAE architecture."""
         diff = [f"{k}: {saved.get(k)!r} -> {getattr(self.cfg, k)!r}" for k in ARCH_FIELDS
                 if k in saved and saved[k] != getattr(self.cfg, k)]
         if diff and not self.cfg.force:
             raise ConfigError(f"{where} was written with a different architecture ({'; '.join(diff)}): use "
-                              "another --run_name, or --force to continue anyway")
+                              "another --run_name, or --force to start this one from scratch")
+        return not diff
+
+    def _set_aside_checkpoints(self) -> None:
+        """--force over a run of another architecture: keep its checkpoints, renamed, and start anew."""
+        aside = f"{self.ckpt_dir}.incompatible-{time.strftime('%Y%m%d-%H%M%S')}"
+        if self.info.is_main:
+            os.rename(self.ckpt_dir, aside)
+        if self.info.distributed:
+            dist.barrier(group=self.info.ctrl_group)
+        self.log(f"warning: --force: the checkpoints of the other architecture were moved to {aside}; "
+                 "training starts from scratch")
 
     def _restore(self, path: str, ckpt: dict) -> dict | None:
         self.vae.load_state_dict(ckpt["vae"])
@@ -677,7 +692,11 @@ class Trainer:
         self.opt_vae.load_state_dict(ckpt["optimizer_vae"])
         self.sched_vae.load_state_dict(ckpt["scheduler_vae"])
         self.scaler_vae.load_state_dict(ckpt.get("scaler_vae") or {})
-        if self.disc is not None and ckpt.get("discriminator") is not None:
+        saved_cfg = ckpt.get("config", {})
+        same_disc = all(saved_cfg.get(k) == getattr(self.cfg, k) for k in ("discriminator", "disc_norm"))
+        if self.disc is not None and ckpt.get("discriminator") is not None and not same_disc:
+            self.log("warning: the checkpoint's discriminator is of another kind; the critic starts from scratch")
+        if self.disc is not None and ckpt.get("discriminator") is not None and same_disc:
             self.disc.load_state_dict(ckpt["discriminator"])
             self.opt_disc.load_state_dict(ckpt["optimizer_disc"])
             self.sched_disc.load_state_dict(ckpt["scheduler_disc"])
@@ -1093,7 +1112,9 @@ class Trainer:
             stopping = stop.agreed(info)
             due = self.step % cfg.save_every_n_steps == 0 or final or stopping
             if due and self.step != last_saved:
-                if int(self.bad_streak.item()) == 0:
+                # inside a streak of skipped steps the weights are the last good ones, but periodic saves would
+                # rotate good checkpoints out; a stop request is still honoured (resuming needs it)
+                if stopping or int(self.bad_streak.item()) == 0:
                     path = self.save()
                     last_saved = self.step
                     if path:

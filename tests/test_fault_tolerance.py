@@ -1,0 +1,316 @@
+"""Fault injection on CPU: exact resume (1 and 2 ranks), SIGKILL under torchrun restarts, SIGTERM,
+truncated checkpoints, non-finite steps, hostile data, unsafe checkpoints, incompatible run dirs, secrets."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import vae_trainer
+from conftest import ROOT, TINY, cli_env, run_cli
+
+GAN = ["--do_ganloss", "--disc_start", "1", "--lecam_weight", "0.1"]
+
+
+def _args(url, out, run="r", steps=8, save=2, *extra):
+    return ["--dataset_url", url, "--output_dir", str(out), "--run_name", run, "--max_steps", str(steps),
+            "--save_every_n_steps", str(save), "--log_every_n_steps", "2", "--evaluate_every_n_steps", "0",
+            "--keep_last_k", "20", *TINY, *extra]
+
+
+def _ckpt(out, run, step):
+    return torch.load(os.path.join(out, run, "checkpoints", f"step_{step:08d}.pt"), weights_only=True)
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    """Bitwise: weights, EMA, critic, LeCam anchors, optimizer moments and step counts."""
+    for key in ("vae", "ema", "discriminator", "lecam"):
+        assert a[key].keys() == b[key].keys()
+        for name in a[key]:
+            assert torch.equal(a[key][name], b[key][name]), f"{key}.{name} differs"
+    for key in ("optimizer_vae", "optimizer_disc"):
+        for pid, state in a[key]["state"].items():
+            for name, value in state.items():
+                assert torch.equal(value, b[key]["state"][pid][name]), f"{key}[{pid}].{name} differs"
+    assert a["step"] == b["step"] and a["scheduler_vae"] == b["scheduler_vae"]
+
+
+def _metrics(out, run) -> list[dict]:
+    with open(os.path.join(out, run, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ------------------------------------------------------------------------------------------ exact resume
+def test_sigterm_then_resume_equals_uninterrupted_single_process(shard_url, tmp_path):
+    ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 6, 2, *GAN))
+    assert ref.returncode == 0, ref.stderr[-2000:]
+
+    # SIGTERM arrives during step 3: the step finishes, a checkpoint is written, exit 0
+    first = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 6, 100, *GAN),
+                    env=cli_env(VAE_TRAINER_SIGTERM_AT="3"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "received signal 15: checkpoint written at step 4" in first.stdout
+    assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["latest", "step_00000004.pt"]
+
+    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 6, 2, *GAN))  # same command: auto-resume
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from" in again.stdout and "at step 4" in again.stdout
+    _assert_same_state(_ckpt(tmp_path, "ref", 6), _ckpt(tmp_path, "cut", 6))
+    # the resumed run's metrics continue the file: one record per logged step, none duplicated
+    assert [r["step"] for r in _metrics(tmp_path, "cut")] == [2, 4, 6]
+
+
+@pytest.fixture(scope="module")
+def two_rank_reference(shard_url, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref2")
+    proc = run_cli("vae_trainer.py", _args(shard_url, out, "ref", 8, 2, *GAN), nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_sigkill_of_one_rank_restarts_and_matches_uninterrupted(shard_url, tmp_path, two_rank_reference):
+    """kill -9 of rank 1 at step 5 under torchrun --max-restarts=1: the group restarts, resumes from the
+    step-4 checkpoint, finishes, and ends bitwise equal to the uninterrupted run."""
+    proc = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "killed", 8, 2, *GAN), nproc=2,
+                   extra_torchrun=["--max-restarts=1"], env=cli_env(VAE_TRAINER_KILL_AT="5@1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "exitcode: -9" in proc.stderr  # the agent saw the SIGKILL
+    assert "resumed from" in proc.stdout and "at step 4" in proc.stdout
+    _assert_same_state(_ckpt(two_rank_reference, "ref", 8), _ckpt(tmp_path, "killed", 8))
+
+
+def test_sigterm_on_one_rank_stops_all_and_resumes_exactly(shard_url, tmp_path, two_rank_reference):
+    """Preemption seen by rank 1 only: the ranks agree to stop after the same step, save, exit 0."""
+    first = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "pre", 8, 100, *GAN), nproc=2,
+                    env=cli_env(VAE_TRAINER_SIGTERM_AT="2@1"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "checkpoint written at step 3" in first.stdout
+    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "pre", 8, 2, *GAN), nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    _assert_same_state(_ckpt(two_rank_reference, "ref", 8), _ckpt(tmp_path, "pre", 8))
+
+
+def test_external_sigterm_writes_checkpoint_and_exits_0(shard_url, tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "vae_trainer.py"), *_args(shard_url, tmp_path, "term", 100000, 100000)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=ROOT)
+    for line in proc.stdout:  # wait until it trains
+        if line.startswith("step 2/"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "received signal 15" in out
+    ckpts = [f for f in os.listdir(tmp_path / "term" / "checkpoints") if f.endswith(".pt")]
+    assert len(ckpts) == 1
+    state = torch.load(tmp_path / "term" / "checkpoints" / ckpts[0], weights_only=True)
+    assert 2 <= state["step"] < 100000
+
+
+def test_truncated_newest_checkpoint_falls_back_to_previous(shard_url, tmp_path):
+    assert run_cli("vae_trainer.py", _args(shard_url, tmp_path, "t", 4, 2)).returncode == 0
+    newest = tmp_path / "t" / "checkpoints" / "step_00000004.pt"
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])  # a crash mid-write of a non-atomic writer
+    proc = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "t", 6, 2))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step_00000004.pt is unreadable" in proc.stdout
+    assert "step_00000002.pt at step 2" in proc.stdout
+    assert _ckpt(tmp_path, "t", 6)["step"] == 6
+    assert _ckpt(tmp_path, "t", 4)["step"] == 4  # rewritten whole
+
+
+# ------------------------------------------------------------------------------------------ numerical guard
+def test_injected_nan_skips_the_step_on_every_rank(shard_url, tmp_path):
+    """A NaN loss on rank 1 only at step index 3: both ranks skip that update (weights, EMA, critic and
+    optimizer state unchanged) and count it. A stop request right after it still saves (the weights are
+    the last good ones), and the resumed run trains on."""
+    args = _args(shard_url, tmp_path, "nan", 6, 1, *GAN)
+    proc = run_cli("vae_trainer.py", args, nproc=2, env=cli_env(VAE_TRAINER_INJECT_NAN="3@1",
+                                                               VAE_TRAINER_SIGTERM_AT="3@0"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checkpoint written at step 4" in proc.stdout
+    before, skipped = _ckpt(tmp_path, "nan", 3), _ckpt(tmp_path, "nan", 4)
+    for key in ("vae", "ema", "discriminator"):
+        assert all(torch.equal(before[key][k], skipped[key][k]) for k in before[key]), key
+    for key in ("optimizer_vae", "optimizer_disc"):
+        for pid, st in before[key]["state"].items():
+            for name in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(st[name], skipped[key]["state"][pid][name]), (key, name)
+    assert skipped["ranks_in_sync"] is True
+    assert skipped["guard"] == {"bad_steps_total": 1, "bad_streak": 1}
+
+    again = run_cli("vae_trainer.py", args, nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    after = _ckpt(tmp_path, "nan", 6)
+    assert not all(torch.equal(skipped["vae"][k], after["vae"][k]) for k in after["vae"])
+    assert after["guard"] == {"bad_steps_total": 1, "bad_streak": 0}
+    assert [r["guard/bad_steps_total"] for r in _metrics(tmp_path, "nan")] == [0, 1, 1]
+
+
+def test_repeated_nans_stop_cleanly_with_last_good_checkpoint(shard_url, tmp_path):
+    args = _args(shard_url, tmp_path, "nans", 20, 2, "--max_bad_steps", "3")
+    args[args.index("--log_every_n_steps") + 1] = "1"
+    proc = run_cli("vae_trainer.py", args, env=cli_env(VAE_TRAINER_INJECT_NAN="2,3,4,5,6,7,8,9"))
+    assert proc.returncode == 1
+    assert "3 consecutive steps had non-finite losses" in proc.stdout
+    assert "not saving at step 4: inside a streak of skipped steps" in proc.stdout
+    ckpts = sorted(f for f in os.listdir(tmp_path / "nans" / "checkpoints") if f.endswith(".pt"))
+    assert ckpts == ["step_00000002.pt"]
+    assert _ckpt(tmp_path, "nans", 2)["guard"]["bad_steps_total"] == 0
+    assert f"Last good checkpoint: {tmp_path / 'nans' / 'checkpoints' / 'step_00000002.pt'}" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------ hostile data
+def _png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _jpeg(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _tar(path, members):
+    with tarfile.open(path, "w") as tf:
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tf.addfile(info, io.BytesIO(payload))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hostile_shards(photos_dir, tmp_path_factory):
+    """One shard with every kind of bad member next to good ones of every colour mode; one truncated tar."""
+    d = tmp_path_factory.mktemp("hostile")
+    photo = Image.open(os.path.join(photos_dir, "astronaut.png")).convert("RGB").resize((96, 96))
+    gray16 = Image.fromarray((np.asarray(photo.convert("L"), dtype=np.uint16) * 257))
+    members = [
+        ("rgb.png", _png(photo)), ("rgb.jpg", _jpeg(photo)), ("gray.png", _png(photo.convert("L"))),
+        ("rgba.png", _png(photo.convert("RGBA"))), ("pal.png", _png(photo.convert("P"))),
+        ("cmyk.jpg", _jpeg(photo.convert("CMYK"))), ("g16.png", _png(gray16)),
+        ("tiny.png", _png(photo.resize((9, 7)))),
+        ("corrupt.jpg", b"\xff\xd8\xff\xe0 definitely not a jpeg"), ("empty.png", b""),
+        ("truncated.jpg", _jpeg(photo)[:300]), ("notes.txt", b"no image here"),
+        ("bomb.png", _png(Image.new("1", (6000, 6000)))),
+    ]
+    good = _tar(d / "hostile.tar", members)
+    full = _tar(d / "whole.tar", [(f"img{i}.png", _png(photo.rotate(30 * i))) for i in range(6)])
+    cut = d / "cut.tar"
+    cut.write_bytes(open(full, "rb").read()[: os.path.getsize(full) * 2 // 3])
+    return good, str(cut)
+
+
+def test_hostile_shards_train_to_completion_and_count_skips(hostile_shards, tmp_path):
+    good, cut = hostile_shards
+    args = _args(f"{good}::{cut}", tmp_path, "hostile", 6, 6, "--max_image_pixels", "10000000",
+                 "--shuffle_buffer", "4")
+    proc = run_cli("vae_trainer.py", args, nproc=2)  # rank 0 reads the zoo, rank 1 the truncated tar
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = _metrics(tmp_path, "hostile")[-1]
+    assert last["step"] == 6
+    assert last["data/skipped_corrupt"] >= 3 and last["data/skipped_non_image"] >= 1
+    assert last["data/skipped_too_large"] >= 1 and last["data/skipped_shard_errors"] >= 1
+    assert "skipped" in proc.stdout.splitlines()[-3] or "skipped" in proc.stdout
+
+
+def test_one_shard_for_two_ranks_does_not_hang(hostile_shards, tmp_path):
+    good, _ = hostile_shards
+    proc = run_cli("vae_trainer.py", _args(good, tmp_path, "one", 4, 4, "--max_image_pixels", "10000000"),
+                   nproc=2, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "every worker reads every shard" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------ safety
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoint_with_pickled_code_is_refused_not_executed(shard_url, tmp_path):
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "evil.pt"
+    with open(evil, "wb") as f:
+        pickle.dump({"vae": _RunsCode(marker), "step": 1}, f)
+    for script, args in [("vae_trainer.py", _args(shard_url, tmp_path, "a", 2, 2, "--resume", str(evil))),
+                         ("vae_trainer.py", _args(shard_url, tmp_path, "b", 2, 2, "--load_path", str(evil))),
+                         ("evaluate.py", ["--ckpt", str(evil), "--dataset_url", shard_url])]:
+        proc = run_cli(script, args)
+        assert proc.returncode != 0, (script, proc.stdout[-1000:])
+        assert proc.stderr.strip().splitlines()[-1].startswith("error: "), proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert not marker.exists(), "loading a checkpoint ran code"
+
+
+def test_run_dir_of_another_architecture_is_refused_unless_forced(shard_url, tmp_path):
+    assert run_cli("vae_trainer.py", _args(shard_url, tmp_path, "arch", 2, 2)).returncode == 0
+    other = _args(shard_url, tmp_path, "arch", 2, 2, "--vae_z_channels", "8")
+    proc = run_cli("vae_trainer.py", other)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "different architecture" in lines[0] and "vae_z_channels: 4 -> 8" in lines[0]
+    forced = run_cli("vae_trainer.py", other + ["--force"])
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    aside = [d for d in os.listdir(tmp_path / "arch") if d.startswith("checkpoints.incompatible-")]
+    assert len(aside) == 1 and os.listdir(tmp_path / "arch" / aside[0])  # nothing lost
+    assert _ckpt(tmp_path, "arch", 2)["config"]["vae_z_channels"] == 8
+    # switching the GAN on later is not an architecture change: it resumes
+    gan = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "arch", 4, 2, "--vae_z_channels", "8", *GAN))
+    assert gan.returncode == 0 and "at step 2" in gan.stdout, gan.stderr[-2000:]
+
+
+def test_resume_never_refuses_a_run_dir_with_checkpoints(shard_url, tmp_path):
+    assert run_cli("vae_trainer.py", _args(shard_url, tmp_path, "n", 2, 2)).returncode == 0
+    proc = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "n", 4, 2, "--resume", "never"))
+    assert proc.returncode == 1 and "--resume never" in proc.stderr
+
+
+def test_secrets_never_land_in_outputs(shard_url, tmp_path):
+    """Credentials in the dataset url and secrets in the environment reach no log, config or checkpoint."""
+    secrets = {"password": "pw-7f3a9c1e5b2d", "token": "tok-4e8b2a6c9d1f", "wandb": "wk-1c5e9a3f7b2d",
+               "hf": "hf-9b3d7f1a5c2e"}
+    first_shard = shard_url.replace("{00000..00002}", "00000")
+    url = (f"pipe:cat {first_shard} # https://alice:{secrets['password']}@data.example.com/x.tar"
+           f"?token={secrets['token']}")
+    proc = run_cli("vae_trainer.py", _args(url, tmp_path, "s", 2, 2),
+                   env=cli_env(WANDB_API_KEY=secrets["wandb"], HF_TOKEN=secrets["hf"]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = tmp_path / "s"
+    texts = [proc.stdout, proc.stderr, (run / "config.json").read_text(), (run / "metrics.jsonl").read_text(),
+             open(run / "checkpoints" / "step_00000002.pt", "rb").read().decode("latin-1")]
+    for name, secret in secrets.items():
+        assert not any(secret in t for t in texts), name
+    config = json.loads((run / "config.json").read_text())
+    assert "https://***@data.example.com/x.tar?token=***" in config["dataset_url"]
+
+
+# ------------------------------------------------------------------------------------------ collapse tracker
+def test_collapse_tracker_warns_once_per_episode():
+    said = []
+    tracker = vae_trainer.CollapseTracker(said.append)
+    calm = {"latent/collapsed_fraction": 0.0, "latent/abs_max": 3.0, "latent/std": 1.0, "gan/disc_acc": 0.6}
+    collapsed = dict(calm, **{"latent/collapsed_fraction": 0.75})
+    for step, m in enumerate([calm, collapsed, collapsed, collapsed, calm, collapsed]):
+        tracker.check(m, step)
+    assert len([s for s in said if "posterior collapse" in s]) == 2  # two episodes, one warning each
+    tracker.check(dict(calm, **{"latent/abs_max": 5e3}), 10)
+    tracker.check(dict(calm, **{"gan/disc_acc": 0.99}), 11)
+    assert any("exploding latents" in s for s in said) and any("critic has won" in s for s in said)
