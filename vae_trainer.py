@@ -483,9 +483,11 @@ class StopFlag:
         self.signum = signum
 
     def agreed(self, info: DistInfo) -> bool:
+        """Whether any rank was signalled; over the gloo control group, so no device sync."""
+        if not info.distributed:
+            return self.signum is not None
         flag = torch.tensor([1 if self.signum is not None else 0])
-        if info.distributed:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=info.ctrl_group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=info.ctrl_group)
         return bool(flag.item())
 
 

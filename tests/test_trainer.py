@@ -132,3 +132,30 @@ def test_demo_runs_from_nothing(tmp_path):
     assert (out / "demo_data" / "READY").exists()
     assert os.listdir(out / "demo" / "samples") == ["step_00000004.png"]
     assert "step 4/4" in proc.stdout
+
+
+def test_ema_update_rule():
+    """shadow <- d * shadow + (1 - d) * param with d = min(decay, (1 + t) / (10 + t)), in fp32; a step the
+    guard rejected leaves it unchanged."""
+    model = torch.nn.Linear(3, 2)
+    ema = vae_trainer.EMA(model, decay=0.999)
+    old = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update(model, step=0, skip=torch.tensor(1.0))
+    assert all(torch.equal(ema.state_dict()[n], old[n]) for n in old)
+    ema.update(model, step=0, skip=torch.tensor(0.0))  # warm-up: d = 1/10
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ema.state_dict()[n], 0.1 * old[n] + 0.9 * p.detach())
+    before = {n: t.clone() for n, t in ema.state_dict().items()}
+    ema.update(model, step=100_000, skip=torch.tensor(0.0))  # d = 0.999 once warmed up
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ema.state_dict()[n], 0.999 * before[n] + 0.001 * p.detach())
+        assert ema.state_dict()[n].dtype == torch.float32
+
+
+def test_readme_documents_every_flag():
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    missing = [f.name for f in dataclasses.fields(vae_trainer.Config) if f"`--{f.name}`" not in readme]
+    assert not missing, missing

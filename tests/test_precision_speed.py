@@ -1,0 +1,240 @@
+"""Precision policy, gradient checkpointing, accumulation, host syncs and the speed switches, exercised on
+the real Trainer in-process (CPU)."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import vae_trainer
+from conftest import TINY
+
+
+def make_trainer(shard_url, tmp_path, *extra) -> vae_trainer.Trainer:
+    cfg = vae_trainer.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+                                    "--num_workers", "0", "--evaluate_every_n_steps", "0", "--max_steps", "100",
+                                    *extra])
+    vae_trainer.validate(cfg)
+    return vae_trainer.Trainer(cfg, vae_trainer.DistInfo())
+
+
+@pytest.fixture
+def fixed_batches(shard_url):
+    """Real photo crops, the same for every trainer a test builds."""
+    import data
+    loader = data.TrainLoader(shard_url, 64, 4, seed=0, rank=0, world_size=1, num_workers=0, shuffle_buffer=8)
+    batches = [next(loader) for _ in range(6)]
+    loader.close()
+    return batches
+
+
+class FixedBatches:
+    """Stands in for the trainer's loader: the given batches, in order."""
+
+    def __init__(self, batches):
+        self.batches = iter(list(batches))
+
+    def __next__(self):
+        return next(self.batches)
+
+    def close(self):
+        pass
+
+
+def feed(trainer, batches):
+    trainer.loader.close()
+    trainer.loader = FixedBatches(batches)
+
+
+def run_steps(trainer, n) -> list[dict]:
+    out = []
+    for _ in range(n):
+        trainer.train_step()
+        trainer.step += 1
+        out.append(trainer.metrics.reduce(trainer.info))
+    return out
+
+
+def test_bf16_tracks_fp32(shard_url, tmp_path, fixed_batches):
+    """Same weights, data and noise: bf16 autocast losses stay finite and within 5% of fp32 over a few
+    steps, GAN included (the islands - GroupNorm, posterior, KL, low-pass filter, loss reductions - are fp32)."""
+    results = {}
+    for prec in ("fp32", "bf16"):
+        trainer = make_trainer(shard_url, tmp_path / prec, "--precision", prec, "--do_ganloss", "--disc_start", "0")
+        feed(trainer, fixed_batches[:4])
+        torch.manual_seed(0)
+        results[prec] = run_steps(trainer, 4)
+        assert not trainer.scaler_vae.is_enabled()
+        trainer.close()
+    for ref, low in zip(results["fp32"], results["bf16"]):
+        for key in ("loss/perceptual", "loss/pooled_mse", "loss/lowpass_mse", "loss/kl", "loss/disc"):
+            assert torch.isfinite(torch.tensor(low[key])), key
+            assert low[key] == pytest.approx(ref[key], rel=0.05, abs=1e-3), (key, ref[key], low[key])
+        assert low["guard/skipped_vae"] == 0.0
+
+
+def test_fp16_uses_loss_scaling_and_tracks_fp32(shard_url, tmp_path, fixed_batches):
+    """fp16: one GradScaler per optimizer; GradNorm's branches receive the loss scale as a weight (its
+    normalisation would otherwise erase it). The first steps overflow at the default scale of 2^16 and are
+    skipped while the scaler backs off (standard dynamic loss scaling); losses track fp32. fp16 convolutions
+    are slow on CPUs, hence the small model."""
+    small = ["--vae_ch_mult", "1,2", "--vae_resolution", "32", "--do_ganloss", "--disc_start", "0"]
+    batches = [b[:, :, :32, :32] for b in fixed_batches[:3]]
+    results, scalers = {}, {}
+    for prec in ("fp32", "fp16"):
+        trainer = make_trainer(shard_url, tmp_path / prec, "--precision", prec, *small)
+        feed(trainer, batches)
+        torch.manual_seed(0)
+        results[prec] = run_steps(trainer, 3)
+        scalers[prec] = (trainer.scaler_vae, trainer.scaler_disc)
+        trainer.close()
+    assert all(s.is_enabled() for s in scalers["fp16"]) and not any(s.is_enabled() for s in scalers["fp32"])
+    ref, low = results["fp32"][0], results["fp16"][0]  # the first forward: same weights
+    for key in ("loss/perceptual", "loss/pooled_mse", "loss/lowpass_mse", "loss/kl", "loss/disc"):
+        assert low[key] == pytest.approx(ref[key], rel=0.05, abs=1e-3), (key, ref[key], low[key])
+    skipped = sum(r["guard/skipped_vae"] for r in results["fp16"])
+    assert scalers["fp16"][0].get_scale() == 65536.0 / 2 ** skipped  # each overflow halved the scale
+    assert all(torch.isfinite(torch.tensor(r["loss/total"])) for r in results["fp16"])
+
+
+def test_fp32_islands_under_autocast():
+    """What the policy promises: under bf16 autocast GroupNorm, KL and the pixel losses compute in fp32."""
+    from ae import GroupNorm32, kl_divergence
+    from utils import lowpass_mse, pooled_mse
+    x = torch.randn(2, 32, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = torch.nn.Conv2d(32, 32, 1)(x)
+        assert h.dtype == torch.bfloat16
+        out = GroupNorm32(32, 32)(h)
+        ref = torch.nn.functional.group_norm(h.float(), 32, eps=1e-5)
+        assert (out.float() - ref).abs().max() < 0.02
+        img = torch.rand(2, 3, 32, 32, dtype=torch.bfloat16) * 2 - 1
+        for value in (kl_divergence(h, None), kl_divergence(h, h), pooled_mse(img, img * 0.9, 4),
+                      lowpass_mse(img, img * 0.9)):
+            assert value.dtype == torch.float32
+
+
+def test_grad_checkpointing_gives_the_same_training(shard_url, tmp_path, fixed_batches):
+    """decoder_hr / all recompute activations in backward: the trained weights are the same as without."""
+    weights = {}
+    for mode in ("none", "decoder_hr", "all"):
+        trainer = make_trainer(shard_url, tmp_path / mode, "--grad_checkpointing", mode)
+        assert trainer.vae.decoder.checkpoint_levels == {"none": set(), "decoder_hr": {0, 1},
+                                                         "all": {0, 1, 2}}[mode]
+        feed(trainer, fixed_batches[:3])
+        torch.manual_seed(0)
+        run_steps(trainer, 3)
+        weights[mode] = {k: v.clone() for k, v in trainer.vae.state_dict().items()}
+        trainer.close()
+    for mode in ("decoder_hr", "all"):
+        for k, v in weights["none"].items():
+            torch.testing.assert_close(weights[mode][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_accum_averages_the_per_micro_batch_gradients(shard_url, tmp_path, fixed_batches, monkeypatch):
+    """The README's claim: with --grad_accum N, GradNorm normalises each micro-batch's branch gradient to
+    weight / N, so the accumulated gradient is the mean of the N single-micro-batch gradients (not the
+    gradient of one big batch, whose branch norm would be set once)."""
+    from ae import AutoEncoder
+    monkeypatch.setattr(AutoEncoder, "sample", lambda self, mean, logvar: mean.float())  # same z everywhere
+
+    def grads_of(accum, batches):
+        trainer = make_trainer(shard_url, tmp_path / f"acc{accum}", "--grad_accum", str(accum), "--grad_clip", "0")
+        feed(trainer, batches)
+        captured = {}
+
+        def capture(optimizer, scaler, bad):
+            if optimizer is trainer.opt_vae:
+                captured.update({n: p.grad.clone() for n, p in trainer.vae.named_parameters()})
+            optimizer.zero_grad(set_to_none=True)
+        monkeypatch.setattr(trainer, "guarded_step", capture)
+        trainer.train_step()
+        trainer.close()
+        return captured
+
+    both = grads_of(2, fixed_batches[:2])
+    first, second = grads_of(1, fixed_batches[:1]), grads_of(1, fixed_batches[1:2])
+    for name, g in both.items():
+        torch.testing.assert_close(g, (first[name] + second[name]) / 2, rtol=1e-4, atol=1e-7)
+    # and it is not the gradient of the concatenated batch
+    big = grads_of(1, [torch.cat(fixed_batches[:2])])
+    assert any(not torch.allclose(g, big[n], rtol=1e-2, atol=1e-6) for n, g in both.items())
+
+
+HOST_SYNCS = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__")
+
+
+@contextlib.contextmanager
+def count_host_syncs():
+    """Count every tensor->host read (the calls that block on a GPU) while the block runs."""
+    counts = {name: 0 for name in HOST_SYNCS}
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_SYNCS}
+
+    def wrap(name):
+        def counted(self, *args, **kwargs):
+            counts[name] += 1
+            return originals[name](self, *args, **kwargs)
+        return counted
+    for name in HOST_SYNCS:
+        setattr(torch.Tensor, name, wrap(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+
+
+@pytest.mark.parametrize("extra", [[], ["--do_ganloss", "--disc_start", "0", "--lecam_weight", "0.1",
+                                        "--grad_accum", "2"],
+                                   ["--do_ganloss", "--disc_start", "0", "--loss_balance", "adaptive"],
+                                   ["--precision", "fp16", "--do_ganloss", "--disc_start", "0"]])
+def test_training_step_has_no_host_syncs(shard_url, tmp_path, fixed_batches, extra):
+    """Losses, GradNorm norms, the non-finite guard, EMA and the schedule stay on the device: a training
+    step reads nothing back to the host. Only logging steps do (one reduce, one copy)."""
+    trainer = make_trainer(shard_url, tmp_path, *extra)
+    feed(trainer, fixed_batches)
+    trainer.train_step()  # warm-up (lazy initialisations)
+    stop = vae_trainer.StopFlag()
+    with count_host_syncs() as counts:
+        for _ in range(2):
+            trainer.train_step()
+            trainer.step += 1
+            stop.agreed(trainer.info)
+    assert counts == {name: 0 for name in HOST_SYNCS}, counts
+    with count_host_syncs() as counts:
+        trainer.metrics.reduce(trainer.info)
+    assert counts["cpu"] == 1 and counts["item"] == 0
+    trainer.close()
+
+
+def test_speed_switches_are_in_effect(shard_url, tmp_path):
+    trainer = make_trainer(shard_url, tmp_path, "--do_ganloss")
+    assert trainer.opt_vae.defaults["fused"] and trainer.opt_disc.defaults["fused"]
+    conv = trainer.vae.decoder.conv_out.weight
+    assert conv.is_contiguous(memory_format=torch.channels_last)
+    x = next(trainer.loader)
+    import data
+    assert data.to_model_input(x, trainer.device, True).is_contiguous(memory_format=torch.channels_last)
+    trainer.close()
+    off = make_trainer(shard_url, tmp_path / "off", "--channels_last", "false")
+    assert off.vae.decoder.conv_out.weight.is_contiguous()
+    off.close()
+
+
+def test_compile_keeps_checkpoint_keys_clean(shard_url, tmp_path, fixed_batches):
+    """--compile compiles the inner modules (never the DDP wrapper) in place: same parameter names, and a
+    compiled step gives the eager step's losses."""
+    small = ["--vae_ch_mult", "1,2", "--vae_resolution", "32"]
+    batches = [b[:, :, :32, :32] for b in fixed_batches[:2]]
+    losses = {}
+    for flag in ("false", "true"):
+        trainer = make_trainer(shard_url, tmp_path / flag, *small, "--compile", flag)
+        feed(trainer, batches)
+        torch.manual_seed(0)
+        losses[flag] = run_steps(trainer, 2)
+        keys = list(trainer.checkpoint_state()["vae"])
+        assert not any("_orig_mod" in k for k in keys)
+        trainer.close()
+    for eager, compiled in zip(losses["false"], losses["true"]):
+        assert compiled["loss/total"] == pytest.approx(eager["loss/total"], rel=1e-3)
