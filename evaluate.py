@@ -32,7 +32,8 @@ from torch import Tensor, nn
 
 import data as data_lib
 from ae import AutoEncoder, AutoEncoderParams
-from utils import WeightsUnavailable, build_lpips, ensure_vgg16_weights, load_vgg16_features, warn_random_vgg
+from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, hub_cache_path,
+                   load_vgg16_features, warn_random_vgg)
 
 # vae_trainer (checkpoint files, the one-line parser, distributed setup) is imported inside the command's
 # functions only: the trainer imports this module for evaluate_model, and a cycle at import time would break.
@@ -153,31 +154,14 @@ def inception_url() -> str:
 
 
 def inception_cache_path() -> str:
-    return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(inception_url()))
+    return hub_cache_path(inception_url())
 
 
 def ensure_inception_weights(spec: str, download: bool = True) -> str | None:
-    """Resolve `--inception_weights` to a local file (None: random init). `torchvision` means torch
-    hub's download cache, where torch-fidelity keeps the FID network's weights (downloaded once)."""
-    if spec == "random":
-        return None
-    if spec != "torchvision":
-        if not os.path.isfile(spec):
-            raise WeightsUnavailable(f"--inception_weights {spec}: no such file")
-        return spec
-    path = inception_cache_path()
-    if os.path.isfile(path):
-        return path
-    if not download:
-        raise WeightsUnavailable(f"FID Inception weights not found at {path}")
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.hub.download_url_to_file(inception_url(), path, progress=False)
-    except Exception as e:  # offline clusters land here
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise WeightsUnavailable(f"FID Inception weights unavailable ({reason}): put {os.path.basename(path)} at "
-                                 f"{path}, or pass --inception_weights PATH") from None
-    return path
+    """`--inception_weights`: the FID network's weights from torch hub's cache (where torch-fidelity keeps
+    them), a local file, or random (tests)."""
+    return ensure_weights(spec, flag="--inception_weights", url=inception_url(), what="FID Inception",
+                          download=download)
 
 
 def _random_inception_state_dict() -> dict[str, Tensor]:

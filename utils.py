@@ -69,38 +69,49 @@ class WeightsUnavailable(RuntimeError):
     """Pretrained weights could not be had; the message is one line for the user."""
 
 
-def vgg16_cache_path() -> str:
-    url = torchvision.models.VGG16_Weights.IMAGENET1K_V1.url
+def hub_cache_path(url: str) -> str:
+    """Where torch.hub (and torchvision, torch-fidelity) keep a downloaded file."""
     return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(url))
 
 
-def ensure_vgg16_weights(spec: str, download: bool = True) -> str | None:
-    """Resolve `--vgg16_weights` to a local file path (None for random init).
-
-    `torchvision` uses torchvision's download cache, downloading once if `download` (the other
-    local ranks pass download=False after local rank 0 is done).
-    """
+def ensure_weights(spec: str, *, flag: str, url: str, what: str, download: bool = True,
+                   hash_prefix: str | None = None) -> str | None:
+    """Resolve a weights flag to a local file: `random` -> None (random init), a PATH -> itself,
+    `torchvision` -> torch hub's download cache, downloading `url` once if `download` (the other local
+    ranks pass download=False after local rank 0 is done). WeightsUnavailable says how to supply them."""
     if spec == "random":
         return None
     if spec != "torchvision":
         if not os.path.isfile(spec):
-            raise WeightsUnavailable(f"--vgg16_weights {spec}: no such file")
+            raise WeightsUnavailable(f"{flag} {spec}: no such file")
         return spec
-    path = vgg16_cache_path()
+    path = hub_cache_path(url)
     if os.path.isfile(path):
         return path
-    how = (f"put torchvision's vgg16-397923af.pth at {path}, or pass --vgg16_weights PATH "
-           f"(a VGG16 state dict); --vgg16_weights random is for tests only")
+    how = f"put {os.path.basename(path)} at {path}, or pass {flag} PATH; {flag} random is for tests only"
     if not download:
-        raise WeightsUnavailable(f"pretrained VGG16 weights not found at {path}: {how}")
+        raise WeightsUnavailable(f"{what} weights not found at {path}: {how}")
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with contextlib.redirect_stdout(sys.stderr):  # torch.hub announces downloads on stdout
-            torch.hub.load_state_dict_from_url(torchvision.models.VGG16_Weights.IMAGENET1K_V1.url,
-                                               progress=False, check_hash=True)
+            torch.hub.download_url_to_file(url, path, hash_prefix=hash_prefix, progress=False)
     except Exception as e:  # offline clusters land here
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise WeightsUnavailable(f"pretrained VGG16 weights unavailable ({reason}): {how}") from None
+        raise WeightsUnavailable(f"{what} weights unavailable ({reason}): {how}") from None
     return path
+
+
+VGG16_URL = torchvision.models.VGG16_Weights.IMAGENET1K_V1.url
+
+
+def vgg16_cache_path() -> str:
+    return hub_cache_path(VGG16_URL)
+
+
+def ensure_vgg16_weights(spec: str, download: bool = True) -> str | None:
+    """`--vgg16_weights`: torchvision's pretrained VGG16 (its cache), a local state dict, or random."""
+    return ensure_weights(spec, flag="--vgg16_weights", url=VGG16_URL, what="pretrained VGG16", download=download,
+                          hash_prefix="397923af")  # torchvision names its files by their sha256 prefix
 
 
 def load_vgg16_features(path: str | None) -> dict[str, Tensor] | None:

@@ -45,6 +45,17 @@ def shard_url(photos_dir, tmp_path_factory) -> str:
     return data_lib.brace_url(paths)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """In-process tests run single-threaded like the CLI ones (cli_env sets OMP_NUM_THREADS=1): on a small
+    shared machine two OpenMP threads waiting on each other are many times slower than one."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def cli_env(**extra) -> dict:
     env = dict(os.environ)
     env.update({"WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})

@@ -24,14 +24,7 @@ from ae import AutoEncoder, AutoEncoderParams
 TINY_PARAMS = dict(ch=32, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4, use_attn=False)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """In-process tests run single-threaded like the CLI ones (conftest.cli_env sets OMP_NUM_THREADS=1):
-    on a small shared machine two OpenMP threads waiting on each other are many times slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="session")

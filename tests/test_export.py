@@ -24,14 +24,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """In-process tests run single-threaded like the CLI ones (conftest.cli_env sets OMP_NUM_THREADS=1):
-    on a small shared machine two OpenMP threads waiting on each other are many times slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_vae(params: AutoEncoderParams, seed: int = 0) -> AutoEncoder:

@@ -10,6 +10,8 @@ import torch
 import vae_trainer
 from conftest import TINY
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def make_trainer(shard_url, tmp_path, *extra) -> vae_trainer.Trainer:
     cfg = vae_trainer.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,

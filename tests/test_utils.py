@@ -437,7 +437,7 @@ def test_ensure_vgg16_weights_torchvision_offline(tmp_path, monkeypatch):
     # downloading fails offline: one line, same advice
     def offline(*args, **kwargs):
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
-    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", offline)
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
     with pytest.raises(WeightsUnavailable) as info:
         ensure_vgg16_weights("torchvision", download=True)
     assert "\n" not in str(info.value) and "--vgg16_weights" in str(info.value)
@@ -445,7 +445,7 @@ def test_ensure_vgg16_weights_torchvision_offline(tmp_path, monkeypatch):
     # once torchvision's cache holds the file it is used
     path = utils.vgg16_cache_path()
     assert path.startswith(str(tmp_path / "torch_home"))
-    os.makedirs(os.path.dirname(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     open(path, "wb").close()
     assert ensure_vgg16_weights("torchvision", download=False) == path
 
