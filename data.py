@@ -559,7 +559,7 @@ def brace_url(paths: list[str]) -> str:
 DEMO_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "hubble_deep_field.jpg", "retina.jpg",
                "motorcycle_left.png", "motorcycle_right.png", "ihc.png", "camera.png", "coins.png", "grass.png",
                "gravel.png", "brick.png", "logo.png", "page.png")
-DEMO_TEST = ("chelsea.png", "motorcycle_right.png")  # held out for evaluation
+DEMO_TEST = ("chelsea.png", "motorcycle_right.png", "coffee.png", "rocket.jpg")  # held out for evaluation
 
 
 def _generated_photos(dst: str, n: int = 16) -> list[str]:
