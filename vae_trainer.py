@@ -433,10 +433,9 @@ class Metrics:
             if flat_max is not None:
                 dist.all_reduce(flat_max, op=dist.ReduceOp.MAX)
         out: dict[str, Any] = {}
-        for source, names, table in ((flat, keys, self.sums), (flat_max, max_keys, self.maxes)):
-            if source is None:
-                continue
-            values, offset = source.cpu().tolist(), 0
+        values = (torch.cat([flat, flat_max]) if flat_max is not None else flat).cpu().tolist()  # one copy
+        offset = 0
+        for names, table in ((keys, self.sums), (max_keys, self.maxes)):
             for k in names:
                 n = table[k].numel()
                 out[k] = values[offset] if table[k].dim() == 0 else values[offset:offset + n]
