@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 POSTERIORS = ("constant", "learned")
-GRAD_CHECKPOINTING = ("none", "decoder_hr", "decoder", "all")
+GRAD_CHECKPOINTING = ("none", "decoder_hr", "hr", "decoder", "all")
 LOGVAR_RANGE = (-30.0, 20.0)  # LDM's clamp of the learned log-variance
 
 
@@ -126,11 +126,19 @@ class Upsample(nn.Module):
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
-def _run_level(fn, h: Tensor, use_checkpoint: bool) -> Tensor:
-    # Checkpointing only pays when a backward will follow; use_reentrant=False is exact and DDP-safe.
-    if use_checkpoint and torch.is_grad_enabled() and h.requires_grad:
-        return checkpoint(fn, h, use_reentrant=False)
-    return fn(h)
+def _run_level(modules: list[nn.Module], h: Tensor, use_checkpoint: bool) -> Tensor:
+    """Runs one resolution level. Checkpointed, each block (and the resampling conv) is its own segment:
+    backward then re-materialises one block at a time rather than the whole level, and non-reentrant
+    checkpointing stops recomputing once a block's saved tensors are back, so it also costs fewer FLOPs
+    than one segment per level (BENCHMARKS.md). Checkpointing only pays when a backward will follow;
+    use_reentrant=False is exact and DDP-safe."""
+    use_checkpoint = use_checkpoint and torch.is_grad_enabled()
+    for module in modules:
+        if use_checkpoint and h.requires_grad:
+            h = checkpoint(module, h, use_reentrant=False)
+        else:
+            h = module(h)
+    return h
 
 
 class Encoder(nn.Module):
@@ -163,14 +171,9 @@ class Encoder(nn.Module):
         self.norm_out = Normalize(block_in, groups)
         self.conv_out = nn.Conv2d(block_in, out_channels, kernel_size=3, stride=1, padding=1)
 
-    def _level(self, i_level: int):
-        def run(h: Tensor) -> Tensor:
-            for block in self.down[i_level].block:
-                h = block(h)
-            if i_level != self.num_resolutions - 1:
-                h = self.down[i_level].downsample(h)
-            return h
-        return run
+    def _level(self, i_level: int) -> list[nn.Module]:
+        level = self.down[i_level]
+        return list(level.block) + ([level.downsample] if i_level != self.num_resolutions - 1 else [])
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.conv_in(x)
@@ -208,14 +211,9 @@ class Decoder(nn.Module):
         self.norm_out = Normalize(block_in, groups)
         self.conv_out = nn.Conv2d(block_in, out_ch, kernel_size=3, stride=1, padding=1)
 
-    def _level(self, i_level: int):
-        def run(h: Tensor) -> Tensor:
-            for block in self.up[i_level].block:
-                h = block(h)
-            if i_level != 0:
-                h = self.up[i_level].upsample(h)
-            return h
-        return run
+    def _level(self, i_level: int) -> list[nn.Module]:
+        level = self.up[i_level]
+        return list(level.block) + ([level.upsample] if i_level != 0 else [])
 
     def forward(self, z: Tensor) -> Tensor:
         h = self.conv_in(z)
@@ -256,13 +254,15 @@ class AutoEncoder(nn.Module):
         return self.params.downsample_factor
 
     def set_grad_checkpointing(self, mode: str) -> None:
-        """none | decoder_hr (the two highest-resolution decoder levels) | decoder | all."""
+        """none | decoder_hr (the two highest-resolution decoder levels) | hr (those and the encoder's two
+        highest-resolution levels: in full VAE training the encoder's activations are alive during the
+        decoder's backward) | decoder (every decoder level) | all (every level of both)."""
         if mode not in GRAD_CHECKPOINTING:
             raise ValueError(f"grad checkpointing must be one of {GRAD_CHECKPOINTING}, got {mode!r}")
-        n = self.decoder.num_resolutions
-        self.decoder.checkpoint_levels = {"none": set(), "decoder_hr": {0, 1} & set(range(n)),
-                                          "decoder": set(range(n)), "all": set(range(n))}[mode]
-        self.encoder.checkpoint_levels = set(range(n)) if mode == "all" else set()
+        every, high = set(range(self.decoder.num_resolutions)), {0, 1} & set(range(self.decoder.num_resolutions))
+        self.decoder.checkpoint_levels = {"none": set(), "decoder_hr": high, "hr": high,
+                                          "decoder": every, "all": every}[mode]
+        self.encoder.checkpoint_levels = {"hr": high, "all": every}.get(mode, set())
 
     def encode_moments(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """Posterior mean and log-variance (None for the constant-variance posterior)."""

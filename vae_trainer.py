@@ -116,8 +116,9 @@ class Config:
     precision: str = opt("fp32", "fp32 (recommended for VAEs), or bf16/fp16 autocast with fp32 islands",
                          "speed", ("fp32", "bf16", "fp16"))
     allow_tf32: bool = opt(False, "allow TF32 matmuls/convolutions on Ampere+ GPUs", "speed")
-    grad_checkpointing: str = opt("none", "recompute activations in backward: decoder_hr (two highest-resolution "
-                                          "decoder levels), decoder, all", "speed", GRAD_CHECKPOINTING)
+    grad_checkpointing: str = opt("none", "recompute activations in backward, one block at a time: decoder_hr (the "
+                                          "decoder's two highest-resolution levels), hr (those of the encoder too), "
+                                          "decoder (every decoder level), all", "speed", GRAD_CHECKPOINTING)
     channels_last: bool = opt(True, "channels_last memory format", "speed")
     compile: bool = opt(False, "torch.compile the encoder, decoder and discriminator", "speed")
     # run, logging, checkpoints

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import ae
 from ae import AutoEncoder, AutoEncoderParams, GroupNorm32, kl_divergence
@@ -322,30 +323,38 @@ def ckpt_reference():
 
 @pytest.mark.parametrize("mode,decoder_levels,encoder_levels", [
     ("decoder_hr", {0, 1}, set()),
+    ("hr", {0, 1}, {0, 1}),
     ("decoder", {0, 1, 2, 3}, set()),
     ("all", {0, 1, 2, 3}, {0, 1, 2, 3}),
 ])
-def test_grad_checkpointing_is_exact(ckpt_reference, mode, decoder_levels, encoder_levels):
+def test_grad_checkpointing_is_exact(ckpt_reference, mode, decoder_levels, encoder_levels, monkeypatch):
     model, x, recon_ref, grads_ref = ckpt_reference
+    segments = []  # one checkpoint segment per block / resampler (memory: one block re-materialised at a time)
+    monkeypatch.setattr(ae, "checkpoint", lambda fn, *a, **k: segments.append(fn) or checkpoint(fn, *a, **k))
     model.set_grad_checkpointing(mode)
     try:
         assert model.decoder.checkpoint_levels == decoder_levels
         assert model.encoder.checkpoint_levels == encoder_levels
-        # count block entries: a checkpointed level runs twice (forward + recompute in backward).
-        # Pre-hooks, since non-reentrant recomputation stops early, inside a level's last block.
+        # count entries into every block and resampler: each one of a checkpointed level runs twice (its
+        # own segment: forward + recompute in backward), the others once. Pre-hooks, since non-reentrant
+        # recomputation stops early, inside a block.
         calls = {}
         hooks = []
         for i in range(4):
-            for name, block in (("dec", model.decoder.up[i].block[0]), ("enc", model.encoder.down[i].block[0])):
-                calls[(name, i)] = 0
-                hooks.append(block.register_forward_pre_hook(
-                    lambda *_, key=(name, i): calls.__setitem__(key, calls[key] + 1)))
+            for name, coder in (("dec", model.decoder), ("enc", model.encoder)):
+                for j, module in enumerate(coder._level(i)):
+                    calls[(name, i, j)] = 0
+                    hooks.append(module.register_forward_pre_hook(
+                        lambda *_, key=(name, i, j): calls.__setitem__(key, calls[key] + 1)))
         recon, grads = _grads(model, x)
         for h in hooks:
             h.remove()
-        for i in range(4):
-            assert calls[("dec", i)] == (2 if i in decoder_levels else 1), (mode, "decoder", i)
-            assert calls[("enc", i)] == (2 if i in encoder_levels else 1), (mode, "encoder", i)
+        assert segments == [m for i in sorted(encoder_levels) for m in model.encoder._level(i)] + \
+            [m for i in sorted(decoder_levels, reverse=True) for m in model.decoder._level(i)]
+        assert len(calls) == (4 * 2 + 3) + (4 * 1 + 3)  # decoder: 2 blocks a level + 3 upsamplers; encoder: 1 + 3
+        for (name, i, j), n in calls.items():
+            levels = decoder_levels if name == "dec" else encoder_levels
+            assert n == (2 if i in levels else 1), (mode, name, i, j)
         assert torch.equal(recon, recon_ref)
         assert set(grads) == set(grads_ref)
         # exact up to float reassociation: |diff| <= 1e-6 * max|g| + 1e-5 * |g| (bitwise in practice)
