@@ -1,0 +1,909 @@
+"""Speed and memory benchmarks of the VAE trainer and its input pipeline, in one run.
+
+    python bench.py --quick --json     # under two minutes on 2 idle CPU cores; one JSON object on stdout
+    python bench.py                    # the full run: 8-10 minutes on 2 idle CPU cores
+    python bench.py --sections train --config flux --gan    # one section, another model size
+
+Sections
+  data    One data worker's img/s (in-process, one torch thread, as inside a DataLoader worker), on
+          shards of generated photo-like PNG and JPEG (quality 90) images, 768x1024 by default:
+            decode    the raw PIL decode of the same tar members' bytes (Image.open + load), nothing else;
+            ours      data.TrainLoader(num_workers=0) producing batches of 256x256 uint8 crops;
+            naive     decode -> whole image to a float tensor (ToTensor + Normalize) -> random crop 256,
+                      like the reference trainer.
+          Every reader streams the same tar files, so all see the same bytes and the same image count.
+  train   img/s of the real Trainer.train_step() (LPIPS, GradNorm, EMA, guarded AdamW; --gan adds the
+          VGG16 discriminator) for each speed switch. The baseline is the step as the reference trainer
+          runs it: contiguous (NCHW) tensors, eager, fp32, and a host sync per loss (.item() on every
+          scalar the step logs, done here by wrapping trainer.metrics.add; the trainer is unchanged).
+          Batches are real crops held in memory, so the data pipeline is not part of the step time.
+  memory  Peak memory and step time of each --grad_checkpointing level at 256 and 512 px, each case in a
+          fresh process (so one case's peak cannot hide another's); the time cost of decoder_hr is
+          measured again in one process with the two levels interleaved. Also the activation memory
+          each part of the model saves for backward (counted with saved-tensor hooks).
+  gpu     CUDA only: the FLUX-size VAE in fp32 and bf16, img/s and peak memory at 256 and 512 px.
+
+Headline keys of --json (the target each is checked against)
+  pipeline_fraction_of_decode  PNG: our loader's img/s / the raw decode's img/s            (>= 0.90)
+  train_step_speedup           img/s with every speed switch on (no host syncs, channels_last, and
+                               compile when measured; fp32) / the reference step's img/s  (>= 1.3)
+  ckpt_memory_saving_512       1 - peak increase(decoder_hr) / peak increase(none), 512 px (>= 0.50)
+  ckpt_time_cost_512           step time(decoder_hr) / step time(none) - 1, 512 px, the two
+                               interleaved in one process, fastest steps               (<= 0.30)
+  gpu_bf16_speedup_flux_256    CUDA only: FLUX VAE img/s in bf16 / in fp32 at 256 px      (>= 1.7)
+The peak increase is the peak minus the memory in use right before the first training step, i.e. what
+the step itself needs (activations, gradients, optimizer state), the part checkpointing acts on.
+
+Variants are interleaved round by round and medians are reported, because a shared machine's timings are
+noisy. LPIPS and the discriminator use randomly initialised VGG16 weights (--vgg16_weights random):
+speed and memory do not depend on the weight values.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import itertools
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFilter
+
+import data as data_lib
+import vae_trainer
+
+# ----------------------------------------------------------------------------------------------------
+# Configurations
+# ----------------------------------------------------------------------------------------------------
+TRAIN_CONFIGS = {  # --config: the model of the train section
+    "tiny": dict(vae_ch=32, vae_ch_mult="1,2,4,4", vae_num_res_blocks=1, vae_resolution=128, batch_size=2),
+    "small": dict(vae_ch=64, vae_ch_mult="1,2,4,4", vae_num_res_blocks=2, vae_resolution=128, batch_size=2),
+    "flux": dict(vae_ch=128, vae_ch_mult="1,2,4,4", vae_num_res_blocks=2, vae_resolution=256, batch_size=2),
+}
+# The memory section: the FLUX layout (its decoder's two highest-resolution levels hold the largest share of
+# the activations) at batch 1; --memory_ch 128 is the real FLUX width.
+MEMORY_CONFIG = dict(vae_ch_mult="1,2,4,4", vae_num_res_blocks=2, batch_size=1)
+FLUX_CONFIG = dict(vae_ch=128, vae_ch_mult="1,2,4,4", vae_num_res_blocks=2)
+# Flags every benchmark trainer gets: in-memory batches, no evaluation, no wandb, VGG16 without downloads.
+BENCH_FLAGS = dict(num_workers=0, shuffle_buffer=2, vgg16_weights="random", wandb_mode="disabled",
+                   evaluate_every_n_steps=0, inception_weights="none", num_samples=1, disc_start=0,
+                   save_every_n_steps=10**9, log_every_n_steps=10**9, max_steps=10**9)
+CKPT_LEVELS = ("none", "decoder_hr", "hr", "decoder", "all")
+TARGETS = {  # key: (comparison, threshold)
+    "pipeline_fraction_of_decode": (">=", 0.90),
+    "train_step_speedup": (">=", 1.3),
+    "ckpt_memory_saving_512": (">=", 0.50),
+    "ckpt_time_cost_512": ("<=", 0.30),
+    "gpu_bf16_speedup_flux_256": (">=", 1.7),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="a run of about two minutes on 2 otherwise idle CPU cores: fewer images and steps, the "
+                        "tiny train config, no compile, the memory cases none, decoder_hr and hr at 512 px only with "
+                        "--memory_ch 32, one round of the interleaved checkpointing timing")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout (the human tables go to stderr)")
+    p.add_argument("--sections", default="data,train,memory,gpu",
+                   help="comma-separated subset of data,train,memory,gpu (default: all; gpu runs on CUDA only)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda if available, else cpu")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads for the train and memory sections (0: torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("data")
+    g.add_argument("--images", type=int, default=0, help="images per format (default 32; 16 with --quick)")
+    g.add_argument("--image_size", default="768x1024", help="HEIGHTxWIDTH of the generated images")
+    g.add_argument("--data_batch_size", type=int, default=8)
+    g.add_argument("--data_rounds", type=int, default=0, help="interleaved repeats (default 5; 3 with --quick)")
+    g = p.add_argument_group("train")
+    g.add_argument("--config", choices=tuple(TRAIN_CONFIGS), default=None,
+                   help="model of the train section (default small; tiny with --quick). " +
+                        "; ".join(f"{k}: ch {v['vae_ch']} x {v['vae_ch_mult']}, {v['vae_num_res_blocks']} res "
+                                  f"blocks, {v['vae_resolution']} px, batch {v['batch_size']}"
+                                  for k, v in TRAIN_CONFIGS.items()))
+    g.add_argument("--gan", action="store_true", help="train with the VGG16 discriminator (from step 0)")
+    g.add_argument("--no_compile", action="store_true",
+                   help="skip the torch.compile variant (on CPU inductor needs minutes to compile)")
+    g.add_argument("--train_rounds", type=int, default=0, help="interleaved rounds (default 8; 5 with --quick)")
+    g.add_argument("--steps_per_round", type=int, default=0,
+                   help="timed steps per variant per round (default 1 on CPU, 10 on CUDA)")
+    g = p.add_argument_group("memory")
+    g.add_argument("--memory_ch", type=int, default=0, help="base channels of the memory config "
+                                                            "(default 64; 32 with --quick; 128 = FLUX)")
+    g.add_argument("--memory_resolutions", default="", help="default 256,512 (512 with --quick)")
+    g.add_argument("--memory_levels", default="",
+                   help="--grad_checkpointing levels measured (default all: " + ",".join(CKPT_LEVELS) +
+                        "; none,decoder_hr,hr with --quick)")
+    g.add_argument("--memory_steps", type=int, default=0,
+                   help="steps per memory case (default 2; 1 with --quick); the last one's time is reported")
+    g.add_argument("--ckpt_time_rounds", type=int, default=None,
+                   help="rounds of the interleaved none/decoder_hr timing at 512 px (default 3; 1 with --quick; "
+                        "0: the memory cases' own step times are used)")
+    g = p.add_argument_group("gpu")
+    g.add_argument("--gpu_batch", type=int, default=8,
+                   help="FLUX batch at 256 px (a quarter of it, at least 1, at 512 px: the same pixels per step)")
+    g.add_argument("--gpu_steps", type=int, default=10, help="timed steps per GPU case")
+    p.add_argument("--_memory_case", default=None, help=argparse.SUPPRESS)  # internal: one memory case, as JSON
+    args = p.parse_args(argv)
+
+    def default(name, full, quick):
+        if not getattr(args, name):
+            setattr(args, name, quick if args.quick else full)
+    default("images", 32, 16)
+    default("data_rounds", 5, 3)
+    default("config", "small", "tiny")
+    default("train_rounds", 8, 5)
+    default("memory_ch", 64, 32)
+    default("memory_resolutions", "256,512", "512")
+    default("memory_steps", 2, 1)
+    default("memory_levels", ",".join(CKPT_LEVELS), "none,decoder_hr,hr")
+    if args.ckpt_time_rounds is None:
+        args.ckpt_time_rounds = 1 if args.quick else 3
+    if args.quick:
+        args.no_compile = True
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = set(args.sections) - {"data", "train", "memory", "gpu"}
+    if unknown:
+        p.error(f"unknown section(s): {', '.join(sorted(unknown))}")
+    try:
+        args.height, args.width = (int(v) for v in args.image_size.lower().split("x"))
+        args.memory_resolutions = [int(r) for r in str(args.memory_resolutions).split(",")]
+    except ValueError:
+        p.error("--image_size is HEIGHTxWIDTH and --memory_resolutions comma-separated integers")
+    args.memory_levels = [level.strip() for level in args.memory_levels.split(",") if level.strip()]
+    if set(args.memory_levels) - set(CKPT_LEVELS) or args.memory_levels[:2] != ["none", "decoder_hr"]:
+        p.error(f"--memory_levels: none,decoder_hr (the baseline and the key's level), then any of "
+                f"{', '.join(CKPT_LEVELS[2:])}")
+    if min(args.height, args.width) < 512:
+        p.error("--image_size: both sides must be at least 512 (the memory section crops 512 px)")
+    if args.images < 2 * args.data_batch_size:
+        p.error("--images must be at least twice --data_batch_size")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------
+# Small helpers
+# ----------------------------------------------------------------------------------------------------
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def percent(value, signed=False) -> str:
+    if value is None or not np.isfinite(value):
+        return "-"
+    return f"{value:+.1%}" if signed else f"{value:.1%}"
+
+
+def finite(obj):
+    """NaN and infinities become null: the JSON output stays standard JSON."""
+    if isinstance(obj, float):
+        return obj if np.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags(wanted=("avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")) -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [w for w in wanted if w in flags]
+
+
+def _proc_status(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def current_rss() -> int:
+    """Resident set size of this process in bytes."""
+    rss = _proc_status("VmRSS")
+    if rss is None:  # not Linux: the peak so far is the best available bound
+        rss = peak_rss()
+    return rss
+
+
+def peak_rss() -> int:
+    """Peak RSS of this process image in bytes. Linux: VmHWM, not getrusage's ru_maxrss, which a child
+    inherits from its parent across fork + exec (it would report the benchmark parent's peak)."""
+    hwm = _proc_status("VmHWM")
+    if hwm is not None:
+        return hwm
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def mib(n_bytes) -> float:
+    return n_bytes / 2**20
+
+
+class Report:
+    """Collects the human tables; they go to stdout, or to stderr when stdout carries the JSON."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def line(self, text: str = "") -> None:
+        print(text, file=self.stream, flush=True)
+
+    @staticmethod
+    def cell(value) -> str:
+        if isinstance(value, float):
+            if not np.isfinite(value):
+                return "-"
+            return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}"
+        return str(value)
+
+    def table(self, title: str, header: list[str], rows: list[list]) -> None:
+        cells = [header] + [[self.cell(c) for c in row] for row in rows]
+        widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+        self.line(f"\n{title}")
+        for n, row in enumerate(cells):
+            self.line("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+            if n == 0:
+                self.line("  " + "  ".join("-" * w for w in widths))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Generated photo-like images and their shards
+# ----------------------------------------------------------------------------------------------------
+def photo_like(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
+    """A uint8 (H, W, 3) stand-in for a photo: a smooth sky gradient, a textured ground (mid and high
+    frequencies), a few sharp-edged shapes, a slight blur and sensor noise. Pure noise would decode
+    unrealistically slowly as PNG, flat colour unrealistically fast."""
+    def smooth_field(grid_h, grid_w, amplitude):
+        small = rng.normal(0.0, 1.0, (grid_h, grid_w, 3))
+        small = ((small - small.min()) / (np.ptp(small) + 1e-9) * 255).astype(np.uint8)
+        field = Image.fromarray(small).resize((width, height), Image.Resampling.BICUBIC)
+        return (np.asarray(field, dtype=np.float32) / 255.0 - 0.5) * amplitude
+
+    sky = np.linspace(0.0, 1.0, height, dtype=np.float32)[:, None, None] * rng.uniform(-80, 80, 3).astype(np.float32)
+    image = rng.uniform(60, 190, 3).astype(np.float32) + sky + smooth_field(4, 5, 120)
+    horizon = int(height * rng.uniform(0.4, 0.7))
+    texture = smooth_field(max(2, height // 12), max(2, width // 12), 60) + smooth_field(height // 3, width // 3, 25)
+    image[horizon:] += texture[horizon:]
+    img = Image.fromarray(np.clip(image, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(img)
+    for _ in range(int(rng.integers(4, 9))):
+        x0, y0 = rng.uniform(0, width), rng.uniform(0, height)
+        w, h = rng.uniform(30, width / 3), rng.uniform(30, height / 3)
+        color = tuple(int(c) for c in rng.integers(0, 256, 3))
+        if rng.random() < 0.5:
+            draw.ellipse([x0, y0, x0 + w, y0 + h], fill=color)
+        else:
+            draw.polygon([(x0 + rng.uniform(-w, w), y0 + rng.uniform(-h, h)) for _ in range(5)], fill=color)
+    img = img.filter(ImageFilter.GaussianBlur(1.2))
+    noisy = np.asarray(img, dtype=np.float32) + rng.normal(0.0, 2.0, (height, width, 3)).astype(np.float32)
+    return np.clip(noisy, 0, 255).astype(np.uint8)
+
+
+def make_datasets(root: str, n: int, height: int, width: int, seed: int) -> dict[str, dict]:
+    """PNG and JPEG (quality 90) shards of the same n generated images, written with data.write_shards."""
+    rng = np.random.default_rng(seed)
+    arrays = [photo_like(rng, height, width) for _ in range(n)]
+    datasets = {}
+    for fmt, ext, save_kwargs in (("png", "png", {}), ("jpeg", "jpg", {"quality": 90})):
+        src = os.path.join(root, f"{fmt}_images")
+        os.makedirs(src)
+        files = []
+        for i, array in enumerate(arrays):
+            files.append(os.path.join(src, f"img_{i:05d}.{ext}"))
+            Image.fromarray(array).save(files[-1], **save_kwargs)
+        paths, _ = data_lib.write_shards(files, os.path.join(root, f"{fmt}_shards"), shard_size=max(1, n // 4),
+                                         verify=False, root=src)
+        datasets[fmt] = {"url": data_lib.brace_url(paths), "paths": paths,
+                         "mean_file_kib": round(sum(os.path.getsize(f) for f in files) / n / 1024, 1)}
+    return datasets
+
+
+# ----------------------------------------------------------------------------------------------------
+# Section 1: the input pipeline, one worker
+# ----------------------------------------------------------------------------------------------------
+def tar_image_bytes(paths: list[str]):
+    """The image members' bytes of tar shards, streamed as webdataset streams them."""
+    for path in paths:
+        with tarfile.open(path, mode="r|") as tar:
+            for member in tar:
+                if member.isfile() and member.name.rsplit(".", 1)[-1].lower() in data_lib.IMAGE_EXTS:
+                    yield tar.extractfile(member).read()
+
+
+def decode_rgb(blob: bytes) -> Image.Image:
+    """The least work that yields RGB pixels: the decode ceiling of any pipeline."""
+    img = Image.open(io.BytesIO(blob))
+    img.load()
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def time_raw_decode(paths, n):
+    t0 = time.perf_counter()
+    count = sum(1 for blob in tar_image_bytes(paths) if decode_rgb(blob) is not None)
+    assert count == n, (count, n)
+    return time.perf_counter() - t0
+
+
+def time_train_loader(url, n, batch_size, seed, resize_prob, shuffle_buffer):
+    loader = data_lib.TrainLoader(url, 256, batch_size, seed, 0, 1, num_workers=0, shuffle_buffer=shuffle_buffer,
+                                  resize_prob=resize_prob)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(n // batch_size):
+            batch = next(loader)
+        elapsed = time.perf_counter() - t0
+    finally:
+        loader.close()
+    assert batch.dtype == torch.uint8 and tuple(batch.shape) == (batch_size, 3, 256, 256)
+    return elapsed
+
+
+def time_naive(paths, n, batch_size, seed):
+    """The reference trainer's way: the whole decoded image becomes a normalised float tensor, then a crop."""
+    from torchvision import transforms
+    torch.manual_seed(seed)
+    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5] * 3, [0.5] * 3),
+                                    transforms.RandomCrop(256)])
+    t0 = time.perf_counter()
+    batch = []
+    for blob in itertools.islice(tar_image_bytes(paths), n):
+        batch.append(transform(Image.open(io.BytesIO(blob)).convert("RGB")))
+        if len(batch) == batch_size:
+            torch.stack(batch)
+            batch = []
+    return time.perf_counter() - t0
+
+
+def bench_data(args, datasets, report: Report) -> dict:
+    n, bs = args.images, args.data_batch_size
+    n_timed = n // bs * bs  # the loaders produce whole batches
+    buffer = min(64, n // 2)
+    methods = {}
+    for fmt, ds in datasets.items():
+        paths, url = ds["paths"], ds["url"]
+        methods[(fmt, "decode")] = (n, lambda p=paths: time_raw_decode(p, n))
+        methods[(fmt, "ours")] = (n_timed, lambda u=url: time_train_loader(u, n_timed, bs, args.seed, 0.0, buffer))
+        if fmt == "jpeg":
+            methods[(fmt, "ours_resize0.5")] = (n_timed, lambda u=url: time_train_loader(u, n_timed, bs, args.seed, 0.5, buffer))
+        methods[(fmt, "naive")] = (n_timed, lambda p=paths: time_naive(p, n_timed, bs, args.seed))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what a DataLoader worker runs with
+    try:
+        for fmt, ds in datasets.items():  # warm the page cache and PIL's code paths
+            time_raw_decode(ds["paths"], n)
+        rates = {key: [] for key in methods}
+        keys = list(methods)
+        for r in range(args.data_rounds):
+            for key in keys[r % len(keys):] + keys[:r % len(keys)]:  # rotate the order each round
+                count, run = methods[key]
+                rates[key].append(count / run())
+    finally:
+        torch.set_num_threads(threads)
+
+    out = {"images": n, "image_size": f"{args.height}x{args.width}", "batch_size": bs, "shuffle_buffer": buffer,
+           "rounds": args.data_rounds, "torch_threads": 1, "formats": {}}
+    rows = []
+    for fmt, ds in datasets.items():
+        decode = median(rates[(fmt, "decode")])
+        entry = {"mean_file_kib": ds["mean_file_kib"]}
+        for (f, method), values in rates.items():
+            if f != fmt:
+                continue
+            entry[method] = {"img_per_s": median(values), "fraction_of_decode": median(values) / decode,
+                             "runs_img_per_s": [round(v, 2) for v in values]}
+            rows.append([f"{fmt} ({ds['mean_file_kib']:.0f} KiB/img)", method, median(values),
+                         percent(median(values) / decode), f"{min(values):.1f}-{max(values):.1f}"])
+        out["formats"][fmt] = entry
+    report.table(f"Input pipeline, one worker: {n} images of {args.height}x{args.width} -> 256 crops, "
+                 f"batch {bs}, medians of {args.data_rounds} interleaved rounds",
+                 ["dataset", "reader", "img/s", "of decode", "range img/s"], rows)
+    report.line("  decode: PIL open + load of the tar members' bytes; ours: data.TrainLoader (resize_prob 0 unless "
+                "named); naive: ToTensor + Normalize on the whole image, then RandomCrop(256)")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building the real trainer around in-memory batches
+# ----------------------------------------------------------------------------------------------------
+class FixedBatches:
+    """Stands in for trainer.loader: cycles through real batches held in memory, so only the step is timed."""
+
+    def __init__(self, batches: list[torch.Tensor]):
+        self.batches, self.i = batches, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        batch = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        return batch
+
+    def close(self) -> None:
+        pass
+
+    def skipped(self) -> dict[str, int]:
+        return {k: 0 for k in data_lib.SKIP_REASONS}
+
+    def state_dict(self) -> dict:
+        return {}
+
+
+def build_trainer(url: str, output_dir: str, run_name: str, device: torch.device, **overrides):
+    """vae_trainer.Trainer from its own flag parser, with the benchmark flags, fed from memory."""
+    values = {**BENCH_FLAGS, **overrides, "dataset_url": url, "output_dir": output_dir, "run_name": run_name}
+    argv = []
+    for key, value in values.items():
+        argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    cfg = vae_trainer.parse_config(argv)
+    vae_trainer.validate(cfg)
+    with contextlib.redirect_stderr(io.StringIO()):  # the random-VGG16 banner; the report states it once
+        trainer = vae_trainer.Trainer(cfg, vae_trainer.DistInfo(device=device))
+    batches = [next(trainer.loader) for _ in range(2)]
+    trainer.loader.close()
+    if device.type == "cuda":
+        batches = [b.pin_memory() for b in batches]
+    trainer.loader = FixedBatches(batches)
+    return trainer
+
+
+def add_host_syncs(trainer) -> None:
+    """The reference trainer's habit, for the baseline: .item() on every scalar the step logs (each loss,
+    grad norm, logit mean, latent statistic) as soon as it exists. Wraps trainer.metrics.add/max on the
+    instance; set trainer.metrics.host_sync to switch it on."""
+    metrics = trainer.metrics
+    metrics.host_sync = False
+    for name in ("add", "max"):
+        original = getattr(metrics, name)
+
+        def wrapped(_original=original, **values):
+            if metrics.host_sync:
+                for value in values.values():
+                    if value.dim() == 0:
+                        value.item()
+            _original(**values)
+        setattr(metrics, name, wrapped)
+
+
+def timed_step(trainer) -> float:
+    synchronize(trainer.device)
+    t0 = time.perf_counter()
+    trainer.train_step()
+    trainer.step += 1  # as Trainer.train() does
+    synchronize(trainer.device)
+    return time.perf_counter() - t0
+
+
+def interleave_steps(variants: dict[str, tuple], rounds: int, steps: int) -> dict[str, list[float]]:
+    """variants: name -> (trainer, host_sync). Each round runs `steps` steps of every variant, in an order
+    rotated each round, so a burst of load on a shared machine hits all variants alike."""
+    times = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            trainer, host_sync = variants[name]
+            trainer.metrics.host_sync = host_sync
+            times[name] += [timed_step(trainer) for _ in range(steps)]
+    return times
+
+
+# ----------------------------------------------------------------------------------------------------
+# Section 2: the training step
+# ----------------------------------------------------------------------------------------------------
+def bench_train(args, url, tmp, device, report: Report) -> dict:
+    config = dict(TRAIN_CONFIGS[args.config])
+    if args.gan:
+        config["do_ganloss"] = True
+    batch = config["batch_size"]
+    # one trainer per layout / precision / compile setting; the two NCHW variants share one (host syncs on, off)
+    settings = {"nchw": dict(channels_last=False), "channels_last": dict(channels_last=True),
+                "bf16": dict(channels_last=True, precision="bf16")}
+    if not args.no_compile:
+        settings["compiled"] = dict(channels_last=True, compile=True)
+    trainers, warmup_s = {}, {}
+    for key, extra in settings.items():
+        report.line(f"  building and warming up the {key} trainer ...")
+        trainer = build_trainer(url, tmp, f"train_{key}", device, **config, **extra)
+        add_host_syncs(trainer)
+        t0 = time.perf_counter()
+        for _ in range(3 if key == "compiled" else 2):  # compile: forward, backward, then steady state
+            timed_step(trainer)
+        warmup_s[key] = time.perf_counter() - t0
+        trainers[key] = trainer
+    variants = {"reference": (trainers["nchw"], True), "sync_free": (trainers["nchw"], False),
+                "channels_last": (trainers["channels_last"], False)}
+    if "compiled" in trainers:
+        variants["compile"] = (trainers["compiled"], False)
+    variants["bf16"] = (trainers["bf16"], False)
+    times = interleave_steps(variants, args.train_rounds, args.steps_per_round)
+    del trainers, variants
+    gc.collect()
+
+    rate = {name: batch / median(t) for name, t in times.items()}
+    all_on = "compile" if "compile" in rate else "channels_last"
+    described = {
+        "reference": "host syncs, NCHW, eager, fp32",
+        "sync_free": "no host syncs, NCHW, eager, fp32",
+        "channels_last": "no host syncs, channels_last, eager, fp32",
+        "compile": "no host syncs, channels_last, torch.compile, fp32",
+        "bf16": "no host syncs, channels_last, eager, bf16 autocast",
+    }
+    rows = [[name, described[name], rate[name], f"{rate[name] / rate['reference']:.2f}x", median(t),
+             f"{min(t):.2f}-{max(t):.2f}"] for name, t in times.items()]
+    report.table(f"Training step ({args.config}: ch {config['vae_ch']} x {config['vae_ch_mult']}, "
+                 f"{config['vae_resolution']} px, batch {batch}, LPIPS{' + GAN' if args.gan else ''}; "
+                 f"{args.train_rounds} rounds x {args.steps_per_round} steps)",
+                 ["variant", "settings", "img/s", "x reference", "median s/step", "range s"], rows)
+    report.line("  warm-up (s): " + ", ".join(f"{k} {v:.1f}" for k, v in warmup_s.items()))
+    return {
+        "config": {"name": args.config, **config, "lpips": True},
+        "rounds": args.train_rounds, "steps_per_round": args.steps_per_round,
+        "variants": {name: {"settings": described[name], "img_per_s": rate[name], "median_step_s": median(t),
+                            "step_s": [round(v, 4) for v in t]} for name, t in times.items()},
+        "warmup_s": warmup_s,
+        "all_switches_on": all_on,
+        "speedup_all_on": rate[all_on] / rate["reference"],
+        "speedup_sync_free": rate["sync_free"] / rate["reference"],
+        "speedup_channels_last": rate["channels_last"] / rate["sync_free"],
+        "speedup_compile": rate["compile"] / rate["channels_last"] if "compile" in rate else None,
+        "bf16_speedup": rate["bf16"] / rate["channels_last"],
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Section 3: gradient checkpointing memory
+# ----------------------------------------------------------------------------------------------------
+def run_memory_case(case: dict) -> dict:
+    """One level at one resolution, in this (fresh) process: peak memory and step times."""
+    device = torch.device(case["device"])
+    if case.get("threads"):
+        torch.set_num_threads(case["threads"])
+    trainer = build_trainer(case["url"], case["output_dir"], case["run_name"], device, **case["overrides"])
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    else:
+        before = current_rss()
+    step_s, kernel_s = [], []
+    for _ in range(case["steps"]):
+        kernel_before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+        step_s.append(timed_step(trainer))
+        # CPU time spent in the kernel (mostly page faults on freshly mapped activation memory)
+        kernel_s.append(resource.getrusage(resource.RUSAGE_SELF).ru_stime - kernel_before)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss()
+    return {"before_mib": mib(before), "peak_mib": mib(peak), "increase_mib": mib(peak - before), "step_s": step_s,
+            "kernel_cpu_s": kernel_s}
+
+
+def spawn_memory_case(case: dict) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--_memory_case", json.dumps(case)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"memory case {case['overrides']} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def saved_activations(trainer) -> dict[str, float]:
+    """MiB of activations each part of the network saves for backward in one training step (unique
+    storages, parameters excluded), counted with saved-tensor hooks: exact and free of timing noise."""
+    params = {p.untyped_storage().data_ptr() for m in (trainer.vae, trainer.lpips, trainer.disc) if m is not None
+              for p in list(m.parameters()) + list(m.buffers())}
+    counted: dict[int, str] = {}
+    totals: dict[str, int] = {}
+    stack = ["losses and the rest"]
+
+    def part_of(name: str, root: str) -> str:
+        parts = name.split(".")
+        if root == "vae" and parts[0] in ("encoder", "decoder") and len(parts) > 2 and parts[1] in ("down", "up"):
+            return f"{parts[0]} level {parts[2]}"
+        if root == "vae":
+            return f"{parts[0]} (mid, in/out)" if parts[0] in ("encoder", "decoder") else "vae"
+        return root
+
+    handles = []
+    for root, module in (("vae", trainer.vae), ("lpips", trainer.lpips), ("discriminator", trainer.disc)):
+        if module is None:
+            continue
+        for name, sub in module.named_modules():
+            label = part_of(name, root) if name else (root if root != "vae" else stack[0])
+            handles.append(sub.register_forward_pre_hook(lambda m, a, label=label: stack.append(label) and None))
+            handles.append(sub.register_forward_hook(lambda m, a, o: stack.pop() and None))  # None: keep the output
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr not in counted:
+            counted[ptr] = stack[-1]
+            totals[stack[-1]] = totals.get(stack[-1], 0) + storage.nbytes()
+        return tensor
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            trainer.train_step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {k: mib(v) for k, v in sorted(totals.items())}
+
+
+def step_flops(trainer, levels) -> dict[str, float]:
+    """FLOPs (convolutions, matmuls, attention) of one training step at each checkpointing level, counted
+    by torch's FlopCounterMode: the recomputation's cost on hardware where FLOPs set the step time."""
+    from torch.utils.flop_counter import FlopCounterMode
+    flops = {}
+    for level in levels:
+        trainer.vae.set_grad_checkpointing(level)
+        with FlopCounterMode(display=False) as counter:
+            trainer.train_step()
+        flops[level] = float(counter.get_total_flops())
+    trainer.vae.set_grad_checkpointing("none")
+    return flops
+
+
+def bench_memory(args, url, tmp, device, report: Report) -> dict:
+    config = dict(MEMORY_CONFIG, vae_ch=args.memory_ch)
+    cases = {}
+    for res in args.memory_resolutions:
+        for level in args.memory_levels:
+            report.line(f"  memory case {level} at {res} px (fresh process) ...")
+            case = {"device": str(device), "threads": args.threads, "url": url, "output_dir": tmp,
+                    "run_name": f"memory_{level}_{res}", "steps": args.memory_steps,
+                    "overrides": dict(config, vae_resolution=res, grad_checkpointing=level)}
+            cases[(res, level)] = spawn_memory_case(case)
+
+    # the time cost of decoder_hr again, interleaved in one process (fresh processes run at different times)
+    interleaved = {}
+    if args.ckpt_time_rounds > 0 and 512 in args.memory_resolutions:
+        report.line("  interleaved none / decoder_hr timing at 512 px ...")
+        trainer = build_trainer(url, tmp, "ckpt_timing", device, **config, vae_resolution=512)
+        add_host_syncs(trainer)
+        timed_step(trainer)  # warm-up
+        for r in range(args.ckpt_time_rounds):
+            for level in (("none", "decoder_hr") if r % 2 == 0 else ("decoder_hr", "none")):
+                trainer.vae.set_grad_checkpointing(level)  # what --grad_checkpointing sets at start-up
+                interleaved.setdefault(level, []).append(timed_step(trainer))
+        del trainer
+        gc.collect()
+
+    # where the activations are, and what each level recomputes (at 128 px: both scale with the pixel count)
+    trainer = build_trainer(url, tmp, "saved_activations", device, **config, vae_resolution=128)
+    parts_128 = saved_activations(trainer)
+    flops = step_flops(trainer, args.memory_levels)
+    del trainer
+    gc.collect()
+
+    out = {"config": {**config, "lpips": True, "precision": "fp32", "channels_last": True},
+           "step_gflop_at_128": {k: v / 1e9 for k, v in flops.items()},
+           "flop_cost": {k: v / flops["none"] - 1 for k, v in flops.items()},
+           "steps_per_case": args.memory_steps, "cases": {}, "interleaved_step_s": interleaved,
+           "measure": "increase: peak minus the process's memory right before the first training step "
+                      "(activations, gradients, optimizer state); total: the process's peak RSS (CPU) or "
+                      "peak allocated (GPU)"}
+    rows = []
+    for res in args.memory_resolutions:
+        base = cases.get((res, "none"))
+        for level in args.memory_levels:
+            c = cases[(res, level)]
+            step = c["step_s"][-1]
+            entry = {**c, "step_time_s": step}
+            if base:
+                entry["saving_increase"] = 1 - c["increase_mib"] / base["increase_mib"]
+                entry["saving_total"] = 1 - c["peak_mib"] / base["peak_mib"]
+                entry["time_cost"] = step / base["step_s"][-1] - 1
+            out["cases"][f"{level}@{res}"] = entry
+            rows.append([f"{res} px", level, c["before_mib"], c["peak_mib"], c["increase_mib"],
+                         percent(entry.get("saving_increase")), percent(entry.get("saving_total")), step,
+                         percent(entry.get("time_cost"), signed=True), c["kernel_cpu_s"][-1],
+                         percent(flops[level] / flops["none"] - 1, signed=True)])
+    report.table(f"Gradient checkpointing (ch {config['vae_ch']} x {config['vae_ch_mult']}, batch 1, LPIPS, fp32, "
+                 f"{args.memory_steps} step(s) per fresh process; MiB)",
+                 ["res", "level", "before", "peak", "increase", "saving (incr.)", "saving (peak)", "s/step",
+                  "time cost", "kernel s", "FLOP cost"], rows)
+    report.line("  before: memory in use before the first step; peak: " +
+                ("torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS (VmHWM)") +
+                "; increase = peak - before; kernel s: CPU time the step spent in the kernel (page faults on "
+                "fresh memory); FLOP cost: extra FLOPs of the recomputation (FlopCounterMode at 128 px)")
+    if interleaved:
+        # the fastest of a few long steps: another process's load only ever adds time (as timeit argues)
+        cost = min(interleaved["decoder_hr"]) / min(interleaved["none"]) - 1
+        out["interleaved_time_cost_512"] = cost
+        out["interleaved_time_cost_512_of_medians"] = median(interleaved["decoder_hr"]) / median(interleaved["none"]) - 1
+        report.line(f"  interleaved at 512 px, {args.ckpt_time_rounds} rounds: none "
+                    f"{', '.join(f'{v:.1f}' for v in interleaved['none'])} s/step, decoder_hr "
+                    f"{', '.join(f'{v:.1f}' for v in interleaved['decoder_hr'])} s/step -> time cost "
+                    f"{cost:+.1%} (fastest steps), {out['interleaved_time_cost_512_of_medians']:+.1%} (medians)")
+    scale = (max(args.memory_resolutions) / 128) ** 2
+    total = sum(parts_128.values())
+    out["saved_activations_mib_at_128"] = parts_128
+    report.table(f"Activations saved for backward, no checkpointing (measured at 128 px, x{scale:.0f} for "
+                 f"{max(args.memory_resolutions)} px)", ["part", f"MiB at {max(args.memory_resolutions)} px", "share"],
+                 [[k, v * scale, f"{v / total:.0%}"] for k, v in parts_128.items()]
+                 + [["total", total * scale, "100%"]])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Section 4: FLUX size on a GPU, bf16 vs fp32
+# ----------------------------------------------------------------------------------------------------
+def bench_gpu(args, url, tmp, device, report: Report) -> dict:
+    out, rows = {}, []
+    for res, batch in ((256, args.gpu_batch), (512, max(1, args.gpu_batch // 4))):
+        for precision in ("fp32", "bf16"):
+            report.line(f"  FLUX {precision} at {res} px, batch {batch} ...")
+            trainer = build_trainer(url, tmp, f"gpu_{precision}_{res}", device, **FLUX_CONFIG, vae_resolution=res,
+                                    batch_size=batch, precision=precision, channels_last=True)
+            for _ in range(3):
+                timed_step(trainer)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            step_s = [timed_step(trainer) for _ in range(args.gpu_steps)]
+            peak = torch.cuda.max_memory_allocated(device)
+            out[f"{precision}_{res}"] = {"batch_size": batch, "img_per_s": batch / median(step_s),
+                                         "median_step_s": median(step_s), "peak_mib": mib(peak),
+                                         "increase_mib": mib(peak - before)}
+            rows.append([f"{res} px", precision, batch, batch / median(step_s), mib(peak), mib(peak - before)])
+            del trainer
+            gc.collect()
+            torch.cuda.empty_cache()
+        out[f"bf16_speedup_{res}"] = out[f"bf16_{res}"]["img_per_s"] / out[f"fp32_{res}"]["img_per_s"]
+    report.table(f"FLUX VAE on {torch.cuda.get_device_name(device)} (channels_last, no host syncs, LPIPS, eager)",
+                 ["res", "precision", "batch", "img/s", "peak MiB", "step MiB"], rows)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------------
+def summarize(results: dict) -> dict:
+    keys = {}
+    d = results.get("data", {}).get("formats", {})
+    if d:
+        keys["pipeline_fraction_of_decode"] = d["png"]["ours"]["fraction_of_decode"]
+        keys["pipeline_fraction_of_decode_jpeg"] = d["jpeg"]["ours"]["fraction_of_decode"]
+        keys["pipeline_fraction_of_decode_jpeg_resize0.5"] = d["jpeg"]["ours_resize0.5"]["fraction_of_decode"]
+        keys["naive_fraction_of_decode"] = d["png"]["naive"]["fraction_of_decode"]
+        keys["naive_fraction_of_decode_jpeg"] = d["jpeg"]["naive"]["fraction_of_decode"]
+    t = results.get("train")
+    if t:
+        keys["train_step_speedup"] = t["speedup_all_on"]
+        keys["train_step_speedup_sync_free"] = t["speedup_sync_free"]
+        keys["train_step_speedup_channels_last"] = t["speedup_channels_last"]
+        keys["train_step_speedup_compile"] = t["speedup_compile"]
+        keys[f"{results['device']}_bf16_speedup_{t['config']['name']}"] = t["bf16_speedup"]
+    m = results.get("memory", {}).get("cases", {})
+    for res in (256, 512):
+        hr = m.get(f"decoder_hr@{res}")
+        if hr and "saving_increase" in hr:
+            keys[f"ckpt_memory_saving_{res}"] = hr["saving_increase"]
+            keys[f"ckpt_memory_saving_{res}_of_total_peak"] = hr["saving_total"]
+            keys[f"ckpt_time_cost_{res}"] = hr["time_cost"]
+        both = m.get(f"hr@{res}")
+        if both and "saving_increase" in both:
+            keys[f"ckpt_memory_saving_{res}_hr"] = both["saving_increase"]
+            keys[f"ckpt_time_cost_{res}_hr"] = both["time_cost"]
+    if "flop_cost" in results.get("memory", {}):
+        keys["ckpt_flop_cost"] = results["memory"]["flop_cost"]["decoder_hr"]
+        keys["ckpt_flop_cost_hr"] = results["memory"]["flop_cost"].get("hr")
+    if "interleaved_time_cost_512" in results.get("memory", {}):
+        keys["ckpt_time_cost_512_separate_processes"] = keys.get("ckpt_time_cost_512")
+        keys["ckpt_time_cost_512"] = results["memory"]["interleaved_time_cost_512"]
+    g = results.get("gpu")
+    if g:
+        keys["gpu_bf16_speedup_flux_256"] = g["bf16_speedup_256"]
+        keys["gpu_bf16_speedup_flux_512"] = g["bf16_speedup_512"]
+        for case in ("fp32_256", "bf16_256", "fp32_512", "bf16_512"):
+            keys[f"gpu_peak_mib_flux_{case}"] = g[case]["peak_mib"]
+    return keys
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args._memory_case:  # a child process of the memory section
+        with contextlib.redirect_stdout(sys.stderr):
+            result = run_memory_case(json.loads(args._memory_case))
+        print(json.dumps(result), flush=True)
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA device is available", file=sys.stderr)
+        return 2
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")  # as vae_trainer.init_distributed
+    if not args.steps_per_round:
+        args.steps_per_round = 10 if cuda else 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    json_out = sys.stdout
+    report = Report(sys.stderr if args.json else sys.stdout)
+    started = time.time()
+    results = {
+        "command": "python bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "device": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
+        "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "cpu_flags": cpu_flags(),
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "load_average_at_start": list(os.getloadavg()),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    report.line(f"bench.py on {results['device_name']} ({device.type}; {os.cpu_count()} CPUs, torch "
+                f"{torch.__version__}, {torch.get_num_threads()} threads); VGG16 weights random (timing only)")
+    # Trainer construction and the data tools print progress lines: keep stdout for the JSON object
+    with contextlib.redirect_stdout(report.stream), tempfile.TemporaryDirectory(prefix="vae_bench_") as tmp:
+        report.line(f"generating {args.images} photo-like {args.height}x{args.width} images as PNG and JPEG shards ...")
+        datasets = make_datasets(tmp, args.images, args.height, args.width, args.seed)
+        results["datasets"] = {k: {"url_pattern": os.path.basename(v["url"]), "mean_file_kib": v["mean_file_kib"]}
+                               for k, v in datasets.items()}
+        train_url = datasets["jpeg"]["url"]  # any real crops do for the model sections
+        if "data" in args.sections:
+            results["data"] = bench_data(args, datasets, report)
+        if "train" in args.sections:
+            results["train"] = bench_train(args, train_url, tmp, device, report)
+        if "memory" in args.sections:
+            results["memory"] = bench_memory(args, train_url, tmp, device, report)
+        if "gpu" in args.sections and device.type == "cuda":
+            results["gpu"] = bench_gpu(args, train_url, tmp, device, report)
+        elif "gpu" in args.sections:
+            report.line("\ngpu section skipped: no CUDA device (gpu_bf16_speedup_flux_* not measured)")
+    results["elapsed_s"] = round(time.time() - started, 1)
+    results["load_average_at_end"] = list(os.getloadavg())  # > the core count: other processes shared the CPUs
+    keys = summarize(results)
+    results = {**keys, **results}
+    targets = {}
+    for key, (op, threshold) in TARGETS.items():
+        value = keys.get(key)
+        met = None if value is None else (value >= threshold if op == ">=" else value <= threshold)
+        targets[key] = {"value": value, "target": f"{op} {threshold}", "met": met}
+    results["targets"] = targets
+    report.table("Targets", ["key", "value", "target", "met"],
+                 [[k, "not measured" if v["value"] is None else v["value"], v["target"],
+                   "-" if v["met"] is None else ("yes" if v["met"] else "NO")] for k, v in targets.items()])
+    report.line(f"\ntotal {results['elapsed_s']:.0f} s")
+    if args.json:
+        print(json.dumps(finite(results), indent=1), file=json_out, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
