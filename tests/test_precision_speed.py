@@ -143,6 +143,7 @@ def test_grad_checkpointing_gives_the_same_training(shard_url, tmp_path, fixed_b
             torch.testing.assert_close(weights[mode][k], v, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")  # the optimizer step is captured
 def test_grad_accum_averages_the_per_micro_batch_gradients(shard_url, tmp_path, fixed_batches, monkeypatch):
     """The README's claim: with --grad_accum N, GradNorm normalises each micro-batch's branch gradient to
     weight / N, so the accumulated gradient is the mean of the N single-micro-batch gradients (not the
