@@ -224,29 +224,26 @@ def metric_networks(vgg16_spec: str, inception_spec: str, device: torch.device, 
                 dist.barrier()
 
     is_main = not dist.is_initialized() or dist.get_rank() == 0
-    missing, lpips_model, inception = {}, None, None
-    if vgg16_spec == "none":
-        missing["lpips"] = "disabled (--vgg16_weights none)"
-    else:
-        path, reason = resolve(ensure_vgg16_weights, vgg16_spec)
+    missing = {}
+
+    def load(metric, flag, spec, ensure, warn, build):
+        if spec == "none":
+            missing[metric] = f"disabled (--{flag} none)"
+            return None
+        path, reason = resolve(ensure, spec)
         if reason:
-            missing["lpips"] = reason
-        else:
-            if path is None and is_main:
-                warn_random_vgg("LPIPS")
-            with torch.random.fork_rng():
-                torch.manual_seed(0)  # a random VGG must be the same on every rank
-                lpips_model = build_lpips(load_vgg16_features(path)).to(device)
-    if inception_spec == "none":
-        missing["rfid"] = "disabled (--inception_weights none)"
-    else:
-        path, reason = resolve(ensure_inception_weights, inception_spec)
-        if reason:
-            missing["rfid"] = reason
-        else:
-            if path is None and is_main:
-                warn_random("rFID (--inception_weights random)")
-            inception = load_inception(path).to(device)
+            missing[metric] = reason
+            return None
+        if path is None and is_main:
+            warn()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)  # a random network must be the same on every rank
+            return build(path).to(device)
+
+    lpips_model = load("lpips", "vgg16_weights", vgg16_spec, ensure_vgg16_weights, lambda: warn_random_vgg("LPIPS"),
+                       lambda path: build_lpips(load_vgg16_features(path)))
+    inception = load("rfid", "inception_weights", inception_spec, ensure_inception_weights,
+                     lambda: warn_random("rFID (--inception_weights random)"), load_inception)
     for metric, reason in missing.items():
         if not reason.startswith("disabled"):
             log(f"warning: {metric} is not computed: {reason}")
