@@ -32,8 +32,8 @@ from torch import Tensor, nn
 
 import data as data_lib
 from ae import AutoEncoder, AutoEncoderParams
-from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, hub_cache_path,
-                   load_vgg16_features, warn_random_vgg)
+from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, fetch_weights,
+                   hub_cache_path, load_vgg16_features, warn_random_vgg)
 
 # vae_trainer (checkpoint files, the one-line parser, distributed setup) is imported inside the command's
 # functions only: the trainer imports this module for evaluate_model, and a cycle at import time would break.
@@ -205,23 +205,17 @@ def warn_random(what: str) -> None:
 
 
 def metric_networks(vgg16_spec: str, inception_spec: str, device: torch.device, local_rank: int = 0,
-                    log=print) -> tuple[nn.Module | None, nn.Module | None, dict]:
-    """(lpips_model, inception, missing) for the CLI. A spec of `none` skips the metric; weights that
-    cannot be had are reported in `missing` (metric -> reason), never replaced by random ones.
-    Local rank 0 downloads first; the other ranks then only look in the cache."""
+                    log=print, group=None) -> tuple[nn.Module | None, nn.Module | None, dict]:
+    """(lpips_model, inception, missing) for the CLI and the trainer. A spec of `none` skips the metric;
+    weights that cannot be had are reported in `missing` (metric -> reason), never replaced by random ones.
+    Local rank 0 downloads first; the other ranks then only look in the cache (barriers over `group`)."""
     def resolve(ensure, spec):
-        if local_rank != 0 and dist.is_initialized():
-            dist.barrier()
         try:
-            with contextlib.redirect_stdout(sys.stderr):  # torch.hub prints "Downloading: ..." on stdout
-                return ensure(spec, download=local_rank == 0), None
+            return fetch_weights(ensure, spec, local_rank, group), None
         except WeightsUnavailable as e:
             if spec not in ("torchvision", "random"):
                 raise  # the user named a file: that is an error, not a missing metric
             return None, str(e)
-        finally:
-            if local_rank == 0 and dist.is_initialized():
-                dist.barrier()
 
     is_main = not dist.is_initialized() or dist.get_rank() == 0
     missing = {}
@@ -236,9 +230,7 @@ def metric_networks(vgg16_spec: str, inception_spec: str, device: torch.device, 
             return None
         if path is None and is_main:
             warn()
-        with torch.random.fork_rng():
-            torch.manual_seed(0)  # a random network must be the same on every rank
-            return build(path).to(device)
+        return build(path).to(device)  # a random network is seeded where it is built: the same on every rank
 
     lpips_model = load("lpips", "vgg16_weights", vgg16_spec, ensure_vgg16_weights, lambda: warn_random_vgg("LPIPS"),
                        lambda path: build_lpips(load_vgg16_features(path)))
@@ -246,7 +238,7 @@ def metric_networks(vgg16_spec: str, inception_spec: str, device: torch.device, 
                      lambda: warn_random("rFID (--inception_weights random)"), load_inception)
     for metric, reason in missing.items():
         if not reason.startswith("disabled"):
-            log(f"warning: {metric} is not computed: {reason}")
+            log(f"warning: {dict(lpips='LPIPS', rfid='rFID')[metric]} will not be computed: {reason}")
     return lpips_model, inception, missing
 
 

@@ -114,6 +114,19 @@ def ensure_vgg16_weights(spec: str, download: bool = True) -> str | None:
                           hash_prefix="397923af")  # torchvision names its files by their sha256 prefix
 
 
+def fetch_weights(ensure, spec: str, local_rank: int = 0, group=None) -> str | None:
+    """`ensure(spec, download=...)` on every rank, local rank 0 first: it downloads into the cache and
+    the other ranks then only look there (barriers over `group`, when a process group is up)."""
+    first, distributed = local_rank == 0, dist.is_available() and dist.is_initialized()
+    if distributed and not first:
+        dist.barrier(group=group)
+    try:
+        return ensure(spec, download=first)
+    finally:
+        if distributed and first:
+            dist.barrier(group=group)
+
+
 def load_vgg16_features(path: str | None) -> dict[str, Tensor] | None:
     """VGG16 `features` state dict (keys '0.weight', ..., '28.bias') from a torchvision VGG16 state
     dict, a features-only one, or a safetensors file. None means random init."""

@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data as data_lib
@@ -35,8 +34,8 @@ import evaluate as evaluate_lib
 from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoder, AutoEncoderParams, kl_divergence
 from utils import (DISC_NORMS, DISC_TYPES, LeCam, NLayerDiscriminator, VGG16Discriminator, WeightsUnavailable,
                    adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy,
-                   discriminator_loss, ensure_vgg16_weights, generator_loss, gradnorm, load_vgg16_features,
-                   lowpass_mse, pooled_mse, vgg16_cache_path, warn_random_vgg)
+                   discriminator_loss, ensure_vgg16_weights, fetch_weights, generator_loss, gradnorm,
+                   load_vgg16_features, lowpass_mse, pooled_mse, vgg16_cache_path, warn_random_vgg)
 
 
 # ============================================================================================
@@ -597,37 +596,18 @@ class Trainer:
         if self.info.is_main:
             print(msg, flush=True)
 
-    def _resolve_weights(self, ensure, spec: str) -> str | None:
-        """Local rank 0 downloads into the cache first; the other ranks then only look there."""
-        first = self.info.local_rank == 0
-        if self.info.distributed and not first:
-            dist.barrier(group=self.info.ctrl_group)
-        try:
-            return ensure(spec, download=first)
-        finally:
-            if self.info.distributed and first:
-                dist.barrier(group=self.info.ctrl_group)
-
     def _vgg16_weights(self) -> str | None:
         if self.cfg.vgg16_weights == "random" and self.info.is_main:
             warn_random_vgg("LPIPS" + (" and the discriminator" if self.gan else ""))
-        return self._resolve_weights(ensure_vgg16_weights, self.cfg.vgg16_weights)
+        return fetch_weights(ensure_vgg16_weights, self.cfg.vgg16_weights, self.info.local_rank, self.info.ctrl_group)
 
     def _inception(self):
         """The FID network for evaluation, or None (rFID then reported missing, never faked)."""
         cfg = self.cfg
-        if not (cfg.test_dataset_url and cfg.evaluate_every_n_steps > 0) or cfg.inception_weights == "none":
+        if not (cfg.test_dataset_url and cfg.evaluate_every_n_steps > 0):
             return None
-        try:
-            path = self._resolve_weights(evaluate_lib.ensure_inception_weights, cfg.inception_weights)
-        except WeightsUnavailable as e:
-            if cfg.inception_weights != "torchvision":
-                raise
-            self.log(f"warning: rFID will not be computed: {e}")
-            return None
-        if path is None and self.info.is_main:
-            evaluate_lib.warn_random("rFID (--inception_weights random)")
-        return evaluate_lib.load_inception(path).to(self.device)
+        return evaluate_lib.metric_networks("none", cfg.inception_weights, self.device, self.info.local_rank,
+                                            log=self.log, group=self.info.ctrl_group)[1]
 
     def _wrap(self, module):
         if not self.info.distributed:
