@@ -696,7 +696,7 @@ class Trainer:
         per_rank = ckpt.get("ranks") or []
         if len(per_rank) == self.info.world_size:
             mine = per_rank[self.info.rank]
-            restore_rng(mine["rng"])
+            restore_rng(mine["rng"], self.device)
             data_state = mine["data"]
         else:
             self.log(f"warning: {path} was written by {len(per_rank)} ranks, this run has {self.info.world_size}: "
@@ -894,7 +894,7 @@ class Trainer:
     def checkpoint_state(self) -> dict:
         """Everything needed to continue exactly; tensors and plain containers only (weights_only loads)."""
         ranks = [None] * self.info.world_size
-        mine = {"rng": capture_rng(), "data": self.loader.state_dict()}
+        mine = {"rng": capture_rng(self.device), "data": self.loader.state_dict()}
         if self.info.distributed:
             dist.all_gather_object(ranks, mine, group=self.info.ctrl_group)
         else:
@@ -1134,24 +1134,30 @@ def wandb_key_configured() -> bool:
         return False
 
 
-def capture_rng() -> dict:
+def capture_rng(device: torch.device) -> dict:
     np_state = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
                        "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])}}
-    if torch.cuda.is_available():
-        state["cuda"] = [s for s in torch.cuda.get_rng_state_all()]
+    if device.type == "cuda":
+        # this rank's device only: get_rng_state_all() would create a CUDA context on every visible GPU
+        # (8 ranks x 8 contexts on an 8-GPU node)
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def restore_rng(state: dict) -> None:
+def restore_rng(state: dict, device: torch.device) -> None:
     random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
     np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if device.type == "cuda" and cuda is not None:
+        if isinstance(cuda, (list, tuple)):  # older checkpoints: every visible device's state; ours is ours
+            cuda = cuda[device.index] if device.index is not None and device.index < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)  # never another device's generator
 
 
 def fmt_duration(seconds: float) -> str:

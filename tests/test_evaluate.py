@@ -343,6 +343,16 @@ def test_cli_reconstructs_any_size(run_dir, photos_dir, tmp_path):
             assert (a.size, a.mode, b.size, b.mode) == ((37, 50), "RGB", (45, 31), "RGB")
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_cli_reconstructs_under_torchrun_on_two_gpus(run_dir, photos_dir, tmp_path):
+    """The reconstructed-image count was all-reduced as a CPU tensor, which NCCL refuses (gloo, as on the
+    CPU runs above, takes it). Runs only where 2 GPUs are visible."""
+    r = run_cli("evaluate.py", ["--ckpt", run_dir, "--images", photos_dir, "--reconstruct_to", str(tmp_path / "rec")],
+                nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert parse_json(r.stdout)["reconstructed"] == len(os.listdir(photos_dir))
+
+
 def test_cli_user_errors_are_one_line(run_dir, shard_url, tmp_path):
     r = run_cli("evaluate.py", ["--ckpt", str(tmp_path / "nope"), "--dataset_url", shard_url])
     assert_one_line_error(r)

@@ -364,3 +364,32 @@ def test_collapse_tracker_warns_once_per_episode():
     assert not any("critic has won" in s for s in said)
     tracker.check(dict(calm, **{"gan/disc_acc": 0.99}), 12)
     assert any("exploding latents" in s for s in said) and any("critic has won" in s for s in said)
+
+
+# ------------------------------------------------------------------------------------------ GPU-only paths
+def test_rng_state_touches_only_the_ranks_own_cuda_device(monkeypatch):
+    """Before: torch.cuda.get_rng_state_all()/set_rng_state_all(): every rank created a CUDA context on
+    every GPU of its node at the first checkpoint, and a resumed rank overwrote the other devices'
+    generators. No GPU here: torch.cuda's RNG functions are replaced by recorders."""
+    calls = []
+    ours = torch.arange(16, dtype=torch.uint8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: calls.append("get_all") or [ours] * 4)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: calls.append("set_all"))
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda device="cuda": calls.append(("get", torch.device(device))) or ours.clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda state, device="cuda": calls.append(("set", torch.device(device), state.tolist())))
+    device = torch.device("cuda", 2)
+    state = vae_trainer.capture_rng(device)
+    vae_trainer.restore_rng(state, device)
+    assert calls == [("get", device), ("set", device, ours.tolist())]
+    # checkpoints written before this fix hold every device's state: a rank restores only its own
+    calls.clear()
+    vae_trainer.restore_rng(dict(state, cuda=[torch.full((16,), i, dtype=torch.uint8) for i in range(4)]), device)
+    assert calls == [("set", device, [2] * 16)]
+    # a CPU run never touches CUDA, even where a GPU is visible
+    calls.clear()
+    vae_trainer.restore_rng(vae_trainer.capture_rng(torch.device("cpu")), torch.device("cpu"))
+    assert calls == []
