@@ -325,6 +325,41 @@ def test_run_dir_of_another_architecture_is_refused_unless_forced(shard_url, tmp
     assert gan.returncode == 0 and "at step 2" in gan.stdout, gan.stderr[-2000:]
 
 
+@pytest.mark.timeout(150)
+def test_force_over_another_architecture_with_two_ranks_and_a_late_rank(shard_url, tmp_path):
+    """Rank 1 reaches the run directory 3 s after rank 0. Before: every rank listed the checkpoints; rank 1
+    listed them after rank 0 had set them aside, skipped the barrier rank 0 waited at, and the collectives
+    paired up wrongly: a hang. Now rank 0 alone decides and acts, and broadcasts the decision."""
+    run = tmp_path / "arch2"
+    z4 = vae_trainer.parse_config(_args(shard_url, tmp_path, "arch2"))
+    os.makedirs(run / "checkpoints")
+    (run / "config.json").write_text(json.dumps(vae_trainer.public_config(z4)))
+    torch.save({"step": 2, "config": vae_trainer.public_config(z4)}, run / "checkpoints" / "step_00000002.pt")
+    proc = run_cli("tests/trainer_with_slow_rank1.py",
+                   _args(shard_url, tmp_path, "arch2", 2, 2, "--vae_z_channels", "8", "--force"), nproc=2,
+                   env=cli_env(VAE_TEST_RANK1_DELAY_S=3), timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("the checkpoints of the other architecture were moved to") == 1
+    aside = [d for d in os.listdir(run) if d.startswith("checkpoints.incompatible-")]
+    assert len(aside) == 1 and os.listdir(run / aside[0]) == ["step_00000002.pt"]
+    assert _ckpt(tmp_path, "arch2", 2)["config"]["vae_z_channels"] == 8
+    assert json.loads((run / "config.json").read_text())["vae_z_channels"] == 8
+
+
+def test_load_path_of_another_shape_is_one_line_and_leaves_no_run_dir(shard_url, tmp_path, capsys):
+    """Before: a 139-line `size mismatch` traceback, and a run directory holding only config.json."""
+    cfg = vae_trainer.parse_config(_args(shard_url, tmp_path))
+    weights = tmp_path / "ch32.pt"
+    torch.save(vae_trainer.AutoEncoder(vae_trainer.model_params(cfg)).state_dict(), weights)
+    code = vae_trainer.main(_args(shard_url, tmp_path / "runs", "wide", 2, 2, "--vae_ch", "64",
+                                  "--load_path", str(weights)))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert len(err) == 1 and err[0].startswith(f"error: --load_path {weights} does not fit this architecture"), err
+    assert "[64, 3, 3, 3]" in err[0] or "[64]" in err[0], err  # says which shape differs
+    assert not (tmp_path / "runs" / "wide").exists()  # a failed start leaves nothing behind
+
+
 def test_resume_never_refuses_a_run_dir_with_checkpoints(shard_url, tmp_path):
     assert run_cli("vae_trainer.py", _args(shard_url, tmp_path, "n", 2, 2)).returncode == 0
     proc = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "n", 4, 2, "--resume", "never"))
