@@ -730,7 +730,7 @@ class Trainer:
                 self.ema = EMA(self.vae, self.cfg.ema_decay)
         self.opt_vae.load_state_dict(ckpt["optimizer_vae"])
         self.sched_vae.load_state_dict(ckpt["scheduler_vae"])
-        self.scaler_vae.load_state_dict(ckpt.get("scaler_vae") or {})
+        self._restore_scaler(self.scaler_vae, ckpt.get("scaler_vae"))
         saved_cfg = ckpt.get("config", {})
         same_disc = all(saved_cfg.get(k) == getattr(self.cfg, k) for k in ("discriminator", "disc_norm"))
         if self.disc is not None and ckpt.get("discriminator") is not None and not same_disc:
@@ -739,10 +739,14 @@ class Trainer:
             self.disc.load_state_dict(ckpt["discriminator"])
             self.opt_disc.load_state_dict(ckpt["optimizer_disc"])
             self.sched_disc.load_state_dict(ckpt["scheduler_disc"])
-            self.scaler_disc.load_state_dict(ckpt.get("scaler_disc") or {})
+            self._restore_scaler(self.scaler_disc, ckpt.get("scaler_disc"))
         if self.lecam is not None and ckpt.get("lecam") is not None:
             self.lecam.load_state_dict(ckpt["lecam"])
         self.step = int(ckpt["step"])
+        if saved_cfg.get("precision", self.cfg.precision) != self.cfg.precision:
+            self.log(f"note: the checkpoint was written with --precision {saved_cfg.get('precision')}; continuing in "
+                     f"{self.cfg.precision}" + (" (the fp16 loss scale starts afresh)" if self.cfg.precision == "fp16"
+                                                else ""))
         guard = ckpt.get("guard", {})
         self.bad_total.fill_(guard.get("bad_steps_total", 0))
         self.bad_streak.fill_(guard.get("bad_streak", 0))
@@ -759,6 +763,13 @@ class Trainer:
             data_state = {"batches": self.step * self.cfg.grad_accum}
         self.log(f"resumed from {path} at step {self.step}")
         return data_state
+
+    @staticmethod
+    def _restore_scaler(scaler, state: dict | None) -> None:
+        """Precision can change on resume: a disabled GradScaler (fp32/bf16) saves {}, which an enabled one
+        refuses to load; it then starts from its initial scale, as in a new fp16 run."""
+        if scaler.is_enabled() and state:
+            scaler.load_state_dict(state)
 
     def _init_wandb(self):
         if self.cfg.wandb_mode == "disabled":

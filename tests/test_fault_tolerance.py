@@ -360,6 +360,29 @@ def test_load_path_of_another_shape_is_one_line_and_leaves_no_run_dir(shard_url,
     assert not (tmp_path / "runs" / "wide").exists()  # a failed start leaves nothing behind
 
 
+@pytest.mark.timeout(240)
+def test_precision_can_change_on_resume(shard_url, tmp_path):
+    """fp32 -> fp16 crashed (a disabled GradScaler saves {}, an enabled one refuses to load it); fp16 ->
+    fp32 goes back. GAN on: the critic's scaler too. fp16 convolutions are slow on CPUs: a small model. The
+    first fp16 steps overflow and are skipped (the scaler backs off), so the fp16 leg saves on a stop
+    request, which is honoured inside a streak of skipped steps."""
+    small = [*GAN, "--vae_ch_mult", "1,2", "--vae_resolution", "32"]
+    legs = [(1, "fp32", {}), (3, "fp16", {"VAE_TRAINER_SIGTERM_AT": "1"}), (3, "fp32", {})]
+    for steps, precision, env in legs:
+        proc = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "prec", steps, 1, *small, "--precision", precision),
+                       env=cli_env(**env))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if precision == "fp16":
+            assert "at step 1" in proc.stdout and "checkpoint written at step 2" in proc.stdout, proc.stdout
+        if steps == 3:
+            assert f"written with --precision {'fp32' if precision == 'fp16' else 'fp16'}; continuing in " \
+                   f"{precision}" in proc.stdout, proc.stdout
+    fp16 = _ckpt(tmp_path, "prec", 2)
+    assert fp16["config"]["precision"] == "fp16"
+    assert fp16["scaler_vae"]["scale"] > 0 and fp16["scaler_disc"]["scale"] > 0  # it really ran with loss scaling
+    assert _ckpt(tmp_path, "prec", 3)["scaler_vae"] == {} and _ckpt(tmp_path, "prec", 3)["step"] == 3
+
+
 def test_resume_never_refuses_a_run_dir_with_checkpoints(shard_url, tmp_path):
     assert run_cli("vae_trainer.py", _args(shard_url, tmp_path, "n", 2, 2)).returncode == 0
     proc = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "n", 4, 2, "--resume", "never"))
