@@ -24,7 +24,8 @@ from ae import AutoEncoder, AutoEncoderParams
 TINY_PARAMS = dict(ch=32, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4, use_attn=False)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# the CLI tests (and the session fixture's training run) take seconds to a minute: a hang fails one test
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="session")
