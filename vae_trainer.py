@@ -18,6 +18,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import sys
 import time
@@ -518,6 +519,7 @@ class Trainer:
         self.memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
         self.step = 0
         self.gan = cfg.do_ganloss
+        self.created_run_dir = False  # by this run, in _start_run_dir (rank 0)
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
             torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
@@ -697,10 +699,18 @@ class Trainer:
             os.rename(self.ckpt_dir, aside)
             self.log(f"warning: --force: the checkpoints of the other architecture were moved to {aside}; "
                      "training starts from scratch")
+        self.created_run_dir = not os.path.exists(self.run_dir)
         os.makedirs(self.ckpt_dir, exist_ok=True)
         os.makedirs(self.sample_dir, exist_ok=True)
         atomic_write(os.path.join(self.run_dir, "config.json"),
                      lambda f: f.write(json.dumps(public_config(self.cfg), indent=2).encode()))
+
+    def remove_run_dir_if_unused(self) -> None:
+        """After a user error that stopped the run before its first checkpoint (data with no decodable
+        image, ...): remove the run directory this run created, so that none is left holding only
+        config.json. An existing directory is never touched."""
+        if self.info.is_main and self.created_run_dir and not checkpoint_files(self.ckpt_dir):
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _load_vae_weights(self, path: str) -> None:
         """--load_path: every tensor must exist here with the same shape; else one line (load_state_dict
@@ -1257,17 +1267,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
         return 2
     info = init_distributed()
-    trainer = None
+    trainer, failed = None, False
     try:
         trainer = Trainer(cfg, info)
         return trainer.train()
     except (ConfigError, WeightsUnavailable, data_lib.DatasetError) as e:
         if info.is_main:
             print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
+        failed = True
         return 1
     finally:
         if trainer is not None:
             trainer.close()
+            if failed:
+                trainer.remove_run_dir_if_unused()
         if dist.is_initialized():
             dist.destroy_process_group()
 

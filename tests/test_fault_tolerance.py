@@ -277,6 +277,16 @@ def test_hostile_shards_train_to_completion_and_count_skips(hostile_shards, tmp_
     assert "skipped" in proc.stdout.splitlines()[-3] or "skipped" in proc.stdout
 
 
+@pytest.mark.timeout(120)
+def test_data_without_an_image_is_one_line_and_leaves_no_run_dir(tmp_path):
+    """The run stops at its first batch; before, its run directory stayed behind with config.json only."""
+    shard = _tar(tmp_path / "text.tar", [(f"note{i}.txt", b"no image here") for i in range(4)])
+    proc = run_cli("vae_trainer.py", _args(shard, tmp_path / "runs", "nodata", 2, 2))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in proc.stderr
+    assert os.listdir(tmp_path / "runs") == []
+
+
 def test_one_shard_for_two_ranks_does_not_hang(hostile_shards, tmp_path):
     good, _ = hostile_shards
     proc = run_cli("vae_trainer.py", _args(good, tmp_path, "one", 4, 4, "--max_image_pixels", "10000000"),
