@@ -26,6 +26,7 @@ import math
 import os
 import random
 import re
+import signal
 import sys
 import tarfile
 import warnings
@@ -410,6 +411,15 @@ class TrainStream(IterableDataset):
                    "state": stream.state_dict()}
 
 
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """DataLoader worker_init_fn. SLURM (preemption, time limit), `timeout`, Ctrl-C and torchrun's agent
+    signal the whole process group, data workers included: a worker killed by SIGTERM makes the main
+    process die with "DataLoader worker ... is killed by signal" before it can save. The main process
+    decides: it finishes its step, saves, and stops the workers (TrainLoader.close)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class TrainLoader:
     """The training batches of one rank, and the state that resumes them exactly."""
 
@@ -435,7 +445,8 @@ class TrainLoader:
         # its own generator: creating the iterator must not draw from the global torch RNG, or a resumed
         # run's posterior noise would be shifted by one draw
         self.loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=pin_memory,
-                                 generator=torch.Generator().manual_seed(0), **kwargs)
+                                 generator=torch.Generator().manual_seed(0), worker_init_fn=ignore_stop_signals,
+                                 **kwargs)
         self._iter = None
 
     def __iter__(self):
@@ -452,9 +463,14 @@ class TrainLoader:
         return item["images"]
 
     def close(self) -> None:
-        """Stop the worker processes."""
+        """Stop the worker processes. They ignore SIGTERM, so the DataLoader's own fallback (terminate)
+        cannot stop one that does not exit when asked: kill it."""
         if self._iter is not None and hasattr(self._iter, "_shutdown_workers"):
             self._iter._shutdown_workers()
+            for worker in getattr(self._iter, "_workers", []):
+                if worker.is_alive():
+                    worker.kill()
+                    worker.join(timeout=5)
         self._iter = None
 
     def skipped(self) -> dict[str, int]:

@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.images:
             n = reconstruct_folder(vae, args.images, args.reconstruct_to, dist_info.device, args.tile_size,
                                    args.tile_overlap, dist_info.rank, dist_info.world_size, autocast, log)
-            count = torch.tensor(n, dtype=torch.float64)
+            count = torch.tensor(n, dtype=torch.float64, device=dist_info.device)  # NCCL reduces device tensors only
             _all_reduce(count)
             result = {"reconstructed": int(count.item()), "reconstruct_to": args.reconstruct_to}
         elif args.latent_stats:

@@ -18,6 +18,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import sys
 import time
@@ -518,27 +519,21 @@ class Trainer:
         self.memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
         self.step = 0
         self.gan = cfg.do_ganloss
+        self.created_run_dir = False  # by this run, in _start_run_dir (rank 0)
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
             torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
             torch.backends.cudnn.benchmark = True
 
-        resume = self._find_resume()  # (path, checkpoint) or None; refuses incompatible run dirs
-        if info.is_main:
-            os.makedirs(self.ckpt_dir, exist_ok=True)
-            os.makedirs(self.sample_dir, exist_ok=True)
-            atomic_write(os.path.join(self.run_dir, "config.json"),
-                         lambda f: f.write(json.dumps(public_config(cfg), indent=2).encode()))
+        # (path, checkpoint) or None; refuses incompatible run dirs. Nothing is written to the run directory
+        # before every check that can refuse the run has passed (_start_run_dir, below).
+        resume = self._find_resume()
 
         # --- networks: built from the same seed on every rank (DDP also broadcasts rank 0's weights)
         torch.manual_seed(cfg.seed)
         self.vae = AutoEncoder(model_params(cfg))
         if cfg.load_path and resume is None:
-            missing = self.vae.load_state_dict(load_vae_weights(cfg.load_path), strict=False)
-            if missing.missing_keys or missing.unexpected_keys:
-                raise ConfigError(f"--load_path {cfg.load_path} does not fit this architecture "
-                                  f"(missing {missing.missing_keys[:2]}, unexpected {missing.unexpected_keys[:2]})")
-            self.log(f"initialised VAE weights from {cfg.load_path}")
+            self._load_vae_weights(cfg.load_path)
         self.vae.set_grad_checkpointing(cfg.grad_checkpointing)
         self.vae.to(self.device, memory_format=self.memory_format)
         self.ema = EMA(self.vae, cfg.ema_decay) if cfg.ema_decay > 0 else None
@@ -588,8 +583,10 @@ class Trainer:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.kill_at = _fault_injection("KILL_AT", info.rank) if first_attempt else set()
         self.sigterm_at = _fault_injection("SIGTERM_AT", info.rank) if first_attempt else set()
-        self.wandb = self._init_wandb() if info.is_main else None
         self.sample_images = self._fixed_sample_images() if info.is_main else None
+        if info.is_main:
+            self._start_run_dir()
+        self.wandb = self._init_wandb() if info.is_main else None
 
     # ----------------------------------------------------------------------------- setup helpers
     def log(self, msg: str) -> None:
@@ -621,19 +618,54 @@ class Trainer:
         return torch.optim.AdamW(module.parameters(), fused=True, **kwargs)
 
     def _find_resume(self) -> tuple[str, dict] | None:
+        """Rank 0 alone reads the run directory and decides: resume from which checkpoint, start anew, set
+        the checkpoints of another architecture aside (done in _start_run_dir), or refuse. The decision is
+        broadcast over the control group; the other ranks read the chosen checkpoint only after it. (When
+        every rank listed the directory itself, a rank listing it after rank 0's set-aside skipped a
+        barrier, the collectives paired up wrongly and the run hung.)"""
+        decision, found = {"error": "rank 0 could not read the run directory"}, None
+        try:
+            if self.info.is_main:
+                try:
+                    found, set_aside = self._decide_resume()
+                    decision = {"path": found[0] if found else None, "set_aside": set_aside}
+                except ConfigError as e:
+                    decision = {"error": str(e)}
+        finally:  # also when rank 0 failed unexpectedly: the other ranks must not wait for it forever
+            if self.info.distributed:
+                box = [decision]
+                dist.broadcast_object_list(box, src=0, group=self.info.ctrl_group)
+                decision = box[0]
+        if "error" in decision:
+            raise ConfigError(decision["error"])  # printed by rank 0 only
+        self._set_aside = decision["set_aside"]
+        if decision["path"] is not None and found is None:
+            try:
+                found = (decision["path"], load_checkpoint(decision["path"]))
+            except Exception as e:
+                raise ConfigError(f"rank {self.info.rank} cannot read {decision['path']} ({type(e).__name__}), "
+                                  "which rank 0 resumes from: is the run directory on a shared file system?") from None
+        return found
+
+    def _decide_resume(self) -> tuple[tuple[str, dict] | None, bool]:
+        """Rank 0: (the checkpoint to resume from or None, whether to set the run's checkpoints aside)."""
         cfg = self.cfg
         existing = checkpoint_files(self.ckpt_dir)
         config_path = os.path.join(self.run_dir, "config.json")
+        set_aside = False
         if os.path.isfile(config_path):
-            with open(config_path) as f:
-                if not self._check_compatible(json.load(f), config_path) and existing:
-                    self._set_aside_checkpoints()
-                    existing = []
+            try:
+                with open(config_path) as f:
+                    saved = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"{config_path} is unreadable ({type(e).__name__}): fix or remove it") from None
+            if not self._check_compatible(saved, config_path) and existing:
+                set_aside, existing = True, []
         if cfg.resume == "never":
             if existing:
                 raise ConfigError(f"{self.run_dir} already holds checkpoints and --resume never was given: "
                                   "choose another --run_name or --output_dir")
-            return None
+            return None, set_aside
         if cfg.resume == "auto":
             found = load_latest_checkpoint(self.ckpt_dir, self.log) if existing else None
             if existing and found is None:
@@ -645,8 +677,9 @@ class Trainer:
                 raise ConfigError(f"--resume {cfg.resume}: unreadable checkpoint ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
         if found is not None and not self._check_compatible(found[1]["config"], found[0]):
-            return None  # --force with a --resume PATH of another architecture: start from scratch
-        return found
+            # --force with a checkpoint of another architecture: start from scratch (keeping the run's own aside)
+            return None, set_aside or cfg.resume == "auto"
+        return found, set_aside
 
     def _check_compatible(self, saved: dict, where: str) -> bool:
         """False (with --force) or ConfigError if `saved` describes another VAE architecture."""
@@ -657,15 +690,46 @@ class Trainer:
                               "another --run_name, or --force to start this one from scratch")
         return not diff
 
-    def _set_aside_checkpoints(self) -> None:
-        """--force over a run of another architecture: keep its checkpoints, renamed, and start anew."""
-        aside = f"{self.ckpt_dir}.incompatible-{time.strftime('%Y%m%d-%H%M%S')}"
-        if self.info.is_main:
+    def _start_run_dir(self) -> None:
+        """Rank 0, once every check that can refuse the run has passed (flags, weights, --load_path, data):
+        set incompatible checkpoints aside (--force), create the directories, write config.json. A run that
+        fails to start leaves no run directory behind (an existing one unchanged)."""
+        if self._set_aside:
+            aside = f"{self.ckpt_dir}.incompatible-{time.strftime('%Y%m%d-%H%M%S')}"
             os.rename(self.ckpt_dir, aside)
-        if self.info.distributed:
-            dist.barrier(group=self.info.ctrl_group)
-        self.log(f"warning: --force: the checkpoints of the other architecture were moved to {aside}; "
-                 "training starts from scratch")
+            self.log(f"warning: --force: the checkpoints of the other architecture were moved to {aside}; "
+                     "training starts from scratch")
+        self.created_run_dir = not os.path.exists(self.run_dir)
+        os.makedirs(self.ckpt_dir, exist_ok=True)
+        os.makedirs(self.sample_dir, exist_ok=True)
+        atomic_write(os.path.join(self.run_dir, "config.json"),
+                     lambda f: f.write(json.dumps(public_config(self.cfg), indent=2).encode()))
+
+    def remove_run_dir_if_unused(self) -> None:
+        """After a user error that stopped the run before its first checkpoint (data with no decodable
+        image, ...): remove the run directory this run created, so that none is left holding only
+        config.json. An existing directory is never touched."""
+        if self.info.is_main and self.created_run_dir and not checkpoint_files(self.ckpt_dir):
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _load_vae_weights(self, path: str) -> None:
+        """--load_path: every tensor must exist here with the same shape; else one line (load_state_dict
+        raises a size mismatch as a RuntimeError listing every tensor)."""
+        weights, own = load_vae_weights(path), self.vae.state_dict()
+        if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+            raise ConfigError(f"--load_path {path} holds no VAE state dict")
+        missing, unexpected = [k for k in own if k not in weights], [k for k in weights if k not in own]
+        if missing or unexpected:
+            raise ConfigError(f"--load_path {path} does not fit this architecture "
+                              f"(missing {missing[:2]}, unexpected {unexpected[:2]})")
+        shapes = [(k, tuple(weights[k].shape), tuple(v.shape)) for k, v in own.items() if weights[k].shape != v.shape]
+        if shapes:
+            name, theirs, ours = shapes[0]
+            raise ConfigError(f"--load_path {path} does not fit this architecture: {len(shapes)} tensors differ in "
+                              f"shape, e.g. {name} {list(theirs)} in the file vs {list(ours)} here (--vae_ch, "
+                              "--vae_ch_mult, --vae_z_channels, ... must match the weights)")
+        self.vae.load_state_dict(weights)
+        self.log(f"initialised VAE weights from {path}")
 
     def _restore(self, path: str, ckpt: dict) -> dict | None:
         self.vae.load_state_dict(ckpt["vae"])
@@ -676,7 +740,7 @@ class Trainer:
                 self.ema = EMA(self.vae, self.cfg.ema_decay)
         self.opt_vae.load_state_dict(ckpt["optimizer_vae"])
         self.sched_vae.load_state_dict(ckpt["scheduler_vae"])
-        self.scaler_vae.load_state_dict(ckpt.get("scaler_vae") or {})
+        self._restore_scaler(self.scaler_vae, ckpt.get("scaler_vae"))
         saved_cfg = ckpt.get("config", {})
         same_disc = all(saved_cfg.get(k) == getattr(self.cfg, k) for k in ("discriminator", "disc_norm"))
         if self.disc is not None and ckpt.get("discriminator") is not None and not same_disc:
@@ -685,10 +749,14 @@ class Trainer:
             self.disc.load_state_dict(ckpt["discriminator"])
             self.opt_disc.load_state_dict(ckpt["optimizer_disc"])
             self.sched_disc.load_state_dict(ckpt["scheduler_disc"])
-            self.scaler_disc.load_state_dict(ckpt.get("scaler_disc") or {})
+            self._restore_scaler(self.scaler_disc, ckpt.get("scaler_disc"))
         if self.lecam is not None and ckpt.get("lecam") is not None:
             self.lecam.load_state_dict(ckpt["lecam"])
         self.step = int(ckpt["step"])
+        if saved_cfg.get("precision", self.cfg.precision) != self.cfg.precision:
+            self.log(f"note: the checkpoint was written with --precision {saved_cfg.get('precision')}; continuing in "
+                     f"{self.cfg.precision}" + (" (the fp16 loss scale starts afresh)" if self.cfg.precision == "fp16"
+                                                else ""))
         guard = ckpt.get("guard", {})
         self.bad_total.fill_(guard.get("bad_steps_total", 0))
         self.bad_streak.fill_(guard.get("bad_streak", 0))
@@ -696,7 +764,7 @@ class Trainer:
         per_rank = ckpt.get("ranks") or []
         if len(per_rank) == self.info.world_size:
             mine = per_rank[self.info.rank]
-            restore_rng(mine["rng"])
+            restore_rng(mine["rng"], self.device)
             data_state = mine["data"]
         else:
             self.log(f"warning: {path} was written by {len(per_rank)} ranks, this run has {self.info.world_size}: "
@@ -705,6 +773,13 @@ class Trainer:
             data_state = {"batches": self.step * self.cfg.grad_accum}
         self.log(f"resumed from {path} at step {self.step}")
         return data_state
+
+    @staticmethod
+    def _restore_scaler(scaler, state: dict | None) -> None:
+        """Precision can change on resume: a disabled GradScaler (fp32/bf16) saves {}, which an enabled one
+        refuses to load; it then starts from its initial scale, as in a new fp16 run."""
+        if scaler.is_enabled() and state:
+            scaler.load_state_dict(state)
 
     def _init_wandb(self):
         if self.cfg.wandb_mode == "disabled":
@@ -894,7 +969,7 @@ class Trainer:
     def checkpoint_state(self) -> dict:
         """Everything needed to continue exactly; tensors and plain containers only (weights_only loads)."""
         ranks = [None] * self.info.world_size
-        mine = {"rng": capture_rng(), "data": self.loader.state_dict()}
+        mine = {"rng": capture_rng(self.device), "data": self.loader.state_dict()}
         if self.info.distributed:
             dist.all_gather_object(ranks, mine, group=self.info.ctrl_group)
         else:
@@ -1134,24 +1209,30 @@ def wandb_key_configured() -> bool:
         return False
 
 
-def capture_rng() -> dict:
+def capture_rng(device: torch.device) -> dict:
     np_state = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
                        "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])}}
-    if torch.cuda.is_available():
-        state["cuda"] = [s for s in torch.cuda.get_rng_state_all()]
+    if device.type == "cuda":
+        # this rank's device only: get_rng_state_all() would create a CUDA context on every visible GPU
+        # (8 ranks x 8 contexts on an 8-GPU node)
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def restore_rng(state: dict) -> None:
+def restore_rng(state: dict, device: torch.device) -> None:
     random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
     np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if device.type == "cuda" and cuda is not None:
+        if isinstance(cuda, (list, tuple)):  # older checkpoints: every visible device's state; ours is ours
+            cuda = cuda[device.index] if device.index is not None and device.index < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)  # never another device's generator
 
 
 def fmt_duration(seconds: float) -> str:
@@ -1186,17 +1267,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
         return 2
     info = init_distributed()
-    trainer = None
+    trainer, failed = None, False
     try:
         trainer = Trainer(cfg, info)
         return trainer.train()
     except (ConfigError, WeightsUnavailable, data_lib.DatasetError) as e:
         if info.is_main:
             print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
+        failed = True
         return 1
     finally:
         if trainer is not None:
             trainer.close()
+            if failed:
+                trainer.remove_run_dir_if_unused()
         if dist.is_initialized():
             dist.destroy_process_group()
 

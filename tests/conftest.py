@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -63,14 +64,49 @@ def cli_env(**extra) -> dict:
     return env
 
 
-def run_cli(script: str, args: list[str], nproc: int = 0, env: dict | None = None, timeout: float = 600,
-            extra_torchrun: list[str] | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
-    """Run one of the project's commands as a user would. nproc > 0 runs it under torchrun (gloo)."""
+def cli_command(script: str, args: list[str], nproc: int = 0, extra_torchrun: list[str] | None = None) -> list[str]:
     path = os.path.join(ROOT, script)
     if nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               *(extra_torchrun or []), path, *args]
-    else:
-        cmd = [sys.executable, path, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env or cli_env(), timeout=timeout,
-                          cwd=cwd or ROOT)
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                *(extra_torchrun or []), path, *args]
+    return [sys.executable, path, *args]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a command and every process it started. Killing torchrun alone (or its process group) is
+    not enough: its agent starts each rank in a session of its own, and a hung rank would outlive the test."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [proc.pid]
+    while todo:  # the whole tree first: a killed parent's children are re-parented and lost to the walk
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_cli(script: str, args: list[str], nproc: int = 0, env: dict | None = None, timeout: float = 600,
+            extra_torchrun: list[str] | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
+    """Run one of the project's commands as a user would. nproc > 0 runs it under torchrun (gloo).
+    On a timeout (ours, or pytest-timeout's) every process of the command is killed."""
+    cmd = cli_command(script, args, nproc, extra_torchrun)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or cli_env(),
+                          cwd=cwd or ROOT) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            kill_tree(proc)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

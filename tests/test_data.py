@@ -23,6 +23,9 @@ from PIL import Image
 import data
 from conftest import run_cli
 
+# data workers are processes and the CLI tests start one: a hang (a stuck worker) fails one test
+pytestmark = pytest.mark.timeout(180)
+
 R = 32  # crop resolution used throughout
 
 

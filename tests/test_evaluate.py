@@ -24,7 +24,8 @@ from ae import AutoEncoder, AutoEncoderParams
 TINY_PARAMS = dict(ch=32, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4, use_attn=False)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# the CLI tests (and the session fixture's training run) take seconds to a minute: a hang fails one test
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="session")
@@ -341,6 +342,16 @@ def test_cli_reconstructs_any_size(run_dir, photos_dir, tmp_path):
         assert parse_json(r.stdout)["reconstructed"] == 2
         with Image.open(dst / "a.png") as a, Image.open(dst / "sub" / "b.png") as b:
             assert (a.size, a.mode, b.size, b.mode) == ((37, 50), "RGB", (45, 31), "RGB")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_cli_reconstructs_under_torchrun_on_two_gpus(run_dir, photos_dir, tmp_path):
+    """The reconstructed-image count was all-reduced as a CPU tensor, which NCCL refuses (gloo, as on the
+    CPU runs above, takes it). Runs only where 2 GPUs are visible."""
+    r = run_cli("evaluate.py", ["--ckpt", run_dir, "--images", photos_dir, "--reconstruct_to", str(tmp_path / "rec")],
+                nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert parse_json(r.stdout)["reconstructed"] == len(os.listdir(photos_dir))
 
 
 def test_cli_user_errors_are_one_line(run_dir, shard_url, tmp_path):

@@ -10,6 +10,8 @@ import torch
 
 from conftest import run_cli
 
+pytestmark = pytest.mark.timeout(180)  # the CLI tests take 10-20 s: a hang fails one test
+
 import evaluate as ev
 import export
 from ae import AutoEncoder, AutoEncoderParams

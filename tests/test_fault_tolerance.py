@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,11 @@ import torch
 from PIL import Image
 
 import vae_trainer
-from conftest import ROOT, TINY, cli_env, run_cli
+from conftest import ROOT, TINY, cli_command, cli_env, kill_tree, run_cli
+
+# the tests here run the real CLI, most under torchrun, 20 s to 2 minutes each (with a module fixture's
+# reference run): a hang fails that test
+pytestmark = pytest.mark.timeout(480)
 
 GAN = ["--do_ganloss", "--disc_start", "1", "--lecam_weight", "0.1"]
 
@@ -115,6 +120,50 @@ def test_external_sigterm_writes_checkpoint_and_exits_0(shard_url, tmp_path):
     assert len(ckpts) == 1
     state = torch.load(tmp_path / "term" / "checkpoints" / ckpts[0], weights_only=True)
     assert 2 <= state["step"] < 100000
+
+
+def _sigterm_process_group(cmd: list[str], after_line: str) -> tuple[int, str, str]:
+    """Start `cmd` in a process group of its own, wait for a stdout line starting with `after_line`, then
+    SIGTERM the whole group, as SLURM (preemption, time limit) and `timeout` do: data workers included."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=ROOT,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith(after_line):
+                break
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    except BaseException:
+        kill_tree(proc)
+        raise
+    return proc.returncode, out, err
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nproc", [0, 2], ids=["python", "torchrun"])
+def test_sigterm_to_the_process_group_saves_and_the_same_command_resumes(shard_url, tmp_path, nproc):
+    """Before: the data workers died of the SIGTERM and the main process with "DataLoader worker (pid N)
+    is killed by signal: Terminated", without a checkpoint. Under torchrun the signal reaches the agent,
+    which forwards it to each rank's process group (data workers included) and gives the ranks 30 s."""
+    args = _args(shard_url, tmp_path, "pre", 8, 100)
+    code, out, err = _sigterm_process_group(cli_command("vae_trainer.py", args, nproc), "step 2/8")
+    assert "DataLoader worker" not in err and "RuntimeError" not in err, err[-3000:]
+    stopped = re.search(r"received signal 15: checkpoint written at step (\d+), exiting", out)
+    assert stopped, out[-2000:] + err[-2000:]
+    step = int(stopped.group(1))
+    assert 2 <= step < 8  # the step it was at: the one after "step 2/8" was printed, or the next
+    assert [f for f in os.listdir(tmp_path / "pre" / "checkpoints") if f.endswith(".pt")] == [f"step_{step:08d}.pt"]
+    if nproc:
+        # torchrun's agent itself exits with code 1 and its own SignalException traceback (README: Fault
+        # tolerance); the ranks exited on their own within its grace period (no SIGKILL)
+        assert code == 1 and "got signal: 15" in err, err[-3000:]
+        assert "forcefully exiting" not in err, err[-3000:]
+    else:
+        assert code == 0, err[-3000:]
+    again = run_cli("vae_trainer.py", args, nproc=nproc)  # the same command, as a requeued job runs it
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"step_{step:08d}.pt at step {step}" in again.stdout
+    assert _ckpt(tmp_path, "pre", 8)["step"] == 8
 
 
 def test_truncated_newest_checkpoint_falls_back_to_previous(shard_url, tmp_path):
@@ -228,6 +277,16 @@ def test_hostile_shards_train_to_completion_and_count_skips(hostile_shards, tmp_
     assert "skipped" in proc.stdout.splitlines()[-3] or "skipped" in proc.stdout
 
 
+@pytest.mark.timeout(120)
+def test_data_without_an_image_is_one_line_and_leaves_no_run_dir(tmp_path):
+    """The run stops at its first batch; before, its run directory stayed behind with config.json only."""
+    shard = _tar(tmp_path / "text.tar", [(f"note{i}.txt", b"no image here") for i in range(4)])
+    proc = run_cli("vae_trainer.py", _args(shard, tmp_path / "runs", "nodata", 2, 2))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in proc.stderr
+    assert os.listdir(tmp_path / "runs") == []
+
+
 def test_one_shard_for_two_ranks_does_not_hang(hostile_shards, tmp_path):
     good, _ = hostile_shards
     proc = run_cli("vae_trainer.py", _args(good, tmp_path, "one", 4, 4, "--max_image_pixels", "10000000"),
@@ -277,6 +336,64 @@ def test_run_dir_of_another_architecture_is_refused_unless_forced(shard_url, tmp
     assert gan.returncode == 0 and "at step 2" in gan.stdout, gan.stderr[-2000:]
 
 
+@pytest.mark.timeout(150)
+def test_force_over_another_architecture_with_two_ranks_and_a_late_rank(shard_url, tmp_path):
+    """Rank 1 reaches the run directory 3 s after rank 0. Before: every rank listed the checkpoints; rank 1
+    listed them after rank 0 had set them aside, skipped the barrier rank 0 waited at, and the collectives
+    paired up wrongly: a hang. Now rank 0 alone decides and acts, and broadcasts the decision."""
+    run = tmp_path / "arch2"
+    z4 = vae_trainer.parse_config(_args(shard_url, tmp_path, "arch2"))
+    os.makedirs(run / "checkpoints")
+    (run / "config.json").write_text(json.dumps(vae_trainer.public_config(z4)))
+    torch.save({"step": 2, "config": vae_trainer.public_config(z4)}, run / "checkpoints" / "step_00000002.pt")
+    proc = run_cli("tests/trainer_with_slow_rank1.py",
+                   _args(shard_url, tmp_path, "arch2", 2, 2, "--vae_z_channels", "8", "--force"), nproc=2,
+                   env=cli_env(VAE_TEST_RANK1_DELAY_S=3), timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("the checkpoints of the other architecture were moved to") == 1
+    aside = [d for d in os.listdir(run) if d.startswith("checkpoints.incompatible-")]
+    assert len(aside) == 1 and os.listdir(run / aside[0]) == ["step_00000002.pt"]
+    assert _ckpt(tmp_path, "arch2", 2)["config"]["vae_z_channels"] == 8
+    assert json.loads((run / "config.json").read_text())["vae_z_channels"] == 8
+
+
+def test_load_path_of_another_shape_is_one_line_and_leaves_no_run_dir(shard_url, tmp_path, capsys):
+    """Before: a 139-line `size mismatch` traceback, and a run directory holding only config.json."""
+    cfg = vae_trainer.parse_config(_args(shard_url, tmp_path))
+    weights = tmp_path / "ch32.pt"
+    torch.save(vae_trainer.AutoEncoder(vae_trainer.model_params(cfg)).state_dict(), weights)
+    code = vae_trainer.main(_args(shard_url, tmp_path / "runs", "wide", 2, 2, "--vae_ch", "64",
+                                  "--load_path", str(weights)))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert len(err) == 1 and err[0].startswith(f"error: --load_path {weights} does not fit this architecture"), err
+    assert "[64, 3, 3, 3]" in err[0] or "[64]" in err[0], err  # says which shape differs
+    assert not (tmp_path / "runs" / "wide").exists()  # a failed start leaves nothing behind
+
+
+@pytest.mark.timeout(300)
+def test_precision_can_change_on_resume(shard_url, tmp_path):
+    """fp32 -> fp16 crashed (a disabled GradScaler saves {}, an enabled one refuses to load it); fp16 ->
+    fp32 goes back. GAN on: the critic's scaler too. fp16 convolutions are slow on CPUs: a small model. The
+    first fp16 steps overflow and are skipped (the scaler backs off), so the fp16 leg saves on a stop
+    request, which is honoured inside a streak of skipped steps."""
+    small = [*GAN, "--vae_ch_mult", "1,2", "--vae_resolution", "32"]
+    legs = [(1, "fp32", {}), (3, "fp16", {"VAE_TRAINER_SIGTERM_AT": "1"}), (3, "fp32", {})]
+    for steps, precision, env in legs:
+        proc = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "prec", steps, 1, *small, "--precision", precision),
+                       env=cli_env(**env))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if precision == "fp16":
+            assert "at step 1" in proc.stdout and "checkpoint written at step 2" in proc.stdout, proc.stdout
+        if steps == 3:
+            assert f"written with --precision {'fp32' if precision == 'fp16' else 'fp16'}; continuing in " \
+                   f"{precision}" in proc.stdout, proc.stdout
+    fp16 = _ckpt(tmp_path, "prec", 2)
+    assert fp16["config"]["precision"] == "fp16"
+    assert fp16["scaler_vae"]["scale"] > 0 and fp16["scaler_disc"]["scale"] > 0  # it really ran with loss scaling
+    assert _ckpt(tmp_path, "prec", 3)["scaler_vae"] == {} and _ckpt(tmp_path, "prec", 3)["step"] == 3
+
+
 def test_resume_never_refuses_a_run_dir_with_checkpoints(shard_url, tmp_path):
     assert run_cli("vae_trainer.py", _args(shard_url, tmp_path, "n", 2, 2)).returncode == 0
     proc = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "n", 4, 2, "--resume", "never"))
@@ -316,3 +433,32 @@ def test_collapse_tracker_warns_once_per_episode():
     assert not any("critic has won" in s for s in said)
     tracker.check(dict(calm, **{"gan/disc_acc": 0.99}), 12)
     assert any("exploding latents" in s for s in said) and any("critic has won" in s for s in said)
+
+
+# ------------------------------------------------------------------------------------------ GPU-only paths
+def test_rng_state_touches_only_the_ranks_own_cuda_device(monkeypatch):
+    """Before: torch.cuda.get_rng_state_all()/set_rng_state_all(): every rank created a CUDA context on
+    every GPU of its node at the first checkpoint, and a resumed rank overwrote the other devices'
+    generators. No GPU here: torch.cuda's RNG functions are replaced by recorders."""
+    calls = []
+    ours = torch.arange(16, dtype=torch.uint8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: calls.append("get_all") or [ours] * 4)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: calls.append("set_all"))
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda device="cuda": calls.append(("get", torch.device(device))) or ours.clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda state, device="cuda": calls.append(("set", torch.device(device), state.tolist())))
+    device = torch.device("cuda", 2)
+    state = vae_trainer.capture_rng(device)
+    vae_trainer.restore_rng(state, device)
+    assert calls == [("get", device), ("set", device, ours.tolist())]
+    # checkpoints written before this fix hold every device's state: a rank restores only its own
+    calls.clear()
+    vae_trainer.restore_rng(dict(state, cuda=[torch.full((16,), i, dtype=torch.uint8) for i in range(4)]), device)
+    assert calls == [("set", device, [2] * 16)]
+    # a CPU run never touches CUDA, even where a GPU is visible
+    calls.clear()
+    vae_trainer.restore_rng(vae_trainer.capture_rng(torch.device("cpu")), torch.device("cpu"))
+    assert calls == []

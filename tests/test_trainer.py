@@ -12,6 +12,9 @@ from PIL import Image
 import vae_trainer
 from conftest import TINY, run_cli
 
+# the CLI tests take 10 s to a minute each (test_it_learns: its own limit): a hang fails one test
+pytestmark = pytest.mark.timeout(300)
+
 
 def _metrics(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -105,6 +108,7 @@ def test_torchrun_two_ranks_writes_everything(shard_url, tmp_path):
         assert grid.size == (8 * 66 + 2, 2 * 66 + 2)
 
 
+@pytest.mark.timeout(600)  # 80 CPU steps with 9 evaluations: 1-3 minutes
 def test_it_learns_on_real_photos(shard_url, tmp_path):
     """The held-out reconstruction (fixed center crops, posterior mean) improves clearly in 80 CPU steps."""
     args = ["--dataset_url", shard_url, "--test_dataset_url", shard_url, "--output_dir", str(tmp_path),
