@@ -93,7 +93,9 @@ class Config:
     disc_norm: str = opt("group_spectral", "PatchGAN normalisation", "gan", DISC_NORMS)
     gen_loss: str = opt("thresholded", "generator loss: thresholded = relu(D(x) - D(x_hat) - margin) (reference); "
                                        "ldm = -mean(D(x_hat))", "gan", ("thresholded", "ldm"))
-    gan_weight: float = opt(1.0, "GAN branch weight (with adaptive balance: multiplies the adaptive weight)", "gan")
+    gan_weight: float = opt(1.0, "GAN branch weight (gradnorm: the branch's gradient norm while every patch is "
+                                 "active, times sqrt(active fraction) with the thresholded loss; adaptive: "
+                                 "multiplies the adaptive weight)", "gan")
     gan_margin: float = opt(0.1, "margin of the thresholded generator loss", "gan")
     disc_start: int = opt(20, "step from which the generator gets the adversarial term (D trains from 0)", "gan")
     learning_rate_disc: float = opt(2e-4, "discriminator learning rate", "gan")
