@@ -847,6 +847,7 @@ class Trainer:
             # GradNorm would give the GAN branch norm gan_weight however few patches the thresholded loss still
             # pushes, i.e. hand the last active patch the whole push. Scaled by sqrt(active fraction), the target
             # gives each active patch the push it gets when all are active (patch gradients are near-orthogonal).
+            # Measured on the critic's pass over the detached reconstructions: the same critic, the same images.
             active = generator_active_fraction(real_logits, critic_fake_logits, cfg.gen_loss, cfg.gan_margin)
             self.metrics.add(**{"gan/active_fraction": active / accum})
             with self.autocast():

@@ -171,7 +171,7 @@ def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_gradnorm_target_is_the_mean_over_ranks(tmp_path):
     """Ranks with different active fractions: GradNorm averages the target weights with the norms, so every
     rank applies the same scale and every active patch on every rank gets the same push, 1/8 (= the push with
