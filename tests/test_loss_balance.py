@@ -129,22 +129,22 @@ def test_thresholded_gan_push_per_active_patch_does_not_grow_as_patches_drop_out
 
 
 def test_thresholded_gan_push_with_the_vgg16_critic(trainer):
-    """The real VGG16 critic (random weights, heads made non-zero), 2 x 128 px: its patches' receptive fields
-    overlap, yet the branch's gradient stays within 10% of the raw thresholded gradient scaled by the norm the
-    raw gradient has when every patch is active (GradNorm removing only the critic's scale), for 1/2 down to
-    1/128 of the patches active. Plain GradNorm over-pushes by up to ~12x there."""
+    """The real VGG16 critic (random weights, heads made non-zero), one 128 px image (64 patches): its patches'
+    receptive fields overlap, yet the branch's gradient stays within 10% of the raw thresholded gradient scaled
+    by the norm the raw gradient has when every patch is active (GradNorm removing only the critic's scale),
+    with 1/2 and 1/64 of the patches active. Plain GradNorm over-pushes by 1.4x and ~8x there."""
     torch.manual_seed(0)
     saved = [head[-1].weight.detach().clone() for head in trainer.disc.heads]
     try:
         with torch.no_grad():
             for head in trainer.disc.heads:
                 head[-1].weight.normal_(0.0, 0.1)
-        recon_values = torch.rand(2, 3, 128, 128) * 2 - 1
-        _, raw_all = gan_gradient(trainer, recon_values, torch.ones(2, 1, 8, 8, dtype=torch.bool))
-        for k in (64, 8, 1):
-            active = torch.zeros(128, dtype=torch.bool)
-            active[torch.randperm(128)[:k]] = True
-            grad, raw = gan_gradient(trainer, recon_values, active.view(2, 1, 8, 8))
+        recon_values = torch.rand(1, 3, 128, 128) * 2 - 1
+        _, raw_all = gan_gradient(trainer, recon_values, torch.ones(1, 1, 8, 8, dtype=torch.bool))
+        for k in (32, 1):
+            active = torch.zeros(64, dtype=torch.bool)
+            active[torch.randperm(64)[:k]] = True
+            grad, raw = gan_gradient(trainer, recon_values, active.view(1, 1, 8, 8))
             ideal = raw / raw_all.norm()
             assert grad.norm().item() == pytest.approx(ideal.norm().item(), rel=0.1), k
             assert torch.nn.functional.cosine_similarity(grad.flatten(), ideal.flatten(), dim=0).item() > 0.9999
