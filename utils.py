@@ -35,8 +35,9 @@ class GradNormFunction(torch.autograd.Function):
 
     One loss branch then contributes a gradient of norm `weight` to the reconstruction, whatever
     its raw scale, which balances LPIPS, MSE and GAN without hand-tuned loss weights. Under DDP
-    the norm is the mean of the ranks' norms, all-reduced as a device tensor (no host sync), so
-    every rank applies the same scale. The norm is accumulated in fp32.
+    the norm and the weight are the means of the ranks' values, all-reduced as one device tensor (no
+    host sync), so every rank applies the same scale (the GAN branch's weight differs per rank: it
+    follows the rank's active patches). The norm is accumulated in fp32.
     """
 
     @staticmethod
@@ -48,11 +49,13 @@ class GradNormFunction(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):
         (weight,) = ctx.saved_tensors
         norm = torch.linalg.vector_norm(grad_output, dtype=torch.float32)
+        weight = weight.float()
         world = _dist_world()
         if world > 1:
-            dist.all_reduce(norm)  # SUM then divide: ReduceOp.AVG is NCCL-only
-            norm = norm / world
-        scale = weight.float() / (norm + 1e-12)
+            stats = torch.stack([norm, weight])
+            dist.all_reduce(stats)  # SUM then divide: ReduceOp.AVG is NCCL-only
+            norm, weight = (stats / world).unbind()
+        scale = weight / (norm + 1e-12)
         return (grad_output.float() * scale).to(grad_output.dtype), None
 
 
@@ -344,6 +347,17 @@ def generator_loss(fake_logits: Tensor, real_logits: Tensor | None, kind: str, m
         return F.relu(real_logits.detach().float() - fake_logits - margin).mean()
     if kind == "ldm":
         return -fake_logits.mean()
+    raise ValueError(f"unknown generator loss {kind!r}")
+
+
+def generator_active_fraction(real_logits: Tensor, fake_logits: Tensor, kind: str, margin: float = 0.1) -> Tensor:
+    """Fraction of the fake patches that the generator loss still pushes: `thresholded`, those that score
+    more than `margin` below their real counterpart; `ldm`, all. Behind GradNorm the GAN branch's target
+    is scaled by its square root (see Trainer.vae_losses)."""
+    if kind == "thresholded":
+        return (real_logits.detach().float() - fake_logits.detach().float() > margin).float().mean()
+    if kind == "ldm":
+        return torch.ones((), device=fake_logits.device)
     raise ValueError(f"unknown generator loss {kind!r}")
 
 

@@ -37,6 +37,7 @@ from utils import (DISC_NORMS, DISC_TYPES, LeCam, NLayerDiscriminator, VGG16Disc
                    adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy,
                    discriminator_loss, ensure_vgg16_weights, fetch_weights, generator_loss, gradnorm,
                    load_vgg16_features, lowpass_mse, pooled_mse, vgg16_cache_path, warn_random_vgg)
+from utils import generator_active_fraction
 
 
 # ============================================================================================
@@ -80,8 +81,11 @@ class Config:
     lowpass_mse_weight: float = opt(1.0, "low-pass MSE inside the pixel branch", "loss")
     mse_pool_factor: int = opt(16, "area-pooling factor of the pooled MSE", "loss")
     lowpass_threshold: float = opt(0.8, "blurriness above which a pixel counts as low-frequency", "loss")
-    kl_weight: float = opt(1.0, "weight of the KL / latent penalty, averaged per latent element "
-                                "(constant posterior: mean(0.5 * mean^2))", "loss")
+    kl_weight: float = opt(0.003, "weight of the KL / latent penalty (constant posterior: 0.5 * mean^2). gradnorm: "
+                                  "summed over the rank's latent elements and divided by the square root of their "
+                                  "count, so its gradient at the latent has norm kl_weight * rms(mean) at any batch "
+                                  "and resolution; adaptive, none: averaged per latent element, like the other "
+                                  "losses", "loss")
     # GAN
     do_ganloss: bool = opt(False, "train with the discriminator", "gan")
     discriminator: str = opt("vgg16", "vgg16: VGG16 feature slices with conv heads; patchgan: N-layer PatchGAN",
@@ -90,7 +94,9 @@ class Config:
     disc_norm: str = opt("group_spectral", "PatchGAN normalisation", "gan", DISC_NORMS)
     gen_loss: str = opt("thresholded", "generator loss: thresholded = relu(D(x) - D(x_hat) - margin) (reference); "
                                        "ldm = -mean(D(x_hat))", "gan", ("thresholded", "ldm"))
-    gan_weight: float = opt(1.0, "GAN branch weight (with adaptive balance: multiplies the adaptive weight)", "gan")
+    gan_weight: float = opt(1.0, "GAN branch weight (gradnorm: the branch's gradient norm while every patch is "
+                                 "active, times sqrt(active fraction) with the thresholded loss; adaptive: "
+                                 "multiplies the adaptive weight)", "gan")
     gan_margin: float = opt(0.1, "margin of the thresholded generator loss", "gan")
     disc_start: int = opt(20, "step from which the generator gets the adversarial term (D trains from 0)", "gan")
     learning_rate_disc: float = opt(2e-4, "discriminator learning rate", "gan")
@@ -147,11 +153,12 @@ ARCH_FIELDS = ("vae_ch", "vae_ch_mult", "vae_num_res_blocks", "vae_z_channels", 
 
 # The demo: a tiny f4 model at 64 px that visibly learns in a few CPU minutes. It weighs the pixel branch
 # more and the GAN less than the recipe's defaults: a 0.9M model (and, offline, a random VGG16) gets more
-# from pixels in 300 steps (held-out PSNR 14.2 vs 12.7 dB at step 150 in our runs).
+# from pixels in 300 steps (held-out PSNR 14.2 vs 12.7 dB at step 150 in our runs). Its latent (4 x 4 x 16 x 16
+# = 4096 elements per step) takes kl_weight 1/64 = 1/sqrt(4096): the KL strength it was tuned with.
 DEMO = dict(vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_channels=4, do_attn=False,
             vae_resolution=64, batch_size=4, num_workers=2, shuffle_buffer=64, max_steps=300,
             learning_rate_vae=5e-4, warmup_steps=20, mse_pool_factor=4, do_ganloss=True, disc_start=50,
-            mse_weight=1.0, perceptual_weight=0.5, gan_weight=0.3,
+            mse_weight=1.0, perceptual_weight=0.5, gan_weight=0.3, kl_weight=1 / 64,
             log_every_n_steps=25, save_every_n_steps=100, evaluate_every_n_steps=100, eval_max_images=16,
             run_name="demo", ema_decay=0.99)
 
@@ -816,7 +823,7 @@ class Trainer:
         cfg, m = self.cfg, self.metrics
         accum = cfg.grad_accum
         gan_on = self.gan and self.step >= cfg.disc_start
-        real_logits = None
+        real_logits = fake_logits = None
         step_loss = torch.zeros((), device=self.device)  # this step's losses, for the guard
         for micro in range(accum):
             sync = micro == accum - 1
@@ -829,10 +836,10 @@ class Trainer:
                 kl = kl_divergence(mean, logvar)
 
                 if self.gan:  # the critic learns real vs detached fakes, every step
-                    real_logits, d_loss = self.discriminator_backward(x, recon, sync, accum)
+                    real_logits, fake_logits, d_loss = self.discriminator_backward(x, recon, sync, accum)
                     step_loss = step_loss + d_loss.detach()
 
-                losses = self.vae_losses(x, recon, kl, real_logits, gan_on, accum)
+                losses = self.vae_losses(x, recon, kl, mean.numel(), real_logits, fake_logits, gan_on, accum)
                 if self.step in self.inject_nan:
                     losses["backward"] = losses["backward"] * float("nan")
                 if self.disc is not None:
@@ -886,10 +893,13 @@ class Trainer:
                             "gan/disc_acc": discriminator_accuracy(real_logits, fake_logits) / accum,
                             "gan/real_logits": real_logits.mean() / accum,
                             "gan/fake_logits": fake_logits.mean() / accum})
-        return real_logits.detach(), d_loss
+        return real_logits.detach(), fake_logits.detach(), d_loss
 
-    def vae_losses(self, x, recon, kl, real_logits, gan_on, accum) -> dict[str, torch.Tensor]:
-        """Loss terms (for logging) and the tensor to backpropagate ('backward')."""
+    def vae_losses(self, x, recon, kl, latent_elements, real_logits, critic_fake_logits, gan_on,
+                   accum) -> dict[str, torch.Tensor]:
+        """Loss terms (for logging) and the tensor to backpropagate ('backward'). `kl` is the per-element mean
+        over the micro-batch's `latent_elements` latent elements; `real_logits`, `critic_fake_logits` are the
+        critic's logits on this micro-batch's images and detached reconstructions."""
         cfg = self.cfg
         scale = self.scaler_vae.scale(torch.ones((), device=self.device))  # 1 unless fp16
         if cfg.loss_balance == "gradnorm":
@@ -909,12 +919,23 @@ class Trainer:
         terms = {"perceptual": perceptual, "pooled_mse": pooled, "lowpass_mse": lowpass, "kl": kl}
         g_loss = torch.zeros((), device=self.device)
         if gan_on:
+            # GradNorm would give the GAN branch norm gan_weight however few patches the thresholded loss still
+            # pushes, i.e. hand the last active patch the whole push. Scaled by sqrt(active fraction), the target
+            # gives each active patch the push it gets when all are active (patch gradients are near-orthogonal).
+            # Measured on the critic's pass over the detached reconstructions: the same critic, the same images.
+            active = generator_active_fraction(real_logits, critic_fake_logits, cfg.gen_loss, cfg.gan_margin)
+            self.metrics.add(**{"gan/active_fraction": active / accum})
             with self.autocast():
-                fake_logits = self.disc(branch(cfg.gan_weight).contiguous(memory_format=self.memory_format))
+                fake_logits = self.disc(branch(cfg.gan_weight * active.sqrt()).contiguous(
+                    memory_format=self.memory_format))
             g_loss = generator_loss(fake_logits.float(), real_logits, cfg.gen_loss, cfg.gan_margin)
             terms["gan_g"] = g_loss
         if cfg.loss_balance == "gradnorm":
-            backward = perceptual + pixel + g_loss + scale * (cfg.kl_weight * kl / accum)
+            # A GradNorm branch's gradient has norm `weight` over all the reconstruction's elements, so its
+            # per-element size falls as 1/sqrt(their count); a mean KL's would fall as 1/count. Summed and divided
+            # by sqrt(count), the KL scales like the branches: kl_weight means the same at any batch and resolution.
+            kl_branch = cfg.kl_weight * kl * math.sqrt(latent_elements)
+            backward = perceptual + pixel + g_loss + scale * (kl_branch / accum)
         else:
             rec = cfg.perceptual_weight * perceptual + cfg.mse_weight * pixel
             gan_w = torch.full((), cfg.gan_weight, device=self.device)
