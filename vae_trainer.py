@@ -199,11 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
+def parse_flags(argv: list[str] | None = None) -> tuple[Config, set[str]]:
+    """The config and the names of the flags the user gave (argparse leaves the others out: SUPPRESS)."""
     given = vars(build_parser().parse_args(argv))
     values = dict(DEMO) if given.get("demo") else {}
     values.update(given)
-    return Config(**values)
+    return Config(**values), set(given)
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    return parse_flags(argv)[0]
 
 
 def ch_mult_of(cfg: Config) -> tuple[int, ...]:
@@ -274,6 +279,47 @@ def validate(cfg: Config) -> None:
                 data_lib.list_shards(getattr(cfg, name))
             except data_lib.DatasetError as e:
                 raise ConfigError(f"--{name}: {e}") from None
+
+
+# Flags that only matter with --do_ganloss.
+GAN_FLAGS = ("discriminator", "disc_type", "disc_norm", "gen_loss", "gan_weight", "gan_margin", "disc_start",
+             "learning_rate_disc", "lecam_weight", "adaptive_weight_max")
+
+
+def config_warnings(cfg: Config, given: set[str]) -> list[str]:
+    """One-line warnings for a valid but probably unintended config: flags the user gave that the chosen
+    configuration ignores (one line per cause; defaults and --demo's values are never named), and schedules
+    that cannot play out within --max_steps."""
+    ignored_when = [  # (flags, ignored in this config, why)
+        (GAN_FLAGS, not cfg.do_ganloss, "without --do_ganloss"),
+        (("disc_norm",), cfg.discriminator != "patchgan", "with --discriminator vgg16 (it normalises the "
+                                                          "PatchGAN only)"),
+        (("gan_margin",), cfg.gen_loss != "thresholded", f"with --gen_loss {cfg.gen_loss} (it is the margin of the "
+                                                          "thresholded loss)"),
+        (("adaptive_weight_max",), cfg.loss_balance != "adaptive", f"with --loss_balance {cfg.loss_balance} (it "
+                                                                   "clamps the adaptive weight)"),
+        (("clamp_th",), not cfg.do_clamp, "without --do_clamp"),
+        (("posterior_var",), cfg.posterior != "constant", f"with --posterior {cfg.posterior} (the encoder predicts "
+                                                          "the variance)"),
+        (("evaluate_every_n_steps", "eval_max_images", "inception_weights"), not cfg.test_dataset_url,
+         "without --test_dataset_url"),
+        (("eval_max_images", "inception_weights"), cfg.evaluate_every_n_steps == 0, "with --evaluate_every_n_steps 0"),
+        (("project_name",), cfg.wandb_mode == "disabled", "with --wandb_mode disabled"),
+    ]
+    lines, named = [], set()
+    for flags, ignored, why in ignored_when:
+        hit = [f for f in flags if f in given and f not in named] if ignored else []
+        if hit:
+            named.update(hit)
+            verb = "has" if len(hit) == 1 else "have"
+            lines.append(f"warning: {', '.join('--' + f for f in hit)} {verb} no effect {why}")
+    if cfg.warmup_steps > cfg.max_steps:
+        lines.append(f"warning: --warmup_steps {cfg.warmup_steps} > --max_steps {cfg.max_steps}: the learning rate "
+                     f"peaks at {cfg.max_steps / cfg.warmup_steps:.0%} of its set value and never decays")
+    if cfg.do_ganloss and cfg.disc_start >= cfg.max_steps:
+        lines.append(f"warning: --disc_start {cfg.disc_start} >= --max_steps {cfg.max_steps}: the generator never "
+                     "gets the adversarial term (the critic still trains)")
+    return lines
 
 
 # ============================================================================================
@@ -1277,7 +1323,7 @@ def prepare_demo(cfg: Config) -> Config:
 def main(argv: list[str] | None = None) -> int:
     is_rank0 = os.environ.get("RANK", "0") == "0"
     try:
-        cfg = parse_config(argv)
+        cfg, given = parse_flags(argv)
         if cfg.demo and os.environ.get("LOCAL_RANK", "0") == "0":
             cfg = prepare_demo(cfg)
         elif cfg.demo:
@@ -1287,6 +1333,8 @@ def main(argv: list[str] | None = None) -> int:
         if is_rank0:
             print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
         return 2
+    for line in config_warnings(cfg, given) if is_rank0 else []:
+        print(line, file=sys.stderr, flush=True)
     info = init_distributed()
     trainer, failed = None, False
     try:

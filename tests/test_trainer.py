@@ -66,6 +66,39 @@ def test_bad_dataset_paths_via_the_cli(tmp_path, url, message):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("flags, expected", [
+    (["--do_ganloss", "--disc_norm", "batch"], ["--disc_norm has no effect with --discriminator vgg16"]),
+    (["--do_ganloss", "--gen_loss", "ldm", "--gan_margin", "0.2"], ["--gan_margin has no effect with --gen_loss ldm"]),
+    (["--do_ganloss", "--adaptive_weight_max", "100"],
+     ["--adaptive_weight_max has no effect with --loss_balance gradnorm"]),
+    (["--gan_weight", "0.5", "--disc_start", "5", "--lecam_weight", "0.1", "--disc_norm", "batch"],  # one line
+     ["--disc_norm, --gan_weight, --disc_start, --lecam_weight have no effect without --do_ganloss"]),
+    (["--clamp_th", "4"], ["--clamp_th has no effect without --do_clamp"]),
+    (["--posterior", "learned", "--posterior_var", "0.2"], ["--posterior_var has no effect with --posterior learned"]),
+    (["--eval_max_images", "8", "--inception_weights", "none"],
+     ["--eval_max_images, --inception_weights have no effect without --test_dataset_url"]),
+    (["--test_dataset_url", "t.tar", "--evaluate_every_n_steps", "0", "--eval_max_images", "8"],
+     ["--eval_max_images has no effect with --evaluate_every_n_steps 0"]),
+    (["--wandb_mode", "disabled", "--project_name", "p"], ["--project_name has no effect with --wandb_mode disabled"]),
+    (["--warmup_steps", "50", "--max_steps", "10"], ["--warmup_steps 50 > --max_steps 10: the learning rate peaks "
+                                                     "at 20%"]),
+    (["--do_ganloss", "--disc_start", "10", "--max_steps", "10", "--warmup_steps", "1"],
+     ["--disc_start 10 >= --max_steps 10: the generator never gets the adversarial term"]),
+    # every flag here acts: no warning
+    (["--do_ganloss", "--discriminator", "patchgan", "--disc_norm", "batch", "--loss_balance", "adaptive",
+      "--adaptive_weight_max", "10", "--gan_margin", "0.2", "--do_clamp", "--clamp_th", "4", "--posterior_var", "0.2",
+      "--test_dataset_url", "t.tar", "--eval_max_images", "8", "--lecam_weight", "0.1"], []),
+    ([], []),
+    (["--demo"], []),  # the demo's own values (GAN settings among them) are not the user's flags
+])
+def test_flags_without_effect_are_named(flags, expected):
+    cfg, given = vae_trainer.parse_flags(flags)
+    lines = vae_trainer.config_warnings(cfg, given)
+    assert len(lines) == len(expected), lines
+    for line, text in zip(lines, expected):
+        assert line.startswith("warning: ") and text in line and "\n" not in line, line
+
+
 def test_torchrun_two_ranks_writes_everything(shard_url, tmp_path):
     """The issue's acceptance run: 2 gloo ranks, GAN on, a few steps."""
     out = tmp_path / "runs"
