@@ -844,8 +844,11 @@ class Trainer:
         try:
             import wandb
             id_path = os.path.join(self.run_dir, "wandb_id")
-            run_id = open(id_path).read().strip() if os.path.isfile(id_path) else wandb.util.generate_id()
+            run_id = open(id_path).read().strip() if os.path.isfile(id_path) else new_wandb_run_id()
             atomic_write(id_path, lambda f: f.write(run_id.encode()))
+            if self.cfg.wandb_mode == "online":
+                self.log("wandb: connecting (online); without a network this waits up to 60 s, then the run goes "
+                         "on without wandb")
             return wandb.init(project=self.cfg.project_name, name=self.cfg.run_name, id=run_id, resume="allow",
                               dir=self.run_dir, mode=self.cfg.wandb_mode, config=public_config(self.cfg),
                               settings=wandb.Settings(init_timeout=60, silent=True))
@@ -1264,6 +1267,14 @@ class Trainer:
                 self.wandb.finish()
             except Exception:
                 pass
+
+
+def new_wandb_run_id() -> str:
+    """8 random lower-case letters and digits, the form of wandb's own ids (wandb >= 0.2x no longer exports
+    wandb.util.generate_id)."""
+    import secrets
+    import string
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
 def wandb_key_configured() -> bool:
