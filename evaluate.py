@@ -564,7 +564,7 @@ def validate(args, vae: AutoEncoder, resolution: int | None) -> None:
         return
     if not args.dataset_url:
         raise ConfigError("give --dataset_url (metrics, --latent_stats) or --images with --reconstruct_to")
-    data_lib.list_shards(args.dataset_url)  # DatasetError: one line
+    data_lib.probe_remote_shards(data_lib.list_shards(args.dataset_url))  # DatasetError: one line
     if not resolution or resolution <= 0 or resolution % f:
         raise ConfigError(f"--resolution must be a positive multiple of the downsample factor {f}, got {resolution}")
     if resolution < 16:

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         if not resolution or resolution % vae.downsample_factor:
             raise ConfigError(f"--resolution must be a positive multiple of {vae.downsample_factor}, got {resolution}")
         if args.dataset_url:
-            data_lib.list_shards(args.dataset_url)
+            data_lib.probe_remote_shards(data_lib.list_shards(args.dataset_url))
         if os.path.isfile(args.out):
             raise ConfigError(f"--out {args.out} is a file")
 

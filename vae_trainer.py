@@ -276,7 +276,7 @@ def validate(cfg: Config) -> None:
     for name in ("dataset_url", "test_dataset_url"):
         if name == "dataset_url" or getattr(cfg, name):
             try:
-                data_lib.list_shards(getattr(cfg, name))
+                data_lib.probe_remote_shards(data_lib.list_shards(getattr(cfg, name)))
             except data_lib.DatasetError as e:
                 raise ConfigError(f"--{name}: {e}") from None
 
