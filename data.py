@@ -712,7 +712,7 @@ def wait_for_demo_shards(root: str, timeout_s: float = 300) -> None:
         time.sleep(0.5)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="data.py", description="Dataset tools for the VAE trainer.")
     sub = parser.add_subparsers(dest="command", required=True)
     ms = sub.add_parser("make-shards", help="pack a folder of images into webdataset tar shards")
@@ -720,7 +720,11 @@ def main(argv: list[str] | None = None) -> int:
     ms.add_argument("dst", help="output folder for NNNNN.tar shards")
     ms.add_argument("--shard_size", type=int, default=1000, help="images per shard (default 1000)")
     ms.add_argument("--no_verify", action="store_true", help="do not check that each file opens as an image")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not os.path.isdir(args.src):
         print(f"error: {args.src}: not a directory", file=sys.stderr)
         return 2
