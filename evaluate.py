@@ -486,7 +486,8 @@ def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
             return vae, {"checkpoint": ckpt, "step": None, "resolution": config.get("sample_size")}
         except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
             reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-            raise ConfigError(f"--ckpt {ckpt}: not a loadable export.py folder ({type(e).__name__}: {reason})") from None
+            raise ConfigError(f"--ckpt {ckpt}: not a loadable export.py folder "
+                              f"({type(e).__name__}: {reason})") from None
     if os.path.isdir(ckpt):
         ckpt_dir = os.path.join(ckpt, "checkpoints") if os.path.isdir(os.path.join(ckpt, "checkpoints")) else ckpt
         if not checkpoint_files(ckpt_dir):

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shlex
-import socket
 
 import pytest
 
