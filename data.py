@@ -13,8 +13,10 @@ Training stream
     integers plus the keys of the samples in its buffer: checkpoints store it and a resumed run
     sees exactly the batches the uninterrupted run would have seen. This is why the shuffling is
     ours and not webdataset's (whose buffer cannot be saved); reading, key grouping and URL
-    handling are webdataset's.
-  * Corrupt, empty, non-image, oversized and unreadable members are skipped and counted.
+    handling are webdataset's, except that http(s) shards are fetched by our own curl call, whose
+    waits are bounded (see "Remote shards").
+  * Corrupt, empty, non-image, oversized and unreadable members are skipped and counted, and so
+    are shards that cannot be fetched.
 
 CLI: python data.py make-shards SRC_DIR DST_DIR [--shard_size 1000]
 """
@@ -161,7 +163,10 @@ def probe_remote_shards(shards: list, probes: int = 3) -> None:
     if not remote:
         return
     picks = sorted({0, len(remote) // 2, len(remote) - 1})[:probes]
-    streams = [CurlStream(remote[i], max_time_s=PROBE_TIMEOUT_S) for i in picks]
+    try:
+        streams = [CurlStream(remote[i], max_time_s=PROBE_TIMEOUT_S) for i in picks]
+    except OSError as e:  # no curl on this machine
+        raise DatasetError(f"cannot run curl to read {redact(remote[0])} ({e})") from None
     reasons = []
     try:
         for stream in streams:
