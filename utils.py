@@ -158,7 +158,7 @@ def load_vgg16_features(path: str | None) -> dict[str, Tensor] | None:
 
 def warn_random_vgg(what: str) -> None:
     bar = "!" * 78
-    print(f"{bar}\nWARNING: {what} uses a RANDOMLY INITIALISED VGG16 (--vgg16_weights random).\n"
+    print(f"{bar}\nWARNING: a RANDOMLY INITIALISED VGG16 (--vgg16_weights random) is used for {what}.\n"
           f"Perceptual and adversarial losses are meaningless; use this for tests and the demo only.\n{bar}",
           file=sys.stderr, flush=True)
 

@@ -199,11 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
+def parse_flags(argv: list[str] | None = None) -> tuple[Config, set[str]]:
+    """The config and the names of the flags the user gave (argparse leaves the others out: SUPPRESS)."""
     given = vars(build_parser().parse_args(argv))
     values = dict(DEMO) if given.get("demo") else {}
     values.update(given)
-    return Config(**values)
+    return Config(**values), set(given)
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    return parse_flags(argv)[0]
 
 
 def ch_mult_of(cfg: Config) -> tuple[int, ...]:
@@ -271,9 +276,50 @@ def validate(cfg: Config) -> None:
     for name in ("dataset_url", "test_dataset_url"):
         if name == "dataset_url" or getattr(cfg, name):
             try:
-                data_lib.list_shards(getattr(cfg, name))
+                data_lib.probe_remote_shards(data_lib.list_shards(getattr(cfg, name)))
             except data_lib.DatasetError as e:
                 raise ConfigError(f"--{name}: {e}") from None
+
+
+# Flags that only matter with --do_ganloss.
+GAN_FLAGS = ("discriminator", "disc_type", "disc_norm", "gen_loss", "gan_weight", "gan_margin", "disc_start",
+             "learning_rate_disc", "lecam_weight", "adaptive_weight_max")
+
+
+def config_warnings(cfg: Config, given: set[str]) -> list[str]:
+    """One-line warnings for a valid but probably unintended config: flags the user gave that the chosen
+    configuration ignores (one line per cause; defaults and --demo's values are never named), and schedules
+    that cannot play out within --max_steps."""
+    ignored_when = [  # (flags, ignored in this config, why)
+        (GAN_FLAGS, not cfg.do_ganloss, "without --do_ganloss"),
+        (("disc_norm",), cfg.discriminator != "patchgan", "with --discriminator vgg16 (it normalises the "
+                                                          "PatchGAN only)"),
+        (("gan_margin",), cfg.gen_loss != "thresholded", f"with --gen_loss {cfg.gen_loss} (it is the margin of the "
+                                                          "thresholded loss)"),
+        (("adaptive_weight_max",), cfg.loss_balance != "adaptive", f"with --loss_balance {cfg.loss_balance} (it "
+                                                                   "clamps the adaptive weight)"),
+        (("clamp_th",), not cfg.do_clamp, "without --do_clamp"),
+        (("posterior_var",), cfg.posterior != "constant", f"with --posterior {cfg.posterior} (the encoder predicts "
+                                                          "the variance)"),
+        (("evaluate_every_n_steps", "eval_max_images", "inception_weights"), not cfg.test_dataset_url,
+         "without --test_dataset_url"),
+        (("eval_max_images", "inception_weights"), cfg.evaluate_every_n_steps == 0, "with --evaluate_every_n_steps 0"),
+        (("project_name",), cfg.wandb_mode == "disabled", "with --wandb_mode disabled"),
+    ]
+    lines, named = [], set()
+    for flags, ignored, why in ignored_when:
+        hit = [f for f in flags if f in given and f not in named] if ignored else []
+        if hit:
+            named.update(hit)
+            verb = "has" if len(hit) == 1 else "have"
+            lines.append(f"warning: {', '.join('--' + f for f in hit)} {verb} no effect {why}")
+    if cfg.warmup_steps > cfg.max_steps:
+        lines.append(f"warning: --warmup_steps {cfg.warmup_steps} > --max_steps {cfg.max_steps}: the learning rate "
+                     f"peaks at {cfg.max_steps / cfg.warmup_steps:.0%} of its set value and never decays")
+    if cfg.do_ganloss and cfg.disc_start >= cfg.max_steps:
+        lines.append(f"warning: --disc_start {cfg.disc_start} >= --max_steps {cfg.max_steps}: the generator never "
+                     "gets the adversarial term (the critic still trains)")
+    return lines
 
 
 # ============================================================================================
@@ -798,8 +844,11 @@ class Trainer:
         try:
             import wandb
             id_path = os.path.join(self.run_dir, "wandb_id")
-            run_id = open(id_path).read().strip() if os.path.isfile(id_path) else wandb.util.generate_id()
+            run_id = open(id_path).read().strip() if os.path.isfile(id_path) else new_wandb_run_id()
             atomic_write(id_path, lambda f: f.write(run_id.encode()))
+            if self.cfg.wandb_mode == "online":
+                self.log("wandb: connecting (online); without a network this waits up to 60 s, then the run goes "
+                         "on without wandb")
             return wandb.init(project=self.cfg.project_name, name=self.cfg.run_name, id=run_id, resume="allow",
                               dir=self.run_dir, mode=self.cfg.wandb_mode, config=public_config(self.cfg),
                               settings=wandb.Settings(init_timeout=60, silent=True))
@@ -1220,6 +1269,14 @@ class Trainer:
                 pass
 
 
+def new_wandb_run_id() -> str:
+    """8 random lower-case letters and digits, the form of wandb's own ids (wandb >= 0.2x no longer exports
+    wandb.util.generate_id)."""
+    import secrets
+    import string
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
 def wandb_key_configured() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
@@ -1277,7 +1334,7 @@ def prepare_demo(cfg: Config) -> Config:
 def main(argv: list[str] | None = None) -> int:
     is_rank0 = os.environ.get("RANK", "0") == "0"
     try:
-        cfg = parse_config(argv)
+        cfg, given = parse_flags(argv)
         if cfg.demo and os.environ.get("LOCAL_RANK", "0") == "0":
             cfg = prepare_demo(cfg)
         elif cfg.demo:
@@ -1287,6 +1344,8 @@ def main(argv: list[str] | None = None) -> int:
         if is_rank0:
             print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
         return 2
+    for line in config_warnings(cfg, given) if is_rank0 else []:
+        print(line, file=sys.stderr, flush=True)
     info = init_distributed()
     trainer, failed = None, False
     try:
