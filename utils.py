@@ -60,8 +60,8 @@ class GradNormFunction(torch.autograd.Function):
 
 
 def gradnorm(x: Tensor, weight: float | Tensor = 1.0) -> Tensor:
-    if not torch.is_tensor(weight):
-        weight = torch.tensor(float(weight), device=x.device)
+    if not torch.is_tensor(weight):  # a fill on the device, not torch.tensor (a host->device copy)
+        weight = torch.full((), float(weight), device=x.device)
     return GradNormFunction.apply(x, weight)
 
 
@@ -293,37 +293,69 @@ def pooled_mse(recon: Tensor, target: Tensor, pool: int) -> Tensor:
     return F.mse_loss(recon, target)
 
 
-_LAPLACIAN_5X5 = torch.tensor([[0, 1, 1, 1, 0],
-                               [1, 1, 1, 1, 1],
-                               [1, 1, -20, 1, 1],
-                               [1, 1, 1, 1, 1],
-                               [0, 1, 1, 1, 0]], dtype=torch.float32).view(1, 1, 5, 5)
+# the 5x5 Laplacian-like edge filter of the low-pass mask
+LAPLACIAN_5X5 = ((0, 1, 1, 1, 0),
+                 (1, 1, 1, 1, 1),
+                 (1, 1, -20, 1, 1),
+                 (1, 1, 1, 1, 1),
+                 (0, 1, 1, 1, 0))
 
 
-def lowpass_mask(image: Tensor, threshold: float = 0.8, blur_kernel: int = 13, blur_sigma: float = 2.0) -> Tensor:
-    """Mask (B, 1, H, W) in [0, 1] that is non-zero only in low-frequency (blurry) regions.
+def gaussian_kernel2d(size: int, sigma: float) -> Tensor:
+    """(1, 1, size, size) normalised fp32 Gaussian, computed as torchvision's gaussian_blur does."""
+    x = torch.linspace(-(size - 1) / 2, (size - 1) / 2, steps=size)
+    pdf = torch.exp(-0.5 * (x / sigma).pow(2))
+    kernel1d = pdf / pdf.sum()
+    return (kernel1d[:, None] * kernel1d[None, :]).view(1, 1, size, size)  # not mm: fp32 under autocast too
 
-    Grayscale -> Laplacian-like 5x5 filter -> magnitude -> Gaussian blur -> per-image min-max
-    normalisation -> blurriness = 1 - edge strength -> zero where blurriness < threshold.
-    Normalised per image, so an image's mask does not depend on the rest of its batch. fp32.
-    """
-    with torch.autocast(image.device.type, enabled=False):
-        gray = image.float().mean(dim=1, keepdim=True)
-        # replicate padding: zero padding would make the image frame look like an edge
-        edges = F.conv2d(F.pad(gray, (2, 2, 2, 2), mode="replicate"), _LAPLACIAN_5X5.to(gray.device)).abs()
-        edges = torchvision.transforms.functional.gaussian_blur(edges, [blur_kernel] * 2, [blur_sigma] * 2)
-        lo = edges.amin(dim=(1, 2, 3), keepdim=True)
-        hi = edges.amax(dim=(1, 2, 3), keepdim=True)
-        blurriness = 1.0 - (edges - lo) / (hi - lo + 1e-8)
-        return torch.where(blurriness < threshold, torch.zeros_like(blurriness), blurriness)
+
+class LowpassMSE(nn.Module):
+    """MSE restricted to the low-frequency regions of the target (mask-weighted mean), so that the
+    pixel loss calibrates colour and flat areas without fighting LPIPS over textures.
+
+    The filters are buffers: moved to the device once with the module, never copied from the host
+    in a training step (a blocking copy on CUDA)."""
+
+    def __init__(self, threshold: float = 0.8, blur_kernel: int = 13, blur_sigma: float = 2.0):
+        super().__init__()
+        self.threshold = threshold
+        self.register_buffer("laplacian", torch.tensor(LAPLACIAN_5X5, dtype=torch.float32).view(1, 1, 5, 5),
+                             persistent=False)
+        self.register_buffer("gaussian", gaussian_kernel2d(blur_kernel, blur_sigma), persistent=False)
+
+    def mask(self, image: Tensor) -> Tensor:
+        """Mask (B, 1, H, W) in [0, 1] that is non-zero only in low-frequency (blurry) regions.
+
+        Grayscale -> Laplacian-like 5x5 filter -> magnitude -> Gaussian blur -> per-image min-max
+        normalisation -> blurriness = 1 - edge strength -> zero where blurriness < threshold.
+        Normalised per image, so an image's mask does not depend on the rest of its batch. fp32.
+        """
+        with torch.autocast(image.device.type, enabled=False):
+            gray = image.float().mean(dim=1, keepdim=True)
+            # replicate padding: zero padding would make the image frame look like an edge
+            edges = F.conv2d(F.pad(gray, (2, 2, 2, 2), mode="replicate"), self.laplacian).abs()
+            pad = self.gaussian.shape[-1] // 2  # reflect padding, as torchvision's gaussian_blur
+            edges = F.conv2d(F.pad(edges, (pad, pad, pad, pad), mode="reflect"), self.gaussian)
+            lo = edges.amin(dim=(1, 2, 3), keepdim=True)
+            hi = edges.amax(dim=(1, 2, 3), keepdim=True)
+            blurriness = 1.0 - (edges - lo) / (hi - lo + 1e-8)
+            return torch.where(blurriness < self.threshold, torch.zeros_like(blurriness), blurriness)
+
+    def forward(self, recon: Tensor, target: Tensor) -> Tensor:
+        mask = self.mask(target).detach()
+        err = (recon.float() - target.float()).square().mean(dim=1, keepdim=True)
+        return (err * mask).sum() / mask.sum().clamp_min(1e-8)
+
+
+def lowpass_mask(image: Tensor, threshold: float = 0.8) -> Tensor:
+    """LowpassMSE.mask, for one-off use (tests, analysis): builds the filters on each call."""
+    return LowpassMSE(threshold).to(image.device).mask(image)
 
 
 def lowpass_mse(recon: Tensor, target: Tensor, threshold: float = 0.8) -> Tensor:
-    """MSE restricted to the low-frequency regions of the target (mask-weighted mean), so that the
-    pixel loss calibrates colour and flat areas without fighting LPIPS over textures."""
-    mask = lowpass_mask(target, threshold).detach()
-    err = (recon.float() - target.float()).square().mean(dim=1, keepdim=True)
-    return (err * mask).sum() / mask.sum().clamp_min(1e-8)
+    """LowpassMSE, for one-off use (tests, analysis): builds the filters on each call; a training loop
+    holds a LowpassMSE on its device instead."""
+    return LowpassMSE(threshold).to(target.device)(recon, target)
 
 
 # --------------------------------------------------------------------------------------------

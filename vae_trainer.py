@@ -33,10 +33,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import data as data_lib
 import evaluate as evaluate_lib
 from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoder, AutoEncoderParams, kl_divergence
-from utils import (DISC_NORMS, DISC_TYPES, LeCam, NLayerDiscriminator, VGG16Discriminator, WeightsUnavailable,
-                   adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy,
+from utils import (DISC_NORMS, DISC_TYPES, LeCam, LowpassMSE, NLayerDiscriminator, VGG16Discriminator,
+                   WeightsUnavailable, adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy,
                    discriminator_loss, ensure_vgg16_weights, fetch_weights, generator_loss, gradnorm,
-                   load_vgg16_features, lowpass_mse, pooled_mse, vgg16_cache_path, warn_random_vgg)
+                   load_vgg16_features, pooled_mse, vgg16_cache_path, warn_random_vgg)
 from utils import generator_active_fraction
 
 
@@ -594,6 +594,7 @@ class Trainer:
         vgg_path = self._vgg16_weights()
         vgg_features = load_vgg16_features(vgg_path)
         self.lpips = build_lpips(vgg_features).to(self.device, memory_format=self.memory_format)
+        self.lowpass_mse = LowpassMSE(cfg.lowpass_threshold).to(self.device)  # its filters live on the device
         self.disc = None
         if self.gan:
             self.disc = (VGG16Discriminator(vgg_features) if cfg.discriminator == "vgg16"
@@ -963,7 +964,7 @@ class Trainer:
                                     x).float().mean()
         pixel_in = branch(cfg.mse_weight)
         pooled = pooled_mse(pixel_in, x, cfg.mse_pool_factor)
-        lowpass = lowpass_mse(pixel_in, x, cfg.lowpass_threshold)
+        lowpass = self.lowpass_mse(pixel_in, x)
         pixel = cfg.pooled_mse_weight * pooled + cfg.lowpass_mse_weight * lowpass
         terms = {"perceptual": perceptual, "pooled_mse": pooled, "lowpass_mse": lowpass, "kl": kl}
         g_loss = torch.zeros((), device=self.device)

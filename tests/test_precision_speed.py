@@ -197,12 +197,72 @@ def count_host_syncs():
             setattr(torch.Tensor, name, fn)
 
 
+def _state_tensors(root) -> list[torch.Tensor]:
+    """Every tensor reachable from `root` through attributes and containers: a trainer's weights, buffers,
+    gradients, optimizer, scaler, EMA, LeCam and metrics state."""
+    import types
+    found, seen, stack = [], set(), [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (types.ModuleType, type, types.FunctionType, types.MethodType)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+            if obj.is_leaf and obj.grad is not None:
+                stack.append(obj.grad)
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return found
+
+
+def host_tensors_read(step, known: list[torch.Tensor]) -> list[str]:
+    """Runs `step()` and lists what it reads from the host: tensors made from Python data (torch.tensor),
+    and tensors that neither an op of this step nor `known` (the trainer's state, the batch) made, such as
+    a module-level constant. On a GPU each of these is a host->device copy, a blocking one unless pinned;
+    on this CPU-only machine they are the same tensors, so the check is on where they come from. 0-dim
+    tensors are left out: CUDA kernels take a CPU scalar as an argument, without a copy."""
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    made = {id(t): t for t in known}  # keeps them alive: ids stay unique
+
+    class Check(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.found: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.overloadpacket.__name__
+            if name in ("lift_fresh", "lift_fresh_copy"):
+                self.found.append(f"{name}: a tensor made from Python data (torch.tensor)")
+            for t in pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and t.dim() > 0 and id(t) not in made:
+                    self.found.append(f"{name} reads a {tuple(t.shape)} {t.dtype} tensor from outside the step")
+            out = func(*args, **kwargs)
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    made[id(t)] = t
+            return out
+    with Check() as check:
+        step()
+    return check.found
+
+
 @pytest.mark.parametrize("extra", [[], ["--do_ganloss", "--disc_start", "0", "--lecam_weight", "0.1",
                                         "--grad_accum", "2"],
                                    ["--do_ganloss", "--disc_start", "0", "--loss_balance", "adaptive"]])
 def test_training_step_has_no_host_syncs(shard_url, tmp_path, fixed_batches, extra):
     """Losses, GradNorm norms, the non-finite guard, EMA and the schedule stay on the device: a training
-    step reads nothing back to the host. Only logging steps do (one reduce, one copy)."""
+    step reads nothing back to the host. Only logging steps do (one reduce, one copy). Nor does it copy
+    anything but the batch to the device: it reads only tensors it computes and the trainer's state
+    (weights, buffers such as the low-pass filters, optimizer/scaler/EMA/LeCam state)."""
     trainer = make_trainer(shard_url, tmp_path, *extra)
     feed(trainer, fixed_batches)
     trainer.train_step()  # warm-up (lazy initialisations)
@@ -216,6 +276,40 @@ def test_training_step_has_no_host_syncs(shard_url, tmp_path, fixed_batches, ext
     with count_host_syncs() as counts:
         trainer.metrics.reduce(trainer.info)
     assert counts["cpu"] == 1 and counts["item"] == 0
+    batch = fixed_batches[3]
+    feed(trainer, [batch, batch])  # --grad_accum 2 takes two
+    found = host_tensors_read(trainer.train_step, _state_tensors(trainer) + [batch])
+    assert not found, found
+    trainer.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("extra", [["--do_ganloss", "--disc_start", "0", "--lecam_weight", "0.1", "--grad_accum", "2"],
+                                   ["--do_ganloss", "--disc_start", "0", "--loss_balance", "adaptive"],
+                                   ["--do_ganloss", "--disc_start", "0", "--precision", "bf16"],
+                                   ["--do_ganloss", "--disc_start", "0", "--precision", "fp16"]])
+def test_cuda_training_step_never_waits_for_the_gpu(shard_url, tmp_path, fixed_batches, extra):
+    """On a GPU, CUDA's own sync detector: after warm-up steps (lazy state, cuDNN autotuning), a training
+    step with pinned batches raises on any operation that synchronises the host with the device: reads,
+    blocking copies (including host->device ones), ops with data-dependent output shapes."""
+    cfg = vae_trainer.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+                                    "--num_workers", "0", "--evaluate_every_n_steps", "0", "--max_steps", "100",
+                                    *extra])
+    trainer = vae_trainer.Trainer(cfg, vae_trainer.DistInfo(device=torch.device("cuda", 0)))
+    feed(trainer, [b.pin_memory() for b in fixed_batches] * 2)
+    for _ in range(2):
+        trainer.train_step()
+        trainer.step += 1
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            trainer.train_step()
+            trainer.step += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    metrics = trainer.metrics.reduce(trainer.info)
+    assert metrics["guard/skipped_vae"] == 0.0 or "fp16" in extra
     trainer.close()
 
 

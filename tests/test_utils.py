@@ -205,6 +205,20 @@ def test_lowpass_mse_ignores_high_frequency_region_errors():
     assert lowpass_mse(target, target).item() == 0.0
 
 
+def test_lowpass_filters_are_buffers_and_the_blur_is_torchvisions():
+    """The filters are non-persistent buffers (they move with .to(device) once, never per step, and stay out
+    of checkpoints); the blur is torchvision's gaussian_blur (13x13, sigma 2, reflect padding) exactly."""
+    module = utils.LowpassMSE()
+    assert dict(module.named_buffers()).keys() == {"laplacian", "gaussian"} and not module.state_dict()
+    torch.manual_seed(0)
+    edges = torch.rand(2, 1, 40, 37)
+    ours = F.conv2d(F.pad(edges, (6,) * 4, mode="reflect"), module.gaussian)
+    torch.testing.assert_close(ours, torchvision.transforms.functional.gaussian_blur(edges, [13, 13], [2.0, 2.0]),
+                               rtol=0, atol=1e-7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # built under autocast (a one-off lowpass_mse call)
+        assert utils.gaussian_kernel2d(13, 2.0).dtype == torch.float32
+
+
 def test_lowpass_fp32_under_bf16_autocast():
     target = half_flat_half_checker().bfloat16()
     recon = (target.float() + 0.1).bfloat16()
