@@ -409,7 +409,11 @@ def adaptive_gan_weight(rec_loss: Tensor, gan_loss: Tensor, last_layer: Tensor, 
 
 class LeCam(nn.Module):
     """LeCam regularisation (Tseng et al. 2021): keeps the critic's logits near EMA anchors of its own
-    past real/fake logits. The anchors are averaged across ranks and saved in checkpoints (buffers)."""
+    past real/fake logits. The anchors are averaged across ranks and saved in checkpoints (buffers).
+
+    `update` moves only pending anchors (what `penalty` uses in this step); `commit` makes them the
+    anchors once the non-finite guard has judged the step. A skipped step (a NaN reconstruction, an
+    fp16 overflow) then leaves the anchors as they were, instead of poisoning them for good."""
 
     def __init__(self, decay: float = 0.99):
         super().__init__()
@@ -417,6 +421,7 @@ class LeCam(nn.Module):
         self.register_buffer("ema_real", torch.zeros(()))
         self.register_buffer("ema_fake", torch.zeros(()))
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+        self.pending: tuple[Tensor, Tensor] | None = None  # (real, fake) anchors of the step in progress
 
     @torch.no_grad()
     def update(self, real_logits: Tensor, fake_logits: Tensor) -> None:
@@ -425,14 +430,26 @@ class LeCam(nn.Module):
         if world > 1:
             dist.all_reduce(means)
             means /= world
-        decay = self.decay * self.initialized.float()  # the first update sets the anchors
-        self.ema_real.copy_(decay * self.ema_real + (1 - decay) * means[0])
-        self.ema_fake.copy_(decay * self.ema_fake + (1 - decay) * means[1])
-        self.initialized.fill_(True)
+        real, fake = self.pending if self.pending is not None else (self.ema_real, self.ema_fake)
+        # the first update sets the anchors (grad accumulation: later micro-batches of that step average in)
+        decay = self.decay * (self.initialized | (self.pending is not None)).float()
+        self.pending = (decay * real + (1 - decay) * means[0], decay * fake + (1 - decay) * means[1])
+
+    @torch.no_grad()
+    def commit(self, skip: Tensor) -> None:
+        """Adopt the pending anchors unless `skip` (a device flag, no host sync)."""
+        if self.pending is None:
+            return
+        keep = skip.bool()
+        self.ema_real.copy_(torch.where(keep, self.ema_real, self.pending[0]))
+        self.ema_fake.copy_(torch.where(keep, self.ema_fake, self.pending[1]))
+        self.initialized.copy_(self.initialized | ~keep)
+        self.pending = None
 
     def penalty(self, real_logits: Tensor, fake_logits: Tensor) -> Tensor:
-        return (F.relu(real_logits.float() - self.ema_fake).square().mean()
-                + F.relu(self.ema_real - fake_logits.float()).square().mean())
+        real, fake = self.pending if self.pending is not None else (self.ema_real, self.ema_fake)
+        return (F.relu(real_logits.float() - fake).square().mean()
+                + F.relu(real - fake_logits.float()).square().mean())
 
 
 # --------------------------------------------------------------------------------------------

@@ -634,6 +634,7 @@ class Trainer:
         self.metrics, self.tracker = Metrics(), CollapseTracker(self.log)
         self._ema_model = None
         self.inject_nan = _fault_injection("INJECT_NAN", info.rank)
+        self.inject_nan_recon = _fault_injection("INJECT_NAN_RECON", info.rank)
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.kill_at = _fault_injection("KILL_AT", info.rank) if first_attempt else set()
         self.sigterm_at = _fault_injection("SIGTERM_AT", info.rank) if first_attempt else set()
@@ -883,6 +884,8 @@ class Trainer:
                 with self.autocast():
                     recon, mean, logvar = self.vae_ddp(x)
                 recon = recon.float()  # every loss below reduces in fp32
+                if self.step in self.inject_nan_recon:  # test hook: a decoder overflow (fp16)
+                    recon = recon * float("nan")
                 kl = kl_divergence(mean, logvar)
 
                 if self.gan:  # the critic learns real vs detached fakes, every step
@@ -915,6 +918,8 @@ class Trainer:
         self.guarded_step(self.opt_vae, self.scaler_vae, flags[0])
         if self.gan:
             self.guarded_step(self.opt_disc, self.scaler_disc, flags[1])
+        if self.lecam is not None:
+            self.lecam.commit(skip=flags[1])  # the anchors move only with a step the critic took
         if self.ema is not None:
             self.ema.update(self.vae, self.step, flags[0])
         self.sched_vae.step()

@@ -74,6 +74,7 @@ def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
         # LeCam anchors are averaged across ranks
         lecam = LeCam(decay=0.5)
         lecam.update(torch.full((4,), float(rank + 1)), torch.full((4,), -2.0 * (rank + 1)))
+        lecam.commit(skip=torch.tensor(False))
         torch.save({"upstream": upstream, "grad": x.grad, "ema_real": lecam.ema_real.clone(),
                     "ema_fake": lecam.ema_fake.clone()}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -375,21 +376,61 @@ def test_lecam_penalty_on_hand_values():
     assert lecam.penalty(real, fake).item() == pytest.approx(2.5 / 3 + 6.5 / 3, rel=1e-6)
 
 
+GOOD = torch.tensor(0.0)  # the guard's per-step flag: 0 = the step is taken
+
+
 def test_lecam_update_ema():
     lecam = LeCam(decay=0.9)
     assert not bool(lecam.initialized)
     lecam.update(torch.tensor([1.0, 3.0]), torch.tensor([-4.0, 0.0]))
+    lecam.commit(skip=GOOD)
     assert bool(lecam.initialized)
     assert lecam.ema_real.item() == pytest.approx(2.0) and lecam.ema_fake.item() == pytest.approx(-2.0)
     lecam.update(torch.tensor([12.0]), torch.tensor([8.0]))
+    lecam.commit(skip=GOOD)
     assert lecam.ema_real.item() == pytest.approx(0.9 * 2.0 + 0.1 * 12.0)
     assert lecam.ema_fake.item() == pytest.approx(0.9 * -2.0 + 0.1 * 8.0)
 
 
-def test_lecam_state_dict_round_trip():
+def test_lecam_penalty_uses_this_steps_anchors_and_a_skipped_step_keeps_the_old_ones():
+    """The penalty of a step sees the anchors updated with its own logits (as LeCam's reference code);
+    they become the saved anchors only when the guard takes the step. A NaN step (an fp16 overflow in the
+    reconstruction) is skipped and leaves them as they were, finite: the next steps train normally."""
     lecam = LeCam(decay=0.9)
     lecam.update(torch.tensor([1.0]), torch.tensor([-1.0]))
-    lecam.update(torch.tensor([3.0]), torch.tensor([1.0]))
+    lecam.commit(skip=GOOD)
+    real, fake = torch.tensor([0.0]), torch.tensor([0.0])
+    lecam.update(torch.tensor([11.0]), torch.tensor([-11.0]))
+    # pending anchors: real 0.9 * 1 + 0.1 * 11 = 2, fake -2 -> relu(0 + 2)^2 + relu(2 - 0)^2
+    assert lecam.penalty(real, fake).item() == pytest.approx(8.0)
+    lecam.commit(skip=torch.tensor(1.0))  # the guard rejected the step
+    assert (lecam.ema_real.item(), lecam.ema_fake.item()) == (1.0, -1.0)
+    assert lecam.penalty(real, fake).item() == pytest.approx(2.0)
+
+    lecam.update(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
+    assert math.isnan(lecam.penalty(real, fake).item())  # this step's critic loss: non-finite, skipped
+    lecam.commit(skip=torch.tensor(1.0))
+    assert (lecam.ema_real.item(), lecam.ema_fake.item()) == (1.0, -1.0)
+    lecam.update(torch.tensor([11.0]), torch.tensor([-11.0]))
+    lecam.commit(skip=GOOD)
+    assert lecam.ema_real.item() == pytest.approx(2.0) and lecam.ema_fake.item() == pytest.approx(-2.0)
+
+
+def test_lecam_first_step_skipped_leaves_anchors_unset():
+    lecam = LeCam(decay=0.9)
+    lecam.update(torch.tensor([float("inf")]), torch.tensor([5.0]))
+    lecam.commit(skip=torch.tensor(1.0))
+    assert not bool(lecam.initialized)
+    lecam.update(torch.tensor([3.0]), torch.tensor([-3.0]))  # the first good step sets the anchors
+    lecam.commit(skip=GOOD)
+    assert (lecam.ema_real.item(), lecam.ema_fake.item()) == (3.0, -3.0) and bool(lecam.initialized)
+
+
+def test_lecam_state_dict_round_trip():
+    lecam = LeCam(decay=0.9)
+    for real, fake in ((1.0, -1.0), (3.0, 1.0)):
+        lecam.update(torch.tensor([real]), torch.tensor([fake]))
+        lecam.commit(skip=GOOD)
     state = lecam.state_dict()
     assert set(state) == {"ema_real", "ema_fake", "initialized"}
     fresh = LeCam(decay=0.9)
@@ -399,6 +440,7 @@ def test_lecam_state_dict_round_trip():
     # the restored one continues the EMA rather than re-seeding its anchors
     for m in (lecam, fresh):
         m.update(torch.tensor([5.0]), torch.tensor([5.0]))
+        m.commit(skip=GOOD)
     assert fresh.ema_real.item() == pytest.approx(lecam.ema_real.item())
     assert fresh.ema_real.item() == pytest.approx(0.9 * (0.9 * 1 + 0.1 * 3) + 0.1 * 5)
 
