@@ -990,7 +990,10 @@ class Trainer:
             # per-element size falls as 1/sqrt(their count); a mean KL's would fall as 1/count. Summed and divided
             # by sqrt(count), the KL scales like the branches: kl_weight means the same at any batch and resolution.
             kl_branch = cfg.kl_weight * kl * math.sqrt(latent_elements)
-            backward = perceptual + pixel + g_loss + scale * (kl_branch / accum)
+            # The whole sum is scaled, so LPIPS' and the critic's fp16 backward passes run at the loss scale
+            # (unscaled, their small gradients underflow). Each GradNorm renormalises what reaches it to its
+            # weight, which carries the scale once: the VAE's gradient does not depend on this factor.
+            backward = scale * (perceptual + pixel + g_loss + kl_branch / accum)
         else:
             rec = cfg.perceptual_weight * perceptual + cfg.mse_weight * pixel
             gan_w = torch.full((), cfg.gan_weight, device=self.device)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import torchvision
 
 import utils
+from conftest import record_ops
 from utils import (DISC_NORMS, GradNormFunction, LeCam, NLayerDiscriminator, VGG16Discriminator, WeightsUnavailable,
                    adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy, discriminator_loss,
                    ensure_vgg16_weights, generator_loss, gradnorm, load_vgg16_features, lowpass_mask, lowpass_mse,
@@ -129,11 +130,18 @@ def test_pooled_mse_constant_shift(shift):
 
 
 def test_pooled_mse_fp32_under_autocast():
-    a, b = torch.rand(1, 3, 16, 16).bfloat16(), torch.rand(1, 3, 16, 16).bfloat16()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    """bf16 inputs (bf16-representable values): the pooling itself must run in fp32. Colours near 0.9 that
+    differ by ~1e-2 have pooled means whose bf16 rounding (half an ulp: 2e-3) is of the size of the
+    difference the loss measures."""
+    torch.manual_seed(0)
+    a = (0.9 + 0.05 * torch.rand(2, 3, 16, 16)).bfloat16()
+    b = (a.float() + 0.01 * torch.randn(2, 3, 16, 16)).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16), record_ops() as ops:
         loss = pooled_mse(a, b, 4)
     assert loss.dtype == torch.float32
-    assert loss.item() == pytest.approx(pooled_mse(a.float(), b.float(), 4).item(), rel=1e-6)
+    assert not ops.low_precision(), ops.low_precision()
+    reference = F.mse_loss(F.avg_pool2d(a.double(), 4), F.avg_pool2d(b.double(), 4)).item()
+    assert loss.item() == pytest.approx(reference, rel=1e-5)
 
 
 # --------------------------------------------------------------------------------------------
