@@ -892,11 +892,13 @@ class Trainer:
                     real_logits, fake_logits, d_loss = self.discriminator_backward(x, recon, sync, accum)
                     step_loss = step_loss + d_loss.detach()
 
+                if self.disc is not None:
+                    # frozen before the generator's pass through it: the critic's weight gradients are then
+                    # neither computed (time) nor added to the ones of its own loss
+                    self.disc.requires_grad_(False)
                 losses = self.vae_losses(x, recon, kl, mean.numel(), real_logits, fake_logits, gan_on, accum)
                 if self.step in self.inject_nan:
                     losses["backward"] = losses["backward"] * float("nan")
-                if self.disc is not None:
-                    self.disc.requires_grad_(False)  # the generator's loss must not touch the critic
                 backward = losses.pop("backward")
                 step_loss = step_loss + backward.detach()
                 backward.backward()

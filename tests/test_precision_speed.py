@@ -425,3 +425,48 @@ def test_compile_keeps_checkpoint_keys_clean(shard_url, tmp_path, fixed_batches)
         trainer.close()
     for eager, compiled in zip(losses["false"], losses["true"]):
         assert compiled["loss/total"] == pytest.approx(eager["loss/total"], rel=1e-3)
+
+
+def test_critic_gradient_is_that_of_its_own_loss(shard_url, tmp_path, fixed_batches, monkeypatch):
+    """The critic is frozen before the generator's pass through it: at each of its optimizer steps its
+    gradient equals the gradient of the critic loss alone (recomputed here on the same inputs), and the
+    generator's backward computes no critic weight gradient at all (each critic parameter receives one
+    gradient per step). Two steps: the critic must be unfrozen again for its second one. `ldm` generator
+    loss: its gradient w.r.t. the critic's zero-initialised last convs is not zero at the first step."""
+    from utils import discriminator_loss
+    trainer = make_trainer(shard_url, tmp_path, "--vae_ch_mult", "1,2", "--vae_resolution", "32", "--do_ganloss",
+                           "--disc_start", "0", "--gen_loss", "ldm")
+    feed(trainer, [b[:2, :, :32, :32] for b in fixed_batches[:2]])
+    params = list(trainer.disc.parameters())
+    gradients_received = [0] * len(params)
+    for i, p in enumerate(params):
+        p.register_hook(lambda g, i=i: gradients_received.__setitem__(i, gradients_received[i] + 1))
+    critic_inputs = []
+    real_backward = trainer.discriminator_backward
+
+    def record_inputs(x, recon, sync, accum):
+        critic_inputs.append(torch.cat([x, recon.detach()]).contiguous(memory_format=trainer.memory_format))
+        return real_backward(x, recon, sync, accum)
+    monkeypatch.setattr(trainer, "discriminator_backward", record_inputs)
+    real_step = trainer.guarded_step
+    checked = []
+
+    def check_then_step(optimizer, scaler, bad):
+        if optimizer is trainer.opt_disc:
+            assert all(p.grad is not None for p in params)
+            received = list(gradients_received)
+            real_logits, fake_logits = trainer.disc(critic_inputs[-1]).float().chunk(2)
+            alone = torch.autograd.grad(discriminator_loss(real_logits, fake_logits, "hinge"), params)
+            gradients_received[:] = received  # the hooks count the training step's gradients only
+            for p, g in zip(params, alone):
+                torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-8)
+            checked.append(trainer.step)
+        real_step(optimizer, scaler, bad)
+    monkeypatch.setattr(trainer, "guarded_step", check_then_step)
+    for _ in range(2):
+        trainer.train_step()
+        trainer.step += 1
+    trainer.close()
+    assert checked == [0, 1]
+    assert gradients_received == [2] * len(params)  # one per step: none from the generator's pass
+
