@@ -457,17 +457,26 @@ class EMA:
 
 
 class Metrics:
-    """Running sums of device tensors; reduced across ranks and fetched only on logging steps."""
+    """Running sums of device tensors; reduced across ranks and fetched only on logging steps. Each key is
+    averaged over the steps that logged it: a term that is off for part of the window (the generator's
+    GAN loss before --disc_start) is not diluted by the steps without it."""
 
     def __init__(self):
         self.sums: dict[str, torch.Tensor] = {}
         self.maxes: dict[str, torch.Tensor] = {}
-        self.count = 0
+        self.steps: dict[str, int] = {}  # per key: steps of this window that logged it
+        self.in_step: set[str] = set()
 
     def add(self, **values: torch.Tensor) -> None:
         for k, v in values.items():
             v = v.detach().float()
             self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
+            self.in_step.add(k)
+
+    def end_step(self) -> None:
+        for k in self.in_step:
+            self.steps[k] = self.steps.get(k, 0) + 1
+        self.in_step = set()
 
     def max(self, **values: torch.Tensor) -> None:
         for k, v in values.items():
@@ -479,7 +488,7 @@ class Metrics:
         if not self.sums:
             return {}
         keys, max_keys = sorted(self.sums), sorted(self.maxes)
-        flat = torch.cat([self.sums[k].reshape(-1) / max(1, self.count) for k in keys])
+        flat = torch.cat([self.sums[k].reshape(-1) / max(1, self.steps.get(k, 0)) for k in keys])
         flat_max = torch.cat([self.maxes[k].reshape(-1) for k in max_keys]) if max_keys else None
         if info.distributed:
             dist.all_reduce(flat)
@@ -494,7 +503,7 @@ class Metrics:
                 n = table[k].numel()
                 out[k] = values[offset] if table[k].dim() == 0 else values[offset:offset + n]
                 offset += n
-        self.sums, self.maxes, self.count = {}, {}, 0
+        self.sums, self.maxes, self.steps, self.in_step = {}, {}, {}, set()
         return out
 
 
@@ -906,7 +915,6 @@ class Trainer:
                     self.disc.requires_grad_(True)
             m.add(**{f"loss/{k}": v / accum for k, v in losses.items()})
             self.track_latents(mean, logvar, accum)
-        m.count += 1
 
         # ---- guarded optimizer steps: a non-finite loss or gradient skips the step on every rank
         bad_vae = self.nonfinite(self.vae, self.opt_vae, self.scaler_vae, "vae")
@@ -933,6 +941,7 @@ class Trainer:
         if bad_disc is not None:
             m.add(**{"guard/skipped_disc": flags[1]})
         m.add(**{"guard/skipped_vae": flags[0]})
+        m.end_step()
 
     def discriminator_backward(self, x, recon, sync, accum) -> torch.Tensor:
         cfg = self.cfg
@@ -1175,7 +1184,8 @@ class Trainer:
         metrics["lr/vae"] = self.sched_vae.get_last_lr()[0]
         for k, v in self.loader_skipped().items():
             metrics[f"data/skipped_{k}"] = v
-        self.tracker.check(metrics, self.step, gan_active=self.gan and self.step > cfg.disc_start)
+        # the critic winning matters once the generator fights back: a window with generator GAN steps
+        self.tracker.check(metrics, self.step, gan_active="loss/gan_g" in metrics)
         if not self.info.is_main:
             return
         line = [f"step {self.step}/{cfg.max_steps}", f"loss {metrics.get('loss/total', float('nan')):.4f}",

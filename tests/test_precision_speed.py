@@ -46,6 +46,9 @@ class FixedBatches:
     def state_dict(self):
         return {}
 
+    def skipped(self):
+        return {}
+
 
 def feed(trainer, batches):
     trainer.loader.close()
@@ -470,3 +473,52 @@ def test_critic_gradient_is_that_of_its_own_loss(shard_url, tmp_path, fixed_batc
     assert checked == [0, 1]
     assert gradients_received == [2] * len(params)  # one per step: none from the generator's pass
 
+
+def test_metrics_average_each_key_over_the_steps_that_logged_it():
+    metrics = vae_trainer.Metrics()
+    for step in range(4):
+        metrics.add(**{"loss/total": torch.tensor(float(step))})
+        if step >= 2:  # the generator's GAN term from --disc_start 2
+            metrics.add(**{"loss/gan_g": torch.tensor(10.0 * step)})
+        metrics.end_step()
+    out = metrics.reduce(vae_trainer.DistInfo())
+    assert out["loss/total"] == 1.5 and out["loss/gan_g"] == 25.0
+    metrics.add(**{"loss/total": torch.tensor(7.0)})  # a new window
+    metrics.end_step()
+    assert metrics.reduce(vae_trainer.DistInfo()) == {"loss/total": 7.0}
+
+
+def test_gan_log_window_around_disc_start(shard_url, tmp_path, fixed_batches, monkeypatch, capsys):
+    """--disc_start 2: a log window of steps 0-1 (before the generator's GAN term) has no `loss/gan_g` and
+    never warns that the critic has won; a window of steps 1-2 reports step 2's generator loss (not diluted
+    by step 1) and warns when the critic's accuracy is above 0.95."""
+    trainer = make_trainer(shard_url, tmp_path, "--vae_ch_mult", "1,2", "--vae_resolution", "32", "--do_ganloss",
+                           "--disc_start", "2", "--gen_loss", "ldm")  # ldm: not 0 at the start, as thresholded is
+    feed(trainer, [b[:2, :, :32, :32] for b in fixed_batches[:4]])
+    gan_g = {}
+    real_losses = trainer.vae_losses
+
+    def record(*args):
+        terms = real_losses(*args)
+        if "gan_g" in terms:
+            gan_g[trainer.step] = terms["gan_g"].item()
+        return terms
+    monkeypatch.setattr(trainer, "vae_losses", record)
+
+    def log_window(first_step, last_step):
+        trainer.step = first_step
+        while trainer.step <= last_step:
+            trainer.train_step()
+            trainer.step += 1
+        metrics = trainer.metrics.reduce(trainer.info)
+        metrics["gan/disc_acc"] = 0.99  # a critic that has won
+        trainer.write_log(metrics, 0.0, last_step - first_step + 1)
+        return metrics, capsys.readouterr().out
+
+    metrics, out = log_window(0, 1)
+    assert "loss/gan_g" not in metrics and "critic has won" not in out
+    metrics, out = log_window(1, 2)
+    assert list(gan_g) == [2] and gan_g[2] != 0.0
+    assert metrics["loss/gan_g"] == pytest.approx(gan_g[2], rel=1e-6)
+    assert "warning: step 3: discriminator accuracy 0.99: the critic has won" in out
+    trainer.close()
