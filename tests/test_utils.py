@@ -297,6 +297,14 @@ def vgg_disc():
     return VGG16Discriminator(None)
 
 
+def test_imagenet_scaling_of_minus_one_to_one_images():
+    """The critic's VGG16 sees ImageNet-normalised inputs: [-1, 1] -> [0, 1] -> (x - mean) / std."""
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    x = torch.rand(2, 3, 4, 4) * 2 - 1
+    expected = ((x + 1) / 2 - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
+    torch.testing.assert_close(utils.ImageNetScaling()(x), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_vgg16_discriminator_shape_and_neutral_start(vgg_disc):
     x = (torch.rand(2, 3, 64, 48) * 2 - 1).requires_grad_(True)
     logits = vgg_disc(x)
@@ -422,6 +430,16 @@ def test_lecam_penalty_uses_this_steps_anchors_and_a_skipped_step_keeps_the_old_
     lecam.update(torch.tensor([11.0]), torch.tensor([-11.0]))
     lecam.commit(skip=GOOD)
     assert lecam.ema_real.item() == pytest.approx(2.0) and lecam.ema_fake.item() == pytest.approx(-2.0)
+
+
+def test_lecam_micro_batches_of_the_first_step_average_in():
+    """With --grad_accum the first step's first micro-batch sets the pending anchors, the next ones enter
+    the EMA (as before the pending/commit split), and the step commits the result."""
+    lecam = LeCam(decay=0.9)
+    lecam.update(torch.tensor([1.0]), torch.tensor([-1.0]))
+    lecam.update(torch.tensor([11.0]), torch.tensor([9.0]))
+    lecam.commit(skip=GOOD)
+    assert lecam.ema_real.item() == pytest.approx(2.0) and lecam.ema_fake.item() == pytest.approx(0.0, abs=1e-6)
 
 
 def test_lecam_first_step_skipped_leaves_anchors_unset():
