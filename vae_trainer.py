@@ -33,10 +33,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import data as data_lib
 import evaluate as evaluate_lib
 from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoder, AutoEncoderParams, kl_divergence
-from utils import (DISC_NORMS, DISC_TYPES, LeCam, NLayerDiscriminator, VGG16Discriminator, WeightsUnavailable,
-                   adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy,
+from utils import (DISC_NORMS, DISC_TYPES, LeCam, LowpassMSE, NLayerDiscriminator, VGG16Discriminator,
+                   WeightsUnavailable, adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy,
                    discriminator_loss, ensure_vgg16_weights, fetch_weights, generator_loss, gradnorm,
-                   load_vgg16_features, lowpass_mse, pooled_mse, vgg16_cache_path, warn_random_vgg)
+                   load_vgg16_features, pooled_mse, vgg16_cache_path, warn_random_vgg)
 from utils import generator_active_fraction
 
 
@@ -457,17 +457,26 @@ class EMA:
 
 
 class Metrics:
-    """Running sums of device tensors; reduced across ranks and fetched only on logging steps."""
+    """Running sums of device tensors; reduced across ranks and fetched only on logging steps. Each key is
+    averaged over the steps that logged it: a term that is off for part of the window (the generator's
+    GAN loss before --disc_start) is not diluted by the steps without it."""
 
     def __init__(self):
         self.sums: dict[str, torch.Tensor] = {}
         self.maxes: dict[str, torch.Tensor] = {}
-        self.count = 0
+        self.steps: dict[str, int] = {}  # per key: steps of this window that logged it
+        self.in_step: set[str] = set()
 
     def add(self, **values: torch.Tensor) -> None:
         for k, v in values.items():
             v = v.detach().float()
             self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
+            self.in_step.add(k)
+
+    def end_step(self) -> None:
+        for k in self.in_step:
+            self.steps[k] = self.steps.get(k, 0) + 1
+        self.in_step = set()
 
     def max(self, **values: torch.Tensor) -> None:
         for k, v in values.items():
@@ -479,7 +488,7 @@ class Metrics:
         if not self.sums:
             return {}
         keys, max_keys = sorted(self.sums), sorted(self.maxes)
-        flat = torch.cat([self.sums[k].reshape(-1) / max(1, self.count) for k in keys])
+        flat = torch.cat([self.sums[k].reshape(-1) / max(1, self.steps.get(k, 0)) for k in keys])
         flat_max = torch.cat([self.maxes[k].reshape(-1) for k in max_keys]) if max_keys else None
         if info.distributed:
             dist.all_reduce(flat)
@@ -494,7 +503,7 @@ class Metrics:
                 n = table[k].numel()
                 out[k] = values[offset] if table[k].dim() == 0 else values[offset:offset + n]
                 offset += n
-        self.sums, self.maxes, self.count = {}, {}, 0
+        self.sums, self.maxes, self.steps, self.in_step = {}, {}, {}, set()
         return out
 
 
@@ -594,6 +603,7 @@ class Trainer:
         vgg_path = self._vgg16_weights()
         vgg_features = load_vgg16_features(vgg_path)
         self.lpips = build_lpips(vgg_features).to(self.device, memory_format=self.memory_format)
+        self.lowpass_mse = LowpassMSE(cfg.lowpass_threshold).to(self.device)  # its filters live on the device
         self.disc = None
         if self.gan:
             self.disc = (VGG16Discriminator(vgg_features) if cfg.discriminator == "vgg16"
@@ -633,6 +643,7 @@ class Trainer:
         self.metrics, self.tracker = Metrics(), CollapseTracker(self.log)
         self._ema_model = None
         self.inject_nan = _fault_injection("INJECT_NAN", info.rank)
+        self.inject_nan_recon = _fault_injection("INJECT_NAN_RECON", info.rank)
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.kill_at = _fault_injection("KILL_AT", info.rank) if first_attempt else set()
         self.sigterm_at = _fault_injection("SIGTERM_AT", info.rank) if first_attempt else set()
@@ -882,17 +893,21 @@ class Trainer:
                 with self.autocast():
                     recon, mean, logvar = self.vae_ddp(x)
                 recon = recon.float()  # every loss below reduces in fp32
+                if self.step in self.inject_nan_recon:  # test hook: a decoder overflow (fp16)
+                    recon = recon * float("nan")
                 kl = kl_divergence(mean, logvar)
 
                 if self.gan:  # the critic learns real vs detached fakes, every step
                     real_logits, fake_logits, d_loss = self.discriminator_backward(x, recon, sync, accum)
                     step_loss = step_loss + d_loss.detach()
 
+                if self.disc is not None:
+                    # frozen before the generator's pass through it: the critic's weight gradients are then
+                    # neither computed (time) nor added to the ones of its own loss
+                    self.disc.requires_grad_(False)
                 losses = self.vae_losses(x, recon, kl, mean.numel(), real_logits, fake_logits, gan_on, accum)
                 if self.step in self.inject_nan:
                     losses["backward"] = losses["backward"] * float("nan")
-                if self.disc is not None:
-                    self.disc.requires_grad_(False)  # the generator's loss must not touch the critic
                 backward = losses.pop("backward")
                 step_loss = step_loss + backward.detach()
                 backward.backward()
@@ -900,7 +915,6 @@ class Trainer:
                     self.disc.requires_grad_(True)
             m.add(**{f"loss/{k}": v / accum for k, v in losses.items()})
             self.track_latents(mean, logvar, accum)
-        m.count += 1
 
         # ---- guarded optimizer steps: a non-finite loss or gradient skips the step on every rank
         bad_vae = self.nonfinite(self.vae, self.opt_vae, self.scaler_vae, "vae")
@@ -914,6 +928,8 @@ class Trainer:
         self.guarded_step(self.opt_vae, self.scaler_vae, flags[0])
         if self.gan:
             self.guarded_step(self.opt_disc, self.scaler_disc, flags[1])
+        if self.lecam is not None:
+            self.lecam.commit(skip=flags[1])  # the anchors move only with a step the critic took
         if self.ema is not None:
             self.ema.update(self.vae, self.step, flags[0])
         self.sched_vae.step()
@@ -925,6 +941,7 @@ class Trainer:
         if bad_disc is not None:
             m.add(**{"guard/skipped_disc": flags[1]})
         m.add(**{"guard/skipped_vae": flags[0]})
+        m.end_step()
 
     def discriminator_backward(self, x, recon, sync, accum) -> torch.Tensor:
         cfg = self.cfg
@@ -963,7 +980,7 @@ class Trainer:
                                     x).float().mean()
         pixel_in = branch(cfg.mse_weight)
         pooled = pooled_mse(pixel_in, x, cfg.mse_pool_factor)
-        lowpass = lowpass_mse(pixel_in, x, cfg.lowpass_threshold)
+        lowpass = self.lowpass_mse(pixel_in, x)
         pixel = cfg.pooled_mse_weight * pooled + cfg.lowpass_mse_weight * lowpass
         terms = {"perceptual": perceptual, "pooled_mse": pooled, "lowpass_mse": lowpass, "kl": kl}
         g_loss = torch.zeros((), device=self.device)
@@ -984,7 +1001,10 @@ class Trainer:
             # per-element size falls as 1/sqrt(their count); a mean KL's would fall as 1/count. Summed and divided
             # by sqrt(count), the KL scales like the branches: kl_weight means the same at any batch and resolution.
             kl_branch = cfg.kl_weight * kl * math.sqrt(latent_elements)
-            backward = perceptual + pixel + g_loss + scale * (kl_branch / accum)
+            # The whole sum is scaled, so LPIPS' and the critic's fp16 backward passes run at the loss scale
+            # (unscaled, their small gradients underflow). Each GradNorm renormalises what reaches it to its
+            # weight, which carries the scale once: the VAE's gradient does not depend on this factor.
+            backward = scale * (perceptual + pixel + g_loss + kl_branch / accum)
         else:
             rec = cfg.perceptual_weight * perceptual + cfg.mse_weight * pixel
             gan_w = torch.full((), cfg.gan_weight, device=self.device)
@@ -1164,7 +1184,8 @@ class Trainer:
         metrics["lr/vae"] = self.sched_vae.get_last_lr()[0]
         for k, v in self.loader_skipped().items():
             metrics[f"data/skipped_{k}"] = v
-        self.tracker.check(metrics, self.step, gan_active=self.gan and self.step > cfg.disc_start)
+        # the critic winning matters once the generator fights back: a window with generator GAN steps
+        self.tracker.check(metrics, self.step, gan_active="loss/gan_g" in metrics)
         if not self.info.is_main:
             return
         line = [f"step {self.step}/{cfg.max_steps}", f"loss {metrics.get('loss/total', float('nan')):.4f}",
