@@ -938,7 +938,7 @@ class Trainer:
         bad = flags.amax()
         self.bad_total += bad
         self.bad_streak = (self.bad_streak + 1) * bad
-        if bad_disc is not None:
+        if self.gan:
             m.add(**{"guard/skipped_disc": flags[1]})
         m.add(**{"guard/skipped_vae": flags[0]})
         m.end_step()

@@ -153,6 +153,7 @@ def test_wandb_offline_run_holds_the_history(shard_url, tmp_path):
                     "latent/std", "lr/vae", "img_per_s"):
             assert isinstance(history[step].get(key), float), (step, key, sorted(history[step]))
     logged = _metrics(str(run_dir))  # wandb got the numbers metrics.jsonl holds
+    assert not [k for k in logged[-1] if "disc" in k or k.startswith("gan/")], logged[-1]  # no critic, no critic keys
     assert history[2]["loss/total"] == pytest.approx(logged[-1]["loss/total"], rel=1e-6)
     # the sample grid of the step-2 checkpoint, as a wandb image whose file is in the run's media folder
     assert history[2]["samples/_type"] == "image-file", sorted(history[2])
