@@ -301,8 +301,9 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
         (("clamp_th",), not cfg.do_clamp, "without --do_clamp"),
         (("posterior_var",), cfg.posterior != "constant", f"with --posterior {cfg.posterior} (the encoder predicts "
                                                           "the variance)"),
-        (("evaluate_every_n_steps", "eval_max_images", "inception_weights"), not cfg.test_dataset_url,
-         "without --test_dataset_url"),
+        # --evaluate_every_n_steps 0 is the off switch: consistent with no test set, never "ignored"
+        (("evaluate_every_n_steps",) * (cfg.evaluate_every_n_steps > 0) + ("eval_max_images", "inception_weights"),
+         not cfg.test_dataset_url, "without --test_dataset_url"),
         (("eval_max_images", "inception_weights"), cfg.evaluate_every_n_steps == 0, "with --evaluate_every_n_steps 0"),
         (("project_name",), cfg.wandb_mode == "disabled", "with --wandb_mode disabled"),
     ]

@@ -77,6 +77,8 @@ def test_bad_dataset_paths_via_the_cli(tmp_path, url, message):
     (["--posterior", "learned", "--posterior_var", "0.2"], ["--posterior_var has no effect with --posterior learned"]),
     (["--eval_max_images", "8", "--inception_weights", "none"],
      ["--eval_max_images, --inception_weights have no effect without --test_dataset_url"]),
+    (["--evaluate_every_n_steps", "50"], ["--evaluate_every_n_steps has no effect without --test_dataset_url"]),
+    (["--evaluate_every_n_steps", "0"], []),  # the off switch agrees with having no test set
     (["--test_dataset_url", "t.tar", "--evaluate_every_n_steps", "0", "--eval_max_images", "8"],
      ["--eval_max_images has no effect with --evaluate_every_n_steps 0"]),
     (["--wandb_mode", "disabled", "--project_name", "p"], ["--project_name has no effect with --wandb_mode disabled"]),
