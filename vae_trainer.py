@@ -164,12 +164,13 @@ ARCH_FIELDS = ("vae_ch", "vae_ch_mult", "vae_num_res_blocks", "vae_z_channels", 
 # = 4096 elements per step) takes kl_weight 1/64 = 1/sqrt(4096): the KL strength it was tuned with.
 # Without pretrained VGG16 (prepare_demo) it trains on pixels only, and a pixel-only step costs about a sixth
 # of one with LPIPS and the VGG16 critic (10.2 vs 1.7 img/s, one CPU thread): 900 steps fit where 300 did.
-# With VGG16 weights cached the full recipe runs these 900 steps at that cost (a GPU, or --max_steps 300). Held-out PSNR (the 4 photos at 64 px):
-# the former demo (300 steps, LPIPS and critic on a random VGG16, 32 groups, lr 5e-4, 4x-pooled MSE) 16.4 dB,
-# colours lost; this config 15.9 / 20.1 / 20.7 dB at steps 300 / 600 / 900 (EMA 16.5 / 20.1 / 20.7).
-# --vae_norm_groups 8: 32 groups at --vae_ch 32 are one channel each, so every norm removes each image's
-# per-channel means (its colour): this config with 32 groups reaches 16.9 / 17.4 / 17.6 dB at 300 / 600 / 900,
-# every reconstruction still grey; 8 groups gave the colours back (4 groups: 19.0 dB at 600). --mse_pool_factor 1: full-resolution MSE (the pooled one leaves
+# With VGG16 weights cached the full recipe runs these 900 steps at that cost (a GPU, or --max_steps 300).
+# Held-out PSNR (the 4 photos at 64 px): the former demo (300 steps, LPIPS and critic on a random VGG16,
+# 32 groups, lr 5e-4, 4x-pooled MSE) 16.4 dB, colours lost; this config 15.9 / 20.1 / 20.7 dB at steps
+# 300 / 600 / 900 (EMA 16.5 / 20.1 / 20.7). --vae_norm_groups 8: 32 groups at --vae_ch 32 are one channel
+# each, so every norm removes each image's per-channel means (its colour): this config with 32 groups
+# reaches 16.9 / 17.4 / 17.6 dB at 300 / 600 / 900, every reconstruction still grey; 8 groups gave the
+# colours back (4 groups: 19.0 dB at 600). --mse_pool_factor 1: full-resolution MSE (the pooled one leaves
 # detail to LPIPS, which is off here); lr 1e-3 (3e-3: 15.5 dB at 300, pixel-only); --posterior_var 0.01.
 DEMO = dict(vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_channels=4, vae_norm_groups=8,
             do_attn=False, vae_resolution=64, batch_size=4, num_workers=2, shuffle_buffer=64, max_steps=900,
