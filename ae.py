@@ -180,7 +180,10 @@ class Encoder(nn.Module):
         for i_level in range(self.num_resolutions):
             h = _run_level(self._level(i_level), h, i_level in self.checkpoint_levels)
         h = self.mid.block_2(self.mid.attn_1(self.mid.block_1(h)))
-        return self.conv_out(F.silu(self.norm_out(h)))
+        # the moments head runs in fp32 whatever the autocast: the posterior mean (and log-variance) is what
+        # the KL, the latent statistics and a diffusion model see; a bf16 conv output carries ~1e-2 errors
+        with torch.autocast(h.device.type, enabled=False):
+            return self.conv_out(F.silu(self.norm_out(h.float())))
 
 
 class Decoder(nn.Module):

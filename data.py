@@ -13,8 +13,10 @@ Training stream
     integers plus the keys of the samples in its buffer: checkpoints store it and a resumed run
     sees exactly the batches the uninterrupted run would have seen. This is why the shuffling is
     ours and not webdataset's (whose buffer cannot be saved); reading, key grouping and URL
-    handling are webdataset's.
-  * Corrupt, empty, non-image, oversized and unreadable members are skipped and counted.
+    handling are webdataset's, except that http(s) shards are fetched by our own curl call, whose
+    waits are bounded (see "Remote shards").
+  * Corrupt, empty, non-image, oversized and unreadable members are skipped and counted, and so
+    are shards that cannot be fetched.
 
 CLI: python data.py make-shards SRC_DIR DST_DIR [--shard_size 1000]
 """
@@ -27,11 +29,13 @@ import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import tarfile
 import warnings
 from collections import Counter
 from typing import Iterator
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
@@ -95,6 +99,90 @@ def list_shards(url: str) -> list:
     return shards
 
 
+# --------------------------------------------------------------------------------------------
+# Remote shards: curl with bounded waits
+# --------------------------------------------------------------------------------------------
+# webdataset opens these through curl with 30 retries and no read timeout: an unresolvable host stalls a
+# worker for a minute per shard, a server that stops sending hangs the run for good. Here every wait is
+# bounded; a shard that cannot be read is skipped, counted (data/skipped_shard_errors) and tried again next
+# epoch. No curl retries: curl re-sends a retried transfer from its start into the same pipe.
+CURL_SCHEMES = ("http", "https", "ftp", "ftps", "sftp", "scp")
+CONNECT_TIMEOUT_S = 10  # to resolve and reach the host
+STALL_TIMEOUT_S = 30  # with no byte received, before the first one or mid-transfer
+PROBE_TIMEOUT_S = 30  # the start-up check of a remote dataset, all probes together
+
+
+class CurlStream:
+    """A remote shard streamed through curl. A failed transfer raises OSError with curl's own one-line reason
+    at the point where the data stops, so the tar reader ends the shard there."""
+
+    def __init__(self, url: str, max_time_s: float = 0):
+        cmd = ["curl", "--fail", "--silent", "--show-error", "--location", "--connect-timeout", str(CONNECT_TIMEOUT_S),
+               "--speed-limit", "1", "--speed-time", str(STALL_TIMEOUT_S)]
+        if max_time_s:
+            cmd += ["--max-time", str(max_time_s)]
+        self.url, self.error = url, None
+        self.proc = subprocess.Popen(cmd + [url], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.proc.stdout.read(size)
+        if not data and size != 0 and self.proc.wait() != 0:  # the end of the data: a clean end or curl's error
+            if self.error is None:
+                lines = self.proc.stderr.read().decode(errors="replace").strip().splitlines()
+                self.error = lines[-1] if lines else f"curl exited with status {self.proc.returncode}"
+            raise OSError(self.error)
+        return data
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # a shard left before its end (evaluation's image limit, the start-up probe)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        self.proc.wait()
+
+    def __repr__(self) -> str:
+        return f"<curl {redact(self.url)}>"
+
+
+def open_shard(url: str):
+    """A tar shard as a readable stream: curl (above) for curl's URL schemes, webdataset's gopen for the rest
+    (local paths, pipe:..., and its other schemes)."""
+    from webdataset.gopen import gopen, rewrite_url
+    url = rewrite_url(url)  # webdataset's GOPEN_REWRITE mirrors, as gopen would apply them
+    if urlparse(url).scheme in CURL_SCHEMES:
+        return CurlStream(url)
+    return gopen(url, "rb")
+
+
+def probe_remote_shards(shards: list, probes: int = 3) -> None:
+    """At start-up: read the first tar header of up to `probes` remote shards (the first, middle and last), at
+    the same time and within PROBE_TIMEOUT_S. DatasetError (one line) when none can be read: a dead host, a
+    wrong URL or a missing credential is then an error at start, not a stall. Shards that fail later are
+    skipped and counted."""
+    remote = [s for s in shards if isinstance(s, str) and urlparse(s).scheme in CURL_SCHEMES]
+    if not remote:
+        return
+    picks = sorted({0, len(remote) // 2, len(remote) - 1})[:probes]
+    try:
+        streams = [CurlStream(remote[i], max_time_s=PROBE_TIMEOUT_S) for i in picks]
+    except OSError as e:  # no curl on this machine
+        raise DatasetError(f"cannot run curl to read {redact(remote[0])} ({e})") from None
+    reasons = []
+    try:
+        for stream in streams:
+            try:
+                if len(stream.read(512)) == 512:
+                    return
+                reasons.append(f"{stream.url}: shorter than a tar header")
+            except OSError as e:
+                reasons.append(f"{stream.url}: {e}")
+    finally:
+        for stream in streams:
+            stream.close()
+    tried = f"any of the {len(picks)} remote shards tried" if len(picks) > 1 else "the remote shard"
+    raise DatasetError(f"cannot read {tried} ({redact(reasons[0])})")
+
+
 def iter_shard(shard, counters: Counter) -> Iterator[tuple[int, dict]]:
     """(sample index, sample) pairs of one shard; a sample maps lower-case extensions to bytes.
     A truncated or unreadable shard ends early and is counted; what was read before stands."""
@@ -108,7 +196,6 @@ def iter_shard(shard, counters: Counter) -> Iterator[tuple[int, dict]]:
                 continue
             yield idx, {"__key__": path, path.rsplit(".", 1)[-1].lower(): data}
         return
-    from webdataset.gopen import gopen
     from webdataset.tariterators import group_by_keys, tar_file_iterator
 
     def bad_member(exn: Exception) -> bool:
@@ -126,7 +213,7 @@ def iter_shard(shard, counters: Counter) -> Iterator[tuple[int, dict]]:
             warn_once(f"shard {shard}: {type(e).__name__}: {e} (skipping the rest of it)")
 
     try:
-        stream = gopen(shard, "rb")
+        stream = open_shard(shard)
     except (OSError, ValueError) as e:
         counters["shard_errors"] += 1
         warn_once(f"shard {shard}: {type(e).__name__}: {e}")
@@ -630,7 +717,7 @@ def wait_for_demo_shards(root: str, timeout_s: float = 300) -> None:
         time.sleep(0.5)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="data.py", description="Dataset tools for the VAE trainer.")
     sub = parser.add_subparsers(dest="command", required=True)
     ms = sub.add_parser("make-shards", help="pack a folder of images into webdataset tar shards")
@@ -638,7 +725,11 @@ def main(argv: list[str] | None = None) -> int:
     ms.add_argument("dst", help="output folder for NNNNN.tar shards")
     ms.add_argument("--shard_size", type=int, default=1000, help="images per shard (default 1000)")
     ms.add_argument("--no_verify", action="store_true", help="do not check that each file opens as an image")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not os.path.isdir(args.src):
         print(f"error: {args.src}: not a directory", file=sys.stderr)
         return 2

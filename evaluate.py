@@ -444,16 +444,12 @@ def load_rgb(path: str, max_pixels: int = 100_000_000) -> np.ndarray:
 
 def reconstruct_folder(vae: AutoEncoder, src: str, dst: str, device: torch.device, tile_size: int,
                        tile_overlap: int, rank: int = 0, world_size: int = 1, autocast=None, log=print) -> int:
-    """Reconstruct every image under `src` into `dst` as PNG, same relative path and name (extension .png;
-    `a.jpg` next to `a.png` becomes `a.jpg.png`). Files are split across ranks. Returns this rank's count."""
+    """Reconstruct every image under `src` into `dst` as PNG: the same relative path and full file name with
+    `.png` appended (`a.jpg` -> `a.jpg.png`, `a.png` -> `a.png.png`), so names never collide and each one
+    says which file it came from. Files are split across ranks. Returns this rank's count."""
     from PIL import Image
     files = data_lib.image_files(src)
-    names, taken, done = {}, set(), 0
-    for path in files:
-        rel = os.path.relpath(path, src)
-        name = os.path.splitext(rel)[0] + ".png"
-        names[path] = rel + ".png" if name in taken else name
-        taken.add(names[path])
+    done = 0
     for path in files[rank::world_size]:
         try:
             image = load_rgb(path)
@@ -461,7 +457,7 @@ def reconstruct_folder(vae: AutoEncoder, src: str, dst: str, device: torch.devic
             log(f"warning: skipped {path} ({getattr(e, 'reason', type(e).__name__)})")
             continue
         out = reconstruct(vae, image, device, tile_size, tile_overlap, autocast)
-        target = os.path.join(dst, names[path])
+        target = os.path.join(dst, os.path.relpath(path, src) + ".png")
         os.makedirs(os.path.dirname(target), exist_ok=True)
         Image.fromarray(out).save(target)
         done += 1
@@ -469,7 +465,7 @@ def reconstruct_folder(vae: AutoEncoder, src: str, dst: str, device: torch.devic
 
 
 # ============================================================================================
-# Loading a model: run directory, checkpoint file, or an export.py --format safetensors folder
+# Loading a model: run directory, checkpoint file, or an export.py folder (diffusers or safetensors)
 # ============================================================================================
 def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
     """(model on CPU in eval mode, info with `checkpoint`, `step`, `resolution`); ConfigError (one line)
@@ -477,16 +473,26 @@ def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
     from vae_trainer import ConfigError, checkpoint_files, load_checkpoint, load_latest_checkpoint
     if not os.path.exists(ckpt):
         raise ConfigError(f"--ckpt {ckpt}: no such file or directory")
-    if os.path.isdir(ckpt) and os.path.isfile(os.path.join(ckpt, "model.safetensors")):
+    from export import DIFFUSERS_WEIGHTS, SAFETENSORS_WEIGHTS, load_autoencoder, load_diffusers_export
+    exported = [name for name in (SAFETENSORS_WEIGHTS, DIFFUSERS_WEIGHTS) if os.path.isfile(os.path.join(ckpt, name))]
+    if os.path.isdir(ckpt) and exported:
         if ema:
             raise ConfigError(f"--ema: {ckpt} is an exported model, which holds one set of weights")
-        from export import load_autoencoder
-        vae, config = load_autoencoder(ckpt)
-        return vae.eval(), {"checkpoint": ckpt, "step": config.get("step"), "resolution": config.get("resolution")}
+        try:
+            if exported[0] == SAFETENSORS_WEIGHTS:
+                vae, config = load_autoencoder(ckpt)
+                return vae, {"checkpoint": ckpt, "step": config.get("step"), "resolution": config.get("resolution")}
+            vae, config = load_diffusers_export(ckpt)  # diffusers keeps no step; sample_size is the resolution
+            return vae, {"checkpoint": ckpt, "step": None, "resolution": config.get("sample_size")}
+        except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
+            reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            raise ConfigError(f"--ckpt {ckpt}: not a loadable export.py folder "
+                              f"({type(e).__name__}: {reason})") from None
     if os.path.isdir(ckpt):
         ckpt_dir = os.path.join(ckpt, "checkpoints") if os.path.isdir(os.path.join(ckpt, "checkpoints")) else ckpt
         if not checkpoint_files(ckpt_dir):
-            raise ConfigError(f"--ckpt {ckpt}: no checkpoints (step_*.pt) in {ckpt_dir}")
+            raise ConfigError(f"--ckpt {ckpt}: no checkpoints (step_*.pt) in {ckpt_dir}, and not an export.py folder "
+                              f"({SAFETENSORS_WEIGHTS} or {DIFFUSERS_WEIGHTS})")
         quiet = os.environ.get("RANK", "0") != "0"
         found = load_latest_checkpoint(ckpt_dir, log=lambda m: quiet or print(m, file=sys.stderr))
         if found is None:
@@ -519,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     from vae_trainer import OneLineParser
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="run directory (its latest readable checkpoint), checkpoint "
-                                                 "file, or an export.py --format safetensors folder")
+                                                 "file, or an export.py folder (--format diffusers or safetensors)")
     p.add_argument("--dataset_url", default="", help="held-out shards or image folder (metrics, --latent_stats)")
     p.add_argument("--resolution", type=int, default=0, help="crop size (default: the checkpoint's vae_resolution)")
     p.add_argument("--max_images", type=int, default=0, help="use the first N images (default: all)")
@@ -535,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latent_stats", action="store_true",
                    help="print the latent shift_factor / scaling_factor (FLUX: z' = (z - shift) * scale) instead")
     p.add_argument("--images", default="", help="reconstruct every image in this folder (any size) ...")
-    p.add_argument("--reconstruct_to", default="", help="... into this folder, as PNG with the same names")
+    p.add_argument("--reconstruct_to", default="", help="... into this folder, as PNG: NAME.EXT -> NAME.EXT.png")
     p.add_argument("--tile_size", type=int, default=1024, help="--images: encode/decode larger images in tiles "
                                                                "of this many pixels (0: never tile)")
     p.add_argument("--tile_overlap", type=int, default=128, help="--images: overlap of neighbouring tiles, pixels")
@@ -559,7 +565,7 @@ def validate(args, vae: AutoEncoder, resolution: int | None) -> None:
         return
     if not args.dataset_url:
         raise ConfigError("give --dataset_url (metrics, --latent_stats) or --images with --reconstruct_to")
-    data_lib.list_shards(args.dataset_url)  # DatasetError: one line
+    data_lib.probe_remote_shards(data_lib.list_shards(args.dataset_url))  # DatasetError: one line
     if not resolution or resolution <= 0 or resolution % f:
         raise ConfigError(f"--resolution must be a positive multiple of the downsample factor {f}, got {resolution}")
     if resolution < 16:

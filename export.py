@@ -33,6 +33,16 @@ from ae import AutoEncoder, AutoEncoderParams
 from vae_trainer import ConfigError, OneLineParser
 
 SAFETENSORS_WEIGHTS = "model.safetensors"
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def honour_umask(path: str) -> None:
+    """safetensors writes through a private temp file (mode 0600) that it renames: give the file the mode a
+    plain open() would have (0666 minus the umask), like config.json next to it, so others on a shared file
+    system can read the export."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 # ============================================================================================
@@ -101,6 +111,48 @@ def export_diffusers(vae: AutoEncoder, out_dir: str, resolution: int, scaling_fa
     model = AutoencoderKL(**diffusers_config(params, resolution, scaling_factor, shift_factor))
     model.load_state_dict(to_diffusers_state_dict(vae.state_dict(), params), strict=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+    honour_umask(os.path.join(out_dir, DIFFUSERS_WEIGHTS))
+
+
+def from_diffusers_state_dict(state: dict[str, Tensor], config: dict) -> tuple[AutoEncoderParams, dict[str, Tensor]]:
+    """The inverse of `export_diffusers`: an AutoencoderKL folder's config and weights -> our params and state
+    dict. The posterior comes back as it went out: a log-variance half of `conv_out` with zero weights and one
+    constant bias is the constant posterior (variance exp(bias)); anything else is a learned one. Raises
+    ValueError for a folder that is not in this trainer's (FLUX) layout."""
+    if config.get("use_quant_conv", True) or config.get("use_post_quant_conv", True):
+        raise ValueError("it has quant_conv layers (the SD layout); this trainer exports the FLUX layout without them")
+    channels = list(config["block_out_channels"])
+    if any(c % channels[0] for c in channels):
+        raise ValueError(f"block_out_channels {channels} are not multiples of the first")
+    z = config["latent_channels"]
+    weight, bias = state["encoder.conv_out.weight"], state["encoder.conv_out.bias"]
+    logvar_weight, logvar_bias = weight[z:], bias[z:]
+    constant = bool((logvar_weight == 0).all() and (logvar_bias == logvar_bias[0]).all())
+    params = AutoEncoderParams(
+        in_channels=config.get("in_channels", 3), out_ch=config.get("out_channels", 3), ch=channels[0],
+        ch_mult=tuple(c // channels[0] for c in channels), num_res_blocks=config["layers_per_block"], z_channels=z,
+        use_attn=config.get("mid_block_add_attention", True), posterior="constant" if constant else "learned",
+        posterior_var=math.exp(logvar_bias[0].item()) if constant else 0.1,
+        norm_groups=config.get("norm_num_groups", 32))
+    ours = {}
+    for name, like in AutoEncoder(params).state_dict().items():
+        value = state[diffusers_key(name, len(params.ch_mult))]
+        if name.startswith("encoder.conv_out.") and constant:
+            value = value[:z]  # drop the constant log-variance channels
+        ours[name] = value.reshape(like.shape)  # diffusers' attention linears are our 1x1 convs
+    return params, ours
+
+
+def load_diffusers_export(path: str) -> tuple[AutoEncoder, dict]:
+    """(AutoEncoder in eval mode, the diffusers config) from a folder written by `export.py --format diffusers`,
+    without diffusers itself. ValueError (one line) for another kind of AutoencoderKL."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    params, state = from_diffusers_state_dict(load_file(os.path.join(path, DIFFUSERS_WEIGHTS)), config)
+    vae = AutoEncoder(params)
+    vae.load_state_dict(state)
+    return vae.eval(), config
 
 
 # ============================================================================================
@@ -112,6 +164,7 @@ def export_safetensors(vae: AutoEncoder, out_dir: str, resolution: int | None, s
     os.makedirs(out_dir, exist_ok=True)
     state = {k: v.detach().float().cpu().contiguous() for k, v in vae.state_dict().items()}
     save_file(state, os.path.join(out_dir, SAFETENSORS_WEIGHTS), metadata={"format": "pt"})
+    honour_umask(os.path.join(out_dir, SAFETENSORS_WEIGHTS))
     config = {**vae.params.to_dict(), "scaling_factor": scaling_factor, "shift_factor": shift_factor,
               "resolution": resolution, "step": step}
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -136,7 +189,7 @@ def load_autoencoder(path: str) -> tuple[AutoEncoder, dict]:
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="run directory (its latest readable checkpoint), checkpoint file, "
-                                                 "or a --format safetensors export")
+                                                 "or an export.py folder (either format)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--format", default="diffusers", choices=("diffusers", "safetensors"),
                    help="diffusers: AutoencoderKL folder; safetensors: ae.py weights + config.json (load_autoencoder)")
@@ -165,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         if not resolution or resolution % vae.downsample_factor:
             raise ConfigError(f"--resolution must be a positive multiple of {vae.downsample_factor}, got {resolution}")
         if args.dataset_url:
-            data_lib.list_shards(args.dataset_url)
+            data_lib.probe_remote_shards(data_lib.list_shards(args.dataset_url))
         if os.path.isfile(args.out):
             raise ConfigError(f"--out {args.out} is a file")
 

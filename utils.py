@@ -60,8 +60,8 @@ class GradNormFunction(torch.autograd.Function):
 
 
 def gradnorm(x: Tensor, weight: float | Tensor = 1.0) -> Tensor:
-    if not torch.is_tensor(weight):
-        weight = torch.tensor(float(weight), device=x.device)
+    if not torch.is_tensor(weight):  # a fill on the device, not torch.tensor (a host->device copy)
+        weight = torch.full((), float(weight), device=x.device)
     return GradNormFunction.apply(x, weight)
 
 
@@ -158,7 +158,7 @@ def load_vgg16_features(path: str | None) -> dict[str, Tensor] | None:
 
 def warn_random_vgg(what: str) -> None:
     bar = "!" * 78
-    print(f"{bar}\nWARNING: {what} uses a RANDOMLY INITIALISED VGG16 (--vgg16_weights random).\n"
+    print(f"{bar}\nWARNING: a RANDOMLY INITIALISED VGG16 (--vgg16_weights random) is used for {what}.\n"
           f"Perceptual and adversarial losses are meaningless; use this for tests and the demo only.\n{bar}",
           file=sys.stderr, flush=True)
 
@@ -293,37 +293,69 @@ def pooled_mse(recon: Tensor, target: Tensor, pool: int) -> Tensor:
     return F.mse_loss(recon, target)
 
 
-_LAPLACIAN_5X5 = torch.tensor([[0, 1, 1, 1, 0],
-                               [1, 1, 1, 1, 1],
-                               [1, 1, -20, 1, 1],
-                               [1, 1, 1, 1, 1],
-                               [0, 1, 1, 1, 0]], dtype=torch.float32).view(1, 1, 5, 5)
+# the 5x5 Laplacian-like edge filter of the low-pass mask
+LAPLACIAN_5X5 = ((0, 1, 1, 1, 0),
+                 (1, 1, 1, 1, 1),
+                 (1, 1, -20, 1, 1),
+                 (1, 1, 1, 1, 1),
+                 (0, 1, 1, 1, 0))
 
 
-def lowpass_mask(image: Tensor, threshold: float = 0.8, blur_kernel: int = 13, blur_sigma: float = 2.0) -> Tensor:
-    """Mask (B, 1, H, W) in [0, 1] that is non-zero only in low-frequency (blurry) regions.
+def gaussian_kernel2d(size: int, sigma: float) -> Tensor:
+    """(1, 1, size, size) normalised fp32 Gaussian, computed as torchvision's gaussian_blur does."""
+    x = torch.linspace(-(size - 1) / 2, (size - 1) / 2, steps=size)
+    pdf = torch.exp(-0.5 * (x / sigma).pow(2))
+    kernel1d = pdf / pdf.sum()
+    return (kernel1d[:, None] * kernel1d[None, :]).view(1, 1, size, size)  # not mm: fp32 under autocast too
 
-    Grayscale -> Laplacian-like 5x5 filter -> magnitude -> Gaussian blur -> per-image min-max
-    normalisation -> blurriness = 1 - edge strength -> zero where blurriness < threshold.
-    Normalised per image, so an image's mask does not depend on the rest of its batch. fp32.
-    """
-    with torch.autocast(image.device.type, enabled=False):
-        gray = image.float().mean(dim=1, keepdim=True)
-        # replicate padding: zero padding would make the image frame look like an edge
-        edges = F.conv2d(F.pad(gray, (2, 2, 2, 2), mode="replicate"), _LAPLACIAN_5X5.to(gray.device)).abs()
-        edges = torchvision.transforms.functional.gaussian_blur(edges, [blur_kernel] * 2, [blur_sigma] * 2)
-        lo = edges.amin(dim=(1, 2, 3), keepdim=True)
-        hi = edges.amax(dim=(1, 2, 3), keepdim=True)
-        blurriness = 1.0 - (edges - lo) / (hi - lo + 1e-8)
-        return torch.where(blurriness < threshold, torch.zeros_like(blurriness), blurriness)
+
+class LowpassMSE(nn.Module):
+    """MSE restricted to the low-frequency regions of the target (mask-weighted mean), so that the
+    pixel loss calibrates colour and flat areas without fighting LPIPS over textures.
+
+    The filters are buffers: moved to the device once with the module, never copied from the host
+    in a training step (a blocking copy on CUDA)."""
+
+    def __init__(self, threshold: float = 0.8, blur_kernel: int = 13, blur_sigma: float = 2.0):
+        super().__init__()
+        self.threshold = threshold
+        self.register_buffer("laplacian", torch.tensor(LAPLACIAN_5X5, dtype=torch.float32).view(1, 1, 5, 5),
+                             persistent=False)
+        self.register_buffer("gaussian", gaussian_kernel2d(blur_kernel, blur_sigma), persistent=False)
+
+    def mask(self, image: Tensor) -> Tensor:
+        """Mask (B, 1, H, W) in [0, 1] that is non-zero only in low-frequency (blurry) regions.
+
+        Grayscale -> Laplacian-like 5x5 filter -> magnitude -> Gaussian blur -> per-image min-max
+        normalisation -> blurriness = 1 - edge strength -> zero where blurriness < threshold.
+        Normalised per image, so an image's mask does not depend on the rest of its batch. fp32.
+        """
+        with torch.autocast(image.device.type, enabled=False):
+            gray = image.float().mean(dim=1, keepdim=True)
+            # replicate padding: zero padding would make the image frame look like an edge
+            edges = F.conv2d(F.pad(gray, (2, 2, 2, 2), mode="replicate"), self.laplacian).abs()
+            pad = self.gaussian.shape[-1] // 2  # reflect padding, as torchvision's gaussian_blur
+            edges = F.conv2d(F.pad(edges, (pad, pad, pad, pad), mode="reflect"), self.gaussian)
+            lo = edges.amin(dim=(1, 2, 3), keepdim=True)
+            hi = edges.amax(dim=(1, 2, 3), keepdim=True)
+            blurriness = 1.0 - (edges - lo) / (hi - lo + 1e-8)
+            return torch.where(blurriness < self.threshold, torch.zeros_like(blurriness), blurriness)
+
+    def forward(self, recon: Tensor, target: Tensor) -> Tensor:
+        mask = self.mask(target).detach()
+        err = (recon.float() - target.float()).square().mean(dim=1, keepdim=True)
+        return (err * mask).sum() / mask.sum().clamp_min(1e-8)
+
+
+def lowpass_mask(image: Tensor, threshold: float = 0.8) -> Tensor:
+    """LowpassMSE.mask, for one-off use (tests, analysis): builds the filters on each call."""
+    return LowpassMSE(threshold).to(image.device).mask(image)
 
 
 def lowpass_mse(recon: Tensor, target: Tensor, threshold: float = 0.8) -> Tensor:
-    """MSE restricted to the low-frequency regions of the target (mask-weighted mean), so that the
-    pixel loss calibrates colour and flat areas without fighting LPIPS over textures."""
-    mask = lowpass_mask(target, threshold).detach()
-    err = (recon.float() - target.float()).square().mean(dim=1, keepdim=True)
-    return (err * mask).sum() / mask.sum().clamp_min(1e-8)
+    """LowpassMSE, for one-off use (tests, analysis): builds the filters on each call; a training loop
+    holds a LowpassMSE on its device instead."""
+    return LowpassMSE(threshold).to(target.device)(recon, target)
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,7 +409,11 @@ def adaptive_gan_weight(rec_loss: Tensor, gan_loss: Tensor, last_layer: Tensor, 
 
 class LeCam(nn.Module):
     """LeCam regularisation (Tseng et al. 2021): keeps the critic's logits near EMA anchors of its own
-    past real/fake logits. The anchors are averaged across ranks and saved in checkpoints (buffers)."""
+    past real/fake logits. The anchors are averaged across ranks and saved in checkpoints (buffers).
+
+    `update` moves only pending anchors (what `penalty` uses in this step); `commit` makes them the
+    anchors once the non-finite guard has judged the step. A skipped step (a NaN reconstruction, an
+    fp16 overflow) then leaves the anchors as they were, instead of poisoning them for good."""
 
     def __init__(self, decay: float = 0.99):
         super().__init__()
@@ -385,6 +421,7 @@ class LeCam(nn.Module):
         self.register_buffer("ema_real", torch.zeros(()))
         self.register_buffer("ema_fake", torch.zeros(()))
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+        self.pending: tuple[Tensor, Tensor] | None = None  # (real, fake) anchors of the step in progress
 
     @torch.no_grad()
     def update(self, real_logits: Tensor, fake_logits: Tensor) -> None:
@@ -393,14 +430,26 @@ class LeCam(nn.Module):
         if world > 1:
             dist.all_reduce(means)
             means /= world
-        decay = self.decay * self.initialized.float()  # the first update sets the anchors
-        self.ema_real.copy_(decay * self.ema_real + (1 - decay) * means[0])
-        self.ema_fake.copy_(decay * self.ema_fake + (1 - decay) * means[1])
-        self.initialized.fill_(True)
+        real, fake = self.pending if self.pending is not None else (self.ema_real, self.ema_fake)
+        # the first update sets the anchors (grad accumulation: later micro-batches of that step average in)
+        decay = self.decay * (self.initialized | (self.pending is not None)).float()
+        self.pending = (decay * real + (1 - decay) * means[0], decay * fake + (1 - decay) * means[1])
+
+    @torch.no_grad()
+    def commit(self, skip: Tensor) -> None:
+        """Adopt the pending anchors unless `skip` (a device flag, no host sync)."""
+        if self.pending is None:
+            return
+        keep = skip.bool()
+        self.ema_real.copy_(torch.where(keep, self.ema_real, self.pending[0]))
+        self.ema_fake.copy_(torch.where(keep, self.ema_fake, self.pending[1]))
+        self.initialized.copy_(self.initialized | ~keep)
+        self.pending = None
 
     def penalty(self, real_logits: Tensor, fake_logits: Tensor) -> Tensor:
-        return (F.relu(real_logits.float() - self.ema_fake).square().mean()
-                + F.relu(self.ema_real - fake_logits.float()).square().mean())
+        real, fake = self.pending if self.pending is not None else (self.ema_real, self.ema_fake)
+        return (F.relu(real_logits.float() - fake).square().mean()
+                + F.relu(real - fake_logits.float()).square().mean())
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,10 +33,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import data as data_lib
 import evaluate as evaluate_lib
 from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoder, AutoEncoderParams, kl_divergence
-from utils import (DISC_NORMS, DISC_TYPES, LeCam, NLayerDiscriminator, VGG16Discriminator, WeightsUnavailable,
-                   adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy,
+from utils import (DISC_NORMS, DISC_TYPES, LeCam, LowpassMSE, NLayerDiscriminator, VGG16Discriminator,
+                   WeightsUnavailable, adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy,
                    discriminator_loss, ensure_vgg16_weights, fetch_weights, generator_loss, gradnorm,
-                   load_vgg16_features, lowpass_mse, pooled_mse, vgg16_cache_path, warn_random_vgg)
+                   load_vgg16_features, pooled_mse, vgg16_cache_path, warn_random_vgg)
 from utils import generator_active_fraction
 
 
@@ -216,11 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
+def parse_flags(argv: list[str] | None = None) -> tuple[Config, set[str]]:
+    """The config and the names of the flags the user gave (argparse leaves the others out: SUPPRESS)."""
     given = vars(build_parser().parse_args(argv))
     values = dict(DEMO) if given.get("demo") else {}
     values.update(given)
-    return Config(**values)
+    return Config(**values), set(given)
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    return parse_flags(argv)[0]
 
 
 def ch_mult_of(cfg: Config) -> tuple[int, ...]:
@@ -290,9 +295,50 @@ def validate(cfg: Config) -> None:
     for name in ("dataset_url", "test_dataset_url"):
         if name == "dataset_url" or getattr(cfg, name):
             try:
-                data_lib.list_shards(getattr(cfg, name))
+                data_lib.probe_remote_shards(data_lib.list_shards(getattr(cfg, name)))
             except data_lib.DatasetError as e:
                 raise ConfigError(f"--{name}: {e}") from None
+
+
+# Flags that only matter with --do_ganloss.
+GAN_FLAGS = ("discriminator", "disc_type", "disc_norm", "gen_loss", "gan_weight", "gan_margin", "disc_start",
+             "learning_rate_disc", "lecam_weight", "adaptive_weight_max")
+
+
+def config_warnings(cfg: Config, given: set[str]) -> list[str]:
+    """One-line warnings for a valid but probably unintended config: flags the user gave that the chosen
+    configuration ignores (one line per cause; defaults and --demo's values are never named), and schedules
+    that cannot play out within --max_steps."""
+    ignored_when = [  # (flags, ignored in this config, why)
+        (GAN_FLAGS, not cfg.do_ganloss, "without --do_ganloss"),
+        (("disc_norm",), cfg.discriminator != "patchgan", "with --discriminator vgg16 (it normalises the "
+                                                          "PatchGAN only)"),
+        (("gan_margin",), cfg.gen_loss != "thresholded", f"with --gen_loss {cfg.gen_loss} (it is the margin of the "
+                                                          "thresholded loss)"),
+        (("adaptive_weight_max",), cfg.loss_balance != "adaptive", f"with --loss_balance {cfg.loss_balance} (it "
+                                                                   "clamps the adaptive weight)"),
+        (("clamp_th",), not cfg.do_clamp, "without --do_clamp"),
+        (("posterior_var",), cfg.posterior != "constant", f"with --posterior {cfg.posterior} (the encoder predicts "
+                                                          "the variance)"),
+        (("evaluate_every_n_steps", "eval_max_images", "inception_weights"), not cfg.test_dataset_url,
+         "without --test_dataset_url"),
+        (("eval_max_images", "inception_weights"), cfg.evaluate_every_n_steps == 0, "with --evaluate_every_n_steps 0"),
+        (("project_name",), cfg.wandb_mode == "disabled", "with --wandb_mode disabled"),
+    ]
+    lines, named = [], set()
+    for flags, ignored, why in ignored_when:
+        hit = [f for f in flags if f in given and f not in named] if ignored else []
+        if hit:
+            named.update(hit)
+            verb = "has" if len(hit) == 1 else "have"
+            lines.append(f"warning: {', '.join('--' + f for f in hit)} {verb} no effect {why}")
+    if cfg.warmup_steps > cfg.max_steps:
+        lines.append(f"warning: --warmup_steps {cfg.warmup_steps} > --max_steps {cfg.max_steps}: the learning rate "
+                     f"peaks at {cfg.max_steps / cfg.warmup_steps:.0%} of its set value and never decays")
+    if cfg.do_ganloss and cfg.disc_start >= cfg.max_steps:
+        lines.append(f"warning: --disc_start {cfg.disc_start} >= --max_steps {cfg.max_steps}: the generator never "
+                     "gets the adversarial term (the critic still trains)")
+    return lines
 
 
 # ============================================================================================
@@ -430,17 +476,26 @@ class EMA:
 
 
 class Metrics:
-    """Running sums of device tensors; reduced across ranks and fetched only on logging steps."""
+    """Running sums of device tensors; reduced across ranks and fetched only on logging steps. Each key is
+    averaged over the steps that logged it: a term that is off for part of the window (the generator's
+    GAN loss before --disc_start) is not diluted by the steps without it."""
 
     def __init__(self):
         self.sums: dict[str, torch.Tensor] = {}
         self.maxes: dict[str, torch.Tensor] = {}
-        self.count = 0
+        self.steps: dict[str, int] = {}  # per key: steps of this window that logged it
+        self.in_step: set[str] = set()
 
     def add(self, **values: torch.Tensor) -> None:
         for k, v in values.items():
             v = v.detach().float()
             self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
+            self.in_step.add(k)
+
+    def end_step(self) -> None:
+        for k in self.in_step:
+            self.steps[k] = self.steps.get(k, 0) + 1
+        self.in_step = set()
 
     def max(self, **values: torch.Tensor) -> None:
         for k, v in values.items():
@@ -452,7 +507,7 @@ class Metrics:
         if not self.sums:
             return {}
         keys, max_keys = sorted(self.sums), sorted(self.maxes)
-        flat = torch.cat([self.sums[k].reshape(-1) / max(1, self.count) for k in keys])
+        flat = torch.cat([self.sums[k].reshape(-1) / max(1, self.steps.get(k, 0)) for k in keys])
         flat_max = torch.cat([self.maxes[k].reshape(-1) for k in max_keys]) if max_keys else None
         if info.distributed:
             dist.all_reduce(flat)
@@ -467,7 +522,7 @@ class Metrics:
                 n = table[k].numel()
                 out[k] = values[offset] if table[k].dim() == 0 else values[offset:offset + n]
                 offset += n
-        self.sums, self.maxes, self.count = {}, {}, 0
+        self.sums, self.maxes, self.steps, self.in_step = {}, {}, {}, set()
         return out
 
 
@@ -570,6 +625,7 @@ class Trainer:
         if cfg.vgg16_weights != "random" or uses_vgg16(cfg):
             vgg_features = load_vgg16_features(self._vgg16_weights())
             self.lpips = build_lpips(vgg_features).to(self.device, memory_format=self.memory_format)
+        self.lowpass_mse = LowpassMSE(cfg.lowpass_threshold).to(self.device)  # its filters live on the device
         self.disc = None
         if self.gan:
             self.disc = (VGG16Discriminator(vgg_features) if cfg.discriminator == "vgg16"
@@ -609,6 +665,7 @@ class Trainer:
         self.metrics, self.tracker = Metrics(), CollapseTracker(self.log)
         self._ema_model = None
         self.inject_nan = _fault_injection("INJECT_NAN", info.rank)
+        self.inject_nan_recon = _fault_injection("INJECT_NAN_RECON", info.rank)
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.kill_at = _fault_injection("KILL_AT", info.rank) if first_attempt else set()
         self.sigterm_at = _fault_injection("SIGTERM_AT", info.rank) if first_attempt else set()
@@ -821,8 +878,11 @@ class Trainer:
         try:
             import wandb
             id_path = os.path.join(self.run_dir, "wandb_id")
-            run_id = open(id_path).read().strip() if os.path.isfile(id_path) else wandb.util.generate_id()
+            run_id = open(id_path).read().strip() if os.path.isfile(id_path) else new_wandb_run_id()
             atomic_write(id_path, lambda f: f.write(run_id.encode()))
+            if self.cfg.wandb_mode == "online":
+                self.log("wandb: connecting (online); without a network this waits up to 60 s, then the run goes "
+                         "on without wandb")
             return wandb.init(project=self.cfg.project_name, name=self.cfg.run_name, id=run_id, resume="allow",
                               dir=self.run_dir, mode=self.cfg.wandb_mode, config=public_config(self.cfg),
                               settings=wandb.Settings(init_timeout=60, silent=True))
@@ -856,17 +916,21 @@ class Trainer:
                 with self.autocast():
                     recon, mean, logvar = self.vae_ddp(x)
                 recon = recon.float()  # every loss below reduces in fp32
+                if self.step in self.inject_nan_recon:  # test hook: a decoder overflow (fp16)
+                    recon = recon * float("nan")
                 kl = kl_divergence(mean, logvar)
 
                 if self.gan:  # the critic learns real vs detached fakes, every step
                     real_logits, fake_logits, d_loss = self.discriminator_backward(x, recon, sync, accum)
                     step_loss = step_loss + d_loss.detach()
 
+                if self.disc is not None:
+                    # frozen before the generator's pass through it: the critic's weight gradients are then
+                    # neither computed (time) nor added to the ones of its own loss
+                    self.disc.requires_grad_(False)
                 losses = self.vae_losses(x, recon, kl, mean.numel(), real_logits, fake_logits, gan_on, accum)
                 if self.step in self.inject_nan:
                     losses["backward"] = losses["backward"] * float("nan")
-                if self.disc is not None:
-                    self.disc.requires_grad_(False)  # the generator's loss must not touch the critic
                 backward = losses.pop("backward")
                 step_loss = step_loss + backward.detach()
                 backward.backward()
@@ -874,7 +938,6 @@ class Trainer:
                     self.disc.requires_grad_(True)
             m.add(**{f"loss/{k}": v / accum for k, v in losses.items()})
             self.track_latents(mean, logvar, accum)
-        m.count += 1
 
         # ---- guarded optimizer steps: a non-finite loss or gradient skips the step on every rank
         bad_vae = self.nonfinite(self.vae, self.opt_vae, self.scaler_vae, "vae")
@@ -888,6 +951,8 @@ class Trainer:
         self.guarded_step(self.opt_vae, self.scaler_vae, flags[0])
         if self.gan:
             self.guarded_step(self.opt_disc, self.scaler_disc, flags[1])
+        if self.lecam is not None:
+            self.lecam.commit(skip=flags[1])  # the anchors move only with a step the critic took
         if self.ema is not None:
             self.ema.update(self.vae, self.step, flags[0])
         self.sched_vae.step()
@@ -896,9 +961,10 @@ class Trainer:
         bad = flags.amax()
         self.bad_total += bad
         self.bad_streak = (self.bad_streak + 1) * bad
-        if bad_disc is not None:
+        if self.gan:
             m.add(**{"guard/skipped_disc": flags[1]})
         m.add(**{"guard/skipped_vae": flags[0]})
+        m.end_step()
 
     def discriminator_backward(self, x, recon, sync, accum) -> torch.Tensor:
         cfg = self.cfg
@@ -934,14 +1000,14 @@ class Trainer:
                 return recon
         terms = {}
         perceptual = torch.zeros((), device=self.device)
-        if cfg.perceptual_weight > 0:  # weight 0: no VGG16 pass at all (a pixel-only step costs half as much)
+        if cfg.perceptual_weight > 0:  # weight 0: no VGG16 pass at all (pixel-only steps are ~6x cheaper)
             with self.autocast():
                 perceptual = self.lpips(branch(cfg.perceptual_weight).contiguous(memory_format=self.memory_format),
                                         x).float().mean()
             terms["perceptual"] = perceptual
         pixel_in = branch(cfg.mse_weight)
         pooled = pooled_mse(pixel_in, x, cfg.mse_pool_factor)
-        lowpass = lowpass_mse(pixel_in, x, cfg.lowpass_threshold)
+        lowpass = self.lowpass_mse(pixel_in, x)
         pixel = cfg.pooled_mse_weight * pooled + cfg.lowpass_mse_weight * lowpass
         terms.update({"pooled_mse": pooled, "lowpass_mse": lowpass, "kl": kl})
         g_loss = torch.zeros((), device=self.device)
@@ -962,7 +1028,10 @@ class Trainer:
             # per-element size falls as 1/sqrt(their count); a mean KL's would fall as 1/count. Summed and divided
             # by sqrt(count), the KL scales like the branches: kl_weight means the same at any batch and resolution.
             kl_branch = cfg.kl_weight * kl * math.sqrt(latent_elements)
-            backward = perceptual + pixel + g_loss + scale * (kl_branch / accum)
+            # The whole sum is scaled, so LPIPS' and the critic's fp16 backward passes run at the loss scale
+            # (unscaled, their small gradients underflow). Each GradNorm renormalises what reaches it to its
+            # weight, which carries the scale once: the VAE's gradient does not depend on this factor.
+            backward = scale * (perceptual + pixel + g_loss + kl_branch / accum)
         else:
             rec = cfg.perceptual_weight * perceptual + cfg.mse_weight * pixel
             gan_w = torch.full((), cfg.gan_weight, device=self.device)
@@ -1142,7 +1211,8 @@ class Trainer:
         metrics["lr/vae"] = self.sched_vae.get_last_lr()[0]
         for k, v in self.loader_skipped().items():
             metrics[f"data/skipped_{k}"] = v
-        self.tracker.check(metrics, self.step, gan_active=self.gan and self.step > cfg.disc_start)
+        # the critic winning matters once the generator fights back: a window with generator GAN steps
+        self.tracker.check(metrics, self.step, gan_active="loss/gan_g" in metrics)
         if not self.info.is_main:
             return
         line = [f"step {self.step}/{cfg.max_steps}", f"loss {metrics.get('loss/total', float('nan')):.4f}",
@@ -1249,6 +1319,14 @@ class Trainer:
                 pass
 
 
+def new_wandb_run_id() -> str:
+    """8 random lower-case letters and digits, the form of wandb's own ids (wandb >= 0.2x no longer exports
+    wandb.util.generate_id)."""
+    import secrets
+    import string
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
 def wandb_key_configured() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
@@ -1320,7 +1398,7 @@ def demo_summary(cfg: Config) -> str:
 def main(argv: list[str] | None = None) -> int:
     is_rank0 = os.environ.get("RANK", "0") == "0"
     try:
-        cfg = parse_config(argv)
+        cfg, given = parse_flags(argv)
         if cfg.demo and os.environ.get("LOCAL_RANK", "0") == "0":
             cfg = prepare_demo(cfg)
         elif cfg.demo:
@@ -1332,6 +1410,8 @@ def main(argv: list[str] | None = None) -> int:
         if is_rank0:
             print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
         return 2
+    for line in config_warnings(cfg, given) if is_rank0 else []:
+        print(line, file=sys.stderr, flush=True)
     info = init_distributed()
     trainer, failed = None, False
     try:

@@ -110,3 +110,30 @@ def run_cli(script: str, args: list[str], nproc: int = 0, env: dict | None = Non
             proc.communicate()
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def record_ops():
+    """A dispatch mode that records every aten op run inside it (after autocast's casts, so it sees the
+    dtypes the kernels really compute in) as (op name, [dtypes of its floating-point tensor inputs])."""
+    import torch
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RecordOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[tuple[str, list]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            dtypes = [t.dtype for t in pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            self.calls.append((func.overloadpacket.__name__, dtypes))
+            return func(*args, **kwargs)
+
+        def low_precision(self) -> list[tuple[str, list]]:
+            """Ops other than casts (`_to_copy`) that read a bf16/fp16 tensor."""
+            return [(name, dtypes) for name, dtypes in self.calls if name != "_to_copy"
+                    and any(d in (torch.bfloat16, torch.float16) for d in dtypes)]
+
+    return RecordOps()

@@ -12,6 +12,7 @@ import re
 import signal
 import struct
 import tarfile
+import time
 import zlib
 from collections import Counter
 
@@ -66,11 +67,16 @@ def png_header_only(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
 
 
+class PipelineHangs(BaseException):
+    """Raised by deadline(). Not an OSError (as TimeoutError is) nor an Exception: the shard reader counts
+    OSErrors as shard errors and skips on, which would swallow the alarm of a hang inside a read."""
+
+
 @contextlib.contextmanager
 def deadline(seconds: float):
     """Fail instead of hanging: SIGALRM raises in the main thread after `seconds`."""
     def on_alarm(signum, frame):
-        raise TimeoutError(f"no result within {seconds} s (the data pipeline hangs)")
+        raise PipelineHangs(f"no result within {seconds} s (the data pipeline hangs)")
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
@@ -421,6 +427,119 @@ def test_dataset_error_from_worker_is_one_line(tmp_path):
         with deadline(60), pytest.raises(data.DatasetError) as info:
             next(loader)
     assert "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------
+# remote shards (loopback only)
+# --------------------------------------------------------------------------------------------
+HANG_HOLD_S = 40
+
+
+@pytest.fixture(scope="module")
+def remote(solid_shards):
+    """An http server of the solid shards, a port with nothing listening ('dead') and a server that accepts
+    connections and never answers ('hang'; it drops each one after HANG_HOLD_S, so that even a reader without
+    a timeout of its own gets free). All closed at the end of the module."""
+    import functools
+    import http.server
+    import socket
+    import threading
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Quiet, directory=os.path.dirname(solid_shards)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead_port = probe.getsockname()[1]
+    hang = socket.socket()
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(64)
+
+    def hold_connections():
+        while True:
+            try:
+                conn, _ = hang.accept()
+            except OSError:  # the listening socket was closed: the module is done
+                return
+            timer = threading.Timer(HANG_HOLD_S, conn.close)
+            timer.daemon = True
+            timer.start()
+
+    threading.Thread(target=hold_connections, daemon=True).start()
+    try:
+        yield {"good": f"http://127.0.0.1:{server.server_address[1]}/{{00000..00002}}.tar",
+               "dead": f"http://127.0.0.1:{dead_port}/00003.tar",
+               "hang": f"http://127.0.0.1:{hang.getsockname()[1]}/00004.tar"}
+    finally:
+        server.shutdown()
+        server.server_close()
+        hang.close()
+
+
+@pytest.fixture()
+def short_timeouts(monkeypatch):
+    """Seconds instead of the production half-minutes, so that the stalls below are quick."""
+    monkeypatch.setattr(data, "STALL_TIMEOUT_S", 2)
+    monkeypatch.setattr(data, "PROBE_TIMEOUT_S", 3)
+
+
+@pytest.mark.timeout(60)
+def test_remote_shards_stream_like_local_ones(remote, solid_shards):
+    """The curl path reads exactly what the local path reads."""
+    local, http = Counter(), Counter()
+    for shard_url, local_path in zip(data.list_shards(remote["good"]), data.list_shards(solid_shards)):
+        with deadline(30):
+            ours = [(i, s["png"]) for i, s in data.iter_shard(shard_url, http)]
+        assert ours == [(i, s["png"]) for i, s in data.iter_shard(local_path, local)] and len(ours) == 3
+    assert http == local == Counter()
+
+
+@pytest.mark.timeout(120)
+def test_dead_or_hung_remote_shards_are_skipped_and_counted(remote, short_timeouts):
+    """Mid-run, a refused connection and a server that never answers cost a skipped shard each (counted in
+    data/skipped_shard_errors), not a hung run; the good shards keep the batches coming, epoch after epoch."""
+    url = "::".join([remote["good"], remote["dead"], remote["hang"]])
+    with train_loader(url, shuffle_buffer=2) as loader:
+        # measured rather than deadline(): the elapsed time is the assertion
+        start = time.monotonic()
+        seen = {v for _ in range(10) for v in sample_ids(next(loader))}
+        elapsed = time.monotonic() - start
+        assert seen == shard_ids(0) | shard_ids(1) | shard_ids(2)
+        # the hung shard costs STALL_TIMEOUT_S (2 s) per visit; a reader that waits for the server to give up
+        # would need HANG_HOLD_S per visit
+        assert elapsed < HANG_HOLD_S - 5, elapsed
+        state = loader.state_dict()["worker_states"][0]
+        assert state["epoch"] >= 1  # every shard was visited at least once
+        assert loader.skipped()["shard_errors"] >= 2 * state["epoch"], (state, loader.skipped())
+
+
+@pytest.mark.timeout(60)
+def test_unreadable_remote_dataset_fails_at_start(remote, short_timeouts):
+    """The start-up probe: no readable shard among those tried is one line within the probe time; one readable
+    shard is enough."""
+    for url in (remote["dead"], f"{remote['hang']}::{remote['dead']}"):
+        with deadline(15), pytest.raises(data.DatasetError) as info:
+            data.probe_remote_shards(data.list_shards(url))
+        message = str(info.value)
+        assert "\n" not in message and "cannot read" in message and "127.0.0.1" in message, message
+    with deadline(15):
+        data.probe_remote_shards(data.list_shards(f"{remote['hang']}::{remote['good']}::{remote['dead']}"))
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_dataset_url_is_one_line_before_anything_starts(remote, tmp_path):
+    """The CLI with the default timeouts: a refused URL is one `error:` line at once, no run directory."""
+    from conftest import TINY
+    proc = run_cli("vae_trainer.py", ["--dataset_url", remote["dead"].replace("00003", "{00000..00003}"),
+                                      "--output_dir", str(tmp_path / "runs"), *TINY], timeout=50)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert lines[0].startswith("error: --dataset_url: cannot read") and "Failed to connect" in lines[0], lines
+    assert not (tmp_path / "runs").exists()
 
 
 # --------------------------------------------------------------------------------------------

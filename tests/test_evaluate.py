@@ -340,7 +340,7 @@ def test_cli_reconstructs_any_size(run_dir, photos_dir, tmp_path):
                                     "--tile_size", tile, "--tile_overlap", "8"])
         assert r.returncode == 0, r.stderr[-2000:]
         assert parse_json(r.stdout)["reconstructed"] == 2
-        with Image.open(dst / "a.png") as a, Image.open(dst / "sub" / "b.png") as b:
+        with Image.open(dst / "a.png.png") as a, Image.open(dst / "sub" / "b.jpg.png") as b:
             assert (a.size, a.mode, b.size, b.mode) == ((37, 50), "RGB", (45, 31), "RGB")
 
 
@@ -352,6 +352,26 @@ def test_cli_reconstructs_under_torchrun_on_two_gpus(run_dir, photos_dir, tmp_pa
                 nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert parse_json(r.stdout)["reconstructed"] == len(os.listdir(photos_dir))
+
+
+def test_reconstructions_keep_the_full_source_name(photos_dir, tmp_path):
+    """x.jpg and x.png side by side: each reconstruction lands in its own file, named after its source."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "sub").mkdir(parents=True)
+    with Image.open(os.path.join(photos_dir, "astronaut.png")) as im:
+        im.convert("RGB").crop((0, 0, 40, 36)).save(src / "x.png")
+    with Image.open(os.path.join(photos_dir, "rocket.jpg")) as im:
+        im.crop((0, 0, 36, 40)).save(src / "x.jpg")
+        im.crop((50, 50, 70, 70)).save(src / "sub" / "x.png")
+    torch.manual_seed(0)
+    vae = AutoEncoder(AutoEncoderParams(**TINY_PARAMS)).eval()
+    assert ev.reconstruct_folder(vae, str(src), str(dst), torch.device("cpu"), 0, 0) == 3
+    written = sorted(os.path.relpath(os.path.join(d, f), dst) for d, _, fs in os.walk(dst) for f in fs)
+    assert written == ["sub/x.png.png", "x.jpg.png", "x.png.png"]
+    for name in ("x.png", "x.jpg", "sub/x.png"):
+        expected = ev.reconstruct(vae, ev.load_rgb(str(src / name)), torch.device("cpu"))
+        with Image.open(dst / f"{name}.png") as out:
+            assert np.array_equal(np.asarray(out), expected), name
 
 
 def test_cli_user_errors_are_one_line(run_dir, shard_url, tmp_path):

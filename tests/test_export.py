@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -101,6 +102,69 @@ def test_safetensors_round_trip_is_identical(tmp_path):
             assert torch.equal(ours, theirs)
     reloaded, info = ev.load_model(str(tmp_path))  # evaluate.py takes the folder as --ckpt
     assert info["resolution"] == 32 and torch.equal(reloaded.encode(x), loaded.encode(x))
+
+
+@pytest.mark.parametrize("name", ["constant_attn_3_levels", "learned_attn_3_levels"])
+def test_diffusers_export_loads_back_exactly(name, tmp_path):
+    """evaluate.py/export.py take a diffusers export as --ckpt: the inverse conversion gives back the same
+    architecture (the posterior kind and variance included) and bitwise the same outputs."""
+    params = CONFIGS[name]
+    vae = make_vae(params)
+    export.export_diffusers(vae, str(tmp_path), resolution=32)
+    loaded, info = ev.load_model(str(tmp_path))
+    assert loaded.params.to_dict() == pytest.approx(params.to_dict()) and info["resolution"] == 32
+    x = torch.rand(2, 3, 32, 40) * 2 - 1
+    with torch.no_grad():
+        for ours, theirs in zip(vae.encode_moments(x), loaded.encode_moments(x)):
+            assert (ours is None and theirs is None) or torch.equal(ours, theirs)
+        z = torch.randn(2, params.z_channels, 8, 10)
+        assert torch.equal(vae.decode(z), loaded.decode(z))
+
+
+@pytest.mark.timeout(120)
+def test_evaluate_cli_takes_a_diffusers_export(tmp_path, photos_dir):
+    """The README's path: a checkpoint -> its diffusers export -> evaluate.py --ckpt <that folder>."""
+    params = CONFIGS["constant_no_attn_2_levels"]
+    save_checkpoint(tmp_path / "ckpt.pt", params)
+    ema_vae, _ = ev.load_model(str(tmp_path / "ckpt.pt"), ema=True)
+    out = tmp_path / "vae-diffusers"
+    export.export_diffusers(ema_vae, str(out), resolution=32)  # what `export.py --ema` writes (tested above)
+    r = run_cli("evaluate.py", ["--ckpt", str(out), "--dataset_url", photos_dir, "--max_images", "2",
+                                "--vgg16_weights", "none", "--inception_weights", "none"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert (result["checkpoint"], result["resolution"], result["n_images"]) == (str(out), 32, 2)
+    ref = ev.evaluate_model(ema_vae, photos_dir, 32, batch_size=16, device=torch.device("cpu"), max_images=2)
+    assert result["psnr"] == pytest.approx(ref["psnr"], rel=1e-12)
+    assert result["ssim"] == pytest.approx(ref["ssim"], rel=1e-12)
+
+
+def test_a_foreign_autoencoderkl_is_one_line(tmp_path, capsys):
+    """An AutoencoderKL in the SD layout (quant_conv) is not ours to convert: one line, no traceback."""
+    from diffusers import AutoencoderKL
+    AutoencoderKL(block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+                  up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4).save_pretrained(tmp_path / "sd")
+    assert ev.main(["--ckpt", str(tmp_path / "sd"), "--images", str(tmp_path), "--reconstruct_to",
+                    str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "quant_conv" in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_exported_files_honour_the_umask(tmp_path, umask):
+    """safetensors writes through a 0600 temp file: the export must be as readable as config.json next to it."""
+    vae = make_vae(CONFIGS["constant_no_attn_2_levels"])
+    old = os.umask(umask)
+    try:
+        export.export_diffusers(vae, str(tmp_path / "d"), resolution=32)
+        export.export_safetensors(vae, str(tmp_path / "s"), resolution=32)
+    finally:
+        os.umask(old)
+    modes = {f"{d}/{f}": oct(os.stat(tmp_path / d / f).st_mode & 0o777)
+             for d in ("d", "s") for f in os.listdir(tmp_path / d)}
+    assert set(modes) == {"d/config.json", "d/diffusion_pytorch_model.safetensors", "s/config.json",
+                          "s/model.safetensors"}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
 
 
 def test_cli_diffusers_with_factors_and_ema(tmp_path):

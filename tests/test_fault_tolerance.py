@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 import re
@@ -205,6 +206,36 @@ def test_injected_nan_skips_the_step_on_every_rank(shard_url, tmp_path):
     assert not all(torch.equal(skipped["vae"][k], after["vae"][k]) for k in after["vae"])
     assert after["guard"] == {"bad_steps_total": 1, "bad_streak": 0}
     assert [r["guard/bad_steps_total"] for r in _metrics(tmp_path, "nan")] == [0, 1, 1]
+
+
+@pytest.mark.timeout(240)
+def test_nan_reconstruction_reaching_the_critic_is_skipped_and_training_recovers(shard_url, tmp_path):
+    """A NaN reconstruction at step index 3 (what an fp16 overflow in the decoder gives) reaches the critic
+    and LeCam's pending anchors. The guard skips the step for both networks and the anchors stay as they
+    were: a stop request right then saves finite anchors, and the resumed run has finite losses and
+    finishes. Before the fix the anchors turned NaN for good: every later step was skipped and the run
+    stopped at --max_bad_steps."""
+    args = _args(shard_url, tmp_path, "nanrec", 7, 1, *GAN, "--discriminator", "patchgan", "--max_bad_steps", "2")
+    args[args.index("--log_every_n_steps") + 1] = "1"
+    first = run_cli("vae_trainer.py", args, env=cli_env(VAE_TRAINER_INJECT_NAN_RECON="3", VAE_TRAINER_SIGTERM_AT="3"))
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    before, skipped = _ckpt(tmp_path, "nanrec", 3), _ckpt(tmp_path, "nanrec", 4)
+    assert skipped["guard"] == {"bad_steps_total": 1, "bad_streak": 1}
+    for name in ("ema_real", "ema_fake"):
+        assert torch.isfinite(before["lecam"][name]), name
+        assert torch.equal(before["lecam"][name], skipped["lecam"][name]), name  # the bad step left them
+
+    again = run_cli("vae_trainer.py", args)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    records = {r["step"]: r for r in _metrics(tmp_path, "nanrec")}
+    assert records[4]["guard/skipped_disc"] == 1.0 and records[4]["guard/skipped_vae"] == 1.0
+    for step in (5, 6, 7):
+        assert math.isfinite(records[step]["loss/disc"]) and math.isfinite(records[step]["loss/total"]), step
+        assert records[step]["guard/skipped_disc"] == 0.0 and records[step]["guard/skipped_vae"] == 0.0, step
+    last = _ckpt(tmp_path, "nanrec", 7)
+    assert last["guard"] == {"bad_steps_total": 1, "bad_streak": 0}
+    for name in ("ema_real", "ema_fake"):
+        assert torch.isfinite(last["lecam"][name]) and not torch.equal(last["lecam"][name], skipped["lecam"][name])
 
 
 def test_repeated_nans_stop_cleanly_with_last_good_checkpoint(shard_url, tmp_path):

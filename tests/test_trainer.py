@@ -67,6 +67,102 @@ def test_bad_dataset_paths_via_the_cli(tmp_path, url, message):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("flags, expected", [
+    (["--do_ganloss", "--disc_norm", "batch"], ["--disc_norm has no effect with --discriminator vgg16"]),
+    (["--do_ganloss", "--gen_loss", "ldm", "--gan_margin", "0.2"], ["--gan_margin has no effect with --gen_loss ldm"]),
+    (["--do_ganloss", "--adaptive_weight_max", "100"],
+     ["--adaptive_weight_max has no effect with --loss_balance gradnorm"]),
+    (["--gan_weight", "0.5", "--disc_start", "5", "--lecam_weight", "0.1", "--disc_norm", "batch"],  # one line
+     ["--disc_norm, --gan_weight, --disc_start, --lecam_weight have no effect without --do_ganloss"]),
+    (["--clamp_th", "4"], ["--clamp_th has no effect without --do_clamp"]),
+    (["--posterior", "learned", "--posterior_var", "0.2"], ["--posterior_var has no effect with --posterior learned"]),
+    (["--eval_max_images", "8", "--inception_weights", "none"],
+     ["--eval_max_images, --inception_weights have no effect without --test_dataset_url"]),
+    (["--test_dataset_url", "t.tar", "--evaluate_every_n_steps", "0", "--eval_max_images", "8"],
+     ["--eval_max_images has no effect with --evaluate_every_n_steps 0"]),
+    (["--wandb_mode", "disabled", "--project_name", "p"], ["--project_name has no effect with --wandb_mode disabled"]),
+    (["--warmup_steps", "50", "--max_steps", "10"], ["--warmup_steps 50 > --max_steps 10: the learning rate peaks "
+                                                     "at 20%"]),
+    (["--do_ganloss", "--disc_start", "10", "--max_steps", "10", "--warmup_steps", "1"],
+     ["--disc_start 10 >= --max_steps 10: the generator never gets the adversarial term"]),
+    # every flag here acts: no warning
+    (["--do_ganloss", "--discriminator", "patchgan", "--disc_norm", "batch", "--loss_balance", "adaptive",
+      "--adaptive_weight_max", "10", "--gan_margin", "0.2", "--do_clamp", "--clamp_th", "4", "--posterior_var", "0.2",
+      "--test_dataset_url", "t.tar", "--eval_max_images", "8", "--lecam_weight", "0.1"], []),
+    ([], []),
+    (["--demo"], []),  # the demo's own values (GAN settings among them) are not the user's flags
+])
+def test_flags_without_effect_are_named(flags, expected):
+    cfg, given = vae_trainer.parse_flags(flags)
+    lines = vae_trainer.config_warnings(cfg, given)
+    assert len(lines) == len(expected), lines
+    for line, text in zip(lines, expected):
+        assert line.startswith("warning: ") and text in line and "\n" not in line, line
+
+
+def wandb_records(path: str):
+    """The records of an offline run's .wandb file, parsed with wandb's own protobuf: the file is a LevelDB-style
+    log (a 7-byte ':W&B' header, then 32 KiB blocks of chunks with a 7-byte header: crc32c, length, type)."""
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", data[:7]
+    pos, block, payload = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:  # zero padding up to the end of the block
+            pos += block - pos % block
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        payload = chunk if kind in (1, 2) else payload + chunk  # FULL / FIRST start a record
+        if kind in (1, 4):  # FULL / LAST end it
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(payload)
+            yield record
+
+
+@pytest.mark.timeout(120)
+def test_wandb_offline_run_holds_the_history(shard_url, tmp_path):
+    """The real wandb package, offline: the run's losses and sample grids are in <run_dir>/wandb. Also: a flag
+    that does nothing in this config is named once, on stderr."""
+    env = cli_env(WANDB_MODE="offline", WANDB_CONFIG_DIR=tmp_path / "wandb_config",
+                  WANDB_CACHE_DIR=tmp_path / "wandb_cache", WANDB_DATA_DIR=tmp_path / "wandb_data")
+    args = ["--dataset_url", shard_url, "--output_dir", str(tmp_path), "--run_name", "wb", "--max_steps", "2",
+            "--log_every_n_steps", "1", "--save_every_n_steps", "2", "--evaluate_every_n_steps", "0", *TINY,
+            "--wandb_mode", "offline", "--clamp_th", "4"]
+    proc = run_cli("vae_trainer.py", args, env=env, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wandb unavailable" not in proc.stdout + proc.stderr
+    assert proc.stderr.count("--clamp_th has no effect without --do_clamp") == 1, proc.stderr
+
+    run_dir = tmp_path / "wb"
+    run_id = (run_dir / "wandb_id").read_text()
+    assert len(run_id) == 8 and run_id.isalnum() and run_id == run_id.lower()
+    runs = list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 1, os.listdir(run_dir / "wandb")
+    history = {}
+    for record in wandb_records(str(runs[0] / f"run-{run_id}.wandb")):
+        if record.WhichOneof("record_type") == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history.setdefault(items["_step"], {}).update(items)
+    assert sorted(history) == [1, 2], sorted(history)
+    for step in (1, 2):
+        for key in ("loss/total", "loss/perceptual", "loss/pooled_mse", "loss/lowpass_mse", "loss/kl",
+                    "latent/std", "lr/vae", "img_per_s"):
+            assert isinstance(history[step].get(key), float), (step, key, sorted(history[step]))
+    logged = _metrics(str(run_dir))  # wandb got the numbers metrics.jsonl holds
+    assert not [k for k in logged[-1] if "disc" in k or k.startswith("gan/")], logged[-1]  # no critic, no critic keys
+    assert history[2]["loss/total"] == pytest.approx(logged[-1]["loss/total"], rel=1e-6)
+    # the sample grid of the step-2 checkpoint, as a wandb image whose file is in the run's media folder
+    assert history[2]["samples/_type"] == "image-file", sorted(history[2])
+    media = runs[0] / "files" / history[2]["samples/path"]
+    with Image.open(media) as logged_grid, Image.open(run_dir / "samples" / "step_00000002.png") as grid:
+        assert logged_grid.size == grid.size == (history[2]["samples/width"], history[2]["samples/height"])
+
+
 def test_torchrun_two_ranks_writes_everything(shard_url, tmp_path):
     """The issue's acceptance run: 2 gloo ranks, GAN on, a few steps."""
     out = tmp_path / "runs"

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import torchvision
 
 import utils
+from conftest import record_ops
 from utils import (DISC_NORMS, GradNormFunction, LeCam, NLayerDiscriminator, VGG16Discriminator, WeightsUnavailable,
                    adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy, discriminator_loss,
                    ensure_vgg16_weights, generator_loss, gradnorm, load_vgg16_features, lowpass_mask, lowpass_mse,
@@ -74,6 +75,7 @@ def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
         # LeCam anchors are averaged across ranks
         lecam = LeCam(decay=0.5)
         lecam.update(torch.full((4,), float(rank + 1)), torch.full((4,), -2.0 * (rank + 1)))
+        lecam.commit(skip=torch.tensor(False))
         torch.save({"upstream": upstream, "grad": x.grad, "ema_real": lecam.ema_real.clone(),
                     "ema_fake": lecam.ema_fake.clone()}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -128,11 +130,18 @@ def test_pooled_mse_constant_shift(shift):
 
 
 def test_pooled_mse_fp32_under_autocast():
-    a, b = torch.rand(1, 3, 16, 16).bfloat16(), torch.rand(1, 3, 16, 16).bfloat16()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    """bf16 inputs (bf16-representable values): the pooling itself must run in fp32. Colours near 0.9 that
+    differ by ~1e-2 have pooled means whose bf16 rounding (half an ulp: 2e-3) is of the size of the
+    difference the loss measures."""
+    torch.manual_seed(0)
+    a = (0.9 + 0.05 * torch.rand(2, 3, 16, 16)).bfloat16()
+    b = (a.float() + 0.01 * torch.randn(2, 3, 16, 16)).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16), record_ops() as ops:
         loss = pooled_mse(a, b, 4)
     assert loss.dtype == torch.float32
-    assert loss.item() == pytest.approx(pooled_mse(a.float(), b.float(), 4).item(), rel=1e-6)
+    assert not ops.low_precision(), ops.low_precision()
+    reference = F.mse_loss(F.avg_pool2d(a.double(), 4), F.avg_pool2d(b.double(), 4)).item()
+    assert loss.item() == pytest.approx(reference, rel=1e-5)
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,6 +214,20 @@ def test_lowpass_mse_ignores_high_frequency_region_errors():
     assert lowpass_mse(target, target).item() == 0.0
 
 
+def test_lowpass_filters_are_buffers_and_the_blur_is_torchvisions():
+    """The filters are non-persistent buffers (they move with .to(device) once, never per step, and stay out
+    of checkpoints); the blur is torchvision's gaussian_blur (13x13, sigma 2, reflect padding) exactly."""
+    module = utils.LowpassMSE()
+    assert dict(module.named_buffers()).keys() == {"laplacian", "gaussian"} and not module.state_dict()
+    torch.manual_seed(0)
+    edges = torch.rand(2, 1, 40, 37)
+    ours = F.conv2d(F.pad(edges, (6,) * 4, mode="reflect"), module.gaussian)
+    torch.testing.assert_close(ours, torchvision.transforms.functional.gaussian_blur(edges, [13, 13], [2.0, 2.0]),
+                               rtol=0, atol=1e-7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # built under autocast (a one-off lowpass_mse call)
+        assert utils.gaussian_kernel2d(13, 2.0).dtype == torch.float32
+
+
 def test_lowpass_fp32_under_bf16_autocast():
     target = half_flat_half_checker().bfloat16()
     recon = (target.float() + 0.1).bfloat16()
@@ -272,6 +295,14 @@ def test_discriminator_accuracy():
 def vgg_disc():
     torch.manual_seed(0)
     return VGG16Discriminator(None)
+
+
+def test_imagenet_scaling_of_minus_one_to_one_images():
+    """The critic's VGG16 sees ImageNet-normalised inputs: [-1, 1] -> [0, 1] -> (x - mean) / std."""
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    x = torch.rand(2, 3, 4, 4) * 2 - 1
+    expected = ((x + 1) / 2 - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
+    torch.testing.assert_close(utils.ImageNetScaling()(x), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_vgg16_discriminator_shape_and_neutral_start(vgg_disc):
@@ -361,21 +392,71 @@ def test_lecam_penalty_on_hand_values():
     assert lecam.penalty(real, fake).item() == pytest.approx(2.5 / 3 + 6.5 / 3, rel=1e-6)
 
 
+GOOD = torch.tensor(0.0)  # the guard's per-step flag: 0 = the step is taken
+
+
 def test_lecam_update_ema():
     lecam = LeCam(decay=0.9)
     assert not bool(lecam.initialized)
     lecam.update(torch.tensor([1.0, 3.0]), torch.tensor([-4.0, 0.0]))
+    lecam.commit(skip=GOOD)
     assert bool(lecam.initialized)
     assert lecam.ema_real.item() == pytest.approx(2.0) and lecam.ema_fake.item() == pytest.approx(-2.0)
     lecam.update(torch.tensor([12.0]), torch.tensor([8.0]))
+    lecam.commit(skip=GOOD)
     assert lecam.ema_real.item() == pytest.approx(0.9 * 2.0 + 0.1 * 12.0)
     assert lecam.ema_fake.item() == pytest.approx(0.9 * -2.0 + 0.1 * 8.0)
 
 
-def test_lecam_state_dict_round_trip():
+def test_lecam_penalty_uses_this_steps_anchors_and_a_skipped_step_keeps_the_old_ones():
+    """The penalty of a step sees the anchors updated with its own logits (as LeCam's reference code);
+    they become the saved anchors only when the guard takes the step. A NaN step (an fp16 overflow in the
+    reconstruction) is skipped and leaves them as they were, finite: the next steps train normally."""
     lecam = LeCam(decay=0.9)
     lecam.update(torch.tensor([1.0]), torch.tensor([-1.0]))
-    lecam.update(torch.tensor([3.0]), torch.tensor([1.0]))
+    lecam.commit(skip=GOOD)
+    real, fake = torch.tensor([0.0]), torch.tensor([0.0])
+    lecam.update(torch.tensor([11.0]), torch.tensor([-11.0]))
+    # pending anchors: real 0.9 * 1 + 0.1 * 11 = 2, fake -2 -> relu(0 + 2)^2 + relu(2 - 0)^2
+    assert lecam.penalty(real, fake).item() == pytest.approx(8.0)
+    lecam.commit(skip=torch.tensor(1.0))  # the guard rejected the step
+    assert (lecam.ema_real.item(), lecam.ema_fake.item()) == (1.0, -1.0)
+    assert lecam.penalty(real, fake).item() == pytest.approx(2.0)
+
+    lecam.update(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
+    assert math.isnan(lecam.penalty(real, fake).item())  # this step's critic loss: non-finite, skipped
+    lecam.commit(skip=torch.tensor(1.0))
+    assert (lecam.ema_real.item(), lecam.ema_fake.item()) == (1.0, -1.0)
+    lecam.update(torch.tensor([11.0]), torch.tensor([-11.0]))
+    lecam.commit(skip=GOOD)
+    assert lecam.ema_real.item() == pytest.approx(2.0) and lecam.ema_fake.item() == pytest.approx(-2.0)
+
+
+def test_lecam_micro_batches_of_the_first_step_average_in():
+    """With --grad_accum the first step's first micro-batch sets the pending anchors, the next ones enter
+    the EMA (as before the pending/commit split), and the step commits the result."""
+    lecam = LeCam(decay=0.9)
+    lecam.update(torch.tensor([1.0]), torch.tensor([-1.0]))
+    lecam.update(torch.tensor([11.0]), torch.tensor([9.0]))
+    lecam.commit(skip=GOOD)
+    assert lecam.ema_real.item() == pytest.approx(2.0) and lecam.ema_fake.item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_lecam_first_step_skipped_leaves_anchors_unset():
+    lecam = LeCam(decay=0.9)
+    lecam.update(torch.tensor([float("inf")]), torch.tensor([5.0]))
+    lecam.commit(skip=torch.tensor(1.0))
+    assert not bool(lecam.initialized)
+    lecam.update(torch.tensor([3.0]), torch.tensor([-3.0]))  # the first good step sets the anchors
+    lecam.commit(skip=GOOD)
+    assert (lecam.ema_real.item(), lecam.ema_fake.item()) == (3.0, -3.0) and bool(lecam.initialized)
+
+
+def test_lecam_state_dict_round_trip():
+    lecam = LeCam(decay=0.9)
+    for real, fake in ((1.0, -1.0), (3.0, 1.0)):
+        lecam.update(torch.tensor([real]), torch.tensor([fake]))
+        lecam.commit(skip=GOOD)
     state = lecam.state_dict()
     assert set(state) == {"ema_real", "ema_fake", "initialized"}
     fresh = LeCam(decay=0.9)
@@ -385,6 +466,7 @@ def test_lecam_state_dict_round_trip():
     # the restored one continues the EMA rather than re-seeding its anchors
     for m in (lecam, fresh):
         m.update(torch.tensor([5.0]), torch.tensor([5.0]))
+        m.commit(skip=GOOD)
     assert fresh.ema_real.item() == pytest.approx(lecam.ema_real.item())
     assert fresh.ema_real.item() == pytest.approx(0.9 * (0.9 * 1 + 0.1 * 3) + 0.1 * 5)
 
