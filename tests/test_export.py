@@ -22,6 +22,8 @@ CONFIGS = {
                                                 use_attn=True),
     "constant_no_attn_2_levels": AutoEncoderParams(ch=32, ch_mult=(1, 2), num_res_blocks=2, z_channels=4,
                                                    use_attn=False, posterior_var=0.25),
+    "constant_8_groups": AutoEncoderParams(ch=32, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4,
+                                           use_attn=False, norm_groups=8),  # --vae_norm_groups 8 (the demo)
     "learned_attn_3_levels": AutoEncoderParams(ch=32, ch_mult=(1, 1, 2), num_res_blocks=1, z_channels=4,
                                                use_attn=True, posterior="learned"),
 }

@@ -43,6 +43,7 @@ def test_help_lists_every_flag_with_its_default():
     (["--vae_ch_mult", "1,x"], "comma-separated integers"),
     (["--no_such_flag", "1"], "unrecognized arguments"),
     (["--resize_prob", "2"], "must be in [0, 1]"),
+    (["--vae_norm_groups", "12"], "32 x 1 = 32 is not divisible by the 12 GroupNorm groups"),
 ])
 def test_bad_flags_are_one_line_errors_before_anything_starts(tmp_path, capsys, shard_url, extra, message):
     code = vae_trainer.main(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, *extra])
@@ -225,15 +226,61 @@ def test_it_learns_on_real_photos(shard_url, tmp_path):
 
 
 def test_demo_runs_from_nothing(tmp_path):
-    """`python vae_trainer.py --demo` builds its shards from bundled photos and trains (shortened here)."""
+    """`python vae_trainer.py --demo` builds its shards from bundled photos and trains (shortened here). Without
+    pretrained VGG16 weights (an empty torch hub cache) it says so in one line and builds no random VGG16: no
+    LPIPS, no critic, no random-VGG warning."""
     out = tmp_path / "runs"
     proc = run_cli("vae_trainer.py", ["--demo", "--output_dir", str(out), "--max_steps", "4",
                                       "--log_every_n_steps", "2", "--save_every_n_steps", "4",
-                                      "--evaluate_every_n_steps", "0", "--wandb_mode", "disabled"])
+                                      "--evaluate_every_n_steps", "0", "--wandb_mode", "disabled"],
+                   env=cli_env(TORCH_HOME=str(tmp_path / "empty_torch_home")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "demo_data" / "READY").exists()
     assert os.listdir(out / "demo" / "samples") == ["step_00000004.png"]
     assert "step 4/4" in proc.stdout
+    assert [ln for ln in proc.stdout.splitlines() if ln.startswith("demo: ")] == [
+        ln for ln in proc.stdout.splitlines() if "LPIPS and the VGG16 critic are OFF" in ln]
+    assert "RANDOMLY INITIALISED" not in proc.stderr
+    logged = [r for r in _metrics(str(out / "demo")) if "loss/total" in r]
+    assert logged and not any(k.startswith(("loss/perceptual", "loss/gan", "loss/disc", "gan/")) for r in logged
+                              for k in r)
+
+
+def test_demo_without_vgg16_weights_trains_no_random_feature_branch(tmp_path, monkeypatch):
+    """The demo's config: without cached VGG16 weights, LPIPS and the VGG16 critic (both would train on random
+    features) are off; with them, the full recipe stays. An explicit --vgg16_weights random is the user's choice."""
+    monkeypatch.setattr(vae_trainer, "vgg16_cache_path", lambda: str(tmp_path / "absent" / "vgg16.pth"))
+    demo = vae_trainer.parse_config(["--demo", "--output_dir", str(tmp_path)])
+    assert demo.perceptual_weight > 0 and demo.do_ganloss and demo.discriminator == "vgg16"  # the full recipe
+    offline = vae_trainer.prepare_demo(demo)
+    assert offline.vgg16_weights == "random"
+    assert offline.perceptual_weight == 0 and not offline.do_ganloss
+    assert not vae_trainer.uses_vgg16(offline)
+    assert "LPIPS and the VGG16 critic are OFF" in vae_trainer.demo_summary(offline)
+
+    cached = tmp_path / "hub" / "vgg16.pth"
+    cached.parent.mkdir()
+    cached.write_bytes(b"weights")
+    monkeypatch.setattr(vae_trainer, "vgg16_cache_path", lambda: str(cached))
+    online = vae_trainer.prepare_demo(demo)
+    assert (online.vgg16_weights, online.perceptual_weight, online.do_ganloss) == (
+        "torchvision", demo.perceptual_weight, True)
+    assert vae_trainer.demo_summary(online) == "demo: LPIPS + pixel + vgg16 critic from step " \
+                                               f"{demo.disc_start} losses, with pretrained VGG16"
+
+    explicit = vae_trainer.prepare_demo(vae_trainer.parse_config(["--demo", "--output_dir", str(tmp_path),
+                                                                  "--vgg16_weights", "random"]))
+    assert explicit.perceptual_weight > 0 and explicit.do_ganloss and vae_trainer.uses_vgg16(explicit)
+
+
+def test_vae_norm_groups_reaches_the_model_and_is_an_architecture_field():
+    cfg = vae_trainer.parse_config(["--vae_ch", "32", "--vae_norm_groups", "8"])
+    vae = vae_trainer.AutoEncoder(vae_trainer.model_params(cfg))
+    groups = {m.num_groups for m in vae.modules() if isinstance(m, torch.nn.GroupNorm)}
+    assert groups == {8}
+    assert vae_trainer.model_params(cfg).to_dict()["norm_groups"] == 8  # what checkpoints and export read
+    assert "vae_norm_groups" in vae_trainer.ARCH_FIELDS
+    assert vae_trainer.Config().vae_norm_groups == 32  # existing runs and checkpoints unchanged
 
 
 def test_ema_update_rule():
