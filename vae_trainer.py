@@ -35,9 +35,8 @@ import evaluate as evaluate_lib
 from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoder, AutoEncoderParams, kl_divergence
 from utils import (DISC_NORMS, DISC_TYPES, LeCam, LowpassMSE, NLayerDiscriminator, VGG16Discriminator,
                    WeightsUnavailable, adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy,
-                   discriminator_loss, ensure_vgg16_weights, fetch_weights, generator_loss, gradnorm,
-                   load_vgg16_features, pooled_mse, vgg16_cache_path, warn_random_vgg)
-from utils import generator_active_fraction
+                   discriminator_loss, ensure_vgg16_weights, fetch_weights, generator_active_fraction,
+                   generator_loss, gradnorm, load_vgg16_features, pooled_mse, vgg16_cache_path, warn_random_vgg)
 
 
 # ============================================================================================
