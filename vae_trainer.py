@@ -64,9 +64,10 @@ class Config:
     vae_ch_mult: str = opt("1,2,4,4", "channel multiplier per level; downsampling = 2^(levels-1)", "model")
     vae_num_res_blocks: int = opt(2, "ResnetBlocks per level", "model")
     vae_z_channels: int = opt(16, "latent channels", "model")
-    vae_norm_groups: int = opt(32, "GroupNorm groups (diffusers' norm_num_groups); every level's channel count must "
-                                   "divide by it. At --vae_ch 32, 32 groups are one channel each: every norm then "
-                                   "removes each image's per-channel mean (its colour)", "model")
+    vae_norm_groups: int = opt(0, "GroupNorm groups (diffusers' norm_num_groups); every level's channel count must "
+                                  "divide by it. 0: auto, the largest divisor of --vae_ch up to min(32, vae_ch/4): "
+                                  "32 at 128 (FLUX, SD), 16 at 64, 8 at 32. One channel per group removes each "
+                                  "image's per-channel mean (its colour) at every norm and learns slower", "model")
     do_attn: bool = opt(True, "self-attention in the mid blocks", "model")
     posterior: str = opt("constant", "constant: z = mean + sqrt(posterior_var) * noise; learned: the encoder "
                                      "also predicts the log-variance (standard SD VAE)", "model", POSTERIORS)
@@ -78,7 +79,7 @@ class Config:
                                         "its weight; adaptive: LDM's adaptive GAN weight; none: plain weighted sum",
                             "loss", ("gradnorm", "adaptive", "none"))
     perceptual_weight: float = opt(1.0, "LPIPS branch weight", "loss")
-    mse_weight: float = opt(0.2, "pixel (pooled + low-pass MSE) branch weight", "loss")
+    mse_weight: float = opt(1.0, "pixel (pooled + low-pass MSE) branch weight", "loss")
     pooled_mse_weight: float = opt(1.0, "pooled MSE inside the pixel branch", "loss")
     lowpass_mse_weight: float = opt(1.0, "low-pass MSE inside the pixel branch", "loss")
     mse_pool_factor: int = opt(16, "area-pooling factor of the pooled MSE", "loss")
@@ -95,13 +96,17 @@ class Config:
     disc_type: str = opt("hinge", "discriminator loss", "gan", DISC_TYPES)
     disc_norm: str = opt("group_spectral", "PatchGAN normalisation", "gan", DISC_NORMS)
     gen_loss: str = opt("thresholded", "generator loss: thresholded = relu(D(x) - D(x_hat) - margin) (reference); "
-                                       "ldm = -mean(D(x_hat))", "gan", ("thresholded", "ldm"))
-    gan_weight: float = opt(1.0, "GAN branch weight (gradnorm: the branch's gradient norm while every patch is "
+                                       "ldm = -mean(D(x_hat)); nonsaturating = softplus(-D(x_hat))", "gan",
+                      ("thresholded", "ldm", "nonsaturating"))
+    gan_weight: float = opt(0.5, "GAN branch weight (gradnorm: the branch's gradient norm while every patch is "
                                  "active, times sqrt(active fraction) with the thresholded loss; adaptive: "
                                  "multiplies the adaptive weight)", "gan")
     gan_margin: float = opt(0.1, "margin of the thresholded generator loss", "gan")
-    disc_start: int = opt(20, "step from which the generator gets the adversarial term (D trains from 0)", "gan")
-    learning_rate_disc: float = opt(2e-4, "discriminator learning rate", "gan")
+    disc_start: int = opt(-1, "step from which the generator gets the adversarial term (D trains from 0). -1: "
+                              "auto, a fifth of --max_steps", "gan")
+    learning_rate_disc: float = opt(0.0, "discriminator learning rate. 0: auto, 1e-5 for the vgg16 critic (a "
+                                         "pretrained trunk, as the reference), --learning_rate_vae for patchgan "
+                                         "(as LDM)", "gan")
     lecam_weight: float = opt(0.0, "LeCam regularisation weight for the discriminator (0: off)", "gan")
     adaptive_weight_max: float = opt(1e4, "clamp of LDM's adaptive weight", "gan")
     vgg16_weights: str = opt("torchvision", "VGG16 for LPIPS and the discriminator: torchvision (its download "
@@ -109,11 +114,13 @@ class Config:
     inception_weights: str = opt("torchvision", "FID Inception-v3 for rFID during evaluation: torchvision (torch "
                                                 "hub's cache), a local PATH, random (tests only) or none", "run")
     # optimisation
-    learning_rate_vae: float = opt(1e-4, "VAE learning rate (AdamW)", "optim")
+    learning_rate_vae: float = opt(0.0, "VAE learning rate (AdamW). 0: auto, 0.032 / --vae_ch (1e-3 at ch 32, "
+                                        "2.5e-4 at ch 128)", "optim")
     weight_decay: float = opt(1e-3, "AdamW weight decay (both networks)", "optim")
     adam_beta1: float = opt(0.9, "AdamW beta1", "optim")
     adam_beta2: float = opt(0.95, "AdamW beta2", "optim")
-    warmup_steps: int = opt(200, "linear warm-up steps of the cosine schedule", "optim")
+    warmup_steps: int = opt(-1, "linear warm-up steps of the cosine schedule. -1: auto, a tenth of --max_steps, "
+                                "at most 1000", "optim")
     min_lr_ratio: float = opt(0.0, "final learning rate as a fraction of the peak", "optim")
     grad_clip: float = opt(1.0, "clip the global gradient norm of each network (0: off)", "optim")
     max_steps: int = opt(10000, "optimizer steps to train (every rank runs exactly this many)", "optim")
@@ -158,6 +165,8 @@ def uses_vgg16(cfg: Config) -> bool:
 # The GAN settings are not among them: switching the critic on after a reconstruction-only warm-up is normal.
 ARCH_FIELDS = ("vae_ch", "vae_ch_mult", "vae_num_res_blocks", "vae_z_channels", "vae_norm_groups", "do_attn",
                "posterior")
+# What runs written before a field existed used (config.json without it): 32 groups before --vae_norm_groups.
+LEGACY_ARCH = {"vae_norm_groups": 32}
 
 # The demo: a tiny f4 model at 64 px that visibly learns in about 5 CPU minutes. Its latent (4 x 4 x 16 x 16
 # = 4096 elements per step) takes kl_weight 1/64 = 1/sqrt(4096): the KL strength it was tuned with.
@@ -216,11 +225,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_flags(argv: list[str] | None = None) -> tuple[Config, set[str]]:
-    """The config and the names of the flags the user gave (argparse leaves the others out: SUPPRESS)."""
+    """The config (automatic values made concrete) and the names of the flags the user gave (argparse leaves
+    the others out: SUPPRESS)."""
     given = vars(build_parser().parse_args(argv))
     values = dict(DEMO) if given.get("demo") else {}
     values.update(given)
-    return Config(**values), set(given)
+    return resolve_auto(Config(**values)), set(given)
+
+
+# --learning_rate_vae auto = LR_TIMES_WIDTH / --vae_ch. Adam's step is scale-free, so the update of a layer's
+# output grows with its fan-in: a rate inversely proportional to the width keeps it comparable (the
+# reference's rule is 2^-7 / vae_ch). The constant comes from this repo's runs at ch 32 (BENCHMARKS.md,
+# "Defaults"): 1e-3 there, which makes 2.5e-4 at FLUX width, where LDM's recipe (4.5e-6 x total batch 64) is 2.9e-4.
+LR_TIMES_WIDTH = 0.032
+
+
+def auto_norm_groups(vae_ch: int) -> int:
+    """The largest divisor of vae_ch up to min(32, vae_ch // 4): at least 4 channels per group where possible."""
+    limit = max(1, min(32, vae_ch // 4))
+    return max(d for d in range(1, limit + 1) if vae_ch % d == 0)
+
+
+def resolve_auto(cfg: Config) -> Config:
+    """The automatic defaults (0 or -1, see each flag's help) made concrete; idempotent. config.json records
+    the resolved values, so a run shows what it trained with."""
+    lr_vae = cfg.learning_rate_vae
+    if lr_vae == 0 and cfg.vae_ch > 0:  # (a bad --vae_ch is refused by validate)
+        lr_vae = LR_TIMES_WIDTH / cfg.vae_ch
+    changes = dict(
+        learning_rate_vae=lr_vae,
+        learning_rate_disc=cfg.learning_rate_disc or (1e-5 if cfg.discriminator == "vgg16" else lr_vae),
+        warmup_steps=min(1000, cfg.max_steps // 10) if cfg.warmup_steps == -1 else cfg.warmup_steps,
+        disc_start=cfg.max_steps // 5 if cfg.disc_start == -1 else cfg.disc_start,
+        vae_norm_groups=cfg.vae_norm_groups or (auto_norm_groups(cfg.vae_ch) if cfg.vae_ch > 0 else 0))
+    return dataclasses.replace(cfg, **changes)
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
@@ -591,6 +629,7 @@ def _fault_injection(name: str, rank: int) -> set[int]:
 # ============================================================================================
 class Trainer:
     def __init__(self, cfg: Config, info: DistInfo):
+        cfg = resolve_auto(cfg)
         self.cfg, self.info = cfg, info
         self.device = info.device
         self.run_dir = os.path.join(cfg.output_dir, cfg.run_name)
@@ -770,6 +809,7 @@ class Trainer:
 
     def _check_compatible(self, saved: dict, where: str) -> bool:
         """False (with --force) or ConfigError if `saved` describes another VAE architecture."""
+        saved = {**LEGACY_ARCH, **saved}
         diff = [f"{k}: {saved.get(k)!r} -> {getattr(self.cfg, k)!r}" for k in ARCH_FIELDS
                 if k in saved and saved[k] != getattr(self.cfg, k)]
         if diff and not self.cfg.force:
