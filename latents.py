@@ -71,18 +71,23 @@ def _radius(height: int, width: int, device) -> Tensor:
 
 
 def power_spectrum_2d(x: Tensor) -> Tensor:
-    """|FFT|^2 of each (image, channel), summed over both: (H, W), float64. Periodic FFT, no window."""
-    return torch.fft.fft2(x.detach().double()).abs().square().sum(dim=(0, 1))
+    """|FFT|^2 of each (image, channel), summed over both: (2H, 2W), float64. The signal is mirrored first (the
+    even extension of the DCT): a plain FFT treats the tensor as periodic, and the jump between opposite
+    edges would add a high-frequency tail to every smooth latent."""
+    x = x.detach().double()
+    x = torch.cat([x, x.flip(-1)], dim=-1)
+    x = torch.cat([x, x.flip(-2)], dim=-2)
+    return torch.fft.fft2(x).abs().square().sum(dim=(0, 1))
 
 
 class SpectrumStats:
     """Accumulates the power spectrum of (B, C, H, W) tensors of one size. `spectrum()`: the mean power in
-    `bins` rings of radius 0..1 (fraction of Nyquist; the corners beyond 1 fall in the last ring), normalised
+    `bins` (= min(H, W) + 1) rings of radius 0..1 (fraction of Nyquist; the corners beyond 1 fall in the last ring), normalised
     to sum to 1; `hf_fraction()`: the energy above HF_CUTOFF over all energy except the mean (DC): 0 for a
     constant, 1 for a checkerboard, small for smooth signals."""
 
     def __init__(self, height: int, width: int, device: torch.device | str = "cpu"):
-        self.power = torch.zeros(height, width, dtype=torch.float64, device=device)
+        self.power = torch.zeros(2 * height, 2 * width, dtype=torch.float64, device=device)  # mirrored
 
     def update(self, x: Tensor) -> None:
         self.power += power_spectrum_2d(x)
