@@ -116,8 +116,16 @@ def batches(shard_url):
     return out
 
 
+class NoRegularisers:
+    """The step as it was before latents.py: the trainer's call site returns the batch untouched."""
+
+    def draw(self, x, step, micro):
+        return x, None
+
+
 def weights_after_steps(shard_url, tmp_path, batches, steps, *flags) -> dict:
-    """The VAE's weights after `steps` real train_steps from the same init on the same photos."""
+    """The VAE's weights after `steps` real train_steps from the same init on the same photos; no flags: the
+    step without any regulariser code (NoRegularisers)."""
     cfg = vae_trainer.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
                                     "--num_workers", "0", "--perceptual_weight", "0", "--ema_decay", "0",
                                     "--max_steps", "10", *flags])
@@ -125,6 +133,8 @@ def weights_after_steps(shard_url, tmp_path, batches, steps, *flags) -> dict:
     trainer = vae_trainer.Trainer(cfg, vae_trainer.DistInfo())
     trainer.loader.close()
     trainer.loader = FixedBatches(batches)
+    if not flags:
+        trainer.regularisers = NoRegularisers()
     for _ in range(steps):
         trainer.train_step()
         trainer.step += 1
@@ -152,7 +162,7 @@ def test_regulariser_changes_the_step_only_when_on_and_is_exactly_off_at_p0(shar
         off, on = draws.index(None), next(i for i, d in enumerate(draws) if d is not None)
         assert regs.equivariance(off, 0) is None  # a pure function of (seed, step, micro): what every rank draws
         for step, expect_same in ((off, True), (on, False)):
-            plain = weights_after_steps(shard_url, tmp_path, batches[:1] * 3, 1)
+            plain = _one_step_at(shard_url, tmp_path, batches[0], step)
             trainer_state = _one_step_at(shard_url, tmp_path, batches[0], step, flag, "0.5", *extra)
             assert same(plain, trainer_state) == expect_same, (step, draws[step])
 
@@ -165,6 +175,8 @@ def _one_step_at(shard_url, tmp_path, batch, step, *flags) -> dict:
     trainer.loader.close()
     trainer.loader = FixedBatches([batch])
     trainer.step = step
+    if not flags:
+        trainer.regularisers = NoRegularisers()
     trainer.train_step()
     state = {k: v.clone() for k, v in trainer.vae.state_dict().items()}
     trainer.close()
