@@ -1234,11 +1234,13 @@ class Trainer:
                 vals = [f"{k} {results[f'{prefix}/{k}']:.4f}" for k in ("psnr", "ssim", "lpips", "rfid")
                         if results.get(f"{prefix}/{k}") is not None]
                 return " ".join(vals) + f" ({results[f'{prefix}/n_images']} images)"
-            line = f"eval step {self.step} | {fmt('eval')} | latent hf {results['eval/latent_hf_fraction']:.3f} " \
-                   f"(image {results['eval/image_hf_fraction']:.3f})"
+            line = f"eval step {self.step} | {fmt('eval')}"
             if self.ema is not None:
                 line += f" | ema {fmt('eval_ema')}"
             print(line, flush=True)
+            print(f"latents step {self.step} | high-frequency energy {results['eval/latent_hf_fraction']:.3f} "
+                  f"(image at latent size {results['eval/image_hf_fraction']:.3f}) | channel std spread "
+                  f"{results['eval/latent_channel_std_spread']:.2f}", flush=True)
             with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps({"step": self.step, **results}) + "\n")
             if self.wandb is not None:

@@ -242,7 +242,7 @@ def test_two_ranks_with_regularisers_accumulation_checkpointing_bf16_and_eval_di
     proc = run_cli("vae_trainer.py", args, nproc=2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "(weights identical on all ranks)" in proc.stdout
-    assert "latent hf" in proc.stdout
+    assert "latents step 4 | high-frequency energy" in proc.stdout
     records = [json.loads(line) for line in open(tmp_path / "ddp" / "metrics.jsonl")]
     final_eval = [r for r in records if "eval/latent_hf_fraction" in r][-1]
     assert final_eval["step"] == 4 and 0 <= final_eval["eval/latent_hf_fraction"] <= 1
