@@ -10,6 +10,8 @@
 
 The latent factors follow the FLUX convention z' = (z - shift_factor) * scaling_factor. They come from
 the flags, or from the latent statistics of --dataset_url (evaluate.latent_stats), else 1.0 / 0.0.
+With --dataset_url the per-channel statistics go into the config too, as `latents_mean` / `latents_std`
+(diffusers' AutoencoderKL keys; per-channel normalisation z' = (z - latents_mean) / latents_std).
 The diffusers layout is FLUX's: no quant_conv / post_quant_conv. A constant-variance encoder becomes
 AutoencoderKL's (mean, log-variance) output by extra conv_out channels with zero weights and
 bias log(posterior_var); a learned-posterior encoder maps as it is.
@@ -48,7 +50,8 @@ def honour_umask(path: str) -> None:
 # ============================================================================================
 # diffusers AutoencoderKL: config and state-dict conversion
 # ============================================================================================
-def diffusers_config(params: AutoEncoderParams, resolution: int, scaling_factor: float, shift_factor: float) -> dict:
+def diffusers_config(params: AutoEncoderParams, resolution: int, scaling_factor: float, shift_factor: float,
+                     latents_mean: list[float] | None = None, latents_std: list[float] | None = None) -> dict:
     levels = len(params.ch_mult)
     return dict(
         in_channels=params.in_channels, out_channels=params.out_ch,
@@ -56,7 +59,8 @@ def diffusers_config(params: AutoEncoderParams, resolution: int, scaling_factor:
         block_out_channels=[params.ch * m for m in params.ch_mult], layers_per_block=params.num_res_blocks,
         act_fn="silu", latent_channels=params.z_channels, norm_num_groups=params.norm_groups,
         sample_size=resolution, scaling_factor=scaling_factor, shift_factor=shift_factor,
-        force_upcast=True, use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=params.use_attn)
+        force_upcast=True, use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=params.use_attn,
+        latents_mean=latents_mean, latents_std=latents_std)
 
 
 def diffusers_key(name: str, levels: int) -> str:
@@ -99,7 +103,8 @@ def to_diffusers_state_dict(state: dict[str, Tensor], params: AutoEncoderParams)
 
 
 def export_diffusers(vae: AutoEncoder, out_dir: str, resolution: int, scaling_factor: float = 1.0,
-                     shift_factor: float = 0.0) -> None:
+                     shift_factor: float = 0.0, latents_mean: list[float] | None = None,
+                     latents_std: list[float] | None = None) -> None:
     """Write `out_dir/config.json` and `diffusion_pytorch_model.safetensors` of a diffusers AutoencoderKL.
     The converted weights are loaded strictly into AutoencoderKL before saving: a key or shape mismatch
     fails here, not in the user's pipeline."""
@@ -108,7 +113,8 @@ def export_diffusers(vae: AutoEncoder, out_dir: str, resolution: int, scaling_fa
     if params.clamp_th > 0:
         print(f"warning: this model clamps its posterior mean to +-{params.clamp_th}; diffusers' AutoencoderKL does "
               "not clamp, so latents of unusual inputs may exceed that range", file=sys.stderr)
-    model = AutoencoderKL(**diffusers_config(params, resolution, scaling_factor, shift_factor))
+    model = AutoencoderKL(**diffusers_config(params, resolution, scaling_factor, shift_factor, latents_mean,
+                                             latents_std))
     model.load_state_dict(to_diffusers_state_dict(vae.state_dict(), params), strict=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     honour_umask(os.path.join(out_dir, DIFFUSERS_WEIGHTS))
@@ -159,14 +165,15 @@ def load_diffusers_export(path: str) -> tuple[AutoEncoder, dict]:
 # Our own format: ae.py's state dict as safetensors, AutoEncoderParams as config.json
 # ============================================================================================
 def export_safetensors(vae: AutoEncoder, out_dir: str, resolution: int | None, scaling_factor: float = 1.0,
-                       shift_factor: float = 0.0, step: int | None = None) -> None:
+                       shift_factor: float = 0.0, step: int | None = None, latents_mean: list[float] | None = None,
+                       latents_std: list[float] | None = None) -> None:
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     state = {k: v.detach().float().cpu().contiguous() for k, v in vae.state_dict().items()}
     save_file(state, os.path.join(out_dir, SAFETENSORS_WEIGHTS), metadata={"format": "pt"})
     honour_umask(os.path.join(out_dir, SAFETENSORS_WEIGHTS))
     config = {**vae.params.to_dict(), "scaling_factor": scaling_factor, "shift_factor": shift_factor,
-              "resolution": resolution, "step": step}
+              "resolution": resolution, "step": step, "latents_mean": latents_mean, "latents_std": latents_std}
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
@@ -230,17 +237,19 @@ def main(argv: list[str] | None = None) -> int:
                                           device=device, max_images=args.latent_stats_images)
             vae.cpu()
             scale, shift = stats["scaling_factor"], stats["shift_factor"]
+            channel_mean, channel_std = stats["channel_mean"], stats["channel_std"]
             summary["latent_stats"] = stats
         else:
+            channel_mean = channel_std = None  # per-channel statistics need --dataset_url
             scale = 1.0 if args.scaling_factor is None else args.scaling_factor
             shift = 0.0 if args.shift_factor is None else args.shift_factor
             if args.scaling_factor is None and args.shift_factor is None:
                 print("note: no --scaling_factor/--shift_factor or --dataset_url: writing scaling_factor 1.0 and "
                       "shift_factor 0.0 (compute them with evaluate.py --latent_stats)", file=sys.stderr)
         if args.format == "diffusers":
-            export_diffusers(vae, args.out, resolution, scale, shift)
+            export_diffusers(vae, args.out, resolution, scale, shift, channel_mean, channel_std)
         else:
-            export_safetensors(vae, args.out, resolution, scale, shift, info["step"])
+            export_safetensors(vae, args.out, resolution, scale, shift, info["step"], channel_mean, channel_std)
     except (ConfigError, data_lib.DatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

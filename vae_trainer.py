@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data as data_lib
 import evaluate as evaluate_lib
+import latents as latents_lib
 from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoder, AutoEncoderParams, kl_divergence
 from utils import (DISC_NORMS, DISC_TYPES, LeCam, LowpassMSE, NLayerDiscriminator, VGG16Discriminator,
                    WeightsUnavailable, adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy,
@@ -136,6 +137,18 @@ class Config:
                                           "decoder (every decoder level), all", "speed", GRAD_CHECKPOINTING)
     channels_last: bool = opt(True, "channels_last memory format", "speed")
     compile: bool = opt(False, "torch.compile the encoder, decoder and discriminator", "speed")
+    # latents for diffusion (latents.py): regularisers, off by default
+    scale_equivariance_prob: float = opt(0.0, "probability per micro-batch that the latent is downsampled (and "
+                                              "rotated/flipped with --scale_equivariance_rotate) before decoding, "
+                                              "and the losses compare with the equally downsampled image "
+                                              "(EQ-VAE; a smoother, more diffusable latent). 0: off", "latents")
+    scale_equivariance_mode: str = opt("half", "half: x0.5; random: a latent size drawn from a quarter up to one "
+                                               "less than the full one", "latents", ("half", "random"))
+    scale_equivariance_rotate: bool = opt(False, "also rotate by 0/90/180/270 degrees and flip (both the latent "
+                                                 "and the image) on scale-equivariance steps", "latents")
+    latent_noise_prob: float = opt(0.0, "probability per image that the decoder sees z + Gaussian noise (a "
+                                        "decoder robust to a diffusion model's imperfect latents). 0: off", "latents")
+    latent_noise_max: float = opt(0.5, "the noise std is U(0, this) times the batch's latent std", "latents")
     # run, logging, checkpoints
     output_dir: str = opt("runs", "where run directories live", "run")
     run_name: str = opt("vae", "run directory name and wandb run name", "run")
@@ -317,6 +330,16 @@ def validate(cfg: Config) -> None:
         if (cfg.vae_ch * mult) % params.norm_groups:
             raise ConfigError(f"channel count {cfg.vae_ch} x {mult} = {cfg.vae_ch * mult} is not divisible by the "
                               f"{params.norm_groups} GroupNorm groups (--vae_ch / --vae_ch_mult / --vae_norm_groups)")
+    for name in ("scale_equivariance_prob", "latent_noise_prob"):
+        if not 0 <= getattr(cfg, name) <= 1:
+            raise ConfigError(f"--{name} must be in [0, 1], got {getattr(cfg, name)}")
+    if cfg.latent_noise_max < 0:
+        raise ConfigError(f"--latent_noise_max must be >= 0, got {cfg.latent_noise_max}")
+    if cfg.scale_equivariance_prob > 0 and not scale_equivariance_sizes(cfg):
+        critic = " and at least 32 px (the critic's smallest input)" if cfg.do_ganloss else ""
+        raise ConfigError(f"--scale_equivariance_mode {cfg.scale_equivariance_mode}: no smaller size of the "
+                          f"{cfg.vae_resolution // factor}-pixel latent gives an image divisible by --mse_pool_factor "
+                          f"{cfg.mse_pool_factor}{critic}")
     if cfg.do_ganloss and cfg.discriminator == "vgg16" and cfg.vae_resolution < 32:
         raise ConfigError("--vae_resolution must be at least 32 for the VGG16 discriminator")
     if cfg.vgg16_weights not in ("torchvision", "random") and not os.path.isfile(cfg.vgg16_weights):
@@ -335,6 +358,14 @@ def validate(cfg: Config) -> None:
                 data_lib.probe_remote_shards(data_lib.list_shards(getattr(cfg, name)))
             except data_lib.DatasetError as e:
                 raise ConfigError(f"--{name}: {e}") from None
+
+
+def scale_equivariance_sizes(cfg: Config) -> list[int]:
+    """The latent sizes a scale-equivariance step may decode (latents.equivariance_sizes)."""
+    factor = model_params(cfg).downsample_factor
+    min_image = 32 if cfg.do_ganloss else 1  # the critics' smallest input
+    return latents_lib.equivariance_sizes(cfg.vae_resolution // factor, factor, cfg.scale_equivariance_mode,
+                                          cfg.mse_pool_factor, min_image)
 
 
 # Flags that only matter with --do_ganloss.
@@ -362,6 +393,9 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
          not cfg.test_dataset_url, "without --test_dataset_url"),
         (("eval_max_images", "inception_weights"), cfg.evaluate_every_n_steps == 0, "with --evaluate_every_n_steps 0"),
         (("project_name",), cfg.wandb_mode == "disabled", "with --wandb_mode disabled"),
+        (("scale_equivariance_mode", "scale_equivariance_rotate"), cfg.scale_equivariance_prob == 0,
+         "with --scale_equivariance_prob 0"),
+        (("latent_noise_max",), cfg.latent_noise_prob == 0, "with --latent_noise_prob 0"),
     ]
     lines, named = [], set()
     for flags, ignored, why in ignored_when:
@@ -701,6 +735,11 @@ class Trainer:
         if self.loader.few_shards and info.is_main:
             self.log(f"note: fewer shards than data workers ({info.world_size} x {max(1, cfg.num_workers)}): "
                      "every worker reads every shard, in its own order")
+        self.regularisers = latents_lib.LatentRegularisers(
+            cfg.seed, info.rank, equivariance_prob=cfg.scale_equivariance_prob,
+            equivariance_sizes=scale_equivariance_sizes(cfg), equivariance_rotate=cfg.scale_equivariance_rotate,
+            noise_prob=cfg.latent_noise_prob, noise_max=cfg.latent_noise_max,
+            downsample_factor=self.vae.downsample_factor)
         self.metrics, self.tracker = Metrics(), CollapseTracker(self.log)
         self._ema_model = None
         self.inject_nan = _fault_injection("INJECT_NAN", info.rank)
@@ -953,8 +992,11 @@ class Trainer:
             x = data_lib.to_model_input(next(self.loader), self.device, cfg.channels_last)
             no_sync_vae = self.vae_ddp.no_sync() if self.info.distributed and not sync else contextlib.nullcontext()
             with no_sync_vae:
+                # latents.py's regularisers: the losses below see the transformed image (x unchanged when off)
+                target, to_decoder = self.regularisers.draw(x, self.step, micro)
                 with self.autocast():
-                    recon, mean, logvar = self.vae_ddp(x)
+                    recon, mean, logvar = self.vae_ddp(x, latent_transform=to_decoder)
+                x = target
                 recon = recon.float()  # every loss below reduces in fp32
                 if self.step in self.inject_nan_recon:  # test hook: a decoder overflow (fp16)
                     recon = recon * float("nan")
@@ -1216,7 +1258,8 @@ class Trainer:
                 model, cfg.test_dataset_url, cfg.vae_resolution, batch_size=cfg.batch_size, device=self.device,
                 rank=self.info.rank, world_size=self.info.world_size, max_images=cfg.eval_max_images,
                 lpips_model=self.lpips, inception=self.inception, autocast=self.autocast,
-                channels_last=cfg.channels_last, grid_images=cfg.num_samples, max_pixels=cfg.max_image_pixels)
+                channels_last=cfg.channels_last, grid_images=cfg.num_samples, max_pixels=cfg.max_image_pixels,
+                latent_diagnostics=True)
             grid = res.pop("grid")
             results.update({f"{prefix}/{k}": v for k, v in res.items() if not k.endswith("_missing")})
             if self.info.is_main:
@@ -1235,10 +1278,18 @@ class Trainer:
             if self.ema is not None:
                 line += f" | ema {fmt('eval_ema')}"
             print(line, flush=True)
+            print(f"latents step {self.step} | high-frequency energy {results['eval/latent_hf_fraction']:.3f} "
+                  f"(image at latent size {results['eval/image_hf_fraction']:.3f}) | channel std spread "
+                  f"{results['eval/latent_channel_std_spread']:.2f}", flush=True)
             with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps({"step": self.step, **results}) + "\n")
             if self.wandb is not None:
-                self.wandb.log(results, step=self.step)
+                import wandb
+                plots = {f"{p}/latent_spectrum_plot": latents_lib.wandb_spectrum_plot(
+                    wandb, results[f"{p}/latent_spectrum"], results[f"{p}/image_spectrum"],
+                    f"{p} power spectrum, step {self.step}") for p, _ in models}
+                self.wandb.log({**{k: v for k, v in results.items() if not isinstance(v, list)}, **plots},
+                               step=self.step)
         return results
 
     # ----------------------------------------------------------------------------- logging
