@@ -22,7 +22,8 @@ Sections
           measured again in one process with the two levels interleaved. Also the activation memory
           each part of the model saves for backward (counted with saved-tensor hooks).
   gpu     CUDA only: the FLUX-size VAE in fp32 and bf16, img/s and peak memory at 256 and 512 px.
-  quality (--quality; not in the default run) Three real `vae_trainer.py` trainings of the same small f8 VAE
+  quality (--quality; not in the default run) Three real `vae_trainer.py` trainings, run concurrently (one
+          --threads each), of the same small f8 VAE
           (ch 32 x 1,2,4,4, z 16, 128 px, batch 4, with the GAN), on the same photos (the demo's 12 bundled
           photos), seed and number of steps (--quality_steps, 400): our defaults, the reference trainer's
           hyperparameters written with our flags (bench.reference_flags), and plain MSE with the reference's
@@ -509,8 +510,8 @@ def build_trainer(url: str, output_dir: str, run_name: str, device: torch.device
     return trainer
 
 
-def add_host_syncs(trainer) -> None:
-    """The reference trainer's habit, for the baseline: .item() on every scalar the step logs (each loss,
+def add_reference_habits(trainer) -> None:
+    """The reference trainer's habits, for the baseline: .item() on every scalar the step logs (each loss,
     grad norm, logit mean, latent statistic) as soon as it exists. Wraps trainer.metrics.add/max on the
     instance; set trainer.metrics.host_sync to switch it on."""
     metrics = trainer.metrics
@@ -525,6 +526,14 @@ def add_host_syncs(trainer) -> None:
                         value.item()
             _original(**values)
         setattr(metrics, name, wrapped)
+    if trainer.disc is not None:
+        # and, with the GAN, the critic's weight gradients in the generator's pass: the reference computes them
+        # (and zeroes them after the VAE's step); train_step freezes the critic for that pass
+        freeze = trainer.disc.requires_grad_
+
+        def requires_grad_(requires_grad=True, _freeze=freeze):
+            return trainer.disc if metrics.host_sync and not requires_grad else _freeze(requires_grad)
+        trainer.disc.requires_grad_ = requires_grad_
 
 
 def timed_step(trainer) -> float:
@@ -566,7 +575,7 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
     for key, extra in settings.items():
         report.line(f"  building and warming up the {key} trainer ...")
         trainer = build_trainer(url, tmp, f"train_{key}", device, **config, **extra)
-        add_host_syncs(trainer)
+        add_reference_habits(trainer)
         t0 = time.perf_counter()
         for _ in range(3 if key == "compiled" else 2):  # compile: forward, backward, then steady state
             timed_step(trainer)
@@ -584,7 +593,8 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
     rate = {name: batch / median(t) for name, t in times.items()}
     all_on = "compile" if "compile" in rate else "channels_last"
     described = {
-        "reference": "host syncs, NCHW, eager, fp32",
+        "reference": "host syncs, NCHW, eager, fp32" + (", critic weight grads in the generator's pass"
+                                                           if args.gan else ""),
         "sync_free": "no host syncs, NCHW, eager, fp32",
         "channels_last": "no host syncs, channels_last, eager, fp32",
         "compile": "no host syncs, channels_last, torch.compile, fp32",
@@ -663,19 +673,24 @@ def bench_quality(args, tmp, report: Report) -> dict:
     out = {"config": {**cfg, "steps": args.quality_steps, "vgg16_weights": vgg,
                       "train_images": len(data_lib.DEMO_PHOTOS) - len(data_lib.DEMO_TEST),
                       "held_out_images": list(data_lib.DEMO_TEST)}, "variants": {}}
-    for name, flags in variants.items():
+    procs = {}
+    for name, flags in variants.items():  # concurrently: on a shared machine every run sees the same load
         values = {**common, **flags, "run_name": f"quality_{name}"}
         argv = []
         for key, value in values.items():
             argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
-        report.line(f"  training {name} ({args.quality_steps} steps) ...")
-        t0 = time.time()
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "vae_trainer.py"), *argv], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        log = open(os.path.join(tmp, f"quality_{name}.log"), "w")
+        procs[name] = (subprocess.Popen([sys.executable, os.path.join(HERE, "vae_trainer.py"), *argv], env=env,
+                                        stdout=log, stderr=subprocess.STDOUT), log, time.time())
+    report.line(f"  training {', '.join(variants)} concurrently ({args.quality_steps} steps each; logs in {tmp}) ...")
+    for name, (proc, log, t0) in procs.items():
+        proc.wait()
+        log.close()
         if proc.returncode != 0:
-            raise RuntimeError(f"quality run {name} failed:\n{proc.stdout[-3000:]}")
+            with open(log.name) as f:
+                raise RuntimeError(f"quality run {name} failed:\n{f.read()[-3000:]}")
         ev = final_eval(os.path.join(common["output_dir"], f"quality_{name}"))
-        out["variants"][name] = {"flags": flags, "wall_s": round(time.time() - t0, 1),
+        out["variants"][name] = {"flags": variants[name], "wall_s": round(time.time() - t0, 1),
                                  **{k: ev.get(f"eval/{k}") for k in ("psnr", "ssim", "lpips", "n_images")},
                                  **{f"ema_{k}": ev.get(f"eval_ema/{k}") for k in ("psnr", "ssim", "lpips")}}
     v = out["variants"]
@@ -799,7 +814,7 @@ def bench_memory(args, url, tmp, device, report: Report) -> dict:
     if args.ckpt_time_rounds > 0 and 512 in args.memory_resolutions:
         report.line("  interleaved none / decoder_hr timing at 512 px ...")
         trainer = build_trainer(url, tmp, "ckpt_timing", device, **config, vae_resolution=512)
-        add_host_syncs(trainer)
+        add_reference_habits(trainer)
         timed_step(trainer)  # warm-up
         for r in range(args.ckpt_time_rounds):
             for level in (("none", "decoder_hr") if r % 2 == 0 else ("decoder_hr", "none")):

@@ -36,7 +36,7 @@ def test_help_lists_every_flag_with_its_default():
 
 @pytest.mark.parametrize("extra, message", [
     (["--vae_resolution", "66"], "not divisible by the downsample factor"),
-    (["--vae_ch", "48"], "not divisible by the 32 GroupNorm groups"),
+    (["--vae_ch", "48", "--vae_norm_groups", "32"], "not divisible by the 32 GroupNorm groups"),
     (["--disc_type", "wasserstein"], "invalid choice"),
     (["--learning_rate_vae", "-1"], "must be positive"),
     (["--batch_size", "0"], "must be positive"),
