@@ -80,14 +80,20 @@ class AttnBlock(nn.Module):
         self.v = nn.Conv2d(in_channels, in_channels, kernel_size=1)
         self.proj_out = nn.Conv2d(in_channels, in_channels, kernel_size=1)
 
+    def _linear(self, conv: nn.Conv2d, tokens: Tensor) -> Tensor:
+        return F.linear(tokens, conv.weight.flatten(1), conv.bias)
+
     def forward(self, x: Tensor) -> Tensor:
-        h = self.norm(x)
-        q, k, v = self.q(h), self.k(h), self.v(h)
-        b, c, height, width = q.shape
-        q, k, v = (t.reshape(b, 1, c, height * width).transpose(2, 3) for t in (q, k, v))
-        h = F.scaled_dot_product_attention(q, k, v)
-        h = h.transpose(2, 3).reshape(b, c, height, width)
-        return x + self.proj_out(h)
+        # the 1x1 convs run as linear layers over (batch, pixels, channels) tokens, as diffusers' Attention does:
+        # the same sums in the same order, so a released VAE decodes here bitwise as in diffusers (as 1x1 convs:
+        # ~1e-5 apart after the decoder, tests/test_finetune.py)
+        b, c, height, width = x.shape
+        tokens = self.norm(x.reshape(b, c, height * width)).transpose(1, 2)  # normed as (b, c, pixels), as there
+        q, k, v = (self._linear(conv, tokens).unsqueeze(1) for conv in (self.q, self.k, self.v))
+        h = self._linear(self.proj_out, F.scaled_dot_product_attention(q, k, v).squeeze(1))
+        # the attention output first: the sum then takes its (channels-last) layout, as in diffusers, and the next
+        # convolution picks the same kernel
+        return h.transpose(1, 2).reshape(b, c, height, width) + x
 
 
 class ResnetBlock(nn.Module):

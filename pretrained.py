@@ -136,11 +136,17 @@ def _constant_logvar(state: dict[str, Tensor], z: int, quant_conv: bool) -> floa
     return None
 
 
+def _shapes(params: AutoEncoderParams) -> dict[str, Tensor]:
+    """The model's state dict on the meta device: names and shapes without allocating or initialising weights."""
+    with torch.device("meta"):
+        return AutoEncoder(params).state_dict()
+
+
 def _fit(params: AutoEncoderParams, lookup, where: str) -> dict[str, Tensor]:
     """Our state dict for `params`, each tensor from lookup(our name) (None when absent); one SourceError line
     naming the keys that do not fit."""
     try:
-        model_state = AutoEncoder(params).state_dict()
+        model_state = _shapes(params)
     except (ValueError, RuntimeError) as e:
         raise SourceError(f"{where}: its architecture is not supported ({e})") from None
     ours, missing, wrong = {}, [], []
@@ -288,8 +294,9 @@ def _load_single_file(path: str, family: str) -> Source:
     notes: list[str] = []
     if family == "auto":
         family = _single_file_family(full, prefix, params.z_channels, notes)
+    expected = _shapes(params)
     extra = sorted(k for k in state if k.split(".")[0] in ("encoder", "decoder", "quant_conv", "post_quant_conv")
-                   and k not in AutoEncoder(params).state_dict() and not k.endswith("num_batches_tracked"))
+                   and k not in expected)
     if extra:
         raise SourceError(f"{path}: {len(extra)} keys do not fit the architecture read from it "
                           f"(e.g. {', '.join(extra[:3])})")
