@@ -166,10 +166,13 @@ def test_bad_sources_are_one_line(tmp_path, capsys):
     state = pretrained._read_file(path)
     del state["decoder.up.1.block.0.conv2.weight"]
     save_file(state, tmp_path / "missing_key.safetensors")
+    state["decoder.up.0.block.3.conv1.weight"] = torch.zeros(1)  # a 4th block the encoder does not have
+    save_file(state, tmp_path / "extra_key.safetensors")
     random_diffusers_vae("flux").save_pretrained(tmp_path / "no_weights")
     os.remove(tmp_path / "no_weights" / pretrained.DIFFUSERS_WEIGHTS)
     cases = {"resnet.safetensors": "no VAE in it", "truncated.safetensors": "unreadable",
              "missing_key.safetensors": "decoder.up.1.block.0.conv2.weight", "no_weights": "no weights",
+             "extra_key.safetensors": "decoder.up.0.block.3.conv1.weight",
              "nothing_here": "no such file"}
     for name, expected in cases.items():
         rc = vae_trainer.main(["--init_from", str(tmp_path / name), "--dataset_url", str(tmp_path)])
