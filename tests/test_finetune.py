@@ -145,6 +145,20 @@ def test_each_family_loads_like_diffusers(family, tmp_path):
         assert max(errs.values()) < TOL, (where, errs)
 
 
+def test_latents_mean_and_std_travel_from_the_source_to_the_export(tmp_path):
+    """A diffusers config's latents_mean/latents_std (per-channel statistics some VAEs ship) are read with the
+    factors and written back by the diffusers export."""
+    mean, std = [0.1 * i for i in range(16)], [1.0 + 0.1 * i for i in range(16)]
+    random_diffusers_vae("flux", latents_mean=mean, latents_std=std).save_pretrained(tmp_path / "src")
+    source = pretrained.load_source(str(tmp_path / "src"))
+    assert source.factors["latents_mean"] == mean and source.factors["latents_std"] == std
+    export.export_diffusers(as_model(source), str(tmp_path / "out"), 32, source.factors["scaling_factor"],
+                            source.factors["shift_factor"], source.factors["latents_mean"],
+                            source.factors["latents_std"])
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["latents_mean"] == mean and config["latents_std"] == std and config["shift_factor"] == 0.1159
+
+
 def test_a_checkpoint_without_quant_conv_field_loads_as_before():
     """model_params of checkpoints written before quant_conv existed: no quant convs, same state-dict keys."""
     old = {k: v for k, v in AutoEncoderParams(ch=32, ch_mult=(1, 2), z_channels=4).to_dict().items()
