@@ -81,7 +81,8 @@ def load_diffusers_export(path: str) -> tuple[AutoEncoder, dict]:
     return vae.eval(), config
 
 
-def export_single_file(vae: AutoEncoder, out_dir: str) -> str:
+def export_single_file(vae: AutoEncoder, out_dir: str, scaling_factor: float | None = None,
+                       shift_factor: float | None = None) -> str:
     """`out_dir/ae.safetensors` in the LDM/FLUX single-file layout: what FLUX's `ae.safetensors` and SD's VAE files
     (`vae-ft-mse-840000-ema-pruned.safetensors`, with quant_conv) hold, loadable by their own code, by
     `--init_from` and by diffusers' `AutoencoderKL.from_single_file` (with `config=` the family's diffusers
@@ -89,7 +90,10 @@ def export_single_file(vae: AutoEncoder, out_dir: str) -> str:
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, SINGLE_FILE_WEIGHTS)
-    save_file(pretrained.single_file_state_dict(vae), path, metadata={"format": "pt"})
+    metadata = {"format": "pt"}  # the factors ride along as metadata for the reader's information
+    metadata.update({k: str(v) for k, v in (("scaling_factor", scaling_factor), ("shift_factor", shift_factor))
+                     if v is not None})
+    save_file(pretrained.single_file_state_dict(vae), path, metadata=metadata)
     honour_umask(path)
     return path
 
@@ -166,16 +170,17 @@ def main(argv: list[str] | None = None) -> int:
         summary = {"out": args.out, "format": args.format, "checkpoint": info["checkpoint"], "step": info["step"],
                    "ema": args.ema, "resolution": resolution}
         source = info.get("init_source") or {}
-        keep_source = (info.get("train_parts") == "decoder" and source and not args.dataset_url
-                       and args.scaling_factor is None and args.shift_factor is None)
+        keep_source = info.get("train_parts") == "decoder" and bool(source) and not args.dataset_url
         latents_mean = latents_std = None
         if keep_source:
-            # the encoder was frozen: the latent space is the source's, and so are its factors; recomputed ones
-            # would break every diffusion model trained on that latent space
-            scale, shift = source["scaling_factor"], source["shift_factor"]
+            # the encoder was frozen: the latent space is the source's, and so are its factors (a factor given as a
+            # flag still wins); recomputed ones would break every diffusion model trained on that latent space
+            scale = source["scaling_factor"] if args.scaling_factor is None else args.scaling_factor
+            shift = source["shift_factor"] if args.shift_factor is None else args.shift_factor
             latents_mean, latents_std = source.get("latents_mean"), source.get("latents_std")
             print(f"note: decoder-only fine-tune of {source['path']}: keeping its latent factors (scaling_factor "
-                  f"{scale}, shift_factor {shift})", file=sys.stderr)
+                  f"{source['scaling_factor']}, shift_factor {source['shift_factor']}) unless given as flags",
+                  file=sys.stderr)
         elif args.dataset_url:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             stats = evaluate.latent_stats(vae.to(device), args.dataset_url, resolution, batch_size=args.batch_size,
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.format == "diffusers":
             export_diffusers(vae, args.out, resolution, scale, shift, latents_mean, latents_std)
         elif args.format == "single_file":
-            summary["file"] = export_single_file(vae, args.out)
+            summary["file"] = export_single_file(vae, args.out, scale, shift)
         else:
             export_safetensors(vae, args.out, resolution, scale, shift, info["step"])
     except (ConfigError, data_lib.DatasetError) as e:

@@ -1354,6 +1354,11 @@ class Trainer:
         if self.resumed_from:
             self.truncate_metrics()
         n_params = sum(p.numel() for p in self.vae.parameters())
+        if cfg.train_parts == "decoder":
+            trained = sum(p.numel() for p in self.vae.parameters() if p.requires_grad)
+            frozen = "the encoder and quant_conv are" if cfg.vae_quant_conv else "the encoder is"
+            self.log(f"training the decoder only: {trained / 1e6:.1f}M of {n_params / 1e6:.1f}M parameters; {frozen} "
+                     "frozen")
         self.log(f"run dir {self.run_dir} | {info.world_size} x {self.device.type} | VAE {n_params / 1e6:.1f}M params "
                  f"| f{self.vae.downsample_factor} z{cfg.vae_z_channels} {cfg.posterior} posterior | "
                  f"{cfg.precision} | batch {cfg.batch_size} x {cfg.grad_accum} accum x {info.world_size} ranks")

@@ -252,6 +252,11 @@ def test_decoder_only_under_torchrun_keeps_the_encoder_and_exports_the_source_la
     x = torch.rand(2, 3, 32, 32) * 2 - 1
     with torch.no_grad():  # the same latent space: the exported encoder is the source's
         assert torch.equal(exported.encode(x).latent_dist.mean, original.encode(x).latent_dist.mean)
+    # a factor given as a flag wins; the other stays the source's
+    assert export.main(["--ckpt", str(tmp_path / "ft"), "--out", str(tmp_path / "shifted"), "--shift_factor",
+                        "0.25"]) == 0
+    config = json.loads((tmp_path / "shifted" / "config.json").read_text())
+    assert (config["scaling_factor"], config["shift_factor"]) == (0.18215, 0.25)
     assert export.main(["--ckpt", str(tmp_path / "ft"), "--out", str(tmp_path / "single"),
                         "--format", "single_file"]) == 0
     back = pretrained.load_source(str(tmp_path / "single" / "ae.safetensors"), "sd")
