@@ -1515,6 +1515,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer, failed = None, False
     try:
         trainer = Trainer(cfg, info, source)
+        source = None  # the source's weights are in the model now: do not hold a second copy for the whole run
         return trainer.train()
     except (ConfigError, WeightsUnavailable, data_lib.DatasetError) as e:
         if info.is_main:
