@@ -261,15 +261,29 @@ def model_params(cfg: Config) -> AutoEncoderParams:
                              quant_conv=cfg.vae_quant_conv)
 
 
+def read_init_source(cfg: Config) -> pretrained.Source:
+    try:
+        return pretrained.load_source(cfg.init_from, cfg.init_family)
+    except pretrained.SourceError as e:
+        raise ConfigError(f"--init_from {e}") from None
+
+
 def apply_init_source(cfg: Config) -> tuple[Config, pretrained.Source | None]:
     """--init_from: load the source and take the run's architecture from it (one ConfigError line if it does not
     load). Runs before `validate`, on every rank, before any process group exists."""
     if not cfg.init_from:
         return cfg, None
-    try:
-        source = pretrained.load_source(cfg.init_from, cfg.init_family)
-    except pretrained.SourceError as e:
-        raise ConfigError(f"--init_from {e}") from None
+    run_config = os.path.join(cfg.output_dir, cfg.run_name, "config.json")
+    if not os.path.exists(cfg.init_from) and cfg.resume != "never" and os.path.isfile(run_config):
+        # a run being resumed needs its architecture, not the source's weights: the source may have moved
+        try:
+            with open(run_config) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            saved = {}
+        if saved.get("init_from") == cfg.init_from and all(k in saved for k in SOURCE_FIELDS):
+            return dataclasses.replace(cfg, **{k: saved[k] for k in SOURCE_FIELDS}), None
+    source = read_init_source(cfg)
     p = source.params
     if (p.in_channels, p.out_ch) != (3, 3):
         raise ConfigError(f"--init_from {cfg.init_from}: a VAE of {p.in_channels} input / {p.out_ch} output "
@@ -691,7 +705,7 @@ class Trainer:
         self.init_source = resume[1].get("init_source") if resume is not None else None
         if cfg.init_from and resume is None:
             if source is None:
-                _, source = apply_init_source(cfg)
+                source = read_init_source(cfg)
             self.vae.load_state_dict(source.state)
             self.init_source = source.describe()
             for note in source.notes:

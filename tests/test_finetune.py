@@ -271,6 +271,7 @@ def test_decoder_only_resume_equals_uninterrupted(shard_url, tmp_path):
     cut = run_cli("vae_trainer.py", finetune_args(shard_url, source_dir, tmp_path, "cut", 4, 100),
                   env=cli_env(VAE_TRAINER_SIGTERM_AT="1"))
     assert cut.returncode == 0 and "checkpoint written at step 2" in cut.stdout, cut.stderr[-2000:]
+    os.rename(source_dir, tmp_path / "moved")  # a resume needs the run's architecture, not the source
     again = run_cli("vae_trainer.py", finetune_args(shard_url, source_dir, tmp_path, "cut", 4, 2))
     assert again.returncode == 0 and "at step 2" in again.stdout, again.stderr[-2000:]
     a, b = _ckpt(tmp_path, "ref", 4), _ckpt(tmp_path, "cut", 4)
