@@ -7,6 +7,7 @@ to diffusers' AutoencoderKL and to FLUX without renaming tricks. Pure model code
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -314,7 +315,12 @@ class AutoEncoder(nn.Module):
             z = self.post_quant_conv(z)
         return self.decoder(z)
 
-    def forward(self, x: Tensor, sample: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
+    def forward(self, x: Tensor, sample: bool = True,
+                latent_transform: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """`latent_transform` acts on the latent between encoder and decoder (the training regularisers of
+        latents.py); passing it through forward keeps the whole pass inside DDP's forward."""
         mean, logvar = self.encode_moments(x)
         z = self.sample(mean, logvar) if sample else mean
+        if latent_transform is not None:
+            z = latent_transform(z)
         return self.decode(z), mean, logvar

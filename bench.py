@@ -25,6 +25,13 @@ Sections
           under no_grad) vs training the whole VAE, at 512 px, FLUX layout at --memory_ch, each case in a fresh
           process: full, decoder, decoder + --grad_checkpointing decoder_hr, and that in bf16.
   gpu     CUDA only: the FLUX-size VAE in fp32 and bf16, img/s and peak memory at 256 and 512 px.
+  quality (--quality; not in the default run) Three real `vae_trainer.py` trainings, run concurrently (one
+          --threads each), of the same small f8 VAE
+          (ch 32 x 1,2,4,4, z 16, 128 px, batch 4, with the GAN), on the same photos (the demo's 12 bundled
+          photos), seed and number of steps (--quality_steps, 400): our defaults, the reference trainer's
+          hyperparameters written with our flags (bench.reference_flags), and plain MSE with the reference's
+          learning rate (the floor). Held-out PSNR/SSIM/LPIPS from each run's final evaluation on the 4
+          held-out photos. VGG16 is the pretrained one when torchvision's cache has it, else random for all.
 
 Headline keys of --json (the target each is checked against)
   pipeline_fraction_of_decode  PNG: our loader's img/s / the raw decode's img/s            (>= 0.90)
@@ -34,6 +41,9 @@ Headline keys of --json (the target each is checked against)
   ckpt_time_cost_512           step time(decoder_hr) / step time(none) - 1, 512 px, the two
                                interleaved in one process, fastest steps               (<= 0.30)
   gpu_bf16_speedup_flux_256    CUDA only: FLUX VAE img/s in bf16 / in fp32 at 256 px      (>= 1.7)
+  quality_psnr_over_reference  held-out PSNR, defaults - reference hyperparameters, dB      (>= 3)
+  quality_psnr_over_floor      held-out PSNR, defaults - plain MSE, dB                      (>= -1)
+  quality_ssim_over_reference, quality_ssim_over_floor  the same for SSIM           (>= 0.03, >= -0.03)
   finetune_decoder_memory_saving_512  1 - peak increase(decoder only) / peak increase(full), 512 px (no target)
 The peak increase is the peak minus the memory in use right before the first training step, i.e. what
 the step itself needs (activations, gradients, optimizer state), the part checkpointing acts on.
@@ -80,6 +90,10 @@ TRAIN_CONFIGS = {  # --config: the model of the train section
 MEMORY_CONFIG = dict(vae_ch_mult="1,2,4,4", vae_num_res_blocks=2, batch_size=1)
 FLUX_CONFIG = dict(vae_ch=128, vae_ch_mult="1,2,4,4", vae_num_res_blocks=2)
 # Flags every benchmark trainer gets: in-memory batches, no evaluation, no wandb, VGG16 without downloads.
+# The quality section (issue 9's configuration): a small f8 VAE trained with the GAN on real photos.
+QUALITY_CONFIG = dict(vae_ch=32, vae_ch_mult="1,2,4,4", vae_num_res_blocks=2, vae_z_channels=16,
+                      vae_resolution=128, batch_size=4, do_ganloss=True)
+HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH_FLAGS = dict(num_workers=0, shuffle_buffer=2, vgg16_weights="random", wandb_mode="disabled",
                    evaluate_every_n_steps=0, inception_weights="none", num_samples=1, disc_start=0,
                    save_every_n_steps=10**9, log_every_n_steps=10**9, max_steps=10**9)
@@ -90,6 +104,10 @@ TARGETS = {  # key: (comparison, threshold)
     "ckpt_memory_saving_512": (">=", 0.50),
     "ckpt_time_cost_512": ("<=", 0.30),
     "gpu_bf16_speedup_flux_256": (">=", 1.7),
+    "quality_psnr_over_reference": (">=", 3.0),
+    "quality_psnr_over_floor": (">=", -1.0),
+    "quality_ssim_over_reference": (">=", 0.03),
+    "quality_ssim_over_floor": (">=", -0.03),
 }
 
 
@@ -103,8 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout (the human tables go to stderr)")
     p.add_argument("--sections", default="data,train,memory,gpu",
-                   help="comma-separated subset of data,train,memory,finetune,gpu (default: all but finetune, which "
-                        "takes ~5 minutes on 2 CPU cores; gpu runs on CUDA only)")
+                   help="comma-separated subset of data,train,memory,gpu,quality,finetune (default: all but quality, "
+                        "which trains for about an hour on 2 CPU cores, and finetune, ~5 minutes; gpu runs on CUDA only)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if available, else cpu")
     p.add_argument("--threads", type=int, default=0,
@@ -143,6 +161,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--gpu_batch", type=int, default=8,
                    help="FLUX batch at 256 px (a quarter of it, at least 1, at 512 px: the same pixels per step)")
     g.add_argument("--gpu_steps", type=int, default=10, help="timed steps per GPU case")
+    g = p.add_argument_group("quality")
+    g.add_argument("--quality", action="store_true", help="only the quality section (same as --sections quality)")
+    g.add_argument("--quality_steps", type=int, default=400, help="training steps of each quality run")
     p.add_argument("--_memory_case", default=None, help=argparse.SUPPRESS)  # internal: one memory case, as JSON
     args = p.parse_args(argv)
 
@@ -161,8 +182,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.ckpt_time_rounds = 1 if args.quick else 3
     if args.quick:
         args.no_compile = True
+    if args.quality:
+        args.sections = "quality"
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(args.sections) - {"data", "train", "memory", "finetune", "gpu"}
+    unknown = set(args.sections) - {"data", "train", "memory", "gpu", "quality", "finetune"}
     if unknown:
         p.error(f"unknown section(s): {', '.join(sorted(unknown))}")
     try:
@@ -491,8 +514,8 @@ def build_trainer(url: str, output_dir: str, run_name: str, device: torch.device
     return trainer
 
 
-def add_host_syncs(trainer) -> None:
-    """The reference trainer's habit, for the baseline: .item() on every scalar the step logs (each loss,
+def add_reference_habits(trainer) -> None:
+    """The reference trainer's habits, for the baseline: .item() on every scalar the step logs (each loss,
     grad norm, logit mean, latent statistic) as soon as it exists. Wraps trainer.metrics.add/max on the
     instance; set trainer.metrics.host_sync to switch it on."""
     metrics = trainer.metrics
@@ -507,6 +530,14 @@ def add_host_syncs(trainer) -> None:
                         value.item()
             _original(**values)
         setattr(metrics, name, wrapped)
+    if trainer.disc is not None:
+        # and, with the GAN, the critic's weight gradients in the generator's pass: the reference computes them
+        # (and zeroes them after the VAE's step); train_step freezes the critic for that pass
+        freeze = trainer.disc.requires_grad_
+
+        def requires_grad_(requires_grad=True, _freeze=freeze):
+            return trainer.disc if metrics.host_sync and not requires_grad else _freeze(requires_grad)
+        trainer.disc.requires_grad_ = requires_grad_
 
 
 def timed_step(trainer) -> float:
@@ -548,7 +579,7 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
     for key, extra in settings.items():
         report.line(f"  building and warming up the {key} trainer ...")
         trainer = build_trainer(url, tmp, f"train_{key}", device, **config, **extra)
-        add_host_syncs(trainer)
+        add_reference_habits(trainer)
         t0 = time.perf_counter()
         for _ in range(3 if key == "compiled" else 2):  # compile: forward, backward, then steady state
             timed_step(trainer)
@@ -566,7 +597,8 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
     rate = {name: batch / median(t) for name, t in times.items()}
     all_on = "compile" if "compile" in rate else "channels_last"
     described = {
-        "reference": "host syncs, NCHW, eager, fp32",
+        "reference": "host syncs, NCHW, eager, fp32" + (", critic weight grads in the generator's pass"
+                                                           if args.gan else ""),
         "sync_free": "no host syncs, NCHW, eager, fp32",
         "channels_last": "no host syncs, channels_last, eager, fp32",
         "compile": "no host syncs, channels_last, torch.compile, fp32",
@@ -592,6 +624,89 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
         "speedup_compile": rate["compile"] / rate["channels_last"] if "compile" in rate else None,
         "bf16_speedup": rate["bf16"] / rate["channels_last"],
     }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Section: quality per step
+# ----------------------------------------------------------------------------------------------------
+def reference_flags(cfg: dict) -> dict:
+    """The reference trainer's hyperparameters (cloneofsimo/vqgan-training at HEAD and its launcher.sh),
+    written with our flags. Not reproducible with our flags: its conv_in learning rate of 1e-4 (ours is one
+    rate for the whole VAE), and its latent penalty is on z itself (here on the posterior mean: with its
+    zero noise the same)."""
+    latent_elements = cfg["batch_size"] * cfg["vae_z_channels"] * (
+        cfg["vae_resolution"] // 2 ** (len(cfg["vae_ch_mult"].split(",")) - 1)) ** 2
+    return dict(
+        learning_rate_vae=2 ** -7 / cfg["vae_ch"],  # launcher: lr 2^-7, divided by the width in the code
+        warmup_steps=200, learning_rate_disc=1e-5, disc_start=0, do_attn=False, do_clamp=True, vae_norm_groups=32,
+        disc_type="bce", gen_loss="nonsaturating",  # --disc_type's default is bce; the launcher keeps it
+        perceptual_weight=1.0, mse_weight=0.0,  # at HEAD the pixel loss is multiplied by 0.0
+        gan_weight=1.0, lecam_weight=0.0, grad_clip=0.0, ema_decay=0.0,
+        # its 0.1 * mean(z^2) added outside GradNorm: per-element gradient 0.2 z / n; ours kl * z / sqrt(n)
+        kl_weight=0.2 / latent_elements ** 0.5,
+        posterior_var=1e-8)  # no noise at HEAD (its README's "fixed variance of 0.1" is not in the code)
+
+
+def plain_mse_flags(cfg: dict) -> dict:
+    """The floor: the reference's hyperparameters and architecture, one plain MSE loss (and its latent
+    penalty), no LPIPS, no critic."""
+    return {**reference_flags(cfg), "perceptual_weight": 0.0, "do_ganloss": False, "loss_balance": "none",
+            "mse_weight": 1.0, "pooled_mse_weight": 1.0, "mse_pool_factor": 1, "lowpass_mse_weight": 0.0,
+            "kl_weight": 0.2}  # none: the latent penalty is a mean, 0.2 * 0.5 * mean^2 = 0.1 * mean(z^2)
+
+
+def final_eval(run_dir: str) -> dict:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        evals = [r for r in map(json.loads, f) if "eval/psnr" in r]
+    return evals[-1]
+
+
+def bench_quality(args, tmp, report: Report) -> dict:
+    """Our defaults vs the reference's hyperparameters vs plain MSE: the same model, photos, seed and steps,
+    each a real `vae_trainer.py` run; held-out PSNR/SSIM/LPIPS from the trainer's own final evaluation."""
+    train_url, test_url = data_lib.ensure_demo_shards(os.path.join(tmp, "quality_data"))
+    vgg = "torchvision" if os.path.isfile(vae_trainer.vgg16_cache_path()) else "random"
+    cfg = dict(QUALITY_CONFIG)
+    common = dict(cfg, dataset_url=train_url, test_dataset_url=test_url, max_steps=args.quality_steps,
+                  vgg16_weights=vgg, inception_weights="none", wandb_mode="disabled", num_workers=1,
+                  shuffle_buffer=64, log_every_n_steps=50, save_every_n_steps=args.quality_steps,
+                  evaluate_every_n_steps=args.quality_steps, eval_max_images=64, seed=args.seed,
+                  output_dir=os.path.join(tmp, "quality_runs"))
+    variants = {"defaults": {}, "reference": reference_flags(cfg), "plain_mse": plain_mse_flags(cfg)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads or os.cpu_count())}
+    out = {"config": {**cfg, "steps": args.quality_steps, "vgg16_weights": vgg,
+                      "train_images": len(data_lib.DEMO_PHOTOS) - len(data_lib.DEMO_TEST),
+                      "held_out_images": list(data_lib.DEMO_TEST)}, "variants": {}}
+    procs = {}
+    for name, flags in variants.items():  # concurrently: on a shared machine every run sees the same load
+        values = {**common, **flags, "run_name": f"quality_{name}"}
+        argv = []
+        for key, value in values.items():
+            argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+        log = open(os.path.join(tmp, f"quality_{name}.log"), "w")
+        procs[name] = (subprocess.Popen([sys.executable, os.path.join(HERE, "vae_trainer.py"), *argv], env=env,
+                                        stdout=log, stderr=subprocess.STDOUT), log, time.time())
+    report.line(f"  training {', '.join(variants)} concurrently ({args.quality_steps} steps each; logs in {tmp}) ...")
+    for name, (proc, log, t0) in procs.items():
+        proc.wait()
+        log.close()
+        if proc.returncode != 0:
+            with open(log.name) as f:
+                raise RuntimeError(f"quality run {name} failed:\n{f.read()[-3000:]}")
+        ev = final_eval(os.path.join(common["output_dir"], f"quality_{name}"))
+        out["variants"][name] = {"flags": variants[name], "wall_s": round(time.time() - t0, 1),
+                                 **{k: ev.get(f"eval/{k}") for k in ("psnr", "ssim", "lpips", "n_images")},
+                                 **{f"ema_{k}": ev.get(f"eval_ema/{k}") for k in ("psnr", "ssim", "lpips")}}
+    v = out["variants"]
+    rows = [[name, r["psnr"], r["ssim"], r["lpips"], r["wall_s"]] for name, r in v.items()]
+    report.table(f"Held-out quality after {args.quality_steps} steps ({len(data_lib.DEMO_TEST)} held-out photos, "
+                 f"VGG16 {vgg}; ch {cfg['vae_ch']} x {cfg['vae_ch_mult']}, z {cfg['vae_z_channels']}, "
+                 f"{cfg['vae_resolution']} px, batch {cfg['batch_size']}, GAN)",
+                 ["variant", "PSNR dB", "SSIM", "LPIPS", "wall s"], rows)
+    for metric in ("psnr", "ssim"):
+        out[f"{metric}_over_reference"] = v["defaults"][metric] - v["reference"][metric]
+        out[f"{metric}_over_floor"] = v["defaults"][metric] - v["plain_mse"][metric]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -703,7 +818,7 @@ def bench_memory(args, url, tmp, device, report: Report) -> dict:
     if args.ckpt_time_rounds > 0 and 512 in args.memory_resolutions:
         report.line("  interleaved none / decoder_hr timing at 512 px ...")
         trainer = build_trainer(url, tmp, "ckpt_timing", device, **config, vae_resolution=512)
-        add_host_syncs(trainer)
+        add_reference_habits(trainer)
         timed_step(trainer)  # warm-up
         for r in range(args.ckpt_time_rounds):
             for level in (("none", "decoder_hr") if r % 2 == 0 else ("decoder_hr", "none")):
@@ -879,6 +994,13 @@ def summarize(results: dict) -> dict:
         keys["finetune_decoder_memory_saving_512"] = f["decoder"]["saving_increase"]
         keys["finetune_decoder_hr_memory_saving_512"] = f["decoder+decoder_hr"]["saving_increase"]
         keys["finetune_decoder_hr_bf16_memory_saving_512"] = f["decoder+decoder_hr+bf16"]["saving_increase"]
+    q = results.get("quality")
+    if q:
+        for metric in ("psnr", "ssim"):
+            for name in ("defaults", "reference", "plain_mse"):
+                keys[f"quality_{metric}_{name}"] = q["variants"][name][metric]
+            keys[f"quality_{metric}_over_reference"] = q[f"{metric}_over_reference"]
+            keys[f"quality_{metric}_over_floor"] = q[f"{metric}_over_floor"]
     g = results.get("gpu")
     if g:
         keys["gpu_bf16_speedup_flux_256"] = g["bf16_speedup_256"]
@@ -921,11 +1043,13 @@ def main(argv=None) -> int:
                 f"{torch.__version__}, {torch.get_num_threads()} threads); VGG16 weights random (timing only)")
     # Trainer construction and the data tools print progress lines: keep stdout for the JSON object
     with contextlib.redirect_stdout(report.stream), tempfile.TemporaryDirectory(prefix="vae_bench_") as tmp:
-        report.line(f"generating {args.images} photo-like {args.height}x{args.width} images as PNG and JPEG shards ...")
-        datasets = make_datasets(tmp, args.images, args.height, args.width, args.seed)
-        results["datasets"] = {k: {"url_pattern": os.path.basename(v["url"]), "mean_file_kib": v["mean_file_kib"]}
-                               for k, v in datasets.items()}
-        train_url = datasets["jpeg"]["url"]  # any real crops do for the model sections
+        if set(args.sections) - {"quality"}:
+            report.line(f"generating {args.images} photo-like {args.height}x{args.width} images as PNG and JPEG "
+                        "shards ...")
+            datasets = make_datasets(tmp, args.images, args.height, args.width, args.seed)
+            results["datasets"] = {k: {"url_pattern": os.path.basename(v["url"]), "mean_file_kib": v["mean_file_kib"]}
+                                   for k, v in datasets.items()}
+            train_url = datasets["jpeg"]["url"]  # any real crops do for the model sections
         if "data" in args.sections:
             results["data"] = bench_data(args, datasets, report)
         if "train" in args.sections:
@@ -934,6 +1058,8 @@ def main(argv=None) -> int:
             results["memory"] = bench_memory(args, train_url, tmp, device, report)
         if "finetune" in args.sections:
             results["finetune"] = bench_finetune(args, train_url, tmp, device, report)
+        if "quality" in args.sections:
+            results["quality"] = bench_quality(args, tmp, report)
         if "gpu" in args.sections and device.type == "cuda":
             results["gpu"] = bench_gpu(args, train_url, tmp, device, report)
         elif "gpu" in args.sections:

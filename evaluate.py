@@ -31,6 +31,7 @@ import torchvision
 from torch import Tensor, nn
 
 import data as data_lib
+import latents as latents_lib
 from ae import AutoEncoder, AutoEncoderParams
 from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, fetch_weights,
                    hub_cache_path, load_vgg16_features, warn_random_vgg)
@@ -250,7 +251,8 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
                    rank: int = 0, world_size: int = 1, max_images: int | None = None,
                    lpips_model: nn.Module | None = None, inception: nn.Module | None = None,
                    autocast: Callable | None = None, channels_last: bool = False, grid_images: int = GRID_IMAGES,
-                   max_pixels: int = 100_000_000, log: Callable | None = None) -> dict:
+                   max_pixels: int = 100_000_000, log: Callable | None = None,
+                   latent_diagnostics: bool = False) -> dict:
     """PSNR, SSIM, LPIPS and rFID of `vae` on the center crops of `url`, in one pass.
 
     Every rank must call this (it all-reduces on the default process group, on `device`). The result,
@@ -259,19 +261,24 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
     rank's first inputs (top row) over their reconstructions. `autocast` is a context-manager factory for the VAE only (e.g. the trainer's
     `self.autocast`); every metric is computed in fp32/fp64. Reconstructions are clamped to [-1, 1];
     PSNR/SSIM/LPIPS use them unquantised, the Inception sees them as uint8 like the inputs.
+    `latent_diagnostics` adds latents.LatentDiagnostics' keys (`latent_*`, `image_*`) from the same pass.
     """
     autocast = autocast or contextlib.nullcontext
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # psnr, ssim, lpips, images
     real_stats = FeatureStats(FID_DIM, device) if inception is not None else None
     recon_stats = FeatureStats(FID_DIM, device) if inception is not None else None
     grid_inputs, grid_recons = [], []
+    diagnostics = latents_lib.LatentDiagnostics() if latent_diagnostics else None
     was_training = vae.training
     vae.eval()
     for n_batches, (_, batch) in enumerate(data_lib.iter_eval_batches(
             url, resolution, batch_size, rank, world_size, max_images, max_pixels), start=1):
         x = data_lib.to_model_input(batch, device, channels_last)
         with autocast():
-            recon = vae.decode(vae.encode(x))
+            z = vae.encode(x)
+            recon = vae.decode(z)
+        if diagnostics is not None:
+            diagnostics.update(z.float(), x.float())
         recon = recon.float().clamp(-1.0, 1.0)
         x = x.float()
         target01, recon01 = x * 0.5 + 0.5, recon * 0.5 + 0.5
@@ -306,6 +313,10 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
         out["rfid_missing"] = f"FID needs at least 2 images, got {n}"
     else:
         out["rfid"] = frechet_distance(*real_stats.mean_cov(), *recon_stats.mean_cov())
+    if diagnostics is not None:
+        if diagnostics.channels is None:  # this rank had no image: still take part in the all-reduces
+            diagnostics.update(*_empty_latent_batch(vae, resolution, device))
+        out.update(diagnostics.result())
     grid = torch.zeros(3, 2, 2, dtype=torch.uint8)
     if grid_inputs:
         inputs, recons = torch.cat(grid_inputs)[:grid_images], torch.cat(grid_recons)[:grid_images]
@@ -313,6 +324,13 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
                                                     pad_value=-1.0))
     out["grid"] = grid
     return out
+
+
+def _empty_latent_batch(vae: AutoEncoder, resolution: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Zero-image latent and image batches of the right shapes: adds nothing to any sum."""
+    f, c = vae.downsample_factor, vae.params.z_channels
+    return (torch.zeros(0, c, resolution // f, resolution // f, device=device),
+            torch.zeros(0, 3, resolution, resolution, device=device))
 
 
 @torch.no_grad()
@@ -325,27 +343,19 @@ def latent_stats(vae: AutoEncoder, url: str, resolution: int, *, batch_size: int
     These are statistics of the posterior mean; a diffusion model trained on sampled latents sees a
     variance larger by the posterior variance."""
     autocast = autocast or contextlib.nullcontext
-    channels = vae.params.z_channels
-    sums = torch.zeros(3, channels, dtype=torch.float64, device=device)  # elements, sum, sum of squares
+    stats = latents_lib.ChannelStats(vae.params.z_channels, device)
     images = torch.zeros((), dtype=torch.float64, device=device)
     for _, batch in data_lib.iter_eval_batches(url, resolution, batch_size, rank, world_size, max_images, max_pixels):
         with autocast():
             z = vae.encode(data_lib.to_model_input(batch, device, channels_last=False))
-        z = z.double()
-        sums[0] += z[:, 0].numel()
-        sums[1] += z.sum(dim=(0, 2, 3))
-        sums[2] += z.square().sum(dim=(0, 2, 3))
+        stats.update(z)
         images += z.shape[0]
-    _all_reduce(sums, images)
+    stats.all_reduce()
+    _all_reduce(images)
     if images.item() == 0:
         raise data_lib.DatasetError(f"{url}: no readable image for the latent statistics")
-    count, total, total_sq = sums
-    channel_mean = total / count
-    channel_std = (total_sq / count - channel_mean.square()).clamp_min(0).sqrt()
-    mean = total.sum() / count.sum()
-    std = (total_sq.sum() / count.sum() - mean.square()).clamp_min(0).sqrt()
-    return {"shift_factor": mean.item(), "scaling_factor": 1.0 / std.item(), "latent_mean": mean.item(),
-            "latent_std": std.item(), "channel_mean": channel_mean.tolist(), "channel_std": channel_std.tolist(),
+    res = stats.result()
+    return {"shift_factor": res["latent_mean"], "scaling_factor": 1.0 / res["latent_std"], **res,
             "n_images": int(images.item())}
 
 

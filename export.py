@@ -11,8 +11,10 @@
     python export.py --ckpt runs/flux-ft --out flux-ft --format single_file   # ae.safetensors, FLUX's layout
 
 The latent factors follow the FLUX convention z' = (z - shift_factor) * scaling_factor. They come from
-the flags, or from the latent statistics of --dataset_url (evaluate.latent_stats), else 1.0 / 0.0; a
-decoder-only fine-tune (--train_parts decoder) keeps its --init_from source's factors unless given others.
+the flags, or from the latent statistics of --dataset_url (evaluate.latent_stats), else 1.0 / 0.0.
+With --dataset_url the per-channel statistics go into the config too, as `latents_mean` / `latents_std`
+(diffusers' AutoencoderKL keys; per-channel normalisation z' = (z - latents_mean) / latents_std).
+A decoder-only fine-tune (--train_parts decoder) keeps its --init_from source's factors unless given others.
 quant_conv / post_quant_conv are exported where the model has them (SD 1.x/2.x/SDXL). A constant-variance encoder becomes
 AutoencoderKL's (mean, log-variance) output by extra conv_out channels with zero weights and
 bias log(posterior_var); a learned-posterior encoder maps as it is.
@@ -52,8 +54,8 @@ def honour_umask(path: str) -> None:
 # diffusers AutoencoderKL (the conversion itself lives in pretrained.py, shared with --init_from)
 # ============================================================================================
 def export_diffusers(vae: AutoEncoder, out_dir: str, resolution: int, scaling_factor: float = 1.0,
-                     shift_factor: float = 0.0, latents_mean: list | None = None,
-                     latents_std: list | None = None) -> None:
+                     shift_factor: float = 0.0, latents_mean: list[float] | None = None,
+                     latents_std: list[float] | None = None) -> None:
     """Write `out_dir/config.json` and `diffusion_pytorch_model.safetensors` of a diffusers AutoencoderKL.
     The converted weights are loaded strictly into AutoencoderKL before saving: a key or shape mismatch
     fails here, not in the user's pipeline."""
@@ -102,14 +104,15 @@ def export_single_file(vae: AutoEncoder, out_dir: str, scaling_factor: float | N
 # Our own format: ae.py's state dict as safetensors, AutoEncoderParams as config.json
 # ============================================================================================
 def export_safetensors(vae: AutoEncoder, out_dir: str, resolution: int | None, scaling_factor: float = 1.0,
-                       shift_factor: float = 0.0, step: int | None = None) -> None:
+                       shift_factor: float = 0.0, step: int | None = None, latents_mean: list[float] | None = None,
+                       latents_std: list[float] | None = None) -> None:
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     state = {k: v.detach().float().cpu().contiguous() for k, v in vae.state_dict().items()}
     save_file(state, os.path.join(out_dir, SAFETENSORS_WEIGHTS), metadata={"format": "pt"})
     honour_umask(os.path.join(out_dir, SAFETENSORS_WEIGHTS))
     config = {**vae.params.to_dict(), "scaling_factor": scaling_factor, "shift_factor": shift_factor,
-              "resolution": resolution, "step": step}
+              "resolution": resolution, "step": step, "latents_mean": latents_mean, "latents_std": latents_std}
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
@@ -187,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                                           device=device, max_images=args.latent_stats_images)
             vae.cpu()
             scale, shift = stats["scaling_factor"], stats["shift_factor"]
+            latents_mean, latents_std = stats["channel_mean"], stats["channel_std"]
             summary["latent_stats"] = stats
         else:
+            # per-channel statistics need --dataset_url (latents_mean/latents_std stay None)
             scale = 1.0 if args.scaling_factor is None else args.scaling_factor
             shift = 0.0 if args.shift_factor is None else args.shift_factor
             if args.scaling_factor is None and args.shift_factor is None:
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.format == "single_file":
             summary["file"] = export_single_file(vae, args.out, scale, shift)
         else:
-            export_safetensors(vae, args.out, resolution, scale, shift, info["step"])
+            export_safetensors(vae, args.out, resolution, scale, shift, info["step"], latents_mean, latents_std)
     except (ConfigError, data_lib.DatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -73,9 +73,9 @@ def diffusers_config(params: AutoEncoderParams, resolution: int, scaling_factor:
         act_fn="silu", latent_channels=params.z_channels, norm_num_groups=params.norm_groups,
         sample_size=resolution, scaling_factor=scaling_factor, shift_factor=shift_factor,
         force_upcast=True, use_quant_conv=params.quant_conv, use_post_quant_conv=params.quant_conv,
-        mid_block_add_attention=params.use_attn)
-    if latents_mean is not None:
-        config.update(latents_mean=list(latents_mean), latents_std=list(latents_std))
+        mid_block_add_attention=params.use_attn,
+        latents_mean=None if latents_mean is None else list(latents_mean),
+        latents_std=None if latents_std is None else list(latents_std))
     return config
 
 

@@ -373,12 +373,16 @@ def discriminator_loss(real_logits: Tensor, fake_logits: Tensor, kind: str) -> T
 def generator_loss(fake_logits: Tensor, real_logits: Tensor | None, kind: str, margin: float = 0.1) -> Tensor:
     """`thresholded`: the reference trainer's relativistic hinge, relu(D(x) - D(x_hat) - margin):
     the generator is pushed only where a fake patch scores clearly below its real counterpart,
-    which stops it from chasing a critic it already matches. `ldm`: -mean(D(x_hat)) as in LDM."""
+    which stops it from chasing a critic it already matches. `ldm`: -mean(D(x_hat)) as in LDM.
+    `nonsaturating`: softplus(-D(x_hat)) = BCE against "real", the classic GAN generator (the reference's
+    with --disc_type bce)."""
     fake_logits = fake_logits.float()
     if kind == "thresholded":
         return F.relu(real_logits.detach().float() - fake_logits - margin).mean()
     if kind == "ldm":
         return -fake_logits.mean()
+    if kind == "nonsaturating":
+        return F.softplus(-fake_logits).mean()
     raise ValueError(f"unknown generator loss {kind!r}")
 
 
@@ -388,7 +392,7 @@ def generator_active_fraction(real_logits: Tensor, fake_logits: Tensor, kind: st
     is scaled by its square root (see Trainer.vae_losses)."""
     if kind == "thresholded":
         return (real_logits.detach().float() - fake_logits.detach().float() > margin).float().mean()
-    if kind == "ldm":
+    if kind in ("ldm", "nonsaturating"):
         return torch.ones((), device=fake_logits.device)
     raise ValueError(f"unknown generator loss {kind!r}")
 

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data as data_lib
 import evaluate as evaluate_lib
+import latents as latents_lib
 import pretrained
 from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoder, AutoEncoderParams, kl_divergence
 from utils import (DISC_NORMS, DISC_TYPES, LeCam, LowpassMSE, NLayerDiscriminator, VGG16Discriminator,
@@ -65,9 +66,10 @@ class Config:
     vae_ch_mult: str = opt("1,2,4,4", "channel multiplier per level; downsampling = 2^(levels-1)", "model")
     vae_num_res_blocks: int = opt(2, "ResnetBlocks per level", "model")
     vae_z_channels: int = opt(16, "latent channels", "model")
-    vae_norm_groups: int = opt(32, "GroupNorm groups (diffusers' norm_num_groups); every level's channel count must "
-                                   "divide by it. At --vae_ch 32, 32 groups are one channel each: every norm then "
-                                   "removes each image's per-channel mean (its colour)", "model")
+    vae_norm_groups: int = opt(0, "GroupNorm groups (diffusers' norm_num_groups); every level's channel count must "
+                                  "divide by it. 0: auto, the largest divisor of --vae_ch up to min(32, vae_ch/4): "
+                                  "32 at 128 (FLUX, SD), 16 at 64, 8 at 32. One channel per group removes each "
+                                  "image's per-channel mean (its colour) at every norm and learns slower", "model")
     do_attn: bool = opt(True, "self-attention in the mid blocks", "model")
     posterior: str = opt("constant", "constant: z = mean + sqrt(posterior_var) * noise; learned: the encoder "
                                      "also predicts the log-variance (standard SD VAE)", "model", POSTERIORS)
@@ -92,7 +94,7 @@ class Config:
                                         "its weight; adaptive: LDM's adaptive GAN weight; none: plain weighted sum",
                             "loss", ("gradnorm", "adaptive", "none"))
     perceptual_weight: float = opt(1.0, "LPIPS branch weight", "loss")
-    mse_weight: float = opt(0.2, "pixel (pooled + low-pass MSE) branch weight", "loss")
+    mse_weight: float = opt(1.0, "pixel (pooled + low-pass MSE) branch weight", "loss")
     pooled_mse_weight: float = opt(1.0, "pooled MSE inside the pixel branch", "loss")
     lowpass_mse_weight: float = opt(1.0, "low-pass MSE inside the pixel branch", "loss")
     mse_pool_factor: int = opt(16, "area-pooling factor of the pooled MSE", "loss")
@@ -109,13 +111,17 @@ class Config:
     disc_type: str = opt("hinge", "discriminator loss", "gan", DISC_TYPES)
     disc_norm: str = opt("group_spectral", "PatchGAN normalisation", "gan", DISC_NORMS)
     gen_loss: str = opt("thresholded", "generator loss: thresholded = relu(D(x) - D(x_hat) - margin) (reference); "
-                                       "ldm = -mean(D(x_hat))", "gan", ("thresholded", "ldm"))
-    gan_weight: float = opt(1.0, "GAN branch weight (gradnorm: the branch's gradient norm while every patch is "
+                                       "ldm = -mean(D(x_hat)); nonsaturating = softplus(-D(x_hat))", "gan",
+                      ("thresholded", "ldm", "nonsaturating"))
+    gan_weight: float = opt(0.5, "GAN branch weight (gradnorm: the branch's gradient norm while every patch is "
                                  "active, times sqrt(active fraction) with the thresholded loss; adaptive: "
                                  "multiplies the adaptive weight)", "gan")
     gan_margin: float = opt(0.1, "margin of the thresholded generator loss", "gan")
-    disc_start: int = opt(20, "step from which the generator gets the adversarial term (D trains from 0)", "gan")
-    learning_rate_disc: float = opt(2e-4, "discriminator learning rate", "gan")
+    disc_start: int = opt(-1, "step from which the generator gets the adversarial term (D trains from 0). -1: "
+                              "auto, a fifth of --max_steps", "gan")
+    learning_rate_disc: float = opt(0.0, "discriminator learning rate. 0: auto, 1e-5 for the vgg16 critic (a "
+                                         "pretrained trunk, as the reference), --learning_rate_vae for patchgan "
+                                         "(as LDM)", "gan")
     lecam_weight: float = opt(0.0, "LeCam regularisation weight for the discriminator (0: off)", "gan")
     adaptive_weight_max: float = opt(1e4, "clamp of LDM's adaptive weight", "gan")
     vgg16_weights: str = opt("torchvision", "VGG16 for LPIPS and the discriminator: torchvision (its download "
@@ -123,11 +129,13 @@ class Config:
     inception_weights: str = opt("torchvision", "FID Inception-v3 for rFID during evaluation: torchvision (torch "
                                                 "hub's cache), a local PATH, random (tests only) or none", "run")
     # optimisation
-    learning_rate_vae: float = opt(1e-4, "VAE learning rate (AdamW)", "optim")
+    learning_rate_vae: float = opt(0.0, "VAE learning rate (AdamW). 0: auto, 0.032 / --vae_ch (1e-3 at ch 32, "
+                                        "2.5e-4 at ch 128)", "optim")
     weight_decay: float = opt(1e-3, "AdamW weight decay (both networks)", "optim")
     adam_beta1: float = opt(0.9, "AdamW beta1", "optim")
     adam_beta2: float = opt(0.95, "AdamW beta2", "optim")
-    warmup_steps: int = opt(200, "linear warm-up steps of the cosine schedule", "optim")
+    warmup_steps: int = opt(-1, "linear warm-up steps of the cosine schedule. -1: auto, a tenth of --max_steps, "
+                                "at most 1000", "optim")
     min_lr_ratio: float = opt(0.0, "final learning rate as a fraction of the peak", "optim")
     grad_clip: float = opt(1.0, "clip the global gradient norm of each network (0: off)", "optim")
     max_steps: int = opt(10000, "optimizer steps to train (every rank runs exactly this many)", "optim")
@@ -143,6 +151,18 @@ class Config:
                                           "decoder (every decoder level), all", "speed", GRAD_CHECKPOINTING)
     channels_last: bool = opt(True, "channels_last memory format", "speed")
     compile: bool = opt(False, "torch.compile the encoder, decoder and discriminator", "speed")
+    # latents for diffusion (latents.py): regularisers, off by default
+    scale_equivariance_prob: float = opt(0.0, "probability per micro-batch that the latent is downsampled (and "
+                                              "rotated/flipped with --scale_equivariance_rotate) before decoding, "
+                                              "and the losses compare with the equally downsampled image "
+                                              "(EQ-VAE; a smoother, more diffusable latent). 0: off", "latents")
+    scale_equivariance_mode: str = opt("half", "half: x0.5; random: a latent size drawn from a quarter up to one "
+                                               "less than the full one", "latents", ("half", "random"))
+    scale_equivariance_rotate: bool = opt(False, "also rotate by 0/90/180/270 degrees and flip (both the latent "
+                                                 "and the image) on scale-equivariance steps", "latents")
+    latent_noise_prob: float = opt(0.0, "probability per image that the decoder sees z + Gaussian noise (a "
+                                        "decoder robust to a diffusion model's imperfect latents). 0: off", "latents")
+    latent_noise_max: float = opt(0.5, "the noise std is U(0, this) times the batch's latent std", "latents")
     # run, logging, checkpoints
     output_dir: str = opt("runs", "where run directories live", "run")
     run_name: str = opt("vae", "run directory name and wandb run name", "run")
@@ -172,6 +192,9 @@ def uses_vgg16(cfg: Config) -> bool:
 # The GAN settings are not among them: switching the critic on after a reconstruction-only warm-up is normal.
 ARCH_FIELDS = ("vae_ch", "vae_ch_mult", "vae_num_res_blocks", "vae_z_channels", "vae_norm_groups", "do_attn",
                "posterior", "vae_quant_conv")
+# What runs written before a field existed used (config.json without it): 32 groups before --vae_norm_groups,
+# no quant convs before --vae_quant_conv.
+LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False}
 # The flags --init_from sets from its source.
 SOURCE_FIELDS = ARCH_FIELDS + ("posterior_var", "do_clamp")
 
@@ -232,11 +255,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_flags(argv: list[str] | None = None) -> tuple[Config, set[str]]:
-    """The config and the names of the flags the user gave (argparse leaves the others out: SUPPRESS)."""
+    """The config (automatic values made concrete) and the names of the flags the user gave (argparse leaves
+    the others out: SUPPRESS)."""
     given = vars(build_parser().parse_args(argv))
     values = dict(DEMO) if given.get("demo") else {}
     values.update(given)
-    return Config(**values), set(given)
+    return resolve_auto(Config(**values)), set(given)
+
+
+# --learning_rate_vae auto = LR_TIMES_WIDTH / --vae_ch. Adam's step is scale-free, so the update of a layer's
+# output grows with its fan-in: a rate inversely proportional to the width keeps it comparable (the
+# reference's rule is 2^-7 / vae_ch). The constant comes from this repo's runs at ch 32 (BENCHMARKS.md,
+# "Defaults"): 1e-3 there, which makes 2.5e-4 at FLUX width, where LDM's recipe (4.5e-6 x total batch 64) is 2.9e-4.
+LR_TIMES_WIDTH = 0.032
+
+
+def auto_norm_groups(vae_ch: int) -> int:
+    """The largest divisor of vae_ch up to min(32, vae_ch // 4): at least 4 channels per group where possible."""
+    limit = max(1, min(32, vae_ch // 4))
+    return max(d for d in range(1, limit + 1) if vae_ch % d == 0)
+
+
+def resolve_auto(cfg: Config) -> Config:
+    """The automatic defaults (0 or -1, see each flag's help) made concrete; idempotent. config.json records
+    the resolved values, so a run shows what it trained with."""
+    lr_vae = cfg.learning_rate_vae
+    if lr_vae == 0 and cfg.vae_ch > 0:  # (a bad --vae_ch is refused by validate)
+        lr_vae = LR_TIMES_WIDTH / cfg.vae_ch
+    changes = dict(
+        learning_rate_vae=lr_vae,
+        learning_rate_disc=cfg.learning_rate_disc or (1e-5 if cfg.discriminator == "vgg16" else lr_vae),
+        warmup_steps=min(1000, cfg.max_steps // 10) if cfg.warmup_steps == -1 else cfg.warmup_steps,
+        disc_start=cfg.max_steps // 5 if cfg.disc_start == -1 else cfg.disc_start,
+        vae_norm_groups=cfg.vae_norm_groups or (auto_norm_groups(cfg.vae_ch) if cfg.vae_ch > 0 else 0))
+    return dataclasses.replace(cfg, **changes)
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
@@ -329,6 +381,16 @@ def validate(cfg: Config) -> None:
         if (cfg.vae_ch * mult) % params.norm_groups:
             raise ConfigError(f"channel count {cfg.vae_ch} x {mult} = {cfg.vae_ch * mult} is not divisible by the "
                               f"{params.norm_groups} GroupNorm groups (--vae_ch / --vae_ch_mult / --vae_norm_groups)")
+    for name in ("scale_equivariance_prob", "latent_noise_prob"):
+        if not 0 <= getattr(cfg, name) <= 1:
+            raise ConfigError(f"--{name} must be in [0, 1], got {getattr(cfg, name)}")
+    if cfg.latent_noise_max < 0:
+        raise ConfigError(f"--latent_noise_max must be >= 0, got {cfg.latent_noise_max}")
+    if cfg.scale_equivariance_prob > 0 and not scale_equivariance_sizes(cfg):
+        critic = " and at least 32 px (the critic's smallest input)" if cfg.do_ganloss else ""
+        raise ConfigError(f"--scale_equivariance_mode {cfg.scale_equivariance_mode}: no smaller size of the "
+                          f"{cfg.vae_resolution // factor}-pixel latent gives an image divisible by --mse_pool_factor "
+                          f"{cfg.mse_pool_factor}{critic}")
     if cfg.do_ganloss and cfg.discriminator == "vgg16" and cfg.vae_resolution < 32:
         raise ConfigError("--vae_resolution must be at least 32 for the VGG16 discriminator")
     if cfg.vgg16_weights not in ("torchvision", "random") and not os.path.isfile(cfg.vgg16_weights):
@@ -351,6 +413,14 @@ def validate(cfg: Config) -> None:
                 data_lib.probe_remote_shards(data_lib.list_shards(getattr(cfg, name)))
             except data_lib.DatasetError as e:
                 raise ConfigError(f"--{name}: {e}") from None
+
+
+def scale_equivariance_sizes(cfg: Config) -> list[int]:
+    """The latent sizes a scale-equivariance step may decode (latents.equivariance_sizes)."""
+    factor = model_params(cfg).downsample_factor
+    min_image = 32 if cfg.do_ganloss else 1  # the critics' smallest input
+    return latents_lib.equivariance_sizes(cfg.vae_resolution // factor, factor, cfg.scale_equivariance_mode,
+                                          cfg.mse_pool_factor, min_image)
 
 
 # Flags that only matter with --do_ganloss.
@@ -378,6 +448,9 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
          not cfg.test_dataset_url, "without --test_dataset_url"),
         (("eval_max_images", "inception_weights"), cfg.evaluate_every_n_steps == 0, "with --evaluate_every_n_steps 0"),
         (("project_name",), cfg.wandb_mode == "disabled", "with --wandb_mode disabled"),
+        (("scale_equivariance_mode", "scale_equivariance_rotate"), cfg.scale_equivariance_prob == 0,
+         "with --scale_equivariance_prob 0"),
+        (("latent_noise_max",), cfg.latent_noise_prob == 0, "with --latent_noise_prob 0"),
         (SOURCE_FIELDS, bool(cfg.init_from), "with --init_from (the architecture is read from the source)"),
         (("init_family",), not cfg.init_from, "without --init_from"),
     ]
@@ -676,6 +749,7 @@ def _fault_injection(name: str, rank: int) -> set[int]:
 # ============================================================================================
 class Trainer:
     def __init__(self, cfg: Config, info: DistInfo, source: pretrained.Source | None = None):
+        cfg = resolve_auto(cfg)
         self.cfg, self.info = cfg, info
         self.device = info.device
         self.run_dir = os.path.join(cfg.output_dir, cfg.run_name)
@@ -760,6 +834,11 @@ class Trainer:
         if self.loader.few_shards and info.is_main:
             self.log(f"note: fewer shards than data workers ({info.world_size} x {max(1, cfg.num_workers)}): "
                      "every worker reads every shard, in its own order")
+        self.regularisers = latents_lib.LatentRegularisers(
+            cfg.seed, info.rank, equivariance_prob=cfg.scale_equivariance_prob,
+            equivariance_sizes=scale_equivariance_sizes(cfg), equivariance_rotate=cfg.scale_equivariance_rotate,
+            noise_prob=cfg.latent_noise_prob, noise_max=cfg.latent_noise_max,
+            downsample_factor=self.vae.downsample_factor)
         self.metrics, self.tracker = Metrics(), CollapseTracker(self.log)
         self._ema_model = None
         self.inject_nan = _fault_injection("INJECT_NAN", info.rank)
@@ -870,6 +949,7 @@ class Trainer:
 
     def _check_compatible(self, saved: dict, where: str) -> bool:
         """False (with --force) or ConfigError if `saved` describes another VAE architecture."""
+        saved = {**LEGACY_ARCH, **saved}
         diff = [f"{k}: {saved.get(k)!r} -> {getattr(self.cfg, k)!r}" for k in ARCH_FIELDS
                 if k in saved and saved[k] != getattr(self.cfg, k)]
         if diff and not self.cfg.force:
@@ -1019,8 +1099,11 @@ class Trainer:
             x = data_lib.to_model_input(next(self.loader), self.device, cfg.channels_last)
             no_sync_vae = self.vae_ddp.no_sync() if self.info.distributed and not sync else contextlib.nullcontext()
             with no_sync_vae:
+                # latents.py's regularisers: the losses below see the transformed image (x unchanged when off)
+                target, to_decoder = self.regularisers.draw(x, self.step, micro)
                 with self.autocast():
-                    recon, mean, logvar = self.vae_ddp(x)
+                    recon, mean, logvar = self.vae_ddp(x, latent_transform=to_decoder)
+                x = target
                 recon = recon.float()  # every loss below reduces in fp32
                 if self.step in self.inject_nan_recon:  # test hook: a decoder overflow (fp16)
                     recon = recon * float("nan")
@@ -1283,7 +1366,8 @@ class Trainer:
                 model, cfg.test_dataset_url, cfg.vae_resolution, batch_size=cfg.batch_size, device=self.device,
                 rank=self.info.rank, world_size=self.info.world_size, max_images=cfg.eval_max_images,
                 lpips_model=self.lpips, inception=self.inception, autocast=self.autocast,
-                channels_last=cfg.channels_last, grid_images=cfg.num_samples, max_pixels=cfg.max_image_pixels)
+                channels_last=cfg.channels_last, grid_images=cfg.num_samples, max_pixels=cfg.max_image_pixels,
+                latent_diagnostics=True)
             grid = res.pop("grid")
             results.update({f"{prefix}/{k}": v for k, v in res.items() if not k.endswith("_missing")})
             if self.info.is_main:
@@ -1302,10 +1386,18 @@ class Trainer:
             if self.ema is not None:
                 line += f" | ema {fmt('eval_ema')}"
             print(line, flush=True)
+            print(f"latents step {self.step} | high-frequency energy {results['eval/latent_hf_fraction']:.3f} "
+                  f"(image at latent size {results['eval/image_hf_fraction']:.3f}) | channel std spread "
+                  f"{results['eval/latent_channel_std_spread']:.2f}", flush=True)
             with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps({"step": self.step, **results}) + "\n")
             if self.wandb is not None:
-                self.wandb.log(results, step=self.step)
+                import wandb
+                plots = {f"{p}/latent_spectrum_plot": latents_lib.wandb_spectrum_plot(
+                    wandb, results[f"{p}/latent_spectrum"], results[f"{p}/image_spectrum"],
+                    f"{p} power spectrum, step {self.step}") for p, _ in models}
+                self.wandb.log({**{k: v for k, v in results.items() if not isinstance(v, list)}, **plots},
+                               step=self.step)
         return results
 
     # ----------------------------------------------------------------------------- logging

@@ -16,11 +16,13 @@ from conftest import ROOT, cli_env, run_cli
 import data
 import evaluate
 import export
+import probe
 import vae_trainer
 
 README = os.path.join(ROOT, "README.md")
 PARSERS = {"vae_trainer.py": vae_trainer.build_parser, "evaluate.py": evaluate.build_parser,
-           "export.py": export.build_parser, "data.py": data.build_parser}
+           "export.py": export.build_parser, "data.py": data.build_parser,
+           "probe.py": probe.build_parser}
 
 
 def code_blocks() -> list[tuple[str, list[str]]]:

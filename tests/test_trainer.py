@@ -36,7 +36,7 @@ def test_help_lists_every_flag_with_its_default():
 
 @pytest.mark.parametrize("extra, message", [
     (["--vae_resolution", "66"], "not divisible by the downsample factor"),
-    (["--vae_ch", "48"], "not divisible by the 32 GroupNorm groups"),
+    (["--vae_ch", "48", "--vae_norm_groups", "32"], "not divisible by the 32 GroupNorm groups"),
     (["--disc_type", "wasserstein"], "invalid choice"),
     (["--learning_rate_vae", "-1"], "must be positive"),
     (["--batch_size", "0"], "must be positive"),
@@ -280,7 +280,52 @@ def test_vae_norm_groups_reaches_the_model_and_is_an_architecture_field():
     assert groups == {8}
     assert vae_trainer.model_params(cfg).to_dict()["norm_groups"] == 8  # what checkpoints and export read
     assert "vae_norm_groups" in vae_trainer.ARCH_FIELDS
-    assert vae_trainer.Config().vae_norm_groups == 32  # existing runs and checkpoints unchanged
+    assert vae_trainer.parse_config([]).vae_norm_groups == 32  # FLUX / SD at the default width
+
+
+@pytest.mark.parametrize("argv, expected", [
+    # lr 0.032 / vae_ch, warm-up a tenth of the run (at most 1000), the generator's GAN term from a fifth,
+    # the VGG16 critic at the reference's 1e-5, norm groups of at least 4 channels (32 at most)
+    ([], dict(learning_rate_vae=2.5e-4, warmup_steps=1000, disc_start=2000, learning_rate_disc=1e-5,
+              vae_norm_groups=32)),
+    (["--vae_ch", "32", "--max_steps", "400"], dict(learning_rate_vae=1e-3, warmup_steps=40, disc_start=80,
+                                                     vae_norm_groups=8)),
+    (["--vae_ch", "64", "--discriminator", "patchgan"], dict(learning_rate_vae=5e-4, learning_rate_disc=5e-4,
+                                                              vae_norm_groups=16)),
+    (["--vae_ch", "96", "--max_steps", "100000"], dict(warmup_steps=1000, disc_start=20000, vae_norm_groups=24)),
+    # what the user gives is kept, 0 included where 0 is not "auto"
+    (["--vae_ch", "32", "--learning_rate_vae", "3e-4", "--warmup_steps", "0", "--disc_start", "0",
+      "--learning_rate_disc", "2e-4", "--vae_norm_groups", "32"],
+     dict(learning_rate_vae=3e-4, warmup_steps=0, disc_start=0, learning_rate_disc=2e-4, vae_norm_groups=32)),
+])
+def test_automatic_defaults_are_resolved_to_numbers(argv, expected, shard_url):
+    cfg = vae_trainer.parse_config(argv + ["--dataset_url", shard_url])
+    for name, value in expected.items():
+        assert getattr(cfg, name) == pytest.approx(value), name
+    assert vae_trainer.resolve_auto(cfg) == cfg  # idempotent: a resolved config (config.json) stays as it is
+    vae_trainer.validate(cfg)  # every resolved value is a valid flag value
+
+
+def test_a_run_written_before_norm_groups_existed_is_not_resumed_with_other_norms(shard_url, tmp_path):
+    """Runs from before --vae_norm_groups used 32 groups and did not record them. GroupNorm's weights have the
+    same shapes with any group count, so resuming such a run at --vae_ch 32 with the new automatic 8 groups
+    would load silently and train another function: it is refused, with the flag that continues it."""
+    args = ["--dataset_url", shard_url, "--output_dir", str(tmp_path), "--run_name", "old", "--max_steps", "1",
+            "--save_every_n_steps", "1", "--evaluate_every_n_steps", "0", *TINY]
+    assert run_cli("vae_trainer.py", args).returncode == 0
+    run_dir = tmp_path / "old"
+    config = json.loads((run_dir / "config.json").read_text())
+    del config["vae_norm_groups"]
+    (run_dir / "config.json").write_text(json.dumps(config))
+    ckpt_path = run_dir / "checkpoints" / "step_00000001.pt"
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    del ckpt["config"]["vae_norm_groups"]
+    torch.save(ckpt, ckpt_path)
+    again = args[:args.index("--max_steps")] + ["--max_steps", "2"] + args[args.index("--max_steps") + 2:]
+    proc = run_cli("vae_trainer.py", again)
+    assert proc.returncode == 1 and "vae_norm_groups: 32 -> 8" in proc.stderr, proc.stderr[-2000:]
+    proc = run_cli("vae_trainer.py", again + ["--vae_norm_groups", "32"])
+    assert proc.returncode == 0 and "resum" in proc.stdout.lower(), proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def test_ema_update_rule():

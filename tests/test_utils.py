@@ -19,7 +19,7 @@ import utils
 from conftest import record_ops
 from utils import (DISC_NORMS, GradNormFunction, LeCam, NLayerDiscriminator, VGG16Discriminator, WeightsUnavailable,
                    adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy, discriminator_loss,
-                   ensure_vgg16_weights, generator_loss, gradnorm, load_vgg16_features, lowpass_mask, lowpass_mse,
+                   ensure_vgg16_weights, generator_active_fraction, generator_loss, gradnorm, load_vgg16_features, lowpass_mask, lowpass_mse,
                    pooled_mse)
 
 VGG16_CONV_INDICES = (0, 2, 5, 7, 10, 12, 14, 17, 19, 21, 24, 26, 28)
@@ -278,8 +278,12 @@ def test_generator_loss_thresholded_and_ldm():
     assert torch.equal(fake.grad, torch.tensor([-0.25, -0.25, 0.0, 0.0]))
     assert generator_loss(FAKE, REAL, "thresholded", margin=1.0).item() == pytest.approx((3.0 + 0.0) / 4)
     assert generator_loss(FAKE, None, "ldm").item() == pytest.approx(-1.5 / 4)
+    # the classic GAN generator (BCE against "real"): log(1 + exp(-D(x_hat)))
+    expected = sum(math.log1p(math.exp(-f)) for f in FAKE.tolist()) / 4
+    assert generator_loss(FAKE, None, "nonsaturating").item() == pytest.approx(expected, rel=1e-6)
+    assert generator_active_fraction(REAL, FAKE, "nonsaturating").item() == 1.0
     with pytest.raises(ValueError):
-        generator_loss(FAKE, REAL, "nonsaturating")
+        generator_loss(FAKE, REAL, "wgan")
 
 
 def test_discriminator_accuracy():
@@ -617,3 +621,23 @@ def test_lpips_frozen_eval_and_zero_on_identical(lpips_with_features):
     xr = x.clone().requires_grad_(True)
     model(xr, y).sum().backward()
     assert xr.grad.abs().sum().item() > 0
+
+
+def test_lpips_backpropagates_through_the_reconstruction_only():
+    """The step differentiates LPIPS with respect to the reconstruction; the target's VGG16 features are
+    computed without a graph (frozen network, target without grad): the backward graph holds one VGG16
+    trunk (13 convolutions) and the 5 linear heads, not two trunks."""
+    model = build_lpips(None)
+    target = torch.rand(1, 3, 32, 32) * 2 - 1
+    recon = (torch.rand(1, 3, 32, 32) * 2 - 1).requires_grad_(True)
+    loss = model(recon, target).mean()
+    seen, todo, convs = set(), [loss.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        convs += "Convolution" in type(node).__name__
+        todo += [next_node for next_node, _ in node.next_functions]
+    assert convs == 13 + 5
+    assert all(not p.requires_grad for p in model.parameters())

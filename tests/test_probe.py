@@ -1,0 +1,103 @@
+"""probe.py, the diffusability probe: its flow matching learns, the CLI compares every VAE given fairly under
+2 ranks, resumes exactly after a kill, and refuses latents of other shapes with one line."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import export
+import probe
+from ae import AutoEncoder, AutoEncoderParams
+from conftest import cli_env, run_cli
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_flow_matching_loss_decreases_on_a_toy_latent_set():
+    """Latents drawn from 4 fixed patterns: the tiny transformer's held-out rectified-flow loss falls well
+    below its start (2: the velocity noise - x of unit-variance data, predicted as 0)."""
+    gen = torch.Generator().manual_seed(0)
+    patterns = torch.randn(4, 4, 8, 8, generator=gen)
+    data = patterns[torch.randint(4, (256,), generator=gen)]
+    torch.manual_seed(0)
+    model = probe.DiT(4, 8, 2, **probe.PRESETS["tiny"])
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    held_noise, held_t = torch.randn(64, 4, 8, 8, generator=gen), torch.rand(64, generator=gen)
+
+    def heldout():
+        with torch.no_grad():
+            return probe.flow_matching_loss(model, data[:64], held_noise, held_t).mean().item()
+    start = heldout()
+    for _ in range(120):
+        pick = torch.randint(256, (32,), generator=gen)
+        loss = probe.flow_matching_loss(model, data[pick], torch.randn(32, 4, 8, 8, generator=gen),
+                                        torch.rand(32, generator=gen)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert start == pytest.approx(2.0, rel=0.15)
+    assert heldout() < 0.6 * start
+
+
+@pytest.fixture(scope="module")
+def vaes(tmp_path_factory):
+    """Three tiny export folders: a and b of one latent shape (4 x 16 x 16 at 32 px), c of another (8 channels)."""
+    root = tmp_path_factory.mktemp("vaes")
+    for name, z, seed in (("a", 4, 0), ("b", 4, 1), ("c", 8, 0)):
+        torch.manual_seed(seed)
+        vae = AutoEncoder(AutoEncoderParams(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=z, use_attn=False))
+        export.export_safetensors(vae, str(root / name), 32)
+    return {name: str(root / name) for name in "abc"}
+
+
+def _args(vaes, names, url, out, steps=6, *extra):
+    return [*(a for n in names for a in ("--vae", vaes[n])), "--dataset_url", url, "--test_dataset_url", url,
+            "--out", str(out), "--steps", str(steps), "--eval_every", "3", "--save_every", "2", "--batch_size", "4",
+            "--patch_size", "4", "--warmup_steps", "1", "--max_test_images", "4", "--inception_weights", "none", *extra]
+
+
+@pytest.mark.timeout(90)
+def test_two_ranks_table_holds_every_vae_and_is_fair(vaes, shard_url, tmp_path):
+    """a, b, a under 2 gloo ranks: one row each; a's two rows are identical (same seed, init, batches and noise
+    for every VAE), b's differ; the FID is null with its reason when Inception is off."""
+    proc = run_cli("probe.py", _args(vaes, "aba", shard_url, tmp_path), nproc=2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    table = json.loads((tmp_path / "probe.json").read_text())
+    assert table["world_size"] == 2 and [r["vae"] for r in table["vaes"]] == [vaes["a"], vaes["b"], vaes["a"]]
+    first, other, again = table["vaes"]
+    assert [s for s, _ in first["heldout_loss"]] == [0, 3, 6]
+    assert first["heldout_loss"] == again["heldout_loss"] and first["heldout_loss"] != other["heldout_loss"]
+    assert first["latent_shape"] == [4, 16, 16]
+    assert first["fid"] is None and "inception_weights none" in first["fid_missing"]
+    lines = proc.stdout.strip().splitlines()[-4:]  # the table: a header and one row per VAE
+    assert lines[0].startswith("vae") and all(vaes[n] in line for n, line in zip("aba", lines[1:]))
+
+
+@pytest.mark.timeout(90)
+def test_resume_after_a_kill_is_exact(vaes, shard_url, tmp_path):
+    ref = run_cli("probe.py", _args(vaes, "a", shard_url, tmp_path / "ref"))
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    killed = run_cli("probe.py", _args(vaes, "a", shard_url, tmp_path / "cut"), env=cli_env(PROBE_KILL_AT="3"))
+    assert killed.returncode != 0 and not (tmp_path / "cut" / "probe.json").exists()
+    again = run_cli("probe.py", _args(vaes, "a", shard_url, tmp_path / "cut"))
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed the probe at step 2" in again.stdout
+    ref_row, cut_row = (json.loads((tmp_path / d / "probe.json").read_text())["vaes"][0] for d in ("ref", "cut"))
+    assert cut_row["heldout_loss"] == ref_row["heldout_loss"]  # bitwise: the same floats
+    ref_state, cut_state = (torch.load(tmp_path / d / "probe_state_vae0.pt", weights_only=True) for d in ("ref", "cut"))
+    assert all(torch.equal(ref_state["model"][k], cut_state["model"][k]) for k in ref_state["model"])
+    # other settings in the same --out: refused, not silently mixed
+    other = run_cli("probe.py", _args(vaes, "a", shard_url, tmp_path / "cut", 8))
+    assert other.returncode == 2 and other.stderr.strip().startswith("error:") and "other settings" in other.stderr
+
+
+@pytest.mark.timeout(40)
+def test_latents_of_other_shapes_are_refused_with_one_line(vaes, shard_url, tmp_path):
+    proc = run_cli("probe.py", _args(vaes, "ac", shard_url, tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: latents of other shapes cannot be compared in one probe: {vaes['a']} "
+                                   f"gives 4x16x16, {vaes['c']} gives 8x16x16 at 32 px")
+    assert not (tmp_path / "probe.json").exists()
