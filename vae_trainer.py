@@ -625,12 +625,16 @@ class DecoderOnly(torch.nn.Module):
         for module in self.frozen:
             module.requires_grad_(False).eval()
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, latent_transform=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """As AutoEncoder.forward (the same `latent_transform` between encoder and decoder)."""
         for module in self.frozen:
             module.eval()  # evaluation calls vae.train() on its way out
         with torch.no_grad():
             mean, logvar = self.vae.encode_moments(x)
-        return self.vae.decode(self.vae.sample(mean, logvar)), mean, logvar
+        z = self.vae.sample(mean, logvar)
+        if latent_transform is not None:
+            z = latent_transform(z)
+        return self.vae.decode(z), mean, logvar
 
 
 class Metrics:
