@@ -21,6 +21,9 @@ Sections
           fresh process (so one case's peak cannot hide another's); the time cost of decoder_hr is
           measured again in one process with the two levels interleaved. Also the activation memory
           each part of the model saves for backward (counted with saved-tensor hooks).
+  finetune  (only when named in --sections) Peak memory and step time of a decoder-only fine-tune (--train_parts decoder: the encoder frozen,
+          under no_grad) vs training the whole VAE, at 512 px, FLUX layout at --memory_ch, each case in a fresh
+          process: full, decoder, decoder + --grad_checkpointing decoder_hr, and that in bf16.
   gpu     CUDA only: the FLUX-size VAE in fp32 and bf16, img/s and peak memory at 256 and 512 px.
   quality (--quality; not in the default run) Three real `vae_trainer.py` trainings, run concurrently (one
           --threads each), of the same small f8 VAE
@@ -41,6 +44,7 @@ Headline keys of --json (the target each is checked against)
   quality_psnr_over_reference  held-out PSNR, defaults - reference hyperparameters, dB      (>= 3)
   quality_psnr_over_floor      held-out PSNR, defaults - plain MSE, dB                      (>= -1)
   quality_ssim_over_reference, quality_ssim_over_floor  the same for SSIM           (>= 0.03, >= -0.03)
+  finetune_decoder_memory_saving_512  1 - peak increase(decoder only) / peak increase(full), 512 px (no target)
 The peak increase is the peak minus the memory in use right before the first training step, i.e. what
 the step itself needs (activations, gradients, optimizer state), the part checkpointing acts on.
 
@@ -117,8 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout (the human tables go to stderr)")
     p.add_argument("--sections", default="data,train,memory,gpu",
-                   help="comma-separated subset of data,train,memory,gpu,quality (default: all but quality, which trains "
-                        "for about an hour on 2 CPU cores; gpu runs on CUDA only)")
+                   help="comma-separated subset of data,train,memory,gpu,quality,finetune (default: all but quality, "
+                        "which trains for about an hour on 2 CPU cores, and finetune, ~5 minutes; gpu runs on CUDA only)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if available, else cpu")
     p.add_argument("--threads", type=int, default=0,
@@ -183,7 +187,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quality:
         args.sections = "quality"
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(args.sections) - {"data", "train", "memory", "gpu", "quality"}
+    unknown = set(args.sections) - {"data", "train", "memory", "gpu", "quality", "finetune"}
     if unknown:
         p.error(f"unknown section(s): {', '.join(sorted(unknown))}")
     try:
@@ -883,6 +887,46 @@ def bench_memory(args, url, tmp, device, report: Report) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Section 3b: decoder-only fine-tuning memory
+# ----------------------------------------------------------------------------------------------------
+FINETUNE_CASES = {  # name: Config overrides
+    "full": dict(train_parts="all"),
+    "decoder": dict(train_parts="decoder"),
+    "decoder+decoder_hr": dict(train_parts="decoder", grad_checkpointing="decoder_hr"),
+    "decoder+decoder_hr+bf16": dict(train_parts="decoder", grad_checkpointing="decoder_hr", precision="bf16"),
+}
+
+
+def bench_finetune(args, url, tmp, device, report: Report) -> dict:
+    """--train_parts decoder vs the whole VAE at 512 px, one fresh process per case (as the memory section). The
+    encoder is random here (no --init_from): memory and time do not depend on the weight values."""
+    config = dict(MEMORY_CONFIG, vae_ch=args.memory_ch, vae_resolution=512, posterior="learned")
+    cases = {}
+    for name, overrides in FINETUNE_CASES.items():
+        report.line(f"  finetune case {name} at 512 px (fresh process) ...")
+        cases[name] = spawn_memory_case({"device": str(device), "threads": args.threads, "url": url,
+                                         "output_dir": tmp, "run_name": f"finetune_{name}", "steps": args.memory_steps,
+                                         "overrides": dict(config, **overrides)})
+    full = cases["full"]
+    out = {"config": {**config, "lpips": True, "channels_last": True}, "device": device.type, "cases": {}}
+    rows = []
+    for name, c in cases.items():
+        entry = {**c, "step_time_s": c["step_s"][-1], "saving_increase": 1 - c["increase_mib"] / full["increase_mib"],
+                 "saving_total": 1 - c["peak_mib"] / full["peak_mib"]}
+        out["cases"][name] = entry
+        rows.append([name, c["before_mib"], c["peak_mib"], c["increase_mib"], percent(entry["saving_increase"]),
+                     percent(entry["saving_total"]), entry["step_time_s"]])
+    report.table(f"Decoder-only fine-tuning vs full training ({device.type}; ch {config['vae_ch']} x "
+                 f"{config['vae_ch_mult']}, {config['vae_num_res_blocks']} blocks, learned posterior, 512 px, batch 1, "
+                 f"LPIPS; MiB)", ["case", "before", "peak", "increase", "saving (incr.)", "saving (peak)", "s/step"],
+                 rows)
+    report.line("  peak: " + ("torch.cuda.max_memory_allocated" if device.type == "cuda" else
+                              "peak RSS (VmHWM) of the case's process: CPU memory, not a GPU measurement") +
+                "; increase = peak - memory in use before the first step")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
 # Section 4: FLUX size on a GPU, bf16 vs fp32
 # ----------------------------------------------------------------------------------------------------
 def bench_gpu(args, url, tmp, device, report: Report) -> dict:
@@ -947,6 +991,11 @@ def summarize(results: dict) -> dict:
     if "interleaved_time_cost_512" in results.get("memory", {}):
         keys["ckpt_time_cost_512_separate_processes"] = keys.get("ckpt_time_cost_512")
         keys["ckpt_time_cost_512"] = results["memory"]["interleaved_time_cost_512"]
+    f = results.get("finetune", {}).get("cases", {})
+    if f:
+        keys["finetune_decoder_memory_saving_512"] = f["decoder"]["saving_increase"]
+        keys["finetune_decoder_hr_memory_saving_512"] = f["decoder+decoder_hr"]["saving_increase"]
+        keys["finetune_decoder_hr_bf16_memory_saving_512"] = f["decoder+decoder_hr+bf16"]["saving_increase"]
     q = results.get("quality")
     if q:
         for metric in ("psnr", "ssim"):
@@ -1009,6 +1058,8 @@ def main(argv=None) -> int:
             results["train"] = bench_train(args, train_url, tmp, device, report)
         if "memory" in args.sections:
             results["memory"] = bench_memory(args, train_url, tmp, device, report)
+        if "finetune" in args.sections:
+            results["finetune"] = bench_finetune(args, train_url, tmp, device, report)
         if "quality" in args.sections:
             results["quality"] = bench_quality(args, tmp, report)
         if "gpu" in args.sections and device.type == "cuda":
