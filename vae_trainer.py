@@ -130,7 +130,7 @@ class Config:
                                                 "hub's cache), a local PATH, random (tests only) or none", "run")
     # optimisation
     learning_rate_vae: float = opt(0.0, "VAE learning rate (AdamW). 0: auto, 0.032 / --vae_ch (1e-3 at ch 32, "
-                                        "2.5e-4 at ch 128)", "optim")
+                                        "2.5e-4 at ch 128); a tenth of that with --init_from", "optim")
     weight_decay: float = opt(1e-3, "AdamW weight decay (both networks)", "optim")
     adam_beta1: float = opt(0.9, "AdamW beta1", "optim")
     adam_beta2: float = opt(0.95, "AdamW beta2", "optim")
@@ -255,12 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_flags(argv: list[str] | None = None) -> tuple[Config, set[str]]:
-    """The config (automatic values made concrete) and the names of the flags the user gave (argparse leaves
-    the others out: SUPPRESS)."""
+    """The config as given (automatic values still 0 / -1: resolve_auto, once --init_from has set the
+    architecture) and the names of the flags the user gave (argparse leaves the others out: SUPPRESS)."""
     given = vars(build_parser().parse_args(argv))
     values = dict(DEMO) if given.get("demo") else {}
     values.update(given)
-    return resolve_auto(Config(**values)), set(given)
+    return Config(**values), set(given)
 
 
 # --learning_rate_vae auto = LR_TIMES_WIDTH / --vae_ch. Adam's step is scale-free, so the update of a layer's
@@ -281,7 +281,8 @@ def resolve_auto(cfg: Config) -> Config:
     the resolved values, so a run shows what it trained with."""
     lr_vae = cfg.learning_rate_vae
     if lr_vae == 0 and cfg.vae_ch > 0:  # (a bad --vae_ch is refused by validate)
-        lr_vae = LR_TIMES_WIDTH / cfg.vae_ch
+        # a fine-tune (--init_from) starts from a trained optimum: a tenth (2.5e-5 at FLUX width)
+        lr_vae = LR_TIMES_WIDTH / cfg.vae_ch / (10 if cfg.init_from else 1)
     changes = dict(
         learning_rate_vae=lr_vae,
         learning_rate_disc=cfg.learning_rate_disc or (1e-5 if cfg.discriminator == "vgg16" else lr_vae),
@@ -292,7 +293,8 @@ def resolve_auto(cfg: Config) -> Config:
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    return parse_flags(argv)[0]
+    """The config of these flags with every automatic value resolved (no --init_from source is read)."""
+    return resolve_auto(parse_flags(argv)[0])
 
 
 def ch_mult_of(cfg: Config) -> tuple[int, ...]:
@@ -1612,6 +1614,7 @@ def main(argv: list[str] | None = None) -> int:
         elif cfg.demo:
             cfg = prepare_demo_wait(cfg)
         cfg, source = apply_init_source(cfg)
+        cfg = resolve_auto(cfg)
         validate(cfg)
         if cfg.demo and is_rank0:
             print(demo_summary(cfg), flush=True)
