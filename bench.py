@@ -41,6 +41,7 @@ Headline keys of --json (the target each is checked against)
   ckpt_time_cost_512           step time(decoder_hr) / step time(none) - 1, 512 px, the two
                                interleaved in one process, fastest steps               (<= 0.30)
   gpu_bf16_speedup_flux_256    CUDA only: FLUX VAE img/s in bf16 / in fp32 at 256 px      (>= 1.7)
+  gan_step_flop_speedup        --gan: FLOPs of the reference's step / ours (issue 9's step target: >= 1.5)
   quality_psnr_over_reference  held-out PSNR, defaults - reference hyperparameters, dB      (>= 3)
   quality_psnr_over_floor      held-out PSNR, defaults - plain MSE, dB                      (>= -1)
   quality_ssim_over_reference, quality_ssim_over_floor  the same for SSIM           (>= 0.03, >= -0.03)
@@ -104,6 +105,7 @@ TARGETS = {  # key: (comparison, threshold)
     "ckpt_memory_saving_512": (">=", 0.50),
     "ckpt_time_cost_512": ("<=", 0.30),
     "gpu_bf16_speedup_flux_256": (">=", 1.7),
+    "gan_step_flop_speedup": (">=", 1.5),
     "quality_psnr_over_reference": (">=", 3.0),
     "quality_psnr_over_floor": (">=", -1.0),
     "quality_ssim_over_reference": (">=", 0.03),
@@ -593,6 +595,12 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
         variants["compile"] = (trainers["compiled"], False)
     variants["bf16"] = (trainers["bf16"], False)
     times = interleave_steps(variants, args.train_rounds, args.steps_per_round)
+    if args.gan:
+        flops = gan_step_flops(trainers["nchw"])
+        report.line(f"  GFLOP per step (FlopCounterMode): ours {flops['ours'] / 1e9:.1f}, the reference's way "
+                    f"{flops['reference'] / 1e9:.1f} ({flops['reference'] / flops['ours']:.3f}x); critic "
+                    f"{flops['ours_critic'] / 1e9:.1f} / {flops['reference_critic'] / 1e9:.1f}, LPIPS "
+                    f"{flops['ours_lpips'] / 1e9:.1f}, VAE {flops['ours_vae'] / 1e9:.1f}")
     del trainers, variants
     gc.collect()
 
@@ -625,6 +633,7 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
         "speedup_channels_last": rate["channels_last"] / rate["sync_free"],
         "speedup_compile": rate["compile"] / rate["channels_last"] if "compile" in rate else None,
         "bf16_speedup": rate["bf16"] / rate["channels_last"],
+        "gan_step_flops": flops if args.gan else None,
     }
 
 
@@ -788,6 +797,25 @@ def saved_activations(trainer) -> dict[str, float]:
         for handle in handles:
             handle.remove()
     return {k: mib(v) for k, v in sorted(totals.items())}
+
+
+def gan_step_flops(trainer) -> dict[str, float]:
+    """FLOPs of one GAN step our way and the reference's way (the critic's weight gradients also computed in
+    the generator's pass), in total and per network: what the step costs wherever FLOPs set its time,
+    whatever the load of the machine."""
+    from torch.utils.flop_counter import FlopCounterMode
+    out = {}
+    for name, reference in (("ours", False), ("reference", True)):
+        trainer.metrics.host_sync = reference
+        with FlopCounterMode(display=False) as counter:
+            trainer.train_step()
+        per_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+        out[name] = float(counter.get_total_flops())
+        out[f"{name}_critic"] = float(per_module.get(type(trainer.disc).__name__, 0))
+        out[f"{name}_lpips"] = float(per_module.get(type(trainer.lpips).__name__, 0))
+        out[f"{name}_vae"] = out[name] - out[f"{name}_critic"] - out[f"{name}_lpips"]
+    trainer.metrics.host_sync = False
+    return out
 
 
 def step_flops(trainer, levels) -> dict[str, float]:
@@ -974,6 +1002,8 @@ def summarize(results: dict) -> dict:
         keys["train_step_speedup_channels_last"] = t["speedup_channels_last"]
         keys["train_step_speedup_compile"] = t["speedup_compile"]
         keys[f"{results['device']}_bf16_speedup_{t['config']['name']}"] = t["bf16_speedup"]
+        if t.get("gan_step_flops"):
+            keys["gan_step_flop_speedup"] = t["gan_step_flops"]["reference"] / t["gan_step_flops"]["ours"]
     m = results.get("memory", {}).get("cases", {})
     for res in (256, 512):
         hr = m.get(f"decoder_hr@{res}")
