@@ -640,7 +640,7 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
 # ----------------------------------------------------------------------------------------------------
 # Section: quality per step
 # ----------------------------------------------------------------------------------------------------
-def reference_flags(cfg: dict) -> dict:
+def reference_flags(cfg: dict, steps: int = 400) -> dict:
     """The reference trainer's hyperparameters (cloneofsimo/vqgan-training at HEAD and its launcher.sh),
     written with our flags. Not reproducible with our flags: its conv_in learning rate of 1e-4 (ours is one
     rate for the whole VAE), and its latent penalty is on z itself (here on the posterior mean: with its
@@ -649,7 +649,8 @@ def reference_flags(cfg: dict) -> dict:
         cfg["vae_resolution"] // 2 ** (len(cfg["vae_ch_mult"].split(",")) - 1)) ** 2
     return dict(
         learning_rate_vae=2 ** -7 / cfg["vae_ch"],  # launcher: lr 2^-7, divided by the width in the code
-        warmup_steps=200, learning_rate_disc=1e-5, disc_start=0, do_attn=False, do_clamp=True, vae_norm_groups=32,
+        # 200 in its code; at most half of a shorter run, so that one still reaches the peak rate as at 400 steps
+        warmup_steps=min(200, steps // 2), learning_rate_disc=1e-5, disc_start=0, do_attn=False, do_clamp=True, vae_norm_groups=32,
         disc_type="bce", gen_loss="nonsaturating",  # --disc_type's default is bce; the launcher keeps it
         perceptual_weight=1.0, mse_weight=0.0,  # at HEAD the pixel loss is multiplied by 0.0
         gan_weight=1.0, lecam_weight=0.0, grad_clip=0.0, ema_decay=0.0,
@@ -658,10 +659,10 @@ def reference_flags(cfg: dict) -> dict:
         posterior_var=1e-8)  # no noise at HEAD (its README's "fixed variance of 0.1" is not in the code)
 
 
-def plain_mse_flags(cfg: dict) -> dict:
+def plain_mse_flags(cfg: dict, steps: int = 400) -> dict:
     """The floor: the reference's hyperparameters and architecture, one plain MSE loss (and its latent
     penalty), no LPIPS, no critic."""
-    return {**reference_flags(cfg), "perceptual_weight": 0.0, "do_ganloss": False, "loss_balance": "none",
+    return {**reference_flags(cfg, steps), "perceptual_weight": 0.0, "do_ganloss": False, "loss_balance": "none",
             "mse_weight": 1.0, "pooled_mse_weight": 1.0, "mse_pool_factor": 1, "lowpass_mse_weight": 0.0,
             "kl_weight": 0.2}  # none: the latent penalty is a mean, 0.2 * 0.5 * mean^2 = 0.1 * mean(z^2)
 
@@ -683,7 +684,8 @@ def bench_quality(args, tmp, report: Report) -> dict:
                   shuffle_buffer=64, log_every_n_steps=50, save_every_n_steps=args.quality_steps,
                   evaluate_every_n_steps=args.quality_steps, eval_max_images=64, seed=args.seed,
                   output_dir=os.path.join(tmp, "quality_runs"))
-    variants = {"defaults": {}, "reference": reference_flags(cfg), "plain_mse": plain_mse_flags(cfg)}
+    variants = {"defaults": {}, "reference": reference_flags(cfg, args.quality_steps),
+                "plain_mse": plain_mse_flags(cfg, args.quality_steps)}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads or os.cpu_count())}
     out = {"config": {**cfg, "steps": args.quality_steps, "precision": args.quality_precision, "vgg16_weights": vgg,
                       "train_images": len(data_lib.DEMO_PHOTOS) - len(data_lib.DEMO_TEST),
