@@ -85,6 +85,9 @@ TRAIN_CONFIGS = {  # --config: the model of the train section
     "tiny": dict(vae_ch=32, vae_ch_mult="1,2,4,4", vae_num_res_blocks=1, vae_resolution=128, batch_size=2),
     "small": dict(vae_ch=64, vae_ch_mult="1,2,4,4", vae_num_res_blocks=2, vae_resolution=128, batch_size=2),
     "flux": dict(vae_ch=128, vae_ch_mult="1,2,4,4", vae_num_res_blocks=2, vae_resolution=256, batch_size=2),
+    # the quality section's model (with --gan: its whole step)
+    "quality": dict(vae_ch=32, vae_ch_mult="1,2,4,4", vae_num_res_blocks=2, vae_z_channels=16, vae_resolution=128,
+                    batch_size=4),
 }
 # The memory section: the FLUX layout (its decoder's two highest-resolution levels hold the largest share of
 # the activations) at batch 1; --memory_ch 128 is the real FLUX width.
