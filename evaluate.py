@@ -33,11 +33,10 @@ from torch import Tensor, nn
 import data as data_lib
 import latents as latents_lib
 from ae import AutoEncoder, AutoEncoderParams
+from checkpoint import checkpoint_files, load_checkpoint, load_latest_checkpoint
+from common import ConfigError, OneLineParser, init_distributed
 from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, fetch_weights,
                    hub_cache_path, load_vgg16_features, warn_random_vgg)
-
-# vae_trainer (checkpoint files, the one-line parser, distributed setup) is imported inside the command's
-# functions only: the trainer imports this module for evaluate_model, and a cycle at import time would break.
 
 FID_DIM = 2048  # Inception-v3 pool3 features
 GRID_IMAGES = 8
@@ -480,7 +479,6 @@ def reconstruct_folder(vae: AutoEncoder, src: str, dst: str, device: torch.devic
 def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
     """(model on CPU in eval mode, info with `checkpoint`, `step`, `resolution`); ConfigError (one line)
     for anything the user can get wrong."""
-    from vae_trainer import ConfigError, checkpoint_files, load_checkpoint, load_latest_checkpoint
     if not os.path.exists(ckpt):
         raise ConfigError(f"--ckpt {ckpt}: no such file or directory")
     from export import DIFFUSERS_WEIGHTS, SAFETENSORS_WEIGHTS, load_autoencoder, load_diffusers_export
@@ -532,7 +530,6 @@ def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
 # The command
 # ============================================================================================
 def build_parser() -> argparse.ArgumentParser:
-    from vae_trainer import OneLineParser
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="run directory (its latest readable checkpoint), checkpoint "
                                                  "file, or an export.py folder (--format diffusers or safetensors)")
@@ -559,7 +556,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def validate(args, vae: AutoEncoder, resolution: int | None) -> None:
-    from vae_trainer import ConfigError
     f = vae.downsample_factor
     if bool(args.images) != bool(args.reconstruct_to):
         raise ConfigError("--images and --reconstruct_to go together")
@@ -589,7 +585,6 @@ def validate(args, vae: AutoEncoder, resolution: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vae_trainer import ConfigError, init_distributed
     is_rank0 = os.environ.get("RANK", "0") == "0"
 
     def log(msg: str) -> None:

@@ -32,7 +32,7 @@ from torch import Tensor
 import data as data_lib
 import evaluate
 from ae import AutoEncoder, AutoEncoderParams
-from vae_trainer import ConfigError, OneLineParser
+from common import ConfigError, OneLineParser
 
 SAFETENSORS_WEIGHTS = "model.safetensors"
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
