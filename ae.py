@@ -36,6 +36,9 @@ class AutoEncoderParams:
     posterior_var: float = 0.1  # the fixed variance sigma^2 of the constant posterior (std = sqrt of it)
     clamp_th: float = 0.0  # clamp the posterior mean to [-clamp_th, clamp_th]; 0 disables
     norm_groups: int = field(default=32, repr=False)
+    # LDM's 1x1 `quant_conv` on the moments after the encoder and `post_quant_conv` on z before the decoder:
+    # the SD 1.x/2.x/SDXL VAEs have them, FLUX and SD3 do not. Needs the learned posterior (its 2*z moments).
+    quant_conv: bool = False
 
     @property
     def downsample_factor(self) -> int:
@@ -78,14 +81,20 @@ class AttnBlock(nn.Module):
         self.v = nn.Conv2d(in_channels, in_channels, kernel_size=1)
         self.proj_out = nn.Conv2d(in_channels, in_channels, kernel_size=1)
 
+    def _linear(self, conv: nn.Conv2d, tokens: Tensor) -> Tensor:
+        return F.linear(tokens, conv.weight.flatten(1), conv.bias)
+
     def forward(self, x: Tensor) -> Tensor:
-        h = self.norm(x)
-        q, k, v = self.q(h), self.k(h), self.v(h)
-        b, c, height, width = q.shape
-        q, k, v = (t.reshape(b, 1, c, height * width).transpose(2, 3) for t in (q, k, v))
-        h = F.scaled_dot_product_attention(q, k, v)
-        h = h.transpose(2, 3).reshape(b, c, height, width)
-        return x + self.proj_out(h)
+        # the 1x1 convs run as linear layers over (batch, pixels, channels) tokens, as diffusers' Attention does:
+        # the same sums in the same order, so a released VAE decodes here bitwise as in diffusers (as 1x1 convs:
+        # ~1e-5 apart after the decoder, tests/test_finetune.py)
+        b, c, height, width = x.shape
+        tokens = self.norm(x.reshape(b, c, height * width)).transpose(1, 2)  # normed as (b, c, pixels), as there
+        q, k, v = (self._linear(conv, tokens).unsqueeze(1) for conv in (self.q, self.k, self.v))
+        h = self._linear(self.proj_out, F.scaled_dot_product_attention(q, k, v).squeeze(1))
+        # the attention output first: the sum then takes its (channels-last) layout, as in diffusers, and the next
+        # convolution picks the same kernel
+        return h.transpose(1, 2).reshape(b, c, height, width) + x
 
 
 class ResnetBlock(nn.Module):
@@ -246,12 +255,17 @@ class AutoEncoder(nn.Module):
         super().__init__()
         if params.posterior not in POSTERIORS:
             raise ValueError(f"posterior must be one of {POSTERIORS}, got {params.posterior!r}")
+        if params.quant_conv and params.posterior != "learned":
+            raise ValueError("quant_conv needs the learned posterior (as in the SD VAEs)")
         self.params = params
         moments = params.z_channels * (2 if params.posterior == "learned" else 1)
         self.encoder = Encoder(params.in_channels, params.ch, params.ch_mult, params.num_res_blocks,
                                moments, params.use_attn, params.norm_groups)
         self.decoder = Decoder(params.ch, params.out_ch, params.ch_mult, params.num_res_blocks,
                                params.z_channels, params.use_attn, params.norm_groups)
+        if params.quant_conv:
+            self.quant_conv = nn.Conv2d(moments, moments, kernel_size=1)
+            self.post_quant_conv = nn.Conv2d(params.z_channels, params.z_channels, kernel_size=1)
 
     @property
     def downsample_factor(self) -> int:
@@ -271,6 +285,9 @@ class AutoEncoder(nn.Module):
     def encode_moments(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """Posterior mean and log-variance (None for the constant-variance posterior)."""
         h = self.encoder(x)
+        if self.params.quant_conv:
+            with torch.autocast(h.device.type, enabled=False):  # part of the fp32 moments head
+                h = self.quant_conv(h.float())
         logvar = None
         if self.params.posterior == "learned":
             h, logvar = h.chunk(2, dim=1)
@@ -294,6 +311,8 @@ class AutoEncoder(nn.Module):
         return self.encode_moments(x)[0]
 
     def decode(self, z: Tensor) -> Tensor:
+        if self.params.quant_conv:
+            z = self.post_quant_conv(z)
         return self.decoder(z)
 
     def forward(self, x: Tensor, sample: bool = True,

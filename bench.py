@@ -21,8 +21,12 @@ Sections
           fresh process (so one case's peak cannot hide another's); the time cost of decoder_hr is
           measured again in one process with the two levels interleaved. Also the activation memory
           each part of the model saves for backward (counted with saved-tensor hooks).
+  finetune  (only when named in --sections) Peak memory and step time of a decoder-only fine-tune (--train_parts decoder: the encoder frozen,
+          under no_grad) vs training the whole VAE, at 512 px, FLUX layout at --memory_ch, each case in a fresh
+          process: full, decoder, decoder + --grad_checkpointing decoder_hr, and that in bf16.
   gpu     CUDA only: the FLUX-size VAE in fp32 and bf16, img/s and peak memory at 256 and 512 px.
-  quality (--quality; not in the default run) Three real `vae_trainer.py` trainings of the same small f8 VAE
+  quality (--quality; not in the default run) Three real `vae_trainer.py` trainings, run concurrently (one
+          --threads each), of the same small f8 VAE
           (ch 32 x 1,2,4,4, z 16, 128 px, batch 4, with the GAN), on the same photos (the demo's 12 bundled
           photos), seed and number of steps (--quality_steps, 400): our defaults, the reference trainer's
           hyperparameters written with our flags (bench.reference_flags), and plain MSE with the reference's
@@ -37,9 +41,11 @@ Headline keys of --json (the target each is checked against)
   ckpt_time_cost_512           step time(decoder_hr) / step time(none) - 1, 512 px, the two
                                interleaved in one process, fastest steps               (<= 0.30)
   gpu_bf16_speedup_flux_256    CUDA only: FLUX VAE img/s in bf16 / in fp32 at 256 px      (>= 1.7)
+  gan_step_flop_speedup        --gan: FLOPs of the reference's step / ours (issue 9's step target: >= 1.5)
   quality_psnr_over_reference  held-out PSNR, defaults - reference hyperparameters, dB      (>= 3)
   quality_psnr_over_floor      held-out PSNR, defaults - plain MSE, dB                      (>= -1)
   quality_ssim_over_reference, quality_ssim_over_floor  the same for SSIM           (>= 0.03, >= -0.03)
+  finetune_decoder_memory_saving_512  1 - peak increase(decoder only) / peak increase(full), 512 px (no target)
 The peak increase is the peak minus the memory in use right before the first training step, i.e. what
 the step itself needs (activations, gradients, optimizer state), the part checkpointing acts on.
 
@@ -99,6 +105,7 @@ TARGETS = {  # key: (comparison, threshold)
     "ckpt_memory_saving_512": (">=", 0.50),
     "ckpt_time_cost_512": ("<=", 0.30),
     "gpu_bf16_speedup_flux_256": (">=", 1.7),
+    "gan_step_flop_speedup": (">=", 1.5),
     "quality_psnr_over_reference": (">=", 3.0),
     "quality_psnr_over_floor": (">=", -1.0),
     "quality_ssim_over_reference": (">=", 0.03),
@@ -116,8 +123,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout (the human tables go to stderr)")
     p.add_argument("--sections", default="data,train,memory,gpu",
-                   help="comma-separated subset of data,train,memory,gpu,quality (default: all but quality, which trains "
-                        "for about an hour on 2 CPU cores; gpu runs on CUDA only)")
+                   help="comma-separated subset of data,train,memory,gpu,quality,finetune (default: all but quality, "
+                        "which trains for about an hour on 2 CPU cores, and finetune, ~5 minutes; gpu runs on CUDA only)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if available, else cpu")
     p.add_argument("--threads", type=int, default=0,
@@ -159,6 +166,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("quality")
     g.add_argument("--quality", action="store_true", help="only the quality section (same as --sections quality)")
     g.add_argument("--quality_steps", type=int, default=400, help="training steps of each quality run")
+    g.add_argument("--quality_precision", choices=("fp32", "bf16"), default="fp32",
+                   help="--precision of all three quality runs (bf16: 2.5x faster on a CPU with AMX)")
     p.add_argument("--_memory_case", default=None, help=argparse.SUPPRESS)  # internal: one memory case, as JSON
     args = p.parse_args(argv)
 
@@ -180,7 +189,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quality:
         args.sections = "quality"
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(args.sections) - {"data", "train", "memory", "gpu", "quality"}
+    unknown = set(args.sections) - {"data", "train", "memory", "gpu", "quality", "finetune"}
     if unknown:
         p.error(f"unknown section(s): {', '.join(sorted(unknown))}")
     try:
@@ -485,8 +494,8 @@ def build_trainer(url: str, output_dir: str, run_name: str, device: torch.device
     return trainer
 
 
-def add_host_syncs(trainer) -> None:
-    """The reference trainer's habit, for the baseline: .item() on every scalar the step logs (each loss,
+def add_reference_habits(trainer) -> None:
+    """The reference trainer's habits, for the baseline: .item() on every scalar the step logs (each loss,
     grad norm, logit mean, latent statistic) as soon as it exists. Wraps trainer.metrics.add/max on the
     instance; set trainer.metrics.host_sync to switch it on."""
     metrics = trainer.metrics
@@ -501,6 +510,14 @@ def add_host_syncs(trainer) -> None:
                         value.item()
             _original(**values)
         setattr(metrics, name, wrapped)
+    if trainer.disc is not None:
+        # and, with the GAN, the critic's weight gradients in the generator's pass: the reference computes them
+        # (and zeroes them after the VAE's step); train_step runs that pass under objective.critic_frozen()
+        frozen = trainer.objective.critic_frozen
+
+        def critic_frozen(_frozen=frozen):
+            return contextlib.nullcontext() if metrics.host_sync else _frozen()
+        trainer.objective.critic_frozen = critic_frozen
 
 
 def timed_step(trainer) -> float:
@@ -542,7 +559,7 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
     for key, extra in settings.items():
         report.line(f"  building and warming up the {key} trainer ...")
         trainer = build_trainer(url, tmp, f"train_{key}", device, **config, **extra)
-        add_host_syncs(trainer)
+        add_reference_habits(trainer)
         t0 = time.perf_counter()
         for _ in range(3 if key == "compiled" else 2):  # compile: forward, backward, then steady state
             timed_step(trainer)
@@ -554,13 +571,20 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
         variants["compile"] = (trainers["compiled"], False)
     variants["bf16"] = (trainers["bf16"], False)
     times = interleave_steps(variants, args.train_rounds, args.steps_per_round)
+    if args.gan:
+        flops = gan_step_flops(trainers["nchw"])
+        report.line(f"  GFLOP per step (FlopCounterMode): ours {flops['ours'] / 1e9:.1f}, the reference's way "
+                    f"{flops['reference'] / 1e9:.1f} ({flops['reference'] / flops['ours']:.3f}x); critic "
+                    f"{flops['ours_critic'] / 1e9:.1f} / {flops['reference_critic'] / 1e9:.1f}, LPIPS "
+                    f"{flops['ours_lpips'] / 1e9:.1f}, VAE {flops['ours_vae'] / 1e9:.1f}")
     del trainers, variants
     gc.collect()
 
     rate = {name: batch / median(t) for name, t in times.items()}
     all_on = "compile" if "compile" in rate else "channels_last"
     described = {
-        "reference": "host syncs, NCHW, eager, fp32",
+        "reference": "host syncs, NCHW, eager, fp32" + (", critic weight grads in the generator's pass"
+                                                           if args.gan else ""),
         "sync_free": "no host syncs, NCHW, eager, fp32",
         "channels_last": "no host syncs, channels_last, eager, fp32",
         "compile": "no host syncs, channels_last, torch.compile, fp32",
@@ -585,6 +609,7 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
         "speedup_channels_last": rate["channels_last"] / rate["sync_free"],
         "speedup_compile": rate["compile"] / rate["channels_last"] if "compile" in rate else None,
         "bf16_speedup": rate["bf16"] / rate["channels_last"],
+        "gan_step_flops": flops if args.gan else None,
     }
 
 
@@ -629,29 +654,34 @@ def bench_quality(args, tmp, report: Report) -> dict:
     train_url, test_url = data_lib.ensure_demo_shards(os.path.join(tmp, "quality_data"))
     vgg = "torchvision" if os.path.isfile(vae_trainer.vgg16_cache_path()) else "random"
     cfg = dict(QUALITY_CONFIG)
-    common = dict(cfg, dataset_url=train_url, test_dataset_url=test_url, max_steps=args.quality_steps,
+    common = dict(cfg, precision=args.quality_precision, dataset_url=train_url, test_dataset_url=test_url, max_steps=args.quality_steps,
                   vgg16_weights=vgg, inception_weights="none", wandb_mode="disabled", num_workers=1,
                   shuffle_buffer=64, log_every_n_steps=50, save_every_n_steps=args.quality_steps,
                   evaluate_every_n_steps=args.quality_steps, eval_max_images=64, seed=args.seed,
                   output_dir=os.path.join(tmp, "quality_runs"))
     variants = {"defaults": {}, "reference": reference_flags(cfg), "plain_mse": plain_mse_flags(cfg)}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads or os.cpu_count())}
-    out = {"config": {**cfg, "steps": args.quality_steps, "vgg16_weights": vgg,
+    out = {"config": {**cfg, "steps": args.quality_steps, "precision": args.quality_precision, "vgg16_weights": vgg,
                       "train_images": len(data_lib.DEMO_PHOTOS) - len(data_lib.DEMO_TEST),
                       "held_out_images": list(data_lib.DEMO_TEST)}, "variants": {}}
-    for name, flags in variants.items():
+    procs = {}
+    for name, flags in variants.items():  # concurrently: on a shared machine every run sees the same load
         values = {**common, **flags, "run_name": f"quality_{name}"}
         argv = []
         for key, value in values.items():
             argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
-        report.line(f"  training {name} ({args.quality_steps} steps) ...")
-        t0 = time.time()
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "vae_trainer.py"), *argv], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        log = open(os.path.join(tmp, f"quality_{name}.log"), "w")
+        procs[name] = (subprocess.Popen([sys.executable, os.path.join(HERE, "vae_trainer.py"), *argv], env=env,
+                                        stdout=log, stderr=subprocess.STDOUT), log, time.time())
+    report.line(f"  training {', '.join(variants)} concurrently ({args.quality_steps} steps each; logs in {tmp}) ...")
+    for name, (proc, log, t0) in procs.items():
+        proc.wait()
+        log.close()
         if proc.returncode != 0:
-            raise RuntimeError(f"quality run {name} failed:\n{proc.stdout[-3000:]}")
+            with open(log.name) as f:
+                raise RuntimeError(f"quality run {name} failed:\n{f.read()[-3000:]}")
         ev = final_eval(os.path.join(common["output_dir"], f"quality_{name}"))
-        out["variants"][name] = {"flags": flags, "wall_s": round(time.time() - t0, 1),
+        out["variants"][name] = {"flags": variants[name], "wall_s": round(time.time() - t0, 1),
                                  **{k: ev.get(f"eval/{k}") for k in ("psnr", "ssim", "lpips", "n_images")},
                                  **{f"ema_{k}": ev.get(f"eval_ema/{k}") for k in ("psnr", "ssim", "lpips")}}
     v = out["variants"]
@@ -745,6 +775,25 @@ def saved_activations(trainer) -> dict[str, float]:
     return {k: mib(v) for k, v in sorted(totals.items())}
 
 
+def gan_step_flops(trainer) -> dict[str, float]:
+    """FLOPs of one GAN step our way and the reference's way (the critic's weight gradients also computed in
+    the generator's pass), in total and per network: what the step costs wherever FLOPs set its time,
+    whatever the load of the machine."""
+    from torch.utils.flop_counter import FlopCounterMode
+    out = {}
+    for name, reference in (("ours", False), ("reference", True)):
+        trainer.metrics.host_sync = reference
+        with FlopCounterMode(display=False) as counter:
+            trainer.train_step()
+        per_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+        out[name] = float(counter.get_total_flops())
+        out[f"{name}_critic"] = float(per_module.get(type(trainer.disc).__name__, 0))
+        out[f"{name}_lpips"] = float(per_module.get(type(trainer.lpips).__name__, 0))
+        out[f"{name}_vae"] = out[name] - out[f"{name}_critic"] - out[f"{name}_lpips"]
+    trainer.metrics.host_sync = False
+    return out
+
+
 def step_flops(trainer, levels) -> dict[str, float]:
     """FLOPs (convolutions, matmuls, attention) of one training step at each checkpointing level, counted
     by torch's FlopCounterMode: the recomputation's cost on hardware where FLOPs set the step time."""
@@ -775,7 +824,7 @@ def bench_memory(args, url, tmp, device, report: Report) -> dict:
     if args.ckpt_time_rounds > 0 and 512 in args.memory_resolutions:
         report.line("  interleaved none / decoder_hr timing at 512 px ...")
         trainer = build_trainer(url, tmp, "ckpt_timing", device, **config, vae_resolution=512)
-        add_host_syncs(trainer)
+        add_reference_habits(trainer)
         timed_step(trainer)  # warm-up
         for r in range(args.ckpt_time_rounds):
             for level in (("none", "decoder_hr") if r % 2 == 0 else ("decoder_hr", "none")):
@@ -842,6 +891,46 @@ def bench_memory(args, url, tmp, device, report: Report) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Section 3b: decoder-only fine-tuning memory
+# ----------------------------------------------------------------------------------------------------
+FINETUNE_CASES = {  # name: Config overrides
+    "full": dict(train_parts="all"),
+    "decoder": dict(train_parts="decoder"),
+    "decoder+decoder_hr": dict(train_parts="decoder", grad_checkpointing="decoder_hr"),
+    "decoder+decoder_hr+bf16": dict(train_parts="decoder", grad_checkpointing="decoder_hr", precision="bf16"),
+}
+
+
+def bench_finetune(args, url, tmp, device, report: Report) -> dict:
+    """--train_parts decoder vs the whole VAE at 512 px, one fresh process per case (as the memory section). The
+    encoder is random here (no --init_from): memory and time do not depend on the weight values."""
+    config = dict(MEMORY_CONFIG, vae_ch=args.memory_ch, vae_resolution=512, posterior="learned")
+    cases = {}
+    for name, overrides in FINETUNE_CASES.items():
+        report.line(f"  finetune case {name} at 512 px (fresh process) ...")
+        cases[name] = spawn_memory_case({"device": str(device), "threads": args.threads, "url": url,
+                                         "output_dir": tmp, "run_name": f"finetune_{name}", "steps": args.memory_steps,
+                                         "overrides": dict(config, **overrides)})
+    full = cases["full"]
+    out = {"config": {**config, "lpips": True, "channels_last": True}, "device": device.type, "cases": {}}
+    rows = []
+    for name, c in cases.items():
+        entry = {**c, "step_time_s": c["step_s"][-1], "saving_increase": 1 - c["increase_mib"] / full["increase_mib"],
+                 "saving_total": 1 - c["peak_mib"] / full["peak_mib"]}
+        out["cases"][name] = entry
+        rows.append([name, c["before_mib"], c["peak_mib"], c["increase_mib"], percent(entry["saving_increase"]),
+                     percent(entry["saving_total"]), entry["step_time_s"]])
+    report.table(f"Decoder-only fine-tuning vs full training ({device.type}; ch {config['vae_ch']} x "
+                 f"{config['vae_ch_mult']}, {config['vae_num_res_blocks']} blocks, learned posterior, 512 px, batch 1, "
+                 f"LPIPS; MiB)", ["case", "before", "peak", "increase", "saving (incr.)", "saving (peak)", "s/step"],
+                 rows)
+    report.line("  peak: " + ("torch.cuda.max_memory_allocated" if device.type == "cuda" else
+                              "peak RSS (VmHWM) of the case's process: CPU memory, not a GPU measurement") +
+                "; increase = peak - memory in use before the first step")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
 # Section 4: FLUX size on a GPU, bf16 vs fp32
 # ----------------------------------------------------------------------------------------------------
 def bench_gpu(args, url, tmp, device, report: Report) -> dict:
@@ -889,6 +978,8 @@ def summarize(results: dict) -> dict:
         keys["train_step_speedup_channels_last"] = t["speedup_channels_last"]
         keys["train_step_speedup_compile"] = t["speedup_compile"]
         keys[f"{results['device']}_bf16_speedup_{t['config']['name']}"] = t["bf16_speedup"]
+        if t.get("gan_step_flops"):
+            keys["gan_step_flop_speedup"] = t["gan_step_flops"]["reference"] / t["gan_step_flops"]["ours"]
     m = results.get("memory", {}).get("cases", {})
     for res in (256, 512):
         hr = m.get(f"decoder_hr@{res}")
@@ -906,6 +997,11 @@ def summarize(results: dict) -> dict:
     if "interleaved_time_cost_512" in results.get("memory", {}):
         keys["ckpt_time_cost_512_separate_processes"] = keys.get("ckpt_time_cost_512")
         keys["ckpt_time_cost_512"] = results["memory"]["interleaved_time_cost_512"]
+    f = results.get("finetune", {}).get("cases", {})
+    if f:
+        keys["finetune_decoder_memory_saving_512"] = f["decoder"]["saving_increase"]
+        keys["finetune_decoder_hr_memory_saving_512"] = f["decoder+decoder_hr"]["saving_increase"]
+        keys["finetune_decoder_hr_bf16_memory_saving_512"] = f["decoder+decoder_hr+bf16"]["saving_increase"]
     q = results.get("quality")
     if q:
         for metric in ("psnr", "ssim"):
@@ -968,6 +1064,8 @@ def main(argv=None) -> int:
             results["train"] = bench_train(args, train_url, tmp, device, report)
         if "memory" in args.sections:
             results["memory"] = bench_memory(args, train_url, tmp, device, report)
+        if "finetune" in args.sections:
+            results["finetune"] = bench_finetune(args, train_url, tmp, device, report)
         if "quality" in args.sections:
             results["quality"] = bench_quality(args, tmp, report)
         if "gpu" in args.sections and device.type == "cuda":

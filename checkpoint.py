@@ -17,9 +17,10 @@ from common import ConfigError, DistInfo, atomic_write
 # A run directory written with other values of these cannot be resumed (the VAE's weights would not fit).
 # The GAN settings are not among them: switching the critic on after a reconstruction-only warm-up is normal.
 ARCH_FIELDS = ("vae_ch", "vae_ch_mult", "vae_num_res_blocks", "vae_z_channels", "vae_norm_groups", "do_attn",
-               "posterior")
-# What runs written before a field existed used (config.json without it): 32 groups before --vae_norm_groups.
-LEGACY_ARCH = {"vae_norm_groups": 32}
+               "posterior", "vae_quant_conv")
+# What runs written before a field existed used (config.json without it): 32 groups before --vae_norm_groups,
+# no quant convs before --vae_quant_conv.
+LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False}
 
 
 def checkpoint_files(ckpt_dir: str) -> list[str]:

@@ -517,8 +517,11 @@ def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
     except (TypeError, ValueError, RuntimeError) as e:
         reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
         raise ConfigError(f"--ckpt {path}: weights do not fit its model_params ({reason})") from None
-    resolution = (state.get("config") or {}).get("vae_resolution")
-    return vae.eval(), {"checkpoint": path, "step": state.get("step"), "resolution": resolution}
+    config = state.get("config") or {}
+    # where a fine-tune started (pretrained.Source.describe()) and what it trained: export keeps the source's
+    # latent factors after a decoder-only fine-tune
+    return vae.eval(), {"checkpoint": path, "step": state.get("step"), "resolution": config.get("vae_resolution"),
+                        "init_source": state.get("init_source"), "train_parts": config.get("train_parts", "all")}
 
 
 # ============================================================================================

@@ -8,11 +8,14 @@
     AutoencoderKL.from_pretrained("vae-diffusers")   # latent_dist.mean, decode(z).sample, config.scaling_factor
     vae, config = export.load_autoencoder("vae-st")  # ae.AutoEncoder, config["scaling_factor"]
 
+    python export.py --ckpt runs/flux-ft --out flux-ft --format single_file   # ae.safetensors, FLUX's layout
+
 The latent factors follow the FLUX convention z' = (z - shift_factor) * scaling_factor. They come from
 the flags, or from the latent statistics of --dataset_url (evaluate.latent_stats), else 1.0 / 0.0.
 With --dataset_url the per-channel statistics go into the config too, as `latents_mean` / `latents_std`
 (diffusers' AutoencoderKL keys; per-channel normalisation z' = (z - latents_mean) / latents_std).
-The diffusers layout is FLUX's: no quant_conv / post_quant_conv. A constant-variance encoder becomes
+A decoder-only fine-tune (--train_parts decoder) keeps its --init_from source's factors unless given others.
+quant_conv / post_quant_conv are exported where the model has them (SD 1.x/2.x/SDXL). A constant-variance encoder becomes
 AutoencoderKL's (mean, log-variance) output by extra conv_out channels with zero weights and
 bias log(posterior_var); a learned-posterior encoder maps as it is.
 """
@@ -23,19 +26,19 @@ import dataclasses
 import json
 import math
 import os
-import re
 import sys
 
 import torch
-from torch import Tensor
 
 import data as data_lib
 import evaluate
+import pretrained
 from ae import AutoEncoder, AutoEncoderParams
 from common import ConfigError, OneLineParser
+from pretrained import DIFFUSERS_WEIGHTS, diffusers_config, from_diffusers_state_dict, to_diffusers_state_dict
 
 SAFETENSORS_WEIGHTS = "model.safetensors"
-DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+SINGLE_FILE_WEIGHTS = "ae.safetensors"
 
 
 def honour_umask(path: str) -> None:
@@ -48,60 +51,8 @@ def honour_umask(path: str) -> None:
 
 
 # ============================================================================================
-# diffusers AutoencoderKL: config and state-dict conversion
+# diffusers AutoencoderKL (the conversion itself lives in pretrained.py, shared with --init_from)
 # ============================================================================================
-def diffusers_config(params: AutoEncoderParams, resolution: int, scaling_factor: float, shift_factor: float,
-                     latents_mean: list[float] | None = None, latents_std: list[float] | None = None) -> dict:
-    levels = len(params.ch_mult)
-    return dict(
-        in_channels=params.in_channels, out_channels=params.out_ch,
-        down_block_types=["DownEncoderBlock2D"] * levels, up_block_types=["UpDecoderBlock2D"] * levels,
-        block_out_channels=[params.ch * m for m in params.ch_mult], layers_per_block=params.num_res_blocks,
-        act_fn="silu", latent_channels=params.z_channels, norm_num_groups=params.norm_groups,
-        sample_size=resolution, scaling_factor=scaling_factor, shift_factor=shift_factor,
-        force_upcast=True, use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=params.use_attn,
-        latents_mean=latents_mean, latents_std=latents_std)
-
-
-def diffusers_key(name: str, levels: int) -> str:
-    """Our (LDM/FLUX) parameter name -> diffusers' AutoencoderKL name. diffusers numbers the decoder's
-    up_blocks from the lowest resolution, our decoder.up from the highest."""
-    def up_block(m: re.Match) -> str:
-        return f"decoder.up_blocks.{levels - 1 - int(m[1])}."
-    rules = [
-        (r"^encoder\.down\.(\d+)\.block\.", r"encoder.down_blocks.\1.resnets."),
-        (r"^encoder\.down\.(\d+)\.downsample\.", r"encoder.down_blocks.\1.downsamplers.0."),
-        (r"^decoder\.up\.(\d+)\.block\.", lambda m: up_block(m) + "resnets."),
-        (r"^decoder\.up\.(\d+)\.upsample\.", lambda m: up_block(m) + "upsamplers.0."),
-        (r"\.mid\.block_1\.", ".mid_block.resnets.0."),
-        (r"\.mid\.block_2\.", ".mid_block.resnets.1."),
-        (r"\.mid\.attn_1\.norm\.", ".mid_block.attentions.0.group_norm."),
-        (r"\.mid\.attn_1\.([qkv])\.", r".mid_block.attentions.0.to_\1."),
-        (r"\.mid\.attn_1\.proj_out\.", ".mid_block.attentions.0.to_out.0."),
-        (r"\.nin_shortcut\.", ".conv_shortcut."),
-        (r"\.norm_out\.", ".conv_norm_out."),
-    ]
-    for pattern, replacement in rules:
-        name = re.sub(pattern, replacement, name)
-    return name
-
-
-def to_diffusers_state_dict(state: dict[str, Tensor], params: AutoEncoderParams) -> dict[str, Tensor]:
-    levels = len(params.ch_mult)
-    out = {}
-    for name, value in state.items():
-        key = diffusers_key(name, levels)
-        if ".attentions.0.to_" in key and value.dim() == 4:
-            value = value[:, :, 0, 0]  # 1x1 convs become diffusers' linear layers
-        out[key] = value.detach().float().contiguous()
-    if params.posterior == "constant":
-        # AutoencoderKL's encoder outputs (mean, logvar): a constant log-variance is zero weights + a bias
-        weight, bias = out["encoder.conv_out.weight"], out["encoder.conv_out.bias"]
-        out["encoder.conv_out.weight"] = torch.cat([weight, torch.zeros_like(weight)])
-        out["encoder.conv_out.bias"] = torch.cat([bias, torch.full_like(bias, math.log(params.posterior_var))])
-    return out
-
-
 def export_diffusers(vae: AutoEncoder, out_dir: str, resolution: int, scaling_factor: float = 1.0,
                      shift_factor: float = 0.0, latents_mean: list[float] | None = None,
                      latents_std: list[float] | None = None) -> None:
@@ -120,35 +71,6 @@ def export_diffusers(vae: AutoEncoder, out_dir: str, resolution: int, scaling_fa
     honour_umask(os.path.join(out_dir, DIFFUSERS_WEIGHTS))
 
 
-def from_diffusers_state_dict(state: dict[str, Tensor], config: dict) -> tuple[AutoEncoderParams, dict[str, Tensor]]:
-    """The inverse of `export_diffusers`: an AutoencoderKL folder's config and weights -> our params and state
-    dict. The posterior comes back as it went out: a log-variance half of `conv_out` with zero weights and one
-    constant bias is the constant posterior (variance exp(bias)); anything else is a learned one. Raises
-    ValueError for a folder that is not in this trainer's (FLUX) layout."""
-    if config.get("use_quant_conv", True) or config.get("use_post_quant_conv", True):
-        raise ValueError("it has quant_conv layers (the SD layout); this trainer exports the FLUX layout without them")
-    channels = list(config["block_out_channels"])
-    if any(c % channels[0] for c in channels):
-        raise ValueError(f"block_out_channels {channels} are not multiples of the first")
-    z = config["latent_channels"]
-    weight, bias = state["encoder.conv_out.weight"], state["encoder.conv_out.bias"]
-    logvar_weight, logvar_bias = weight[z:], bias[z:]
-    constant = bool((logvar_weight == 0).all() and (logvar_bias == logvar_bias[0]).all())
-    params = AutoEncoderParams(
-        in_channels=config.get("in_channels", 3), out_ch=config.get("out_channels", 3), ch=channels[0],
-        ch_mult=tuple(c // channels[0] for c in channels), num_res_blocks=config["layers_per_block"], z_channels=z,
-        use_attn=config.get("mid_block_add_attention", True), posterior="constant" if constant else "learned",
-        posterior_var=math.exp(logvar_bias[0].item()) if constant else 0.1,
-        norm_groups=config.get("norm_num_groups", 32))
-    ours = {}
-    for name, like in AutoEncoder(params).state_dict().items():
-        value = state[diffusers_key(name, len(params.ch_mult))]
-        if name.startswith("encoder.conv_out.") and constant:
-            value = value[:z]  # drop the constant log-variance channels
-        ours[name] = value.reshape(like.shape)  # diffusers' attention linears are our 1x1 convs
-    return params, ours
-
-
 def load_diffusers_export(path: str) -> tuple[AutoEncoder, dict]:
     """(AutoEncoder in eval mode, the diffusers config) from a folder written by `export.py --format diffusers`,
     without diffusers itself. ValueError (one line) for another kind of AutoencoderKL."""
@@ -159,6 +81,23 @@ def load_diffusers_export(path: str) -> tuple[AutoEncoder, dict]:
     vae = AutoEncoder(params)
     vae.load_state_dict(state)
     return vae.eval(), config
+
+
+def export_single_file(vae: AutoEncoder, out_dir: str, scaling_factor: float | None = None,
+                       shift_factor: float | None = None) -> str:
+    """`out_dir/ae.safetensors` in the LDM/FLUX single-file layout: what FLUX's `ae.safetensors` and SD's VAE files
+    (`vae-ft-mse-840000-ema-pruned.safetensors`, with quant_conv) hold, loadable by their own code, by
+    `--init_from` and by diffusers' `AutoencoderKL.from_single_file` (with `config=` the family's diffusers
+    folder: the file carries no latent factors). Returns the path."""
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, SINGLE_FILE_WEIGHTS)
+    metadata = {"format": "pt"}  # the factors ride along as metadata for the reader's information
+    metadata.update({k: str(v) for k, v in (("scaling_factor", scaling_factor), ("shift_factor", shift_factor))
+                     if v is not None})
+    save_file(pretrained.single_file_state_dict(vae), path, metadata=metadata)
+    honour_umask(path)
+    return path
 
 
 # ============================================================================================
@@ -198,8 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", required=True, help="run directory (its latest readable checkpoint), checkpoint file, "
                                                  "or an export.py folder (either format)")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--format", default="diffusers", choices=("diffusers", "safetensors"),
-                   help="diffusers: AutoencoderKL folder; safetensors: ae.py weights + config.json (load_autoencoder)")
+    p.add_argument("--format", default="diffusers", choices=("diffusers", "safetensors", "single_file"),
+                   help="diffusers: AutoencoderKL folder; safetensors: ae.py weights + config.json (load_autoencoder); "
+                        "single_file: OUT/ae.safetensors in the LDM/FLUX layout (FLUX's ae.safetensors, SD's VAE "
+                        "files)")
     p.add_argument("--ema", action="store_true", help="export the checkpoint's EMA weights")
     p.add_argument("--scaling_factor", type=float, default=None, help="latent scale (z' = (z - shift) * scale)")
     p.add_argument("--shift_factor", type=float, default=None, help="latent shift")
@@ -231,25 +172,39 @@ def main(argv: list[str] | None = None) -> int:
 
         summary = {"out": args.out, "format": args.format, "checkpoint": info["checkpoint"], "step": info["step"],
                    "ema": args.ema, "resolution": resolution}
-        if args.dataset_url:
+        source = info.get("init_source") or {}
+        keep_source = info.get("train_parts") == "decoder" and bool(source) and not args.dataset_url
+        latents_mean = latents_std = None
+        if keep_source:
+            # the encoder was frozen: the latent space is the source's, and so are its factors (a factor given as a
+            # flag still wins); recomputed ones would break every diffusion model trained on that latent space
+            scale = source["scaling_factor"] if args.scaling_factor is None else args.scaling_factor
+            shift = source["shift_factor"] if args.shift_factor is None else args.shift_factor
+            latents_mean, latents_std = source.get("latents_mean"), source.get("latents_std")
+            print(f"note: decoder-only fine-tune of {source['path']}: keeping its latent factors (scaling_factor "
+                  f"{source['scaling_factor']}, shift_factor {source['shift_factor']}) unless given as flags",
+                  file=sys.stderr)
+        elif args.dataset_url:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             stats = evaluate.latent_stats(vae.to(device), args.dataset_url, resolution, batch_size=args.batch_size,
                                           device=device, max_images=args.latent_stats_images)
             vae.cpu()
             scale, shift = stats["scaling_factor"], stats["shift_factor"]
-            channel_mean, channel_std = stats["channel_mean"], stats["channel_std"]
+            latents_mean, latents_std = stats["channel_mean"], stats["channel_std"]
             summary["latent_stats"] = stats
         else:
-            channel_mean = channel_std = None  # per-channel statistics need --dataset_url
+            # per-channel statistics need --dataset_url (latents_mean/latents_std stay None)
             scale = 1.0 if args.scaling_factor is None else args.scaling_factor
             shift = 0.0 if args.shift_factor is None else args.shift_factor
             if args.scaling_factor is None and args.shift_factor is None:
                 print("note: no --scaling_factor/--shift_factor or --dataset_url: writing scaling_factor 1.0 and "
                       "shift_factor 0.0 (compute them with evaluate.py --latent_stats)", file=sys.stderr)
         if args.format == "diffusers":
-            export_diffusers(vae, args.out, resolution, scale, shift, channel_mean, channel_std)
+            export_diffusers(vae, args.out, resolution, scale, shift, latents_mean, latents_std)
+        elif args.format == "single_file":
+            summary["file"] = export_single_file(vae, args.out, scale, shift)
         else:
-            export_safetensors(vae, args.out, resolution, scale, shift, info["step"], channel_mean, channel_std)
+            export_safetensors(vae, args.out, resolution, scale, shift, info["step"], latents_mean, latents_std)
     except (ConfigError, data_lib.DatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

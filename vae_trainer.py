@@ -34,9 +34,10 @@ import checkpoint
 import data as data_lib
 import evaluate as evaluate_lib
 import latents as latents_lib
+import pretrained
 import run_log
 from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoder, AutoEncoderParams
-from checkpoint import checkpoint_files
+from checkpoint import ARCH_FIELDS, checkpoint_files
 from common import (ConfigError, DistInfo, OneLineParser, atomic_write, capture_rng, init_distributed, parse_bool,
                     restore_rng)
 from objective import VAEObjective
@@ -80,6 +81,19 @@ class Config:
     posterior_var: float = opt(0.1, "the fixed VARIANCE sigma^2 of the constant posterior (std = sqrt)", "model")
     do_clamp: bool = opt(False, "clamp the posterior mean to [-clamp_th, clamp_th]", "model")
     clamp_th: float = opt(8.0, "latent clamp threshold used with --do_clamp", "model")
+    vae_quant_conv: bool = opt(False, "LDM's 1x1 quant_conv/post_quant_conv around the latent (the SD 1.x/2.x/SDXL "
+                                      "VAEs; needs --posterior learned). Set by --init_from", "model")
+    # fine-tuning a released VAE
+    init_from: str = opt("", "start from a released VAE: a diffusers AutoencoderKL folder, FLUX's ae.safetensors, an "
+                             "SD VAE file or a full SD checkpoint (first_stage_model.*). The architecture (the --vae_* "
+                             "flags, --posterior) and the latent factors are read from it", "finetune")
+    init_family: str = opt("auto", "the family of an --init_from single file, for its latent factors (a VAE-only "
+                                   "file does not say whether it is SD's or SDXL's, FLUX's or SD3's)", "finetune",
+                           pretrained.FAMILY_CHOICES)
+    train_parts: str = opt("all", "all: train the whole VAE; decoder: freeze the encoder, quant_conv and the "
+                                  "posterior (no_grad, eval mode, not in the optimizer, EMA or DDP), train the "
+                                  "decoder: the latent space stays the source's, so export keeps its latent factors",
+                           "finetune", ("all", "decoder"))
     # losses
     loss_balance: str = opt("gradnorm", "gradnorm: each branch's gradient on the reconstruction is normalised to "
                                         "its weight; adaptive: LDM's adaptive GAN weight; none: plain weighted sum",
@@ -121,7 +135,7 @@ class Config:
                                                 "hub's cache), a local PATH, random (tests only) or none", "run")
     # optimisation
     learning_rate_vae: float = opt(0.0, "VAE learning rate (AdamW). 0: auto, 0.032 / --vae_ch (1e-3 at ch 32, "
-                                        "2.5e-4 at ch 128)", "optim")
+                                        "2.5e-4 at ch 128); a tenth of that with --init_from", "optim")
     weight_decay: float = opt(1e-3, "AdamW weight decay (both networks)", "optim")
     adam_beta1: float = opt(0.9, "AdamW beta1", "optim")
     adam_beta2: float = opt(0.95, "AdamW beta2", "optim")
@@ -179,6 +193,9 @@ def uses_vgg16(cfg: Config) -> bool:
     return cfg.perceptual_weight > 0 or (cfg.do_ganloss and cfg.discriminator == "vgg16")
 
 
+# The flags --init_from sets from its source (the architecture and the posterior's settings).
+SOURCE_FIELDS = ARCH_FIELDS + ("posterior_var", "do_clamp")
+
 # The demo: a tiny f4 model at 64 px that visibly learns in about 5 CPU minutes. Its latent (4 x 4 x 16 x 16
 # = 4096 elements per step) takes kl_weight 1/64 = 1/sqrt(4096): the KL strength it was tuned with.
 # Without pretrained VGG16 (prepare_demo) it trains on pixels only, and a pixel-only step costs about a sixth
@@ -219,12 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_flags(argv: list[str] | None = None) -> tuple[Config, set[str]]:
-    """The config (automatic values made concrete) and the names of the flags the user gave (argparse leaves
-    the others out: SUPPRESS)."""
+    """The config as given (automatic values still 0 / -1: resolve_auto, once --init_from has set the
+    architecture) and the names of the flags the user gave (argparse leaves the others out: SUPPRESS)."""
     given = vars(build_parser().parse_args(argv))
     values = dict(DEMO) if given.get("demo") else {}
     values.update(given)
-    return resolve_auto(Config(**values)), set(given)
+    return Config(**values), set(given)
 
 
 # --learning_rate_vae auto = LR_TIMES_WIDTH / --vae_ch. Adam's step is scale-free, so the update of a layer's
@@ -245,7 +262,8 @@ def resolve_auto(cfg: Config) -> Config:
     the resolved values, so a run shows what it trained with."""
     lr_vae = cfg.learning_rate_vae
     if lr_vae == 0 and cfg.vae_ch > 0:  # (a bad --vae_ch is refused by validate)
-        lr_vae = LR_TIMES_WIDTH / cfg.vae_ch
+        # a fine-tune (--init_from) starts from a trained optimum: a tenth (2.5e-5 at FLUX width)
+        lr_vae = LR_TIMES_WIDTH / cfg.vae_ch / (10 if cfg.init_from else 1)
     changes = dict(
         learning_rate_vae=lr_vae,
         learning_rate_disc=cfg.learning_rate_disc or (1e-5 if cfg.discriminator == "vgg16" else lr_vae),
@@ -256,7 +274,8 @@ def resolve_auto(cfg: Config) -> Config:
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    return parse_flags(argv)[0]
+    """The config of these flags with every automatic value resolved (no --init_from source is read)."""
+    return resolve_auto(parse_flags(argv)[0])
 
 
 def ch_mult_of(cfg: Config) -> tuple[int, ...]:
@@ -273,7 +292,41 @@ def model_params(cfg: Config) -> AutoEncoderParams:
     return AutoEncoderParams(ch=cfg.vae_ch, ch_mult=ch_mult_of(cfg), num_res_blocks=cfg.vae_num_res_blocks,
                              z_channels=cfg.vae_z_channels, norm_groups=cfg.vae_norm_groups,
                              use_attn=cfg.do_attn, posterior=cfg.posterior,
-                             posterior_var=cfg.posterior_var, clamp_th=cfg.clamp_th if cfg.do_clamp else 0.0)
+                             posterior_var=cfg.posterior_var, clamp_th=cfg.clamp_th if cfg.do_clamp else 0.0,
+                             quant_conv=cfg.vae_quant_conv)
+
+
+def read_init_source(cfg: Config) -> pretrained.Source:
+    try:
+        return pretrained.load_source(cfg.init_from, cfg.init_family)
+    except pretrained.SourceError as e:
+        raise ConfigError(f"--init_from {e}") from None
+
+
+def apply_init_source(cfg: Config) -> tuple[Config, pretrained.Source | None]:
+    """--init_from: load the source and take the run's architecture from it (one ConfigError line if it does not
+    load). Runs before `validate`, on every rank, before any process group exists."""
+    if not cfg.init_from:
+        return cfg, None
+    run_config = os.path.join(cfg.output_dir, cfg.run_name, "config.json")
+    if not os.path.exists(cfg.init_from) and cfg.resume != "never" and os.path.isfile(run_config):
+        # a run being resumed needs its architecture, not the source's weights: the source may have moved
+        try:
+            with open(run_config) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            saved = {}
+        if saved.get("init_from") == cfg.init_from and all(k in saved for k in SOURCE_FIELDS):
+            return dataclasses.replace(cfg, **{k: saved[k] for k in SOURCE_FIELDS}), None
+    source = read_init_source(cfg)
+    p = source.params
+    if (p.in_channels, p.out_ch) != (3, 3):
+        raise ConfigError(f"--init_from {cfg.init_from}: a VAE of {p.in_channels} input / {p.out_ch} output "
+                          "channels; this trainer reads RGB images")
+    arch = dict(vae_ch=p.ch, vae_ch_mult=",".join(str(m) for m in p.ch_mult), vae_num_res_blocks=p.num_res_blocks,
+                vae_z_channels=p.z_channels, vae_norm_groups=p.norm_groups, do_attn=p.use_attn, posterior=p.posterior,
+                posterior_var=p.posterior_var, vae_quant_conv=p.quant_conv, do_clamp=False)
+    return dataclasses.replace(cfg, **arch), source
 
 
 def validate(cfg: Config) -> None:
@@ -331,6 +384,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file (or use auto / never)")
     if cfg.load_path and not os.path.isfile(cfg.load_path):
         raise ConfigError(f"--load_path {cfg.load_path}: no such file")
+    if cfg.load_path and cfg.init_from:
+        raise ConfigError("give --init_from (a released VAE) or --load_path (our weights), not both")
+    if cfg.vae_quant_conv and cfg.posterior != "learned":
+        raise ConfigError("--vae_quant_conv needs --posterior learned (the SD VAEs' 2 x z moments)")
     if not re.fullmatch(r"[A-Za-z0-9_.=+-]+", cfg.run_name):
         raise ConfigError(f"--run_name {cfg.run_name!r}: use letters, digits and _.=+- only")
     for name in ("dataset_url", "test_dataset_url"):
@@ -377,6 +434,8 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
         (("scale_equivariance_mode", "scale_equivariance_rotate"), cfg.scale_equivariance_prob == 0,
          "with --scale_equivariance_prob 0"),
         (("latent_noise_max",), cfg.latent_noise_prob == 0, "with --latent_noise_prob 0"),
+        (SOURCE_FIELDS, bool(cfg.init_from), "with --init_from (the architecture is read from the source)"),
+        (("init_family",), not cfg.init_from, "without --init_from"),
     ]
     lines, named = [], set()
     for flags, ignored, why in ignored_when:
@@ -388,6 +447,9 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
     if cfg.warmup_steps > cfg.max_steps:
         lines.append(f"warning: --warmup_steps {cfg.warmup_steps} > --max_steps {cfg.max_steps}: the learning rate "
                      f"peaks at {cfg.max_steps / cfg.warmup_steps:.0%} of its set value and never decays")
+    if cfg.train_parts == "decoder" and not (cfg.init_from or cfg.load_path):
+        lines.append("warning: --train_parts decoder without --init_from or --load_path: the encoder stays random "
+                     "(unless resumed)")
     if cfg.do_ganloss and cfg.disc_start >= cfg.max_steps:
         lines.append(f"warning: --disc_start {cfg.disc_start} >= --max_steps {cfg.max_steps}: the generator never "
                      "gets the adversarial term (the critic still trains)")
@@ -402,18 +464,20 @@ def public_config(cfg: Config) -> dict:
 # Training-side state: EMA of the weights, the stop flag
 # ============================================================================================
 class EMA:
-    """fp32 exponential moving average of the VAE parameters, decay warmed up as min(decay, (1+t)/(10+t)).
-    The update is skipped (on the device, no host sync) on steps the guard rejected."""
+    """fp32 exponential moving average of the VAE parameters that train (frozen ones, --train_parts decoder, never
+    change: their average is themselves), decay warmed up as min(decay, (1+t)/(10+t)). The update is skipped (on
+    the device, no host sync) on steps the guard rejected."""
 
     def __init__(self, model: torch.nn.Module, decay: float):
         self.decay = decay
-        self.names = [n for n, _ in model.named_parameters()]
-        self.shadow = [p.detach().float().clone() for p in model.parameters()]
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in trained]
+        self.shadow = [p.detach().float().clone() for _, p in trained]
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module, step: int, skip: torch.Tensor) -> None:
         decay = min(self.decay, (1 + step) / (10 + step))
-        params = [p.detach().float() for p in model.parameters()]
+        params = [p.detach().float() for p in model.parameters() if p.requires_grad]
         delta = torch._foreach_sub(params, self.shadow)
         torch._foreach_mul_(delta, (1.0 - decay) * (1.0 - skip))
         torch._foreach_add_(self.shadow, delta)
@@ -424,6 +488,34 @@ class EMA:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, tensor in zip(self.names, self.shadow):
             tensor.copy_(state[name])
+
+    def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """A whole state dict of `model` with the averaged weights (the frozen ones as they are)."""
+        return {**model.state_dict(), **self.state_dict()}
+
+
+class DecoderOnly(torch.nn.Module):
+    """--train_parts decoder: the encoder, quant_conv and the posterior are frozen (no requires_grad, eval mode)
+    and run under no_grad; only post_quant_conv and the decoder train. Wrapped in DDP in place of the VAE, so DDP's
+    buckets hold the decoder's gradients only (DDP skips parameters that do not require grad)."""
+
+    def __init__(self, vae: AutoEncoder):
+        super().__init__()
+        self.vae = vae
+        self.frozen = [vae.encoder] + ([vae.quant_conv] if vae.params.quant_conv else [])
+        for module in self.frozen:
+            module.requires_grad_(False).eval()
+
+    def forward(self, x: torch.Tensor, latent_transform=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """As AutoEncoder.forward (the same `latent_transform` between encoder and decoder)."""
+        for module in self.frozen:
+            module.eval()  # evaluation calls vae.train() on its way out
+        with torch.no_grad():
+            mean, logvar = self.vae.encode_moments(x)
+        z = self.vae.sample(mean, logvar)
+        if latent_transform is not None:
+            z = latent_transform(z)
+        return self.vae.decode(z), mean, logvar
 
 
 class StopFlag:
@@ -455,9 +547,10 @@ class StopFlag:
 class Trainer:
     """One training run: builds the VAE, the objective (losses and critic), optimizers and data from the config,
     resumes from the run directory, and `train()`s. Setup is split into small build_* methods (networks,
-    objective, DDP wrapping, optimizers) so that a variant changes one of them."""
+    objective, DDP wrapping, optimizers) so that a variant changes one of them. `source`: the --init_from
+    source main() already read (None: read here if needed)."""
 
-    def __init__(self, cfg: Config, info: DistInfo):
+    def __init__(self, cfg: Config, info: DistInfo, source: pretrained.Source | None = None):
         cfg = resolve_auto(cfg)
         self.cfg, self.info = cfg, info
         self.device = info.device
@@ -482,7 +575,12 @@ class Trainer:
         # networks: built from the same seed on every rank (DDP also broadcasts rank 0's weights), in this
         # order (random initialisations draw from the global RNG)
         torch.manual_seed(cfg.seed)
-        self.vae = self.build_vae(init_weights=resume is None)
+        # --init_from: what the run started from (path, layout, family, latent factors), in config.json and every
+        # checkpoint; export keeps its factors after a decoder-only fine-tune
+        self.init_source = resume[1].get("init_source") if resume is not None else None
+        self.vae = self.build_vae(init_weights=resume is None, source=source)
+        # what trains: the VAE, or (--train_parts decoder) its decoder behind a frozen encoder; DDP wraps this
+        self.vae_train = DecoderOnly(self.vae) if cfg.train_parts == "decoder" else self.vae
         self.ema = EMA(self.vae, cfg.ema_decay) if cfg.ema_decay > 0 else None
         self.objective = self.build_objective()
         self.inception = self._inception()
@@ -490,7 +588,7 @@ class Trainer:
             for module in (self.vae.encoder, self.vae.decoder, self.disc):
                 if module is not None:
                     module.compile()  # the inner modules, never the DDP wrapper
-        self.vae_ddp = self.wrap_ddp(self.vae)
+        self.vae_ddp = self.wrap_ddp(self.vae_train)
         self.disc_ddp = self.wrap_ddp(self.disc) if self.disc is not None else None
         self.build_optimizers()
 
@@ -521,12 +619,22 @@ class Trainer:
                                          public_config(cfg), self.log) if info.is_main else None)
 
     # ----------------------------------------------------------------------------- building the parts
-    def build_vae(self, init_weights: bool) -> AutoEncoder:
-        """The autoencoder on the device; --load_path's weights when not resuming."""
-        vae = AutoEncoder(model_params(self.cfg))
-        if self.cfg.load_path and init_weights:
-            checkpoint.load_vae_weights_into(vae, self.cfg.load_path)
-            self.log(f"initialised VAE weights from {self.cfg.load_path}")
+    def build_vae(self, init_weights: bool, source: pretrained.Source | None = None) -> AutoEncoder:
+        """The autoencoder on the device; --load_path's or --init_from's weights when not resuming."""
+        cfg = self.cfg
+        vae = AutoEncoder(model_params(cfg))
+        if cfg.load_path and init_weights:
+            checkpoint.load_vae_weights_into(vae, cfg.load_path)
+            self.log(f"initialised VAE weights from {cfg.load_path}")
+        if cfg.init_from and init_weights:
+            if source is None:
+                source = read_init_source(cfg)
+            vae.load_state_dict(source.state)
+            self.init_source = source.describe()
+            for note in source.notes:
+                self.log(f"note: {note}")
+            self.log(f"initialised the VAE from {cfg.init_from} ({source.layout}"
+                     f"{', ' + source.family if source.family else ''})")
         vae.set_grad_checkpointing(self.cfg.grad_checkpointing)
         return vae.to(self.device, memory_format=self.memory_format)
 
@@ -549,7 +657,8 @@ class Trainer:
     def build_optimizers(self) -> None:
         """AdamW + warm-up/cosine schedule + (fp16) GradScaler, one set for the VAE and one for the critic."""
         cfg = self.cfg
-        self.opt_vae = self._adamw(self.vae.parameters(), cfg.learning_rate_vae)
+        # the VAE's frozen parts (--train_parts decoder) stay out: no state, and weight decay never moves them
+        self.opt_vae = self._adamw([p for p in self.vae.parameters() if p.requires_grad], cfg.learning_rate_vae)
         self.opt_disc = self._adamw(self.disc.parameters(), cfg.learning_rate_disc) if self.disc is not None else None
         schedule = cosine_with_warmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         self.sched_vae = torch.optim.lr_scheduler.LambdaLR(self.opt_vae, schedule)
@@ -617,8 +726,10 @@ class Trainer:
         self.created_run_dir = not os.path.exists(self.run_dir)
         os.makedirs(self.ckpt_dir, exist_ok=True)
         os.makedirs(self.sample_dir, exist_ok=True)
-        atomic_write(os.path.join(self.run_dir, "config.json"),
-                     lambda f: f.write(json.dumps(public_config(self.cfg), indent=2).encode()))
+        config = public_config(self.cfg)
+        if self.init_source is not None:
+            config["init_source"] = self.init_source  # read from the source: not a flag
+        atomic_write(os.path.join(self.run_dir, "config.json"), lambda f: f.write(json.dumps(config, indent=2).encode()))
 
     def remove_run_dir_if_unused(self) -> None:
         """After a user error that stopped the run before its first checkpoint (data with no decodable
@@ -641,7 +752,8 @@ class Trainer:
             "config": public_config(self.cfg),
             "model_params": model_params(self.cfg).to_dict(),
             "vae": {k: v.detach().cpu() for k, v in self.vae.state_dict().items()},
-            "ema": {k: v.detach().cpu() for k, v in self.ema.state_dict().items()} if self.ema else None,
+            "ema": {k: v.detach().cpu() for k, v in self.ema.model_state_dict(self.vae).items()} if self.ema else None,
+            "init_source": self.init_source,
             "discriminator": self.disc.state_dict() if self.disc is not None else None,
             "optimizer_vae": self.opt_vae.state_dict(),
             "optimizer_disc": self.opt_disc.state_dict() if self.opt_disc else None,
@@ -657,6 +769,10 @@ class Trainer:
 
     def _restore(self, path: str, ckpt: dict) -> dict | None:
         """Load checkpoint_state's contents; returns this rank's data-stream state."""
+        saved_parts = ckpt.get("config", {}).get("train_parts", "all")
+        if saved_parts != self.cfg.train_parts:
+            raise ConfigError(f"{path} was trained with --train_parts {saved_parts}: resume with the same (its "
+                              "optimizer holds those parameters), or start a new --run_name from it with --load_path")
         self.vae.load_state_dict(ckpt["vae"])
         if self.ema is not None:
             if ckpt.get("ema"):
@@ -706,6 +822,11 @@ class Trainer:
         if self.resumed_from and info.is_main:
             run_log.truncate_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
         n_params = sum(p.numel() for p in self.vae.parameters())
+        if cfg.train_parts == "decoder":
+            trained = sum(p.numel() for p in self.vae.parameters() if p.requires_grad)
+            frozen = "the encoder and quant_conv are" if cfg.vae_quant_conv else "the encoder is"
+            self.log(f"training the decoder only: {trained / 1e6:.1f}M of {n_params / 1e6:.1f}M parameters; {frozen} "
+                     "frozen")
         self.log(f"run dir {self.run_dir} | {info.world_size} x {self.device.type} | VAE {n_params / 1e6:.1f}M params "
                  f"| f{self.vae.downsample_factor} z{cfg.vae_z_channels} {cfg.posterior} posterior | "
                  f"{cfg.precision} | batch {cfg.batch_size} x {cfg.grad_accum} accum x {info.world_size} ranks")
@@ -939,7 +1060,7 @@ class Trainer:
         if self.ema is not None:
             if self._ema_model is None:
                 self._ema_model = AutoEncoder(model_params(cfg)).to(self.device, memory_format=self.memory_format)
-            self._ema_model.load_state_dict(self.ema.state_dict())
+            self._ema_model.load_state_dict(self.ema.model_state_dict(self.vae))
             models.append(("eval_ema", self._ema_model))
         for prefix, model in models:
             res = evaluate_lib.evaluate_model(
@@ -1031,6 +1152,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = prepare_demo(cfg)
         elif cfg.demo:
             cfg = prepare_demo_wait(cfg)
+        cfg, source = apply_init_source(cfg)
+        cfg = resolve_auto(cfg)
         validate(cfg)
         if cfg.demo and is_rank0:
             print(demo_summary(cfg), flush=True)
@@ -1043,7 +1166,8 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed()
     trainer, failed = None, False
     try:
-        trainer = Trainer(cfg, info)
+        trainer = Trainer(cfg, info, source)
+        source = None  # the source's weights are in the model now: do not hold a second copy for the whole run
         return trainer.train()
     except (ConfigError, WeightsUnavailable, data_lib.DatasetError) as e:
         if info.is_main:

@@ -37,7 +37,7 @@ def test_help_lists_every_flag_with_its_default():
 
 @pytest.mark.parametrize("extra, message", [
     (["--vae_resolution", "66"], "not divisible by the downsample factor"),
-    (["--vae_ch", "48"], "not divisible by the 32 GroupNorm groups"),
+    (["--vae_ch", "48", "--vae_norm_groups", "32"], "not divisible by the 32 GroupNorm groups"),
     (["--disc_type", "wasserstein"], "invalid choice"),
     (["--learning_rate_vae", "-1"], "must be positive"),
     (["--batch_size", "0"], "must be positive"),
@@ -97,7 +97,7 @@ def test_bad_dataset_paths_via_the_cli(tmp_path, url, message):
 ])
 def test_flags_without_effect_are_named(flags, expected):
     cfg, given = vae_trainer.parse_flags(flags)
-    lines = vae_trainer.config_warnings(cfg, given)
+    lines = vae_trainer.config_warnings(vae_trainer.resolve_auto(cfg), given)
     assert len(lines) == len(expected), lines
     for line, text in zip(lines, expected):
         assert line.startswith("warning: ") and text in line and "\n" not in line, line
@@ -294,6 +294,8 @@ def test_vae_norm_groups_reaches_the_model_and_is_an_architecture_field():
     (["--vae_ch", "64", "--discriminator", "patchgan"], dict(learning_rate_vae=5e-4, learning_rate_disc=5e-4,
                                                               vae_norm_groups=16)),
     (["--vae_ch", "96", "--max_steps", "100000"], dict(warmup_steps=1000, disc_start=20000, vae_norm_groups=24)),
+    # a fine-tune starts from a trained optimum: a tenth of the rate
+    (["--init_from", "x.safetensors"], dict(learning_rate_vae=2.5e-5)),
     # what the user gives is kept, 0 included where 0 is not "auto"
     (["--vae_ch", "32", "--learning_rate_vae", "3e-4", "--warmup_steps", "0", "--disc_start", "0",
       "--learning_rate_disc", "2e-4", "--vae_norm_groups", "32"],

@@ -621,3 +621,23 @@ def test_lpips_frozen_eval_and_zero_on_identical(lpips_with_features):
     xr = x.clone().requires_grad_(True)
     model(xr, y).sum().backward()
     assert xr.grad.abs().sum().item() > 0
+
+
+def test_lpips_backpropagates_through_the_reconstruction_only():
+    """The step differentiates LPIPS with respect to the reconstruction; the target's VGG16 features are
+    computed without a graph (frozen network, target without grad): the backward graph holds one VGG16
+    trunk (13 convolutions) and the 5 linear heads, not two trunks."""
+    model = build_lpips(None)
+    target = torch.rand(1, 3, 32, 32) * 2 - 1
+    recon = (torch.rand(1, 3, 32, 32) * 2 - 1).requires_grad_(True)
+    loss = model(recon, target).mean()
+    seen, todo, convs = set(), [loss.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        convs += "Convolution" in type(node).__name__
+        todo += [next_node for next_node, _ in node.next_functions]
+    assert convs == 13 + 5
+    assert all(not p.requires_grad for p in model.parameters())

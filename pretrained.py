@@ -1,0 +1,341 @@
+"""The layouts released VAEs come in, both ways: diffusers' AutoencoderKL folder and the LDM/FLUX single file.
+
+    source = pretrained.load_source("black-forest-labs/FLUX.1-dev/ae.safetensors")   # or a diffusers folder,
+    source.params, source.state, source.factors                                       # an SD VAE / SD checkpoint
+
+`load_source` reads a diffusers folder (config.json + weights), FLUX's `ae.safetensors`, an SD/LDM VAE file (with
+`quant_conv`), or a full SD checkpoint whose VAE keys carry `first_stage_model.` (or `vae.`): it returns the
+architecture (read from the config or from the weights' shapes, never from flags), the weights in ae.py's names
+and the latent factors (z' = (z - shift_factor) * scaling_factor; the config's, or for a single file the released
+values of its family). Imports only ae.py: the trainer, export.py and bench.py all use it without an import cycle.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ae import AutoEncoder, AutoEncoderParams
+
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+DIFFUSERS_WEIGHTS_BIN = "diffusion_pytorch_model.bin"
+
+# Released latent factors of each family (the diffusers configs of the released VAEs).
+FAMILIES = {
+    "sd": {"scaling_factor": 0.18215, "shift_factor": 0.0},  # SD 1.x / 2.x
+    "sdxl": {"scaling_factor": 0.13025, "shift_factor": 0.0},
+    "sd3": {"scaling_factor": 1.5305, "shift_factor": 0.0609},
+    "flux": {"scaling_factor": 0.3611, "shift_factor": 0.1159},
+}
+FAMILY_CHOICES = ("auto",) + tuple(FAMILIES)
+LDM_PREFIXES = ("first_stage_model.", "vae.")  # where a full checkpoint keeps its VAE (as diffusers' LDM_VAE_KEYS)
+# a key only the diffusion model of a full checkpoint has, per family (diffusers' CHECKPOINT_KEY_NAMES)
+FAMILY_MARKERS = (("sd3", "model.diffusion_model.joint_blocks.0."), ("flux", "model.diffusion_model.double_blocks.0."),
+                  ("sdxl", "conditioner.embedders.1."))
+
+
+class SourceError(ValueError):
+    """A source the user gave cannot be loaded: the message is one line."""
+
+
+@dataclass
+class Source:
+    path: str
+    layout: str  # "diffusers" (a folder) or "single_file"
+    family: str  # sd | sdxl | sd3 | flux, or "" (a diffusers folder: its config carries the factors)
+    params: AutoEncoderParams
+    state: dict[str, Tensor]  # in ae.py's (LDM/FLUX) names
+    factors: dict  # scaling_factor, shift_factor, latents_mean, latents_std (None where the source has none)
+    prefix: str = ""  # the VAE keys' prefix in a full checkpoint
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> dict:
+        """What a run records about where its weights came from (config.json, checkpoints, export)."""
+        return {"path": self.path, "layout": self.layout, "family": self.family, "prefix": self.prefix,
+                **self.factors}
+
+
+# ============================================================================================
+# diffusers AutoencoderKL: config and state-dict conversion
+# ============================================================================================
+def diffusers_config(params: AutoEncoderParams, resolution: int, scaling_factor: float, shift_factor: float,
+                     latents_mean: list | None = None, latents_std: list | None = None) -> dict:
+    levels = len(params.ch_mult)
+    config = dict(
+        in_channels=params.in_channels, out_channels=params.out_ch,
+        down_block_types=["DownEncoderBlock2D"] * levels, up_block_types=["UpDecoderBlock2D"] * levels,
+        block_out_channels=[params.ch * m for m in params.ch_mult], layers_per_block=params.num_res_blocks,
+        act_fn="silu", latent_channels=params.z_channels, norm_num_groups=params.norm_groups,
+        sample_size=resolution, scaling_factor=scaling_factor, shift_factor=shift_factor,
+        force_upcast=True, use_quant_conv=params.quant_conv, use_post_quant_conv=params.quant_conv,
+        mid_block_add_attention=params.use_attn,
+        latents_mean=None if latents_mean is None else list(latents_mean),
+        latents_std=None if latents_std is None else list(latents_std))
+    return config
+
+
+def diffusers_key(name: str, levels: int) -> str:
+    """Our (LDM/FLUX) parameter name -> diffusers' AutoencoderKL name. diffusers numbers the decoder's
+    up_blocks from the lowest resolution, our decoder.up from the highest. quant_conv/post_quant_conv keep
+    their names."""
+    def up_block(m: re.Match) -> str:
+        return f"decoder.up_blocks.{levels - 1 - int(m[1])}."
+    rules = [
+        (r"^encoder\.down\.(\d+)\.block\.", r"encoder.down_blocks.\1.resnets."),
+        (r"^encoder\.down\.(\d+)\.downsample\.", r"encoder.down_blocks.\1.downsamplers.0."),
+        (r"^decoder\.up\.(\d+)\.block\.", lambda m: up_block(m) + "resnets."),
+        (r"^decoder\.up\.(\d+)\.upsample\.", lambda m: up_block(m) + "upsamplers.0."),
+        (r"\.mid\.block_1\.", ".mid_block.resnets.0."),
+        (r"\.mid\.block_2\.", ".mid_block.resnets.1."),
+        (r"\.mid\.attn_1\.norm\.", ".mid_block.attentions.0.group_norm."),
+        (r"\.mid\.attn_1\.([qkv])\.", r".mid_block.attentions.0.to_\1."),
+        (r"\.mid\.attn_1\.proj_out\.", ".mid_block.attentions.0.to_out.0."),
+        (r"\.nin_shortcut\.", ".conv_shortcut."),
+        (r"\.norm_out\.", ".conv_norm_out."),
+    ]
+    for pattern, replacement in rules:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+def _with_constant_logvar(state: dict[str, Tensor], params: AutoEncoderParams) -> dict[str, Tensor]:
+    """Released layouts' encoders output (mean, logvar): a constant log-variance is zero weights + a bias."""
+    if params.posterior != "constant":
+        return state
+    state = dict(state)
+    weight, bias = state["encoder.conv_out.weight"], state["encoder.conv_out.bias"]
+    state["encoder.conv_out.weight"] = torch.cat([weight, torch.zeros_like(weight)])
+    state["encoder.conv_out.bias"] = torch.cat([bias, torch.full_like(bias, math.log(params.posterior_var))])
+    return state
+
+
+def to_diffusers_state_dict(state: dict[str, Tensor], params: AutoEncoderParams) -> dict[str, Tensor]:
+    levels = len(params.ch_mult)
+    out = {}
+    for name, value in _with_constant_logvar(state, params).items():
+        key = diffusers_key(name, levels)
+        if ".attentions.0.to_" in key and value.dim() == 4:
+            value = value[:, :, 0, 0]  # 1x1 convs become diffusers' linear layers
+        out[key] = value.detach().float().contiguous()
+    return out
+
+
+def _constant_logvar(state: dict[str, Tensor], z: int, quant_conv: bool) -> float | None:
+    """The constant posterior's variance if the encoder's log-variance half has zero weights and one bias (how
+    this trainer writes it), else None (a learned posterior). With quant convs the posterior is learned."""
+    weight, bias = state.get("encoder.conv_out.weight"), state.get("encoder.conv_out.bias")
+    if quant_conv or weight is None or bias is None or weight.shape[0] != 2 * z:
+        return None
+    if bool((weight[z:] == 0).all() and (bias[z:] == bias[z]).all()):
+        return math.exp(bias[z].item())
+    return None
+
+
+def _shapes(params: AutoEncoderParams) -> dict[str, Tensor]:
+    """The model's state dict on the meta device: names and shapes without allocating or initialising weights."""
+    with torch.device("meta"):
+        return AutoEncoder(params).state_dict()
+
+
+def _fit(params: AutoEncoderParams, lookup, where: str) -> dict[str, Tensor]:
+    """Our state dict for `params`, each tensor from lookup(our name) (None when absent); one SourceError line
+    naming the keys that do not fit."""
+    try:
+        model_state = _shapes(params)
+    except (ValueError, RuntimeError) as e:
+        raise SourceError(f"{where}: its architecture is not supported ({e})") from None
+    ours, missing, wrong = {}, [], []
+    constant = params.posterior == "constant"
+    for name, like in model_state.items():
+        value = lookup(name)
+        if value is None:
+            missing.append(name)
+            continue
+        if name.startswith("encoder.conv_out.") and constant and value.shape[0] == 2 * like.shape[0]:
+            value = value[:like.shape[0]]  # drop the constant log-variance channels
+        if value.numel() != like.numel():
+            wrong.append(f"{name} {list(value.shape)} vs {list(like.shape)}")
+            continue
+        ours[name] = value.reshape(like.shape).float()  # attention linears / conv1d are our 1x1 convs
+    if missing or wrong:
+        parts = ([f"{len(missing)} missing (e.g. {', '.join(missing[:3])})"] if missing else []) + \
+                ([f"{len(wrong)} of another shape (e.g. {'; '.join(wrong[:2])})"] if wrong else [])
+        raise SourceError(f"{where}: keys do not fit the architecture read from it: {', '.join(parts)}")
+    return ours
+
+
+def from_diffusers_state_dict(state: dict[str, Tensor], config: dict,
+                              where: str = "the folder") -> tuple[AutoEncoderParams, dict[str, Tensor]]:
+    """An AutoencoderKL's config and weights -> our params and state dict. The posterior comes back as it went
+    out: a log-variance half of `conv_out` with zero weights and one constant bias is the constant posterior
+    (variance exp(bias)); anything else (every released VAE) is a learned one. SourceError (one line) for a
+    config or weights ae.py cannot hold."""
+    try:
+        quant = bool(config.get("use_quant_conv", True))
+        if quant != bool(config.get("use_post_quant_conv", True)):
+            raise SourceError(f"{where}: use_quant_conv without use_post_quant_conv (or the reverse) is not supported")
+        kinds = set(config.get("down_block_types", ["DownEncoderBlock2D"])) | \
+            set(config.get("up_block_types", ["UpDecoderBlock2D"]))
+        if kinds - {"DownEncoderBlock2D", "UpDecoderBlock2D"} or config.get("act_fn", "silu") != "silu":
+            raise SourceError(f"{where}: block types {sorted(kinds)} / act_fn {config.get('act_fn')} are not the "
+                              "AutoencoderKL of SD/SDXL/SD3/FLUX")
+        channels = list(config["block_out_channels"])
+        if any(c % channels[0] for c in channels):
+            raise SourceError(f"{where}: block_out_channels {channels} are not multiples of the first")
+        z = config["latent_channels"]
+        variance = _constant_logvar(state, z, quant)
+        params = AutoEncoderParams(
+            in_channels=config.get("in_channels", 3), out_ch=config.get("out_channels", 3), ch=channels[0],
+            ch_mult=tuple(c // channels[0] for c in channels), num_res_blocks=config["layers_per_block"],
+            z_channels=z, use_attn=config.get("mid_block_add_attention", True),
+            posterior="learned" if variance is None else "constant",
+            posterior_var=0.1 if variance is None else variance,
+            norm_groups=config.get("norm_num_groups", 32), quant_conv=quant)
+    except KeyError as e:
+        raise SourceError(f"{where}: config.json has no {e}") from None
+    levels = len(params.ch_mult)
+    return params, _fit(params, lambda name: state.get(diffusers_key(name, levels)), where)
+
+
+# ============================================================================================
+# The LDM/FLUX single file: our names, with the log-variance channels of the released layout
+# ============================================================================================
+def params_from_ldm_state(state: dict[str, Tensor], where: str) -> AutoEncoderParams:
+    """The architecture of LDM/FLUX-named VAE weights, read from the tensors' shapes (GroupNorm's group count
+    is not in the weights: every released VAE uses 32)."""
+    def shape(key):
+        if key not in state:
+            raise SourceError(f"{where}: no {key}: not a VAE in the LDM/FLUX layout")
+        return state[key].shape
+    ch = shape("encoder.conv_in.weight")[0]
+    levels = 1 + max(int(m[1]) for k in state if (m := re.match(r"encoder\.down\.(\d+)\.", k)))
+    blocks = 1 + max(int(m[1]) for k in state if (m := re.match(r"encoder\.down\.0\.block\.(\d+)\.", k)))
+    ch_mult = []
+    for level in range(levels):
+        out = shape(f"encoder.down.{level}.block.0.conv1.weight")[0]
+        if out % ch:
+            raise SourceError(f"{where}: level {level} has {out} channels, not a multiple of conv_in's {ch}")
+        ch_mult.append(out // ch)
+    z = shape("decoder.conv_in.weight")[1]
+    moments = shape("encoder.conv_out.weight")[0]
+    if moments not in (z, 2 * z):
+        raise SourceError(f"{where}: encoder.conv_out has {moments} channels for {z} latent channels")
+    quant = "quant_conv.weight" in state
+    variance = _constant_logvar(state, z, quant)
+    learned = moments == 2 * z and variance is None
+    return AutoEncoderParams(in_channels=shape("encoder.conv_in.weight")[1], out_ch=shape("decoder.conv_out.weight")[0],
+                             ch=ch, ch_mult=tuple(ch_mult), num_res_blocks=blocks, z_channels=z,
+                             use_attn="encoder.mid.attn_1.q.weight" in state,
+                             posterior="learned" if learned else "constant",
+                             posterior_var=variance if variance is not None else 0.1, quant_conv=quant)
+
+
+def single_file_state_dict(vae: AutoEncoder) -> dict[str, Tensor]:
+    """The weights as FLUX's ae.safetensors / an SD VAE file holds them (LDM names; a constant posterior as
+    zero-weight log-variance channels, so FLUX's and LDM's code load it)."""
+    state = {k: v.detach().float().cpu().contiguous() for k, v in vae.state_dict().items()}
+    return _with_constant_logvar(state, vae.params)
+
+
+def _read_file(path: str) -> dict[str, Tensor]:
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            state = load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)  # never runs code from the file
+    except Exception as e:
+        reason = str(e).splitlines()[0][:120] if str(e) else ""
+        raise SourceError(f"{path}: unreadable ({type(e).__name__}{': ' + reason if reason else ''}): truncated, "
+                          "or not a .safetensors / PyTorch file") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]  # LDM/SD .ckpt files
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise SourceError(f"{path}: holds no state dict of tensors")
+    return state
+
+
+def _single_file_family(state: dict[str, Tensor], prefix: str, z: int, notes: list[str]) -> str:
+    if prefix:  # a full checkpoint: its diffusion model says which family it is
+        for family, marker in FAMILY_MARKERS:
+            if any(k.startswith(marker) for k in state):
+                return family
+        return "sd"
+    if z == 4:
+        notes.append("a 4-channel VAE file does not say whether it is SD 1.x/2.x's or SDXL's: taking SD 1.x/2.x's "
+                     "scaling_factor 0.18215 (give --init_family sdxl for SDXL's 0.13025)")
+        return "sd"
+    if z == 16:
+        notes.append("a 16-channel VAE file without its diffusion model is taken as FLUX.1's (scaling 0.3611, "
+                     "shift 0.1159; give --init_family sd3 for SD3's)")
+        return "flux"
+    raise SourceError(f"a {z}-channel VAE file is none of the known families: give --init_family, or load it as a "
+                      "diffusers folder (its config.json carries the latent factors)")
+
+
+def _load_single_file(path: str, family: str) -> Source:
+    full = _read_file(path)
+    prefix = next((p for p in LDM_PREFIXES if f"{p}encoder.conv_in.weight" in full), "")
+    if not prefix and "encoder.conv_in.weight" not in full:
+        if "encoder.down_blocks.0.resnets.0.conv1.weight" in full:
+            raise SourceError(f"{path}: diffusers-named weights without their config: give the folder with "
+                              "config.json")
+        example = next(iter(full), "none")
+        raise SourceError(f"{path}: no VAE in it (no encoder.conv_in.weight, with or without the "
+                          f"{' / '.join(LDM_PREFIXES)} prefix; its first key is {example!r}): not a VAE of the "
+                          "FLUX/SD family")
+    state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)} if prefix else full
+    params = params_from_ldm_state(state, path)
+    notes: list[str] = []
+    if family == "auto":
+        family = _single_file_family(full, prefix, params.z_channels, notes)
+    expected = _shapes(params)
+    extra = sorted(k for k in state if k.split(".")[0] in ("encoder", "decoder", "quant_conv", "post_quant_conv")
+                   and k not in expected)
+    if extra:
+        raise SourceError(f"{path}: {len(extra)} keys do not fit the architecture read from it "
+                          f"(e.g. {', '.join(extra[:3])})")
+    ours = _fit(params, state.get, path)
+    factors = {**FAMILIES[family], "latents_mean": None, "latents_std": None}
+    return Source(path, "single_file", family, params, ours, factors, prefix, notes)
+
+
+def _load_diffusers_folder(path: str, family: str) -> Source:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise SourceError(f"{path}: a folder without config.json: not a diffusers AutoencoderKL folder")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SourceError(f"{config_path}: unreadable ({type(e).__name__})") from None
+    if config.get("_class_name", "AutoencoderKL") != "AutoencoderKL":
+        raise SourceError(f"{path}: a {config.get('_class_name')}, not an AutoencoderKL")
+    weights = [os.path.join(path, n) for n in (DIFFUSERS_WEIGHTS, DIFFUSERS_WEIGHTS_BIN)
+               if os.path.isfile(os.path.join(path, n))]
+    if not weights:
+        raise SourceError(f"{path}: config.json but no weights ({DIFFUSERS_WEIGHTS} or {DIFFUSERS_WEIGHTS_BIN})")
+    params, ours = from_diffusers_state_dict(_read_file(weights[0]), config, path)
+    factors = {"scaling_factor": float(config.get("scaling_factor", 1.0)),
+               "shift_factor": float(config.get("shift_factor") or 0.0),
+               "latents_mean": config.get("latents_mean"), "latents_std": config.get("latents_std")}
+    notes = []
+    if family != "auto":
+        notes.append(f"--init_family {family} ignored: the diffusers config carries the latent factors")
+    return Source(path, "diffusers", "", params, ours, factors, "", notes)
+
+
+def load_source(path: str, family: str = "auto") -> Source:
+    """A released VAE (diffusers folder or single file; module docstring). SourceError: one line."""
+    if family not in FAMILY_CHOICES:
+        raise SourceError(f"family must be one of {FAMILY_CHOICES}, got {family!r}")
+    if os.path.isdir(path):
+        return _load_diffusers_folder(path, family)
+    if not os.path.isfile(path):
+        raise SourceError(f"{path}: no such file or folder")
+    return _load_single_file(path, family)
