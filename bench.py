@@ -479,30 +479,6 @@ def bench_data(args, datasets, report: Report) -> dict:
 # ----------------------------------------------------------------------------------------------------
 # Building the real trainer around in-memory batches
 # ----------------------------------------------------------------------------------------------------
-class FixedBatches:
-    """Stands in for trainer.loader: cycles through real batches held in memory, so only the step is timed."""
-
-    def __init__(self, batches: list[torch.Tensor]):
-        self.batches, self.i = batches, 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> torch.Tensor:
-        batch = self.batches[self.i % len(self.batches)]
-        self.i += 1
-        return batch
-
-    def close(self) -> None:
-        pass
-
-    def skipped(self) -> dict[str, int]:
-        return {k: 0 for k in data_lib.SKIP_REASONS}
-
-    def state_dict(self) -> dict:
-        return {}
-
-
 def build_trainer(url: str, output_dir: str, run_name: str, device: torch.device, **overrides):
     """vae_trainer.Trainer from its own flag parser, with the benchmark flags, fed from memory."""
     values = {**BENCH_FLAGS, **overrides, "dataset_url": url, "output_dir": output_dir, "run_name": run_name}
@@ -517,7 +493,7 @@ def build_trainer(url: str, output_dir: str, run_name: str, device: torch.device
     trainer.loader.close()
     if device.type == "cuda":
         batches = [b.pin_memory() for b in batches]
-    trainer.loader = FixedBatches(batches)
+    trainer.loader = data_lib.FixedBatches(batches)
     return trainer
 
 
@@ -539,12 +515,12 @@ def add_reference_habits(trainer) -> None:
         setattr(metrics, name, wrapped)
     if trainer.disc is not None:
         # and, with the GAN, the critic's weight gradients in the generator's pass: the reference computes them
-        # (and zeroes them after the VAE's step); train_step freezes the critic for that pass
-        freeze = trainer.disc.requires_grad_
+        # (and zeroes them after the VAE's step); train_step runs that pass under objective.critic_frozen()
+        frozen = trainer.objective.critic_frozen
 
-        def requires_grad_(requires_grad=True, _freeze=freeze):
-            return trainer.disc if metrics.host_sync and not requires_grad else _freeze(requires_grad)
-        trainer.disc.requires_grad_ = requires_grad_
+        def critic_frozen(_frozen=frozen):
+            return contextlib.nullcontext() if metrics.host_sync else _frozen()
+        trainer.objective.critic_frozen = critic_frozen
 
 
 def timed_step(trainer) -> float:

@@ -574,6 +574,31 @@ class TrainLoader:
 # --------------------------------------------------------------------------------------------
 # Evaluation reading: every image exactly once, sharded across ranks
 # --------------------------------------------------------------------------------------------
+class FixedBatches:
+    """Stands in for TrainLoader (trainer.loader): cycles through batches held in memory (benchmarks time only
+    the step; tests feed every trainer the same batches)."""
+
+    def __init__(self, batches: list[torch.Tensor]):
+        self.batches, self.i = batches, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        batch = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        return batch
+
+    def close(self) -> None:
+        pass
+
+    def skipped(self) -> dict[str, int]:
+        return {k: 0 for k in SKIP_REASONS}
+
+    def state_dict(self) -> dict:
+        return {}
+
+
 def iter_eval_batches(url: str, resolution: int, batch_size: int, rank: int = 0, world_size: int = 1,
                       max_images: int | None = None, max_pixels: int = 100_000_000,
                       counters: Counter | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:

@@ -33,11 +33,10 @@ from torch import Tensor, nn
 import data as data_lib
 import latents as latents_lib
 from ae import AutoEncoder, AutoEncoderParams
+from checkpoint import checkpoint_files, load_checkpoint, load_latest_checkpoint
+from common import ConfigError, OneLineParser, init_distributed
 from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, fetch_weights,
-                   hub_cache_path, load_vgg16_features, warn_random_vgg)
-
-# vae_trainer (checkpoint files, the one-line parser, distributed setup) is imported inside the command's
-# functions only: the trainer imports this module for evaluate_model, and a cycle at import time would break.
+                   hub_cache_path, load_vgg16_features, warn_random_vgg, warn_random_weights)
 
 FID_DIM = 2048  # Inception-v3 pool3 features
 GRID_IMAGES = 8
@@ -199,12 +198,6 @@ def load_inception(path: str | None) -> nn.Module:
             raise WeightsUnavailable(f"{path}: not the FID Inception-v3 ({str(e).splitlines()[0][:120]})") from None
 
 
-def warn_random(what: str) -> None:
-    bar = "!" * 78
-    print(f"{bar}\nWARNING: {what} uses a RANDOMLY INITIALISED network: its value is meaningless.\n"
-          f"Use random weights for tests only.\n{bar}", file=sys.stderr, flush=True)
-
-
 def metric_networks(vgg16_spec: str, inception_spec: str, device: torch.device, local_rank: int = 0,
                     log=print, group=None) -> tuple[nn.Module | None, nn.Module | None, dict]:
     """(lpips_model, inception, missing) for the CLI and the trainer. A spec of `none` skips the metric;
@@ -236,7 +229,8 @@ def metric_networks(vgg16_spec: str, inception_spec: str, device: torch.device, 
     lpips_model = load("lpips", "vgg16_weights", vgg16_spec, ensure_vgg16_weights, lambda: warn_random_vgg("LPIPS"),
                        lambda path: build_lpips(load_vgg16_features(path)))
     inception = load("rfid", "inception_weights", inception_spec, ensure_inception_weights,
-                     lambda: warn_random("rFID (--inception_weights random)"), load_inception)
+                     lambda: warn_random_weights("Inception-v3 (--inception_weights random)", "rFID",
+                                                 "Its value is meaningless; use this for tests only."), load_inception)
     for metric, reason in missing.items():
         if not reason.startswith("disabled"):
             log(f"warning: {dict(lpips='LPIPS', rfid='rFID')[metric]} will not be computed: {reason}")
@@ -446,7 +440,7 @@ def reconstruct(vae: AutoEncoder, image: np.ndarray, device: torch.device, tile_
     return to_uint8(recon[0, :, :h, :w].clamp(-1, 1)).permute(1, 2, 0).cpu().numpy()
 
 
-def load_rgb(path: str, max_pixels: int = 100_000_000) -> np.ndarray:
+def load_rgb_file(path: str, max_pixels: int = 100_000_000) -> np.ndarray:
     """An image file as uint8 (H, W, 3), with data.py's conversions (EXIF rotation, alpha over white, 16 bit)."""
     with open(path, "rb") as f:
         return data_lib.load_rgb(f.read(), max_pixels)
@@ -462,7 +456,7 @@ def reconstruct_folder(vae: AutoEncoder, src: str, dst: str, device: torch.devic
     done = 0
     for path in files[rank::world_size]:
         try:
-            image = load_rgb(path)
+            image = load_rgb_file(path)
         except (data_lib.SkipSample, OSError, ValueError) as e:
             log(f"warning: skipped {path} ({getattr(e, 'reason', type(e).__name__)})")
             continue
@@ -480,7 +474,6 @@ def reconstruct_folder(vae: AutoEncoder, src: str, dst: str, device: torch.devic
 def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
     """(model on CPU in eval mode, info with `checkpoint`, `step`, `resolution`); ConfigError (one line)
     for anything the user can get wrong."""
-    from vae_trainer import ConfigError, checkpoint_files, load_checkpoint, load_latest_checkpoint
     if not os.path.exists(ckpt):
         raise ConfigError(f"--ckpt {ckpt}: no such file or directory")
     from export import DIFFUSERS_WEIGHTS, SAFETENSORS_WEIGHTS, load_autoencoder, load_diffusers_export
@@ -535,7 +528,6 @@ def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
 # The command
 # ============================================================================================
 def build_parser() -> argparse.ArgumentParser:
-    from vae_trainer import OneLineParser
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="run directory (its latest readable checkpoint), checkpoint "
                                                  "file, or an export.py folder (--format diffusers or safetensors)")
@@ -562,7 +554,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def validate(args, vae: AutoEncoder, resolution: int | None) -> None:
-    from vae_trainer import ConfigError
     f = vae.downsample_factor
     if bool(args.images) != bool(args.reconstruct_to):
         raise ConfigError("--images and --reconstruct_to go together")
@@ -592,7 +583,6 @@ def validate(args, vae: AutoEncoder, resolution: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vae_trainer import ConfigError, init_distributed
     is_rank0 = os.environ.get("RANK", "0") == "0"
 
     def log(msg: str) -> None:

@@ -34,8 +34,8 @@ import data as data_lib
 import evaluate
 import pretrained
 from ae import AutoEncoder, AutoEncoderParams
+from common import ConfigError, OneLineParser
 from pretrained import DIFFUSERS_WEIGHTS, diffusers_config, from_diffusers_state_dict, to_diffusers_state_dict
-from vae_trainer import ConfigError, OneLineParser
 
 SAFETENSORS_WEIGHTS = "model.safetensors"
 SINGLE_FILE_WEIGHTS = "ae.safetensors"

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import data as data_lib
 import evaluate
 import latents as latents_lib
+from common import ConfigError, OneLineParser, init_distributed
 
 PRESETS = {"tiny": dict(dim=64, depth=2, heads=2), "small": dict(dim=192, depth=6, heads=3),
            "dit-s": dict(dim=384, depth=12, heads=6)}  # dit-s: DiT-S's width, depth and heads
@@ -274,7 +275,6 @@ def real_features(args, info):
 # The command
 # ============================================================================================
 def build_parser():
-    from vae_trainer import OneLineParser
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vae", action="append", required=True, help="a VAE to probe (repeat): run dir, checkpoint, or "
                                                                  "export.py folder")
@@ -303,7 +303,6 @@ def build_parser():
 
 def check(args) -> list:
     """Load every VAE and refuse what cannot be compared, before any process group: one line each."""
-    from vae_trainer import ConfigError
     vaes, infos = zip(*(evaluate.load_model(spec) for spec in args.vae))
     args.resolution = args.resolution or infos[0]["resolution"]
     for name in ("steps", "batch_size", "eval_every", "save_every", "max_images", "max_test_images", "patch_size",
@@ -329,7 +328,6 @@ def check(args) -> list:
 
 
 def main(argv=None) -> int:
-    from vae_trainer import ConfigError, init_distributed
     is_rank0 = os.environ.get("RANK", "0") == "0"
     log = (lambda m: print(m, flush=True)) if is_rank0 else (lambda m: None)
     try:

@@ -156,11 +156,16 @@ def load_vgg16_features(path: str | None) -> dict[str, Tensor] | None:
     return feats
 
 
-def warn_random_vgg(what: str) -> None:
+def warn_random_weights(network: str, what: str, consequence: str) -> None:
+    """The loud banner of every network run on random weights (tests, the demo): never silent."""
     bar = "!" * 78
-    print(f"{bar}\nWARNING: a RANDOMLY INITIALISED VGG16 (--vgg16_weights random) is used for {what}.\n"
-          f"Perceptual and adversarial losses are meaningless; use this for tests and the demo only.\n{bar}",
+    print(f"{bar}\nWARNING: a RANDOMLY INITIALISED {network} is used for {what}.\n{consequence}\n{bar}",
           file=sys.stderr, flush=True)
+
+
+def warn_random_vgg(what: str) -> None:
+    warn_random_weights("VGG16 (--vgg16_weights random)", what,
+                        "Perceptual and adversarial losses are meaningless; use this for tests and the demo only.")
 
 
 # --------------------------------------------------------------------------------------------

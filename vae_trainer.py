@@ -1,4 +1,5 @@
-"""Train a latent-diffusion autoencoder (FLUX-style, constant-variance latent) with torchrun.
+"""Train a latent-diffusion autoencoder (FLUX-style, constant-variance latent) with torchrun: the config (one
+dataclass; every field a flag), `main`, and the Trainer whose `train()` and `train_step()` are the loop.
 
     torchrun --nproc_per_node=8 vae_trainer.py --dataset_url 'shards/{00000..01023}.tar' --do_ganloss
     python vae_trainer.py --demo                      # no data of your own needed
@@ -7,6 +8,7 @@ Recipe: LPIPS + pooled MSE + low-pass MSE + a VGG16 hinge discriminator, each lo
 GradNorm; a latent penalty (the KL of the constant-variance posterior). fp32 by default. Every
 hyperparameter is a flag (`--help`); the run directory <output_dir>/<run_name>/ holds config.json,
 metrics.jsonl, checkpoints/ and samples/, and a run started again in it resumes where it stopped.
+The loss is composed in objective.py; checkpoint files are handled by checkpoint.py, metrics by run_log.py.
 """
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ import dataclasses
 import json
 import math
 import os
-import random
 import re
 import shutil
 import signal
@@ -25,20 +26,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import checkpoint
 import data as data_lib
 import evaluate as evaluate_lib
 import latents as latents_lib
 import pretrained
-from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoder, AutoEncoderParams, kl_divergence
-from utils import (DISC_NORMS, DISC_TYPES, LeCam, LowpassMSE, NLayerDiscriminator, VGG16Discriminator,
-                   WeightsUnavailable, adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy,
-                   discriminator_loss, ensure_vgg16_weights, fetch_weights, generator_active_fraction,
-                   generator_loss, gradnorm, load_vgg16_features, pooled_mse, vgg16_cache_path, warn_random_vgg)
+import run_log
+from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoder, AutoEncoderParams
+from checkpoint import ARCH_FIELDS, checkpoint_files
+from common import (ConfigError, DistInfo, OneLineParser, atomic_write, capture_rng, init_distributed, parse_bool,
+                    restore_rng)
+from objective import VAEObjective
+from run_log import CollapseTracker, Metrics
+from utils import (DISC_NORMS, DISC_TYPES, WeightsUnavailable, cosine_with_warmup, ensure_vgg16_weights,
+                   fetch_weights, load_vgg16_features, vgg16_cache_path, warn_random_vgg)
 
 
 # ============================================================================================
@@ -188,14 +193,7 @@ def uses_vgg16(cfg: Config) -> bool:
     return cfg.perceptual_weight > 0 or (cfg.do_ganloss and cfg.discriminator == "vgg16")
 
 
-# A run directory written with other values of these cannot be resumed (the VAE's weights would not fit).
-# The GAN settings are not among them: switching the critic on after a reconstruction-only warm-up is normal.
-ARCH_FIELDS = ("vae_ch", "vae_ch_mult", "vae_num_res_blocks", "vae_z_channels", "vae_norm_groups", "do_attn",
-               "posterior", "vae_quant_conv")
-# What runs written before a field existed used (config.json without it): 32 groups before --vae_norm_groups,
-# no quant convs before --vae_quant_conv.
-LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False}
-# The flags --init_from sets from its source.
+# The flags --init_from sets from its source (the architecture and the posterior's settings).
 SOURCE_FIELDS = ARCH_FIELDS + ("posterior_var", "do_clamp")
 
 # The demo: a tiny f4 model at 64 px that visibly learns in about 5 CPU minutes. Its latent (4 x 4 x 16 x 16
@@ -216,23 +214,6 @@ DEMO = dict(vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_channels
             do_ganloss=True, disc_start=50, mse_weight=1.0, perceptual_weight=0.5, gan_weight=0.3, kl_weight=1 / 64,
             log_every_n_steps=50, save_every_n_steps=300, evaluate_every_n_steps=300, eval_max_images=16,
             run_name="demo", ema_decay=0.99)
-
-
-class ConfigError(Exception):
-    """A user error in flags or paths: printed as one `error:` line, before any process group exists."""
-
-
-def parse_bool(s: str) -> bool:
-    if s.lower() in ("1", "true", "yes", "on"):
-        return True
-    if s.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ConfigError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -475,114 +456,12 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
     return lines
 
 
-# ============================================================================================
-# Plumbing: distributed setup, secrets, atomic checkpoints
-# ============================================================================================
-@dataclass
-class DistInfo:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    device: torch.device = torch.device("cpu")
-    ctrl_group: Any = None  # a gloo group for host-side agreement (stop flags, checkpoint gathering)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-
-def init_distributed() -> DistInfo:
-    cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return DistInfo(device=torch.device("cuda", 0) if cuda else torch.device("cpu"))
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    # torchrun's agent keeps one store across restarts: without a per-attempt namespace the restarted
-    # workers read the dead attempt's peer addresses and hang in the connect (seen with gloo).
-    store, _, _ = next(dist.rendezvous("env://"))
-    store = dist.PrefixStore(f"vae_trainer/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    if cuda:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
-        ctrl = dist.new_group(backend="gloo")
-    else:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        ctrl = dist.group.WORLD
-    return DistInfo(rank, local, world, device, ctrl)
-
-
 def public_config(cfg: Config) -> dict:
     return {k: data_lib.redact(v) if isinstance(v, str) else v for k, v in dataclasses.asdict(cfg).items()}
 
 
-def atomic_write(path: str, write) -> None:
-    """Write via a temp file in the same directory, flush + fsync, rename, fsync the directory: a crash
-    at any point leaves either the old file or the new one, never a torn one."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def checkpoint_files(ckpt_dir: str) -> list[str]:
-    """Checkpoints of a run, newest first (the `latest` pointer's target leads)."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    files = sorted((os.path.join(ckpt_dir, f) for f in os.listdir(ckpt_dir) if re.fullmatch(r"step_\d+\.pt", f)),
-                   reverse=True)
-    pointer = os.path.join(ckpt_dir, "latest")
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            target = os.path.join(ckpt_dir, f.read().strip())
-        if target in files:
-            files.remove(target)
-            files.insert(0, target)
-    return files
-
-
-def load_checkpoint(path: str) -> dict:
-    """weights_only: a checkpoint from elsewhere cannot run code when loaded."""
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def load_latest_checkpoint(ckpt_dir: str, log=print) -> tuple[str, dict] | None:
-    for path in checkpoint_files(ckpt_dir):
-        try:
-            return path, load_checkpoint(path)
-        except Exception as e:
-            log(f"warning: checkpoint {path} is unreadable ({type(e).__name__}); falling back to the previous one")
-    return None
-
-
-def load_vae_weights(path: str) -> dict:
-    """A VAE state dict from one of our checkpoints, a bare state dict, or a .safetensors file."""
-    try:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-            return load_file(path)
-        obj = load_checkpoint(path)
-    except Exception as e:
-        raise ConfigError(f"{path}: cannot be loaded as weights ({type(e).__name__})") from None
-    return obj["vae"] if isinstance(obj, dict) and "vae" in obj else obj
-
-
 # ============================================================================================
-# Training-side state: EMA, metrics, collapse tracker, stop flag
+# Training-side state: EMA of the weights, the stop flag
 # ============================================================================================
 class EMA:
     """fp32 exponential moving average of the VAE parameters that train (frozen ones, --train_parts decoder, never
@@ -639,83 +518,6 @@ class DecoderOnly(torch.nn.Module):
         return self.vae.decode(z), mean, logvar
 
 
-class Metrics:
-    """Running sums of device tensors; reduced across ranks and fetched only on logging steps. Each key is
-    averaged over the steps that logged it: a term that is off for part of the window (the generator's
-    GAN loss before --disc_start) is not diluted by the steps without it."""
-
-    def __init__(self):
-        self.sums: dict[str, torch.Tensor] = {}
-        self.maxes: dict[str, torch.Tensor] = {}
-        self.steps: dict[str, int] = {}  # per key: steps of this window that logged it
-        self.in_step: set[str] = set()
-
-    def add(self, **values: torch.Tensor) -> None:
-        for k, v in values.items():
-            v = v.detach().float()
-            self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
-            self.in_step.add(k)
-
-    def end_step(self) -> None:
-        for k in self.in_step:
-            self.steps[k] = self.steps.get(k, 0) + 1
-        self.in_step = set()
-
-    def max(self, **values: torch.Tensor) -> None:
-        for k, v in values.items():
-            v = v.detach().float()
-            self.maxes[k] = torch.maximum(self.maxes[k], v) if k in self.maxes else v.clone()
-
-    def reduce(self, info: DistInfo) -> dict[str, Any]:
-        """One all-reduce and one device->host copy for everything."""
-        if not self.sums:
-            return {}
-        keys, max_keys = sorted(self.sums), sorted(self.maxes)
-        flat = torch.cat([self.sums[k].reshape(-1) / max(1, self.steps.get(k, 0)) for k in keys])
-        flat_max = torch.cat([self.maxes[k].reshape(-1) for k in max_keys]) if max_keys else None
-        if info.distributed:
-            dist.all_reduce(flat)
-            flat /= info.world_size
-            if flat_max is not None:
-                dist.all_reduce(flat_max, op=dist.ReduceOp.MAX)
-        out: dict[str, Any] = {}
-        values = (torch.cat([flat, flat_max]) if flat_max is not None else flat).cpu().tolist()  # one copy
-        offset = 0
-        for names, table in ((keys, self.sums), (max_keys, self.maxes)):
-            for k in names:
-                n = table[k].numel()
-                out[k] = values[offset] if table[k].dim() == 0 else values[offset:offset + n]
-                offset += n
-        self.sums, self.maxes, self.steps, self.in_step = {}, {}, {}, set()
-        return out
-
-
-class CollapseTracker:
-    """Warns once per episode (until the condition clears) on posterior collapse, exploding latents and
-    a discriminator that has won."""
-
-    def __init__(self, log):
-        self.log, self.active = log, set()
-
-    def check(self, m: dict, step: int, gan_active: bool = True) -> None:
-        conditions = {
-            "posterior_collapse": (m.get("latent/collapsed_fraction", 0) >= 0.5,
-                                   f"{m.get('latent/collapsed_fraction', 0):.0%} of latent channels carry no signal "
-                                   "above the posterior noise (posterior collapse): lower --kl_weight"),
-            "exploding_latents": (m.get("latent/abs_max", 0) > 1e3 or not math.isfinite(m.get("latent/std", 0)),
-                                  f"latent abs max {m.get('latent/abs_max', 0):.3g}: exploding latents"),
-            "discriminator_won": (gan_active and m.get("gan/disc_acc", 0) > 0.95,
-                                  f"discriminator accuracy {m.get('gan/disc_acc', 0):.2f}: the critic has won; "
-                                  "consider --lecam_weight, a lower --learning_rate_disc or a later --disc_start"),
-        }
-        for name, (bad, msg) in conditions.items():
-            if bad and name not in self.active:
-                self.log(f"warning: step {step}: {msg}")
-                self.active.add(name)
-            elif not bad:
-                self.active.discard(name)
-
-
 class StopFlag:
     """SIGTERM/SIGINT ask for a checkpoint and a clean exit at the end of the current step; a second
     SIGINT aborts."""
@@ -739,21 +541,15 @@ class StopFlag:
         return bool(flag.item())
 
 
-def _fault_injection(name: str, rank: int) -> set[int]:
-    """Test hooks: VAE_TRAINER_<NAME>='3,4@1' -> steps {3, 4} on rank 1 (all ranks without '@')."""
-    spec = os.environ.get(f"VAE_TRAINER_{name}", "")
-    if not spec:
-        return set()
-    steps, _, ranks = spec.partition("@")
-    if ranks and str(rank) not in ranks.split(","):
-        return set()
-    return {int(s) for s in steps.split(",") if s}
-
-
 # ============================================================================================
 # The trainer
 # ============================================================================================
 class Trainer:
+    """One training run: builds the VAE, the objective (losses and critic), optimizers and data from the config,
+    resumes from the run directory, and `train()`s. Setup is split into small build_* methods (networks,
+    objective, DDP wrapping, optimizers) so that a variant changes one of them. `source`: the --init_from
+    source main() already read (None: read here if needed)."""
+
     def __init__(self, cfg: Config, info: DistInfo, source: pretrained.Source | None = None):
         cfg = resolve_auto(cfg)
         self.cfg, self.info = cfg, info
@@ -765,6 +561,7 @@ class Trainer:
         self.memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
         self.step = 0
         self.gan = cfg.do_ganloss
+        self.eval_on = bool(cfg.test_dataset_url and cfg.evaluate_every_n_steps)
         self.created_run_dir = False  # by this run, in _start_run_dir (rank 0)
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
@@ -775,59 +572,27 @@ class Trainer:
         # before every check that can refuse the run has passed (_start_run_dir, below).
         resume = self._find_resume()
 
-        # --- networks: built from the same seed on every rank (DDP also broadcasts rank 0's weights)
+        # networks: built from the same seed on every rank (DDP also broadcasts rank 0's weights), in this
+        # order (random initialisations draw from the global RNG)
         torch.manual_seed(cfg.seed)
-        self.vae = AutoEncoder(model_params(cfg))
-        if cfg.load_path and resume is None:
-            self._load_vae_weights(cfg.load_path)
         # --init_from: what the run started from (path, layout, family, latent factors), in config.json and every
         # checkpoint; export keeps its factors after a decoder-only fine-tune
         self.init_source = resume[1].get("init_source") if resume is not None else None
-        if cfg.init_from and resume is None:
-            if source is None:
-                source = read_init_source(cfg)
-            self.vae.load_state_dict(source.state)
-            self.init_source = source.describe()
-            for note in source.notes:
-                self.log(f"note: {note}")
-            self.log(f"initialised the VAE from {cfg.init_from} ({source.layout}"
-                     f"{', ' + source.family if source.family else ''})")
-        self.vae.set_grad_checkpointing(cfg.grad_checkpointing)
-        self.vae.to(self.device, memory_format=self.memory_format)
+        self.vae = self.build_vae(init_weights=resume is None, source=source)
+        # what trains: the VAE, or (--train_parts decoder) its decoder behind a frozen encoder; DDP wraps this
         self.vae_train = DecoderOnly(self.vae) if cfg.train_parts == "decoder" else self.vae
         self.ema = EMA(self.vae, cfg.ema_decay) if cfg.ema_decay > 0 else None
-
-        # A random VGG16 that no loss trains on (the demo without pretrained weights) is not built at all:
-        # its LPIPS would only add a meaningless number to the evaluation.
-        self.lpips, vgg_features = None, None
-        if cfg.vgg16_weights != "random" or uses_vgg16(cfg):
-            vgg_features = load_vgg16_features(self._vgg16_weights())
-            self.lpips = build_lpips(vgg_features).to(self.device, memory_format=self.memory_format)
-        self.lowpass_mse = LowpassMSE(cfg.lowpass_threshold).to(self.device)  # its filters live on the device
-        self.disc = None
-        if self.gan:
-            self.disc = (VGG16Discriminator(vgg_features) if cfg.discriminator == "vgg16"
-                         else NLayerDiscriminator(norm=cfg.disc_norm))
-            self.disc.to(self.device, memory_format=self.memory_format)
+        self.objective = self.build_objective()
         self.inception = self._inception()
-        self.lecam = LeCam().to(self.device) if self.gan and cfg.lecam_weight > 0 else None
         if cfg.compile:
             for module in (self.vae.encoder, self.vae.decoder, self.disc):
                 if module is not None:
                     module.compile()  # the inner modules, never the DDP wrapper
+        self.vae_ddp = self.wrap_ddp(self.vae_train)
+        self.disc_ddp = self.wrap_ddp(self.disc) if self.disc is not None else None
+        self.build_optimizers()
 
-        self.vae_ddp = self._wrap(self.vae_train)
-        self.disc_ddp = self._wrap(self.disc) if self.disc is not None else None
-        self.opt_vae = self._adamw(self.vae, cfg.learning_rate_vae, trained_only=True)
-        self.opt_disc = self._adamw(self.disc, cfg.learning_rate_disc) if self.disc is not None else None
-        schedule = cosine_with_warmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-        self.sched_vae = torch.optim.lr_scheduler.LambdaLR(self.opt_vae, schedule)
-        self.sched_disc = torch.optim.lr_scheduler.LambdaLR(self.opt_disc, schedule) if self.opt_disc else None
-        fp16 = cfg.precision == "fp16"
-        self.scaler_vae = torch.amp.GradScaler(self.device.type, enabled=fp16)
-        self.scaler_disc = torch.amp.GradScaler(self.device.type, enabled=fp16 and self.gan)
-
-        self.bad_total = torch.zeros((), device=self.device)
+        self.bad_total = torch.zeros((), device=self.device)  # the non-finite guard's counters
         self.bad_streak = torch.zeros((), device=self.device)
         data_state, self.resumed_from = None, None
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank posterior noise
@@ -847,17 +612,79 @@ class Trainer:
             downsample_factor=self.vae.downsample_factor)
         self.metrics, self.tracker = Metrics(), CollapseTracker(self.log)
         self._ema_model = None
-        self.inject_nan = _fault_injection("INJECT_NAN", info.rank)
-        self.inject_nan_recon = _fault_injection("INJECT_NAN_RECON", info.rank)
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        self.kill_at = _fault_injection("KILL_AT", info.rank) if first_attempt else set()
-        self.sigterm_at = _fault_injection("SIGTERM_AT", info.rank) if first_attempt else set()
         self.sample_images = self._fixed_sample_images() if info.is_main else None
         if info.is_main:
             self._start_run_dir()
-        self.wandb = self._init_wandb() if info.is_main else None
+        self.wandb = (run_log.init_wandb(cfg.wandb_mode, cfg.project_name, cfg.run_name, self.run_dir,
+                                         public_config(cfg), self.log) if info.is_main else None)
 
-    # ----------------------------------------------------------------------------- setup helpers
+    # ----------------------------------------------------------------------------- building the parts
+    def build_vae(self, init_weights: bool, source: pretrained.Source | None = None) -> AutoEncoder:
+        """The autoencoder on the device; --load_path's or --init_from's weights when not resuming."""
+        cfg = self.cfg
+        vae = AutoEncoder(model_params(cfg))
+        if cfg.load_path and init_weights:
+            checkpoint.load_vae_weights_into(vae, cfg.load_path)
+            self.log(f"initialised VAE weights from {cfg.load_path}")
+        if cfg.init_from and init_weights:
+            if source is None:
+                source = read_init_source(cfg)
+            vae.load_state_dict(source.state)
+            self.init_source = source.describe()
+            for note in source.notes:
+                self.log(f"note: {note}")
+            self.log(f"initialised the VAE from {cfg.init_from} ({source.layout}"
+                     f"{', ' + source.family if source.family else ''})")
+        vae.set_grad_checkpointing(self.cfg.grad_checkpointing)
+        return vae.to(self.device, memory_format=self.memory_format)
+
+    def build_objective(self) -> VAEObjective:
+        """LPIPS, the pixel losses, the critic and LeCam. A random VGG16 that no loss trains on (the demo without
+        pretrained weights) is not built at all: its LPIPS would only add a meaningless number to evaluation."""
+        cfg, vgg_features = self.cfg, None
+        with_lpips = cfg.vgg16_weights != "random" or uses_vgg16(cfg)
+        if with_lpips:
+            vgg_features = load_vgg16_features(self._vgg16_weights())
+        return VAEObjective(cfg, vgg_features, with_lpips=with_lpips, device=self.device,
+                            memory_format=self.memory_format)
+
+    def wrap_ddp(self, module):
+        if not self.info.distributed:
+            return module
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DDP(module, device_ids=ids, gradient_as_bucket_view=True)
+
+    def build_optimizers(self) -> None:
+        """AdamW + warm-up/cosine schedule + (fp16) GradScaler, one set for the VAE and one for the critic."""
+        cfg = self.cfg
+        # the VAE's frozen parts (--train_parts decoder) stay out: no state, and weight decay never moves them
+        self.opt_vae = self._adamw([p for p in self.vae.parameters() if p.requires_grad], cfg.learning_rate_vae)
+        self.opt_disc = self._adamw(self.disc.parameters(), cfg.learning_rate_disc) if self.disc is not None else None
+        schedule = cosine_with_warmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        self.sched_vae = torch.optim.lr_scheduler.LambdaLR(self.opt_vae, schedule)
+        self.sched_disc = torch.optim.lr_scheduler.LambdaLR(self.opt_disc, schedule) if self.opt_disc else None
+        fp16 = cfg.precision == "fp16"
+        self.scaler_vae = torch.amp.GradScaler(self.device.type, enabled=fp16)
+        self.scaler_disc = torch.amp.GradScaler(self.device.type, enabled=fp16 and self.gan)
+
+    def _adamw(self, params, lr):
+        kwargs = dict(lr=lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), weight_decay=self.cfg.weight_decay)
+        # fused AdamW reads `found_inf` on the device: a rejected step is skipped without a host sync
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+
+    @property
+    def disc(self):
+        """The critic (None without --do_ganloss); it lives in the objective."""
+        return self.objective.critic
+
+    @property
+    def lpips(self):
+        return self.objective.lpips
+
+    @property
+    def lecam(self):
+        return self.objective.lecam
+
     def log(self, msg: str) -> None:
         if self.info.is_main:
             print(msg, flush=True)
@@ -870,98 +697,22 @@ class Trainer:
 
     def _inception(self):
         """The FID network for evaluation, or None (rFID then reported missing, never faked)."""
-        cfg = self.cfg
-        if not (cfg.test_dataset_url and cfg.evaluate_every_n_steps > 0):
+        if not self.eval_on:
             return None
-        return evaluate_lib.metric_networks("none", cfg.inception_weights, self.device, self.info.local_rank,
+        return evaluate_lib.metric_networks("none", self.cfg.inception_weights, self.device, self.info.local_rank,
                                             log=self.log, group=self.info.ctrl_group)[1]
 
-    def _wrap(self, module):
-        if not self.info.distributed:
-            return module
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return DDP(module, device_ids=ids, gradient_as_bucket_view=True)
+    def _fixed_sample_images(self) -> torch.Tensor:
+        url = self.cfg.test_dataset_url or self.cfg.dataset_url
+        batches = data_lib.iter_eval_batches(url, self.cfg.vae_resolution, self.cfg.num_samples,
+                                             max_images=self.cfg.num_samples, max_pixels=self.cfg.max_image_pixels)
+        return next(iter(batches), (None, torch.zeros(0, 3, self.cfg.vae_resolution, self.cfg.vae_resolution,
+                                                      dtype=torch.uint8)))[1]
 
-    def _adamw(self, module, lr, trained_only: bool = False):
-        kwargs = dict(lr=lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), weight_decay=self.cfg.weight_decay)
-        # the VAE's frozen parts (--train_parts decoder) stay out: no state, and weight decay never moves them
-        params = [p for p in module.parameters() if p.requires_grad or not trained_only]
-        # fused AdamW reads `found_inf` on the device: a rejected step is skipped without a host sync
-        return torch.optim.AdamW(params, fused=True, **kwargs)
-
+    # ----------------------------------------------------------------------------- the run directory, resuming
     def _find_resume(self) -> tuple[str, dict] | None:
-        """Rank 0 alone reads the run directory and decides: resume from which checkpoint, start anew, set
-        the checkpoints of another architecture aside (done in _start_run_dir), or refuse. The decision is
-        broadcast over the control group; the other ranks read the chosen checkpoint only after it. (When
-        every rank listed the directory itself, a rank listing it after rank 0's set-aside skipped a
-        barrier, the collectives paired up wrongly and the run hung.)"""
-        decision, found = {"error": "rank 0 could not read the run directory"}, None
-        try:
-            if self.info.is_main:
-                try:
-                    found, set_aside = self._decide_resume()
-                    decision = {"path": found[0] if found else None, "set_aside": set_aside}
-                except ConfigError as e:
-                    decision = {"error": str(e)}
-        finally:  # also when rank 0 failed unexpectedly: the other ranks must not wait for it forever
-            if self.info.distributed:
-                box = [decision]
-                dist.broadcast_object_list(box, src=0, group=self.info.ctrl_group)
-                decision = box[0]
-        if "error" in decision:
-            raise ConfigError(decision["error"])  # printed by rank 0 only
-        self._set_aside = decision["set_aside"]
-        if decision["path"] is not None and found is None:
-            try:
-                found = (decision["path"], load_checkpoint(decision["path"]))
-            except Exception as e:
-                raise ConfigError(f"rank {self.info.rank} cannot read {decision['path']} ({type(e).__name__}), "
-                                  "which rank 0 resumes from: is the run directory on a shared file system?") from None
+        found, self._set_aside = checkpoint.find_resume(self.cfg, self.info, self.run_dir, self.log)
         return found
-
-    def _decide_resume(self) -> tuple[tuple[str, dict] | None, bool]:
-        """Rank 0: (the checkpoint to resume from or None, whether to set the run's checkpoints aside)."""
-        cfg = self.cfg
-        existing = checkpoint_files(self.ckpt_dir)
-        config_path = os.path.join(self.run_dir, "config.json")
-        set_aside = False
-        if os.path.isfile(config_path):
-            try:
-                with open(config_path) as f:
-                    saved = json.load(f)
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"{config_path} is unreadable ({type(e).__name__}): fix or remove it") from None
-            if not self._check_compatible(saved, config_path) and existing:
-                set_aside, existing = True, []
-        if cfg.resume == "never":
-            if existing:
-                raise ConfigError(f"{self.run_dir} already holds checkpoints and --resume never was given: "
-                                  "choose another --run_name or --output_dir")
-            return None, set_aside
-        if cfg.resume == "auto":
-            found = load_latest_checkpoint(self.ckpt_dir, self.log) if existing else None
-            if existing and found is None:
-                raise ConfigError(f"no readable checkpoint in {self.ckpt_dir}")
-        else:
-            try:
-                found = (cfg.resume, load_checkpoint(cfg.resume))
-            except Exception as e:
-                raise ConfigError(f"--resume {cfg.resume}: unreadable checkpoint ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
-        if found is not None and not self._check_compatible(found[1]["config"], found[0]):
-            # --force with a checkpoint of another architecture: start from scratch (keeping the run's own aside)
-            return None, set_aside or cfg.resume == "auto"
-        return found, set_aside
-
-    def _check_compatible(self, saved: dict, where: str) -> bool:
-        """False (with --force) or ConfigError if `saved` describes another VAE architecture."""
-        saved = {**LEGACY_ARCH, **saved}
-        diff = [f"{k}: {saved.get(k)!r} -> {getattr(self.cfg, k)!r}" for k in ARCH_FIELDS
-                if k in saved and saved[k] != getattr(self.cfg, k)]
-        if diff and not self.cfg.force:
-            raise ConfigError(f"{where} was written with a different architecture ({'; '.join(diff)}): use "
-                              "another --run_name, or --force to start this one from scratch")
-        return not diff
 
     def _start_run_dir(self) -> None:
         """Rank 0, once every check that can refuse the run has passed (flags, weights, --load_path, data):
@@ -987,297 +738,6 @@ class Trainer:
         if self.info.is_main and self.created_run_dir and not checkpoint_files(self.ckpt_dir):
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
-    def _load_vae_weights(self, path: str) -> None:
-        """--load_path: every tensor must exist here with the same shape; else one line (load_state_dict
-        raises a size mismatch as a RuntimeError listing every tensor)."""
-        weights, own = load_vae_weights(path), self.vae.state_dict()
-        if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-            raise ConfigError(f"--load_path {path} holds no VAE state dict")
-        missing, unexpected = [k for k in own if k not in weights], [k for k in weights if k not in own]
-        if missing or unexpected:
-            raise ConfigError(f"--load_path {path} does not fit this architecture "
-                              f"(missing {missing[:2]}, unexpected {unexpected[:2]})")
-        shapes = [(k, tuple(weights[k].shape), tuple(v.shape)) for k, v in own.items() if weights[k].shape != v.shape]
-        if shapes:
-            name, theirs, ours = shapes[0]
-            raise ConfigError(f"--load_path {path} does not fit this architecture: {len(shapes)} tensors differ in "
-                              f"shape, e.g. {name} {list(theirs)} in the file vs {list(ours)} here (--vae_ch, "
-                              "--vae_ch_mult, --vae_z_channels, ... must match the weights)")
-        self.vae.load_state_dict(weights)
-        self.log(f"initialised VAE weights from {path}")
-
-    def _restore(self, path: str, ckpt: dict) -> dict | None:
-        saved_parts = ckpt.get("config", {}).get("train_parts", "all")
-        if saved_parts != self.cfg.train_parts:
-            raise ConfigError(f"{path} was trained with --train_parts {saved_parts}: resume with the same (its "
-                              "optimizer holds those parameters), or start a new --run_name from it with --load_path")
-        self.vae.load_state_dict(ckpt["vae"])
-        if self.ema is not None:
-            if ckpt.get("ema"):
-                self.ema.load_state_dict(ckpt["ema"])
-            else:
-                self.ema = EMA(self.vae, self.cfg.ema_decay)
-        self.opt_vae.load_state_dict(ckpt["optimizer_vae"])
-        self.sched_vae.load_state_dict(ckpt["scheduler_vae"])
-        self._restore_scaler(self.scaler_vae, ckpt.get("scaler_vae"))
-        saved_cfg = ckpt.get("config", {})
-        same_disc = all(saved_cfg.get(k) == getattr(self.cfg, k) for k in ("discriminator", "disc_norm"))
-        if self.disc is not None and ckpt.get("discriminator") is not None and not same_disc:
-            self.log("warning: the checkpoint's discriminator is of another kind; the critic starts from scratch")
-        if self.disc is not None and ckpt.get("discriminator") is not None and same_disc:
-            self.disc.load_state_dict(ckpt["discriminator"])
-            self.opt_disc.load_state_dict(ckpt["optimizer_disc"])
-            self.sched_disc.load_state_dict(ckpt["scheduler_disc"])
-            self._restore_scaler(self.scaler_disc, ckpt.get("scaler_disc"))
-        if self.lecam is not None and ckpt.get("lecam") is not None:
-            self.lecam.load_state_dict(ckpt["lecam"])
-        self.step = int(ckpt["step"])
-        if saved_cfg.get("precision", self.cfg.precision) != self.cfg.precision:
-            self.log(f"note: the checkpoint was written with --precision {saved_cfg.get('precision')}; continuing in "
-                     f"{self.cfg.precision}" + (" (the fp16 loss scale starts afresh)" if self.cfg.precision == "fp16"
-                                                else ""))
-        guard = ckpt.get("guard", {})
-        self.bad_total.fill_(guard.get("bad_steps_total", 0))
-        self.bad_streak.fill_(guard.get("bad_streak", 0))
-        self.resumed_from = path
-        per_rank = ckpt.get("ranks") or []
-        if len(per_rank) == self.info.world_size:
-            mine = per_rank[self.info.rank]
-            restore_rng(mine["rng"], self.device)
-            data_state = mine["data"]
-        else:
-            self.log(f"warning: {path} was written by {len(per_rank)} ranks, this run has {self.info.world_size}: "
-                     "weights and optimizer resume exactly, the data stream and noise restart from new seeds")
-            torch.manual_seed(self.cfg.seed + 1000 * self.info.rank + 7919 * self.step)
-            data_state = {"batches": self.step * self.cfg.grad_accum}
-        self.log(f"resumed from {path} at step {self.step}")
-        return data_state
-
-    @staticmethod
-    def _restore_scaler(scaler, state: dict | None) -> None:
-        """Precision can change on resume: a disabled GradScaler (fp32/bf16) saves {}, which an enabled one
-        refuses to load; it then starts from its initial scale, as in a new fp16 run."""
-        if scaler.is_enabled() and state:
-            scaler.load_state_dict(state)
-
-    def _init_wandb(self):
-        if self.cfg.wandb_mode == "disabled":
-            return None
-        if self.cfg.wandb_mode == "online" and not wandb_key_configured():
-            self.log("warning: --wandb_mode online but no wandb API key (WANDB_API_KEY or ~/.netrc): wandb off; "
-                     "logging to stdout and metrics.jsonl only")
-            return None
-        try:
-            import wandb
-            id_path = os.path.join(self.run_dir, "wandb_id")
-            run_id = open(id_path).read().strip() if os.path.isfile(id_path) else new_wandb_run_id()
-            atomic_write(id_path, lambda f: f.write(run_id.encode()))
-            if self.cfg.wandb_mode == "online":
-                self.log("wandb: connecting (online); without a network this waits up to 60 s, then the run goes "
-                         "on without wandb")
-            return wandb.init(project=self.cfg.project_name, name=self.cfg.run_name, id=run_id, resume="allow",
-                              dir=self.run_dir, mode=self.cfg.wandb_mode, config=public_config(self.cfg),
-                              settings=wandb.Settings(init_timeout=60, silent=True))
-        except Exception as e:  # wandb must never stop or block a run
-            self.log(f"warning: wandb unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
-                     "logging to stdout and metrics.jsonl only")
-            return None
-
-    def _fixed_sample_images(self) -> torch.Tensor:
-        url = self.cfg.test_dataset_url or self.cfg.dataset_url
-        batches = data_lib.iter_eval_batches(url, self.cfg.vae_resolution, self.cfg.num_samples,
-                                             max_images=self.cfg.num_samples, max_pixels=self.cfg.max_image_pixels)
-        return next(iter(batches), (None, torch.zeros(0, 3, self.cfg.vae_resolution, self.cfg.vae_resolution,
-                                                      dtype=torch.uint8)))[1]
-
-    # ----------------------------------------------------------------------------- the step
-    def autocast(self):
-        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
-
-    def train_step(self) -> None:
-        cfg, m = self.cfg, self.metrics
-        accum = cfg.grad_accum
-        gan_on = self.gan and self.step >= cfg.disc_start
-        real_logits = fake_logits = None
-        step_loss = torch.zeros((), device=self.device)  # this step's losses, for the guard
-        for micro in range(accum):
-            sync = micro == accum - 1
-            x = data_lib.to_model_input(next(self.loader), self.device, cfg.channels_last)
-            no_sync_vae = self.vae_ddp.no_sync() if self.info.distributed and not sync else contextlib.nullcontext()
-            with no_sync_vae:
-                # latents.py's regularisers: the losses below see the transformed image (x unchanged when off)
-                target, to_decoder = self.regularisers.draw(x, self.step, micro)
-                with self.autocast():
-                    recon, mean, logvar = self.vae_ddp(x, latent_transform=to_decoder)
-                x = target
-                recon = recon.float()  # every loss below reduces in fp32
-                if self.step in self.inject_nan_recon:  # test hook: a decoder overflow (fp16)
-                    recon = recon * float("nan")
-                kl = kl_divergence(mean, logvar)
-
-                if self.gan:  # the critic learns real vs detached fakes, every step
-                    real_logits, fake_logits, d_loss = self.discriminator_backward(x, recon, sync, accum)
-                    step_loss = step_loss + d_loss.detach()
-
-                if self.disc is not None:
-                    # frozen before the generator's pass through it: the critic's weight gradients are then
-                    # neither computed (time) nor added to the ones of its own loss
-                    self.disc.requires_grad_(False)
-                losses = self.vae_losses(x, recon, kl, mean.numel(), real_logits, fake_logits, gan_on, accum)
-                if self.step in self.inject_nan:
-                    losses["backward"] = losses["backward"] * float("nan")
-                backward = losses.pop("backward")
-                step_loss = step_loss + backward.detach()
-                backward.backward()
-                if self.disc is not None:
-                    self.disc.requires_grad_(True)
-            m.add(**{f"loss/{k}": v / accum for k, v in losses.items()})
-            self.track_latents(mean, logvar, accum)
-
-        # ---- guarded optimizer steps: a non-finite loss or gradient skips the step on every rank
-        bad_vae = self.nonfinite(self.vae, self.opt_vae, self.scaler_vae, "vae")
-        bad_disc = self.nonfinite(self.disc, self.opt_disc, self.scaler_disc, "disc") if self.gan else None
-        bad_loss = ~torch.isfinite(step_loss)
-        bad_vae = bad_vae | bad_loss
-        bad_disc = bad_disc | bad_loss if bad_disc is not None else torch.zeros_like(bad_vae)
-        flags = torch.stack([bad_vae, bad_disc]).float()
-        if self.info.distributed:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        self.guarded_step(self.opt_vae, self.scaler_vae, flags[0])
-        if self.gan:
-            self.guarded_step(self.opt_disc, self.scaler_disc, flags[1])
-        if self.lecam is not None:
-            self.lecam.commit(skip=flags[1])  # the anchors move only with a step the critic took
-        if self.ema is not None:
-            self.ema.update(self.vae, self.step, flags[0])
-        self.sched_vae.step()
-        if self.sched_disc is not None:
-            self.sched_disc.step()
-        bad = flags.amax()
-        self.bad_total += bad
-        self.bad_streak = (self.bad_streak + 1) * bad
-        if self.gan:
-            m.add(**{"guard/skipped_disc": flags[1]})
-        m.add(**{"guard/skipped_vae": flags[0]})
-        m.end_step()
-
-    def discriminator_backward(self, x, recon, sync, accum) -> torch.Tensor:
-        cfg = self.cfg
-        no_sync = self.disc_ddp.no_sync() if self.info.distributed and not sync else contextlib.nullcontext()
-        with no_sync:
-            with self.autocast():
-                logits = self.disc_ddp(torch.cat([x, recon.detach()]).contiguous(memory_format=self.memory_format))
-            real_logits, fake_logits = logits.float().chunk(2)
-            d_loss = discriminator_loss(real_logits, fake_logits, cfg.disc_type)
-            if self.lecam is not None:
-                self.lecam.update(real_logits, fake_logits)
-                d_loss = d_loss + cfg.lecam_weight * self.lecam.penalty(real_logits, fake_logits)
-            self.scaler_disc.scale(d_loss / accum).backward()
-        self.metrics.add(**{"loss/disc": d_loss / accum,
-                            "gan/disc_acc": discriminator_accuracy(real_logits, fake_logits) / accum,
-                            "gan/real_logits": real_logits.mean() / accum,
-                            "gan/fake_logits": fake_logits.mean() / accum})
-        return real_logits.detach(), fake_logits.detach(), d_loss
-
-    def vae_losses(self, x, recon, kl, latent_elements, real_logits, critic_fake_logits, gan_on,
-                   accum) -> dict[str, torch.Tensor]:
-        """Loss terms (for logging) and the tensor to backpropagate ('backward'). `kl` is the per-element mean
-        over the micro-batch's `latent_elements` latent elements; `real_logits`, `critic_fake_logits` are the
-        critic's logits on this micro-batch's images and detached reconstructions."""
-        cfg = self.cfg
-        scale = self.scaler_vae.scale(torch.ones((), device=self.device))  # 1 unless fp16
-        if cfg.loss_balance == "gradnorm":
-            # GradNorm fixes each branch's gradient norm, so a loss scale and 1/accum enter as weights
-            def branch(weight):
-                return gradnorm(recon, scale * (weight / accum))
-        else:
-            def branch(weight):
-                return recon
-        terms = {}
-        perceptual = torch.zeros((), device=self.device)
-        if cfg.perceptual_weight > 0:  # weight 0: no VGG16 pass at all (pixel-only steps are ~6x cheaper)
-            with self.autocast():
-                perceptual = self.lpips(branch(cfg.perceptual_weight).contiguous(memory_format=self.memory_format),
-                                        x).float().mean()
-            terms["perceptual"] = perceptual
-        pixel_in = branch(cfg.mse_weight)
-        pooled = pooled_mse(pixel_in, x, cfg.mse_pool_factor)
-        lowpass = self.lowpass_mse(pixel_in, x)
-        pixel = cfg.pooled_mse_weight * pooled + cfg.lowpass_mse_weight * lowpass
-        terms.update({"pooled_mse": pooled, "lowpass_mse": lowpass, "kl": kl})
-        g_loss = torch.zeros((), device=self.device)
-        if gan_on:
-            # GradNorm would give the GAN branch norm gan_weight however few patches the thresholded loss still
-            # pushes, i.e. hand the last active patch the whole push. Scaled by sqrt(active fraction), the target
-            # gives each active patch the push it gets when all are active (patch gradients are near-orthogonal).
-            # Measured on the critic's pass over the detached reconstructions: the same critic, the same images.
-            active = generator_active_fraction(real_logits, critic_fake_logits, cfg.gen_loss, cfg.gan_margin)
-            self.metrics.add(**{"gan/active_fraction": active / accum})
-            with self.autocast():
-                fake_logits = self.disc(branch(cfg.gan_weight * active.sqrt()).contiguous(
-                    memory_format=self.memory_format))
-            g_loss = generator_loss(fake_logits.float(), real_logits, cfg.gen_loss, cfg.gan_margin)
-            terms["gan_g"] = g_loss
-        if cfg.loss_balance == "gradnorm":
-            # A GradNorm branch's gradient has norm `weight` over all the reconstruction's elements, so its
-            # per-element size falls as 1/sqrt(their count); a mean KL's would fall as 1/count. Summed and divided
-            # by sqrt(count), the KL scales like the branches: kl_weight means the same at any batch and resolution.
-            kl_branch = cfg.kl_weight * kl * math.sqrt(latent_elements)
-            # The whole sum is scaled, so LPIPS' and the critic's fp16 backward passes run at the loss scale
-            # (unscaled, their small gradients underflow). Each GradNorm renormalises what reaches it to its
-            # weight, which carries the scale once: the VAE's gradient does not depend on this factor.
-            backward = scale * (perceptual + pixel + g_loss + kl_branch / accum)
-        else:
-            rec = cfg.perceptual_weight * perceptual + cfg.mse_weight * pixel
-            gan_w = torch.full((), cfg.gan_weight, device=self.device)
-            if gan_on and cfg.loss_balance == "adaptive":
-                gan_w = cfg.gan_weight * adaptive_gan_weight(scale * rec, scale * g_loss,
-                                                             self.vae.decoder.conv_out.weight, cfg.adaptive_weight_max)
-                terms["adaptive_weight"] = gan_w
-            backward = scale * ((rec + gan_w * g_loss + cfg.kl_weight * kl) / accum)
-        terms["total"] = (cfg.perceptual_weight * perceptual + cfg.mse_weight * pixel
-                          + cfg.gan_weight * g_loss + cfg.kl_weight * kl).detach()
-        terms["backward"] = backward
-        return terms
-
-    def track_latents(self, mean, logvar, accum) -> None:
-        with torch.no_grad():
-            mean = mean.float()
-            channel_std = mean.std(dim=(0, 2, 3))
-            noise_std = (torch.exp(0.5 * logvar.float()).mean(dim=(0, 2, 3)) if logvar is not None
-                         else torch.full_like(channel_std, math.sqrt(self.cfg.posterior_var)))
-            collapsed = (channel_std / noise_std < 0.1).float().mean()
-            self.metrics.add(**{"latent/mean": mean.mean() / accum, "latent/std": mean.std() / accum,
-                                "latent/channel_mean": mean.mean(dim=(0, 2, 3)) / accum,
-                                "latent/channel_std": channel_std / accum,
-                                "latent/collapsed_fraction": collapsed / accum})
-            self.metrics.max(**{"latent/abs_max": mean.abs().amax(),
-                                "latent/channel_abs_max": mean.abs().amax(dim=(0, 2, 3))})
-            if logvar is not None:
-                self.metrics.add(**{"latent/logvar_mean": logvar.float().mean() / accum})
-
-    def nonfinite(self, module, optimizer, scaler, name: str) -> torch.Tensor:
-        """Unscale (fp16), clip, log the norm; True (a device bool) if the gradient is not finite."""
-        if scaler.is_enabled():
-            scaler.unscale_(optimizer)
-        params = [p for p in module.parameters() if p.grad is not None]
-        if self.cfg.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip, foreach=True)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        self.metrics.add(**{f"grad_norm/{name}": norm})
-        return ~torch.isfinite(norm)
-
-    @staticmethod
-    def guarded_step(optimizer, scaler, bad: torch.Tensor) -> None:
-        optimizer.grad_scale, optimizer.found_inf = None, bad  # grads are already unscaled
-        optimizer.step()
-        del optimizer.grad_scale, optimizer.found_inf
-        if scaler.is_enabled():
-            scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-
-    # ----------------------------------------------------------------------------- checkpoints, samples
     def checkpoint_state(self) -> dict:
         """Everything needed to continue exactly; tensors and plain containers only (weights_only loads)."""
         ranks = [None] * self.info.world_size
@@ -1307,6 +767,259 @@ class Trainer:
             "world_size": self.info.world_size,
         }
 
+    def _restore(self, path: str, ckpt: dict) -> dict | None:
+        """Load checkpoint_state's contents; returns this rank's data-stream state."""
+        saved_parts = ckpt.get("config", {}).get("train_parts", "all")
+        if saved_parts != self.cfg.train_parts:
+            raise ConfigError(f"{path} was trained with --train_parts {saved_parts}: resume with the same (its "
+                              "optimizer holds those parameters), or start a new --run_name from it with --load_path")
+        self.vae.load_state_dict(ckpt["vae"])
+        if self.ema is not None:
+            if ckpt.get("ema"):
+                self.ema.load_state_dict(ckpt["ema"])
+            else:
+                self.ema = EMA(self.vae, self.cfg.ema_decay)
+        self.opt_vae.load_state_dict(ckpt["optimizer_vae"])
+        self.sched_vae.load_state_dict(ckpt["scheduler_vae"])
+        checkpoint.restore_scaler(self.scaler_vae, ckpt.get("scaler_vae"))
+        saved_cfg = ckpt.get("config", {})
+        same_disc = all(saved_cfg.get(k) == getattr(self.cfg, k) for k in ("discriminator", "disc_norm"))
+        if self.disc is not None and ckpt.get("discriminator") is not None and not same_disc:
+            self.log("warning: the checkpoint's discriminator is of another kind; the critic starts from scratch")
+        if self.disc is not None and ckpt.get("discriminator") is not None and same_disc:
+            self.disc.load_state_dict(ckpt["discriminator"])
+            self.opt_disc.load_state_dict(ckpt["optimizer_disc"])
+            self.sched_disc.load_state_dict(ckpt["scheduler_disc"])
+            checkpoint.restore_scaler(self.scaler_disc, ckpt.get("scaler_disc"))
+        if self.lecam is not None and ckpt.get("lecam") is not None:
+            self.lecam.load_state_dict(ckpt["lecam"])
+        self.step = int(ckpt["step"])
+        if saved_cfg.get("precision", self.cfg.precision) != self.cfg.precision:
+            self.log(f"note: the checkpoint was written with --precision {saved_cfg.get('precision')}; continuing in "
+                     f"{self.cfg.precision}" + (" (the fp16 loss scale starts afresh)" if self.cfg.precision == "fp16"
+                                                else ""))
+        guard = ckpt.get("guard", {})
+        self.bad_total.fill_(guard.get("bad_steps_total", 0))
+        self.bad_streak.fill_(guard.get("bad_streak", 0))
+        self.resumed_from = path
+        per_rank = ckpt.get("ranks") or []
+        if len(per_rank) == self.info.world_size:
+            mine = per_rank[self.info.rank]
+            restore_rng(mine["rng"], self.device)
+            data_state = mine["data"]
+        else:
+            self.log(f"warning: {path} was written by {len(per_rank)} ranks, this run has {self.info.world_size}: "
+                     "weights and optimizer resume exactly, the data stream and noise restart from new seeds")
+            torch.manual_seed(self.cfg.seed + 1000 * self.info.rank + 7919 * self.step)
+            data_state = {"batches": self.step * self.cfg.grad_accum}
+        self.log(f"resumed from {path} at step {self.step}")
+        return data_state
+
+    # ----------------------------------------------------------------------------- the loop
+    def train(self) -> int:
+        cfg, info = self.cfg, self.info
+        stop = StopFlag()
+        if self.resumed_from and info.is_main:
+            run_log.truncate_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
+        n_params = sum(p.numel() for p in self.vae.parameters())
+        if cfg.train_parts == "decoder":
+            trained = sum(p.numel() for p in self.vae.parameters() if p.requires_grad)
+            frozen = "the encoder and quant_conv are" if cfg.vae_quant_conv else "the encoder is"
+            self.log(f"training the decoder only: {trained / 1e6:.1f}M of {n_params / 1e6:.1f}M parameters; {frozen} "
+                     "frozen")
+        self.log(f"run dir {self.run_dir} | {info.world_size} x {self.device.type} | VAE {n_params / 1e6:.1f}M params "
+                 f"| f{self.vae.downsample_factor} z{cfg.vae_z_channels} {cfg.posterior} posterior | "
+                 f"{cfg.precision} | batch {cfg.batch_size} x {cfg.grad_accum} accum x {info.world_size} ranks")
+        if self.eval_on and self.step == 0:
+            self.evaluate()  # the untrained baseline, and a sanity check of the test set before hours of training
+        t_start, steps_since = time.time(), 0
+        last_saved = self.step if self.resumed_from else -1
+        while self.step < cfg.max_steps:
+            self.train_step()
+            self.step += 1
+            steps_since += 1
+            final = self.step == cfg.max_steps
+            if self.step % cfg.log_every_n_steps == 0 or final:
+                streak = self.log_window(t_start, steps_since)
+                t_start, steps_since = time.time(), 0
+                if streak >= cfg.max_bad_steps:
+                    latest = checkpoint_files(self.ckpt_dir)
+                    self.log(f"error: {streak} consecutive steps had non-finite losses or gradients and were "
+                             f"skipped; stopping. Last good checkpoint: {latest[0] if latest else 'none'}")
+                    return 1
+            stopping = stop.agreed(info)
+            due = self.step % cfg.save_every_n_steps == 0 or final or stopping
+            if due and self.step != last_saved and self.save_unless_in_bad_streak(stopping):
+                last_saved = self.step
+            if stopping:
+                self.log(f"received signal {stop.signum}: checkpoint written at step {self.step}, exiting")
+                return 0
+            if self.eval_on and (self.step % cfg.evaluate_every_n_steps == 0 or final):
+                self.evaluate()
+        self.log(f"done: {cfg.max_steps} steps; checkpoints in {self.ckpt_dir}, samples in {self.sample_dir}")
+        return 0
+
+    def train_step(self) -> None:
+        """One optimizer step over --grad_accum micro-batches: per micro-batch the critic's backward, then the
+        VAE's; then both optimizer steps, which the non-finite guard skips on every rank if anything blew up."""
+        accum = self.cfg.grad_accum
+        step_loss = torch.zeros((), device=self.device)  # this step's losses, for the guard
+        for micro in range(accum):
+            sync = micro == accum - 1  # DDP all-reduces gradients on the last micro-batch only
+            x = data_lib.to_model_input(next(self.loader), self.device, self.cfg.channels_last)
+            with no_sync_unless(self.vae_ddp, sync):
+                # latents.py's regularisers: the losses below see the transformed image (x unchanged when off)
+                target, to_decoder = self.regularisers.draw(x, self.step, micro)
+                with self.autocast():
+                    recon, mean, logvar = self.vae_ddp(x, latent_transform=to_decoder)
+                x, recon = target, recon.float()  # every loss reduces in fp32
+                real_logits = fake_logits = None
+                if self.disc is not None:  # the critic learns real vs detached fakes, every step
+                    d_loss, real_logits, fake_logits = self.critic_backward(x, recon, sync, accum)
+                    step_loss = step_loss + d_loss.detach()
+                with self.objective.critic_frozen():
+                    loss, logs = self.objective(x, recon, mean, logvar, self.step, real_logits, fake_logits, accum,
+                                                loss_scale=self.scaler_vae.scale(torch.ones((), device=self.device)),
+                                                last_layer=self.vae.decoder.conv_out.weight)
+                    step_loss = step_loss + loss.detach()
+                    loss.backward()
+            self.metrics.add(**{k: v / accum for k, v in logs.items()})
+            self.track_latents(mean, logvar, accum)
+        self.optimizer_steps(step_loss)
+        self.metrics.end_step()
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+
+    def critic_backward(self, x, recon, sync, accum):
+        """The critic's loss and backward on this micro-batch; its logits for the generator term."""
+        with no_sync_unless(self.disc_ddp, sync):
+            d_loss, real_logits, fake_logits, logs = self.objective.critic_loss(x, recon, self.disc_ddp)
+            self.scaler_disc.scale(d_loss / accum).backward()
+        self.metrics.add(**{k: v / accum for k, v in logs.items()})
+        return d_loss, real_logits, fake_logits
+
+    def optimizer_steps(self, step_loss: torch.Tensor) -> None:
+        """Guarded optimizer steps: a non-finite loss or gradient on any rank skips the step on every rank
+        (device flags, no host sync); EMA and LeCam's anchors move only with a step taken."""
+        bad_vae = self.nonfinite(self.vae, self.opt_vae, self.scaler_vae, "vae")
+        bad_disc = self.nonfinite(self.disc, self.opt_disc, self.scaler_disc, "disc") if self.gan else None
+        bad_loss = ~torch.isfinite(step_loss)
+        bad_vae = bad_vae | bad_loss
+        bad_disc = bad_disc | bad_loss if bad_disc is not None else torch.zeros_like(bad_vae)
+        flags = torch.stack([bad_vae, bad_disc]).float()
+        if self.info.distributed:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.guarded_step(self.opt_vae, self.scaler_vae, flags[0])
+        if self.gan:
+            self.guarded_step(self.opt_disc, self.scaler_disc, flags[1])
+        if self.lecam is not None:
+            self.lecam.commit(skip=flags[1])  # the anchors move only with a step the critic took
+        if self.ema is not None:
+            self.ema.update(self.vae, self.step, flags[0])
+        self.sched_vae.step()
+        if self.sched_disc is not None:
+            self.sched_disc.step()
+        bad = flags.amax()
+        self.bad_total += bad
+        self.bad_streak = (self.bad_streak + 1) * bad
+        if self.gan:
+            self.metrics.add(**{"guard/skipped_disc": flags[1]})
+        self.metrics.add(**{"guard/skipped_vae": flags[0]})
+
+    def nonfinite(self, module, optimizer, scaler, name: str) -> torch.Tensor:
+        """Unscale (fp16), clip, log the norm; True (a device bool) if the gradient is not finite."""
+        if scaler.is_enabled():
+            scaler.unscale_(optimizer)
+        params = [p for p in module.parameters() if p.grad is not None]
+        if self.cfg.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        self.metrics.add(**{f"grad_norm/{name}": norm})
+        return ~torch.isfinite(norm)
+
+    @staticmethod
+    def guarded_step(optimizer, scaler, bad: torch.Tensor) -> None:
+        optimizer.grad_scale, optimizer.found_inf = None, bad  # grads are already unscaled
+        optimizer.step()
+        del optimizer.grad_scale, optimizer.found_inf
+        if scaler.is_enabled():
+            scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    def track_latents(self, mean, logvar, accum) -> None:
+        with torch.no_grad():
+            mean = mean.float()
+            channel_std = mean.std(dim=(0, 2, 3))
+            noise_std = (torch.exp(0.5 * logvar.float()).mean(dim=(0, 2, 3)) if logvar is not None
+                         else torch.full_like(channel_std, math.sqrt(self.cfg.posterior_var)))
+            collapsed = (channel_std / noise_std < 0.1).float().mean()
+            self.metrics.add(**{"latent/mean": mean.mean() / accum, "latent/std": mean.std() / accum,
+                                "latent/channel_mean": mean.mean(dim=(0, 2, 3)) / accum,
+                                "latent/channel_std": channel_std / accum,
+                                "latent/collapsed_fraction": collapsed / accum})
+            self.metrics.max(**{"latent/abs_max": mean.abs().amax(),
+                                "latent/channel_abs_max": mean.abs().amax(dim=(0, 2, 3))})
+            if logvar is not None:
+                self.metrics.add(**{"latent/logvar_mean": logvar.float().mean() / accum})
+
+    # ----------------------------------------------------------------------------- logging, saving, evaluating
+    def log_window(self, t_start: float, steps_done: int) -> int:
+        """Reduce and write the metrics of the steps since the last log; returns the streak of skipped steps."""
+        metrics = self.metrics.reduce(self.info)
+        metrics["guard/bad_steps_total"] = self.bad_total.item()
+        streak = int(self.bad_streak.item())
+        self.write_log(metrics, t_start, steps_done)
+        return streak
+
+    def write_log(self, metrics: dict, t_start: float, steps_done: int) -> None:
+        cfg = self.cfg
+        elapsed = max(1e-9, time.time() - t_start)
+        images = steps_done * cfg.batch_size * cfg.grad_accum * self.info.world_size
+        metrics["img_per_s"] = images / elapsed
+        metrics["eta_s"] = elapsed / max(1, steps_done) * (cfg.max_steps - self.step)
+        metrics["lr/vae"] = self.sched_vae.get_last_lr()[0]
+        for k, v in self.loader_skipped().items():
+            metrics[f"data/skipped_{k}"] = v
+        # the critic winning matters once the generator fights back: a window with generator GAN steps
+        self.tracker.check(metrics, self.step, gan_active="loss/gan_g" in metrics)
+        if not self.info.is_main:
+            return
+        print(run_log.log_line(metrics, self.step, cfg.max_steps, self.gan), flush=True)
+        run_log.append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), {"step": self.step, **metrics})
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=self.step)
+
+    def loader_skipped(self) -> dict[str, int]:
+        counts = torch.tensor(list(self.loader.skipped().values()), dtype=torch.float64)
+        if self.info.distributed:
+            dist.all_reduce(counts, group=self.info.ctrl_group)
+        return dict(zip(data_lib.SKIP_REASONS, (int(c) for c in counts.tolist())))
+
+    def save_unless_in_bad_streak(self, stopping: bool) -> bool:
+        """Inside a streak of skipped steps the weights are the last good ones, but periodic saves would rotate
+        good checkpoints out; a stop request is still honoured (resuming needs it). True if saved."""
+        if not (stopping or int(self.bad_streak.item()) == 0):
+            self.log(f"not saving at step {self.step}: inside a streak of skipped steps")
+            return False
+        path = self.save()
+        if path:
+            self.log(f"saved {path}" + (" (weights identical on all ranks)" if self.info.distributed else ""))
+        return True
+
+    def save(self) -> str | None:
+        in_sync = self.ranks_in_sync()
+        state = self.checkpoint_state()  # every rank takes part in the gather
+        state["ranks_in_sync"] = in_sync
+        if not self.info.is_main:
+            return None
+        if not in_sync:
+            self.log("warning: VAE weights differ across ranks (DDP desynchronised); saving rank 0's")
+        path = checkpoint.write_checkpoint(self.ckpt_dir, self.step, state, self.cfg.keep_last_k)
+        self.save_samples()
+        return path
+
     @torch.no_grad()
     def ranks_in_sync(self) -> bool:
         """DDP keeps replicas equal by construction; verify it at each save. The fingerprint of each tensor
@@ -1320,24 +1033,6 @@ class Trainer:
         gathered = [torch.empty_like(sums) for _ in range(self.info.world_size)]
         dist.all_gather(gathered, sums)
         return all(torch.equal(gathered[0], g) for g in gathered[1:])
-
-    def save(self) -> str | None:
-        in_sync = self.ranks_in_sync()
-        state = self.checkpoint_state()  # every rank takes part in the gather
-        state["ranks_in_sync"] = in_sync
-        if not self.info.is_main:
-            return None
-        if not in_sync:
-            self.log("warning: VAE weights differ across ranks (DDP desynchronised); saving rank 0's")
-        name = f"step_{self.step:08d}.pt"
-        path = os.path.join(self.ckpt_dir, name)
-        atomic_write(path, lambda f: torch.save(state, f))
-        atomic_write(os.path.join(self.ckpt_dir, "latest"), lambda f: f.write(name.encode()))
-        for old in checkpoint_files(self.ckpt_dir)[self.cfg.keep_last_k:]:
-            if old != path:
-                os.remove(old)
-        self.save_samples()
-        return path
 
     @torch.no_grad()
     def save_samples(self) -> str | None:
@@ -1406,120 +1101,6 @@ class Trainer:
                                step=self.step)
         return results
 
-    # ----------------------------------------------------------------------------- logging
-    def write_log(self, metrics: dict, t_start: float, steps_done: int) -> None:
-        cfg = self.cfg
-        elapsed = max(1e-9, time.time() - t_start)
-        images = steps_done * cfg.batch_size * cfg.grad_accum * self.info.world_size
-        metrics["img_per_s"] = images / elapsed
-        metrics["eta_s"] = elapsed / max(1, steps_done) * (cfg.max_steps - self.step)
-        metrics["lr/vae"] = self.sched_vae.get_last_lr()[0]
-        for k, v in self.loader_skipped().items():
-            metrics[f"data/skipped_{k}"] = v
-        # the critic winning matters once the generator fights back: a window with generator GAN steps
-        self.tracker.check(metrics, self.step, gan_active="loss/gan_g" in metrics)
-        if not self.info.is_main:
-            return
-        line = [f"step {self.step}/{cfg.max_steps}", f"loss {metrics.get('loss/total', float('nan')):.4f}",
-                f"lpips {metrics['loss/perceptual']:.4f}" if "loss/perceptual" in metrics else "",
-                f"pmse {metrics.get('loss/pooled_mse', 0):.5f}", f"lpmse {metrics.get('loss/lowpass_mse', 0):.5f}",
-                f"kl {metrics.get('loss/kl', 0):.4f}"]
-        line = [part for part in line if part]
-        if self.gan:
-            line += [f"g {metrics.get('loss/gan_g', 0):.4f}", f"d {metrics.get('loss/disc', 0):.4f}",
-                     f"dacc {metrics.get('gan/disc_acc', 0):.2f}"]
-        line += [f"z mean {metrics.get('latent/mean', 0):+.3f} std {metrics.get('latent/std', 0):.3f}",
-                 f"{metrics['img_per_s']:.1f} img/s", f"eta {fmt_duration(metrics['eta_s'])}"]
-        skipped = sum(v for k, v in metrics.items() if k.startswith("data/skipped"))
-        if skipped:
-            line.append(f"skipped {skipped}")
-        if metrics.get("guard/bad_steps_total", 0):
-            line.append(f"bad steps {int(metrics['guard/bad_steps_total'])}")
-        print(" | ".join(line), flush=True)
-        record = {"step": self.step, **metrics}
-        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=self.step)
-
-    def loader_skipped(self) -> dict[str, int]:
-        counts = torch.tensor(list(self.loader.skipped().values()), dtype=torch.float64)
-        if self.info.distributed:
-            dist.all_reduce(counts, group=self.info.ctrl_group)
-        return dict(zip(data_lib.SKIP_REASONS, (int(c) for c in counts.tolist())))
-
-    def truncate_metrics(self) -> None:
-        """After a resume, drop log lines of steps the crashed run did after its last checkpoint."""
-        path = os.path.join(self.run_dir, "metrics.jsonl")
-        if not (self.info.is_main and os.path.isfile(path)):
-            return
-        with open(path) as f:
-            lines = [ln for ln in f if ln.strip()]
-        kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= self.step]
-        if len(kept) != len(lines):
-            atomic_write(path, lambda f: f.write("".join(kept).encode()))
-
-    # ----------------------------------------------------------------------------- the loop
-    def train(self) -> int:
-        cfg, info = self.cfg, self.info
-        stop = StopFlag()
-        if self.resumed_from:
-            self.truncate_metrics()
-        n_params = sum(p.numel() for p in self.vae.parameters())
-        if cfg.train_parts == "decoder":
-            trained = sum(p.numel() for p in self.vae.parameters() if p.requires_grad)
-            frozen = "the encoder and quant_conv are" if cfg.vae_quant_conv else "the encoder is"
-            self.log(f"training the decoder only: {trained / 1e6:.1f}M of {n_params / 1e6:.1f}M parameters; {frozen} "
-                     "frozen")
-        self.log(f"run dir {self.run_dir} | {info.world_size} x {self.device.type} | VAE {n_params / 1e6:.1f}M params "
-                 f"| f{self.vae.downsample_factor} z{cfg.vae_z_channels} {cfg.posterior} posterior | "
-                 f"{cfg.precision} | batch {cfg.batch_size} x {cfg.grad_accum} accum x {info.world_size} ranks")
-        eval_on = bool(cfg.test_dataset_url and cfg.evaluate_every_n_steps)
-        if eval_on and self.step == 0:
-            self.evaluate()  # the untrained baseline, and a sanity check of the test set before hours of training
-        t_start, steps_since = time.time(), 0
-        last_saved = self.step if self.resumed_from else -1
-        while self.step < cfg.max_steps:
-            if self.step in self.kill_at:  # fault-injection test hooks
-                os.kill(os.getpid(), signal.SIGKILL)
-            if self.step in self.sigterm_at:
-                os.kill(os.getpid(), signal.SIGTERM)
-            self.train_step()
-            self.step += 1
-            steps_since += 1
-            final = self.step == cfg.max_steps
-            if self.step % cfg.log_every_n_steps == 0 or final:
-                metrics = self.metrics.reduce(info)
-                metrics["guard/bad_steps_total"] = self.bad_total.item()
-                streak = int(self.bad_streak.item())
-                self.write_log(metrics, t_start, steps_since)
-                t_start, steps_since = time.time(), 0
-                if streak >= cfg.max_bad_steps:
-                    latest = checkpoint_files(self.ckpt_dir)
-                    self.log(f"error: {streak} consecutive steps had non-finite losses or gradients and were "
-                             f"skipped; stopping. Last good checkpoint: {latest[0] if latest else 'none'}")
-                    return 1
-            stopping = stop.agreed(info)
-            due = self.step % cfg.save_every_n_steps == 0 or final or stopping
-            if due and self.step != last_saved:
-                # inside a streak of skipped steps the weights are the last good ones, but periodic saves would
-                # rotate good checkpoints out; a stop request is still honoured (resuming needs it)
-                if stopping or int(self.bad_streak.item()) == 0:
-                    path = self.save()
-                    last_saved = self.step
-                    if path:
-                        sync = " (weights identical on all ranks)" if self.info.distributed else ""
-                        self.log(f"saved {path}{sync}")
-                else:
-                    self.log(f"not saving at step {self.step}: inside a streak of skipped steps")
-            if stopping:
-                self.log(f"received signal {stop.signum}: checkpoint written at step {self.step}, exiting")
-                return 0
-            if eval_on and (self.step % cfg.evaluate_every_n_steps == 0 or final):
-                self.evaluate()
-        self.log(f"done: {cfg.max_steps} steps; checkpoints in {self.ckpt_dir}, samples in {self.sample_dir}")
-        return 0
-
     def close(self) -> None:
         self.loader.close()
         if self.wandb is not None:
@@ -1529,53 +1110,11 @@ class Trainer:
                 pass
 
 
-def new_wandb_run_id() -> str:
-    """8 random lower-case letters and digits, the form of wandb's own ids (wandb >= 0.2x no longer exports
-    wandb.util.generate_id)."""
-    import secrets
-    import string
-    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
-
-
-def wandb_key_configured() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    try:
-        import netrc
-        return netrc.netrc().authenticators("api.wandb.ai") is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-def capture_rng(device: torch.device) -> dict:
-    np_state = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                       "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])}}
-    if device.type == "cuda":
-        # this rank's device only: get_rng_state_all() would create a CUDA context on every visible GPU
-        # (8 ranks x 8 contexts on an 8-GPU node)
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def restore_rng(state: dict, device: torch.device) -> None:
-    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    cuda = state.get("cuda")
-    if device.type == "cuda" and cuda is not None:
-        if isinstance(cuda, (list, tuple)):  # older checkpoints: every visible device's state; ours is ours
-            cuda = cuda[device.index] if device.index is not None and device.index < len(cuda) else None
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)  # never another device's generator
-
-
-def fmt_duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+def no_sync_unless(ddp_module, sync: bool):
+    """DDP's no_sync (skip the gradient all-reduce) on the micro-batches before the last one."""
+    if sync or not isinstance(ddp_module, DDP):
+        return contextlib.nullcontext()
+    return ddp_module.no_sync()
 
 
 def prepare_demo(cfg: Config) -> Config:

@@ -18,6 +18,9 @@ import data as data_lib  # noqa: E402
 PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png", "camera.png",
           "logo.png", "hubble_deep_field.jpg")
 
+# vae_trainer.py with the test faults of its VAE_TRAINER_* variables (NaN loss/reconstruction, SIGKILL, SIGTERM)
+FAULTY = "tests/faulty_trainer.py"
+
 # tiny architecture for CLI tests: f4, 64 px, < 1M parameters
 TINY = ["--vae_ch", "32", "--vae_ch_mult", "1,2,2", "--vae_num_res_blocks", "1", "--vae_z_channels", "4",
         "--do_attn", "false", "--vae_resolution", "64", "--batch_size", "2", "--num_workers", "1",

@@ -369,7 +369,7 @@ def test_reconstructions_keep_the_full_source_name(photos_dir, tmp_path):
     written = sorted(os.path.relpath(os.path.join(d, f), dst) for d, _, fs in os.walk(dst) for f in fs)
     assert written == ["sub/x.png.png", "x.jpg.png", "x.png.png"]
     for name in ("x.png", "x.jpg", "sub/x.png"):
-        expected = ev.reconstruct(vae, ev.load_rgb(str(src / name)), torch.device("cpu"))
+        expected = ev.reconstruct(vae, ev.load_rgb_file(str(src / name)), torch.device("cpu"))
         with Image.open(dst / f"{name}.png") as out:
             assert np.array_equal(np.asarray(out), expected), name
 
@@ -401,9 +401,11 @@ def test_user_errors_in_process(run_dir, shard_url, tmp_path, capsys, args, mess
     assert err.startswith("error: ") and message in err and "\n" not in err
 
 
-def test_importing_evaluate_leaves_the_trainer_alone():
-    """The trainer imports evaluate for evaluate_model: evaluate must not import vae_trainer back."""
-    code = "import sys, evaluate; assert 'vae_trainer' not in sys.modules"
+def test_the_standalone_commands_do_not_import_the_trainer():
+    """evaluate, export and probe take their plumbing from common.py and checkpoint.py: none imports vae_trainer
+    (which imports evaluate for evaluate_model), at import time or in their commands' functions."""
+    code = ("import sys, evaluate, export, probe; assert 'vae_trainer' not in sys.modules\n"
+            "import inspect; assert not any('vae_trainer' in inspect.getsource(m) for m in (evaluate, export, probe))")
     r = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
                        capture_output=True, text=True, env=cli_env())
     assert r.returncode == 0, r.stderr[-2000:]

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 import vae_trainer
-from conftest import ROOT, TINY, cli_command, cli_env, kill_tree, run_cli
+from conftest import FAULTY, ROOT, TINY, cli_command, cli_env, kill_tree, run_cli
 
 # the tests here run the real CLI, most under torchrun, 20 s to 2 minutes each (with a module fixture's
 # reference run): a hang fails that test
@@ -63,7 +63,7 @@ def test_sigterm_then_resume_equals_uninterrupted_single_process(shard_url, tmp_
     assert ref.returncode == 0, ref.stderr[-2000:]
 
     # SIGTERM arrives during step 3: the step finishes, a checkpoint is written, exit 0
-    first = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 6, 100, *GAN),
+    first = run_cli(FAULTY, _args(shard_url, tmp_path, "cut", 6, 100, *GAN),
                     env=cli_env(VAE_TRAINER_SIGTERM_AT="3"))
     assert first.returncode == 0, first.stderr[-2000:]
     assert "received signal 15: checkpoint written at step 4" in first.stdout
@@ -88,7 +88,7 @@ def two_rank_reference(shard_url, tmp_path_factory):
 def test_sigkill_of_one_rank_restarts_and_matches_uninterrupted(shard_url, tmp_path, two_rank_reference):
     """kill -9 of rank 1 at step 5 under torchrun --max-restarts=1: the group restarts, resumes from the
     step-4 checkpoint, finishes, and ends bitwise equal to the uninterrupted run."""
-    proc = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "killed", 8, 2, *GAN), nproc=2,
+    proc = run_cli(FAULTY, _args(shard_url, tmp_path, "killed", 8, 2, *GAN), nproc=2,
                    extra_torchrun=["--max-restarts=1"], env=cli_env(VAE_TRAINER_KILL_AT="5@1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "exitcode: -9" in proc.stderr  # the agent saw the SIGKILL
@@ -98,7 +98,7 @@ def test_sigkill_of_one_rank_restarts_and_matches_uninterrupted(shard_url, tmp_p
 
 def test_sigterm_on_one_rank_stops_all_and_resumes_exactly(shard_url, tmp_path, two_rank_reference):
     """Preemption seen by rank 1 only: the ranks agree to stop after the same step, save, exit 0."""
-    first = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "pre", 8, 100, *GAN), nproc=2,
+    first = run_cli(FAULTY, _args(shard_url, tmp_path, "pre", 8, 100, *GAN), nproc=2,
                     env=cli_env(VAE_TRAINER_SIGTERM_AT="2@1"))
     assert first.returncode == 0, first.stderr[-3000:]
     assert "checkpoint written at step 3" in first.stdout
@@ -186,7 +186,7 @@ def test_injected_nan_skips_the_step_on_every_rank(shard_url, tmp_path):
     optimizer state unchanged) and count it. A stop request right after it still saves (the weights are
     the last good ones), and the resumed run trains on."""
     args = _args(shard_url, tmp_path, "nan", 6, 1, *GAN)
-    proc = run_cli("vae_trainer.py", args, nproc=2, env=cli_env(VAE_TRAINER_INJECT_NAN="3@1",
+    proc = run_cli(FAULTY, args, nproc=2, env=cli_env(VAE_TRAINER_INJECT_NAN="3@1",
                                                                VAE_TRAINER_SIGTERM_AT="3@0"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checkpoint written at step 4" in proc.stdout
@@ -217,7 +217,7 @@ def test_nan_reconstruction_reaching_the_critic_is_skipped_and_training_recovers
     stopped at --max_bad_steps."""
     args = _args(shard_url, tmp_path, "nanrec", 7, 1, *GAN, "--discriminator", "patchgan", "--max_bad_steps", "2")
     args[args.index("--log_every_n_steps") + 1] = "1"
-    first = run_cli("vae_trainer.py", args, env=cli_env(VAE_TRAINER_INJECT_NAN_RECON="3", VAE_TRAINER_SIGTERM_AT="3"))
+    first = run_cli(FAULTY, args, env=cli_env(VAE_TRAINER_INJECT_NAN_RECON="3", VAE_TRAINER_SIGTERM_AT="3"))
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     before, skipped = _ckpt(tmp_path, "nanrec", 3), _ckpt(tmp_path, "nanrec", 4)
     assert skipped["guard"] == {"bad_steps_total": 1, "bad_streak": 1}
@@ -241,7 +241,7 @@ def test_nan_reconstruction_reaching_the_critic_is_skipped_and_training_recovers
 def test_repeated_nans_stop_cleanly_with_last_good_checkpoint(shard_url, tmp_path):
     args = _args(shard_url, tmp_path, "nans", 20, 2, "--max_bad_steps", "3")
     args[args.index("--log_every_n_steps") + 1] = "1"
-    proc = run_cli("vae_trainer.py", args, env=cli_env(VAE_TRAINER_INJECT_NAN="2,3,4,5,6,7,8,9"))
+    proc = run_cli(FAULTY, args, env=cli_env(VAE_TRAINER_INJECT_NAN="2,3,4,5,6,7,8,9"))
     assert proc.returncode == 1
     assert "3 consecutive steps had non-finite losses" in proc.stdout
     assert "not saving at step 4: inside a streak of skipped steps" in proc.stdout
@@ -411,7 +411,7 @@ def test_precision_can_change_on_resume(shard_url, tmp_path):
     small = [*GAN, "--vae_ch_mult", "1,2", "--vae_resolution", "32"]
     legs = [(1, "fp32", {}), (3, "fp16", {"VAE_TRAINER_SIGTERM_AT": "1"}), (3, "fp32", {})]
     for steps, precision, env in legs:
-        proc = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "prec", steps, 1, *small, "--precision", precision),
+        proc = run_cli(FAULTY, _args(shard_url, tmp_path, "prec", steps, 1, *small, "--precision", precision),
                        env=cli_env(**env))
         assert proc.returncode == 0, proc.stderr[-3000:]
         if precision == "fp16":

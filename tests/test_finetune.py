@@ -13,7 +13,7 @@ import export
 import pretrained
 import vae_trainer
 from ae import AutoEncoder, AutoEncoderParams
-from conftest import TINY, cli_env, run_cli
+from conftest import FAULTY, TINY, cli_env, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -268,7 +268,7 @@ def test_decoder_only_resume_equals_uninterrupted(shard_url, tmp_path):
     source_dir = tiny_sd_source(tmp_path / "sd")
     ref = run_cli("vae_trainer.py", finetune_args(shard_url, source_dir, tmp_path, "ref", 4, 2))
     assert ref.returncode == 0, ref.stderr[-2000:]
-    cut = run_cli("vae_trainer.py", finetune_args(shard_url, source_dir, tmp_path, "cut", 4, 100),
+    cut = run_cli(FAULTY, finetune_args(shard_url, source_dir, tmp_path, "cut", 4, 100),
                   env=cli_env(VAE_TRAINER_SIGTERM_AT="1"))
     assert cut.returncode == 0 and "checkpoint written at step 2" in cut.stdout, cut.stderr[-2000:]
     os.rename(source_dir, tmp_path / "moved")  # a resume needs the run's architecture, not the source

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import data
 import latents
 import vae_trainer
-from conftest import TINY, cli_env, run_cli
+from conftest import FAULTY, TINY, cli_env, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -97,17 +97,6 @@ def test_channel_statistics_are_exact_under_two_ranks():
 
 
 # ------------------------------------------------------------------------------------------ regularisers
-class FixedBatches:
-    def __init__(self, batches):
-        self.batches = iter(list(batches))
-
-    def __next__(self):
-        return next(self.batches)
-
-    def close(self):
-        pass
-
-
 @pytest.fixture(scope="module")
 def batches(shard_url):
     loader = data.TrainLoader(shard_url, 64, 2, seed=0, rank=0, world_size=1, num_workers=0, shuffle_buffer=8)
@@ -132,7 +121,7 @@ def weights_after_steps(shard_url, tmp_path, batches, steps, *flags) -> dict:
     vae_trainer.validate(cfg)
     trainer = vae_trainer.Trainer(cfg, vae_trainer.DistInfo())
     trainer.loader.close()
-    trainer.loader = FixedBatches(batches)
+    trainer.loader = data.FixedBatches(batches)
     if not flags:
         trainer.regularisers = NoRegularisers()
     for _ in range(steps):
@@ -173,7 +162,7 @@ def _one_step_at(shard_url, tmp_path, batch, step, *flags) -> dict:
                                     "--max_steps", "10", *flags])
     trainer = vae_trainer.Trainer(cfg, vae_trainer.DistInfo())
     trainer.loader.close()
-    trainer.loader = FixedBatches([batch])
+    trainer.loader = data.FixedBatches([batch])
     trainer.step = step
     if not flags:
         trainer.regularisers = NoRegularisers()
@@ -220,7 +209,7 @@ def _args(url, out, run, steps, save, *extra):
 def test_resume_with_regularisers_on_is_bitwise(shard_url, tmp_path):
     ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 6, 6))
     assert ref.returncode == 0, ref.stderr[-2000:]
-    first = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 6, 100), env=cli_env(VAE_TRAINER_SIGTERM_AT="2"))
+    first = run_cli(FAULTY, _args(shard_url, tmp_path, "cut", 6, 100), env=cli_env(VAE_TRAINER_SIGTERM_AT="2"))
     assert first.returncode == 0 and "checkpoint written at step 3" in first.stdout, first.stderr[-2000:]
     again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 6, 6))
     assert again.returncode == 0 and "at step 3" in again.stdout, again.stderr[-2000:]

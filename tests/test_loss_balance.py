@@ -1,4 +1,4 @@
-"""What the loss weights mean, measured through the real Trainer.vae_losses on real photos: the KL weight keeps
+"""What the loss weights mean, measured through the real Trainer's objective (objective.VAEObjective) on real photos: the KL weight keeps
 its meaning at every batch size, resolution and --grad_accum; behind GradNorm the thresholded generator loss
 still lowers the GAN push as fewer patches remain active."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import data
 import vae_trainer
 from conftest import TINY
-from utils import gradnorm
+from utils import generator_loss, gradnorm
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -53,9 +53,8 @@ def kl_to_pixel_gradient_ratio(trainer, x, mean, accum) -> float:
         set_weights(trainer.cfg, **{branch: 1.0})
         latent = mean.clone().requires_grad_()
         recon = trainer.vae.decode(latent).float()
-        kl = vae_trainer.kl_divergence(latent, None)
-        losses = trainer.vae_losses(x, recon, kl, latent.numel(), None, None, False, accum)
-        norms[branch] = torch.autograd.grad(losses["backward"], latent)[0].norm().item()
+        loss, _ = trainer.objective(x, recon, latent, None, step=-1, accum=accum)  # -1: before --disc_start
+        norms[branch] = torch.autograd.grad(loss, latent)[0].norm().item()
     return norms["kl_weight"] / norms["mse_weight"]
 
 
@@ -106,10 +105,10 @@ def gan_gradient(trainer, recon_values, active):
     real = torch.where(active, fake + 1.0, fake - 1.0)
     recon = recon_values.clone().requires_grad_()
     x = torch.zeros_like(recon)
-    losses = trainer.vae_losses(x, recon, torch.zeros(()), 1, real, fake, True, 1)
-    grad = torch.autograd.grad(losses["backward"], recon)[0]
+    loss, _ = trainer.objective(x, recon, torch.zeros(1, 1, 1, 1), None, 0, real, fake)
+    grad = torch.autograd.grad(loss, recon)[0]
     raw_in = recon_values.clone().requires_grad_()
-    raw = torch.autograd.grad(vae_trainer.generator_loss(trainer.disc(raw_in).float(), real, "thresholded", 0.1),
+    raw = torch.autograd.grad(generator_loss(trainer.disc(raw_in).float(), real, "thresholded", 0.1),
                               raw_in)[0]
     return grad, raw
 
@@ -120,7 +119,7 @@ def test_thresholded_gan_push_per_active_patch_does_not_grow_as_patches_drop_out
     branch's norm at gan_weight, so the last active patch got all of it (1.0)."""
     torch.manual_seed(0)
     critic = torch.nn.Conv2d(3, 1, kernel_size=8, stride=8, bias=False)
-    monkeypatch.setattr(trainer, "disc", critic)
+    monkeypatch.setattr(trainer.objective, "critic", critic)
     recon_values = torch.rand(1, 3, 64, 64) * 2 - 1
     for k in (64, 16, 4, 1):
         active = torch.zeros(64, dtype=torch.bool)

@@ -7,6 +7,8 @@ import contextlib
 import pytest
 import torch
 
+import data
+import objective
 import vae_trainer
 from conftest import TINY, record_ops
 
@@ -31,28 +33,9 @@ def fixed_batches(shard_url):
     return batches
 
 
-class FixedBatches:
-    """Stands in for the trainer's loader: the given batches, in order."""
-
-    def __init__(self, batches):
-        self.batches = iter(list(batches))
-
-    def __next__(self):
-        return next(self.batches)
-
-    def close(self):
-        pass
-
-    def state_dict(self):
-        return {}
-
-    def skipped(self):
-        return {}
-
-
 def feed(trainer, batches):
     trainer.loader.close()
-    trainer.loader = FixedBatches(batches)
+    trainer.loader = data.FixedBatches(batches)
 
 
 def run_steps(trainer, n) -> list[dict]:
@@ -135,21 +118,22 @@ def test_fp16_backward_through_lpips_and_the_critic_runs_at_the_loss_scale(shard
     real_logits, fake_logits = trainer.disc(x).float(), trainer.disc(recon0).float()
 
     upstream = {}  # precision -> the gradients arriving at each GradNorm: perceptual, pixel, GAN
-    real_gradnorm = vae_trainer.gradnorm
+    real_gradnorm = objective.gradnorm
 
     def spy(t, weight):
         out = real_gradnorm(t, weight)
-        grads = upstream.setdefault(trainer.amp_dtype, {})
-        branch = ("perceptual", "pixel", "gan")[len(grads)]  # the order vae_losses builds them in
+        grads = upstream.setdefault(trainer.objective.amp_dtype, {})
+        branch = ("perceptual", "pixel", "gan")[len(grads)]  # the order the objective builds them in
         grads[branch] = None
         out.register_hook(lambda g: grads.update({branch: g}))  # the gradient arriving at this GradNorm
         return out
-    monkeypatch.setattr(vae_trainer, "gradnorm", spy)
+    monkeypatch.setattr(objective, "gradnorm", spy)
     for amp in (torch.float16, None):
-        trainer.amp_dtype = amp  # None: no autocast, the fp32 reference (same networks, same inputs)
+        trainer.objective.amp_dtype = amp  # None: no autocast, the fp32 reference (same networks, same inputs)
         recon = recon0.clone().requires_grad_(True)
-        losses = trainer.vae_losses(x, recon, torch.zeros(()), 1, real_logits, fake_logits, True, 1)
-        losses["backward"].backward()
+        loss, _ = trainer.objective(x, recon, torch.zeros(1, 1, 1, 1), None, trainer.cfg.disc_start, real_logits,
+                                    fake_logits, loss_scale=trainer.scaler_vae.scale(torch.ones(())))
+        loss.backward()
     trainer.close()
     for name in ("perceptual", "pixel", "gan"):
         g16, g32 = upstream[torch.float16][name], upstream[None][name]
@@ -445,12 +429,12 @@ def test_critic_gradient_is_that_of_its_own_loss(shard_url, tmp_path, fixed_batc
     for i, p in enumerate(params):
         p.register_hook(lambda g, i=i: gradients_received.__setitem__(i, gradients_received[i] + 1))
     critic_inputs = []
-    real_backward = trainer.discriminator_backward
+    real_backward = trainer.critic_backward
 
     def record_inputs(x, recon, sync, accum):
         critic_inputs.append(torch.cat([x, recon.detach()]).contiguous(memory_format=trainer.memory_format))
         return real_backward(x, recon, sync, accum)
-    monkeypatch.setattr(trainer, "discriminator_backward", record_inputs)
+    monkeypatch.setattr(trainer, "critic_backward", record_inputs)
     real_step = trainer.guarded_step
     checked = []
 
@@ -496,14 +480,14 @@ def test_gan_log_window_around_disc_start(shard_url, tmp_path, fixed_batches, mo
                            "--disc_start", "2", "--gen_loss", "ldm")  # ldm: not 0 at the start, as thresholded is
     feed(trainer, [b[:2, :, :32, :32] for b in fixed_batches[:4]])
     gan_g = {}
-    real_losses = trainer.vae_losses
+    real_forward = trainer.objective.forward
 
-    def record(*args):
-        terms = real_losses(*args)
-        if "gan_g" in terms:
-            gan_g[trainer.step] = terms["gan_g"].item()
-        return terms
-    monkeypatch.setattr(trainer, "vae_losses", record)
+    def record(*args, **kwargs):
+        loss, logs = real_forward(*args, **kwargs)
+        if "loss/gan_g" in logs:
+            gan_g[trainer.step] = logs["loss/gan_g"].item()
+        return loss, logs
+    monkeypatch.setattr(trainer.objective, "forward", record)
 
     def log_window(first_step, last_step):
         trainer.step = first_step

@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+import checkpoint
 import vae_trainer
 from conftest import TINY, cli_env, run_cli
 
@@ -279,7 +280,7 @@ def test_vae_norm_groups_reaches_the_model_and_is_an_architecture_field():
     groups = {m.num_groups for m in vae.modules() if isinstance(m, torch.nn.GroupNorm)}
     assert groups == {8}
     assert vae_trainer.model_params(cfg).to_dict()["norm_groups"] == 8  # what checkpoints and export read
-    assert "vae_norm_groups" in vae_trainer.ARCH_FIELDS
+    assert "vae_norm_groups" in checkpoint.ARCH_FIELDS
     assert vae_trainer.parse_config([]).vae_norm_groups == 32  # FLUX / SD at the default width
 
 

@@ -1,0 +1,114 @@
+"""Plumbing every command shares (vae_trainer, evaluate, export, probe, latents, bench), importable without
+importing the trainer: the one-line user error and the flag parser that raises it, process-group setup, atomic
+file writes, and capturing/restoring the RNG states a checkpoint carries."""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+class ConfigError(Exception):
+    """A user error in flags or paths: printed as one `error:` line, before any process group exists."""
+
+
+def parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ConfigError(message)
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    ctrl_group: Any = None  # a gloo group for host-side agreement (stop flags, checkpoint gathering)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed() -> DistInfo:
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return DistInfo(device=torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    # torchrun's agent keeps one store across restarts: without a per-attempt namespace the restarted
+    # workers read the dead attempt's peer addresses and hang in the connect (seen with gloo).
+    store, _, _ = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"vae_trainer/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    if cuda:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
+        ctrl = dist.new_group(backend="gloo")
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        ctrl = dist.group.WORLD
+    return DistInfo(rank, local, world, device, ctrl)
+
+
+def atomic_write(path: str, write) -> None:
+    """Write via a temp file in the same directory, flush + fsync, rename, fsync the directory: a crash
+    at any point leaves either the old file or the new one, never a torn one."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def capture_rng(device: torch.device) -> dict:
+    np_state = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                       "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])}}
+    if device.type == "cuda":
+        # this rank's device only: get_rng_state_all() would create a CUDA context on every visible GPU
+        # (8 ranks x 8 contexts on an 8-GPU node)
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict, device: torch.device) -> None:
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    cuda = state.get("cuda")
+    if device.type == "cuda" and cuda is not None:
+        if isinstance(cuda, (list, tuple)):  # older checkpoints: every visible device's state; ours is ours
+            cuda = cuda[device.index] if device.index is not None and device.index < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)  # never another device's generator

@@ -1,0 +1,75 @@
+"""vae_trainer.py with faults injected for the fault-tolerance tests; the production code has no hooks for them.
+Run it like vae_trainer.py (plain python or under torchrun). Each variable names steps, optionally ranks:
+'3,4@1' -> steps 3 and 4 on rank 1 (every rank without '@').
+
+    VAE_TRAINER_INJECT_NAN        the VAE's loss is NaN at these steps
+    VAE_TRAINER_INJECT_NAN_RECON  the reconstruction is NaN (what an fp16 decoder overflow gives): the critic sees it
+    VAE_TRAINER_KILL_AT           SIGKILL before the step (first torchrun attempt only)
+    VAE_TRAINER_SIGTERM_AT        SIGTERM before the step (first torchrun attempt only)
+"""
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import objective  # noqa: E402
+import vae_trainer  # noqa: E402
+from ae import AutoEncoder  # noqa: E402
+
+
+def steps_from_env(name: str) -> set[int]:
+    spec = os.environ.get(f"VAE_TRAINER_{name}", "")
+    steps, _, ranks = spec.partition("@")
+    if not spec or (ranks and os.environ.get("RANK", "0") not in ranks.split(",")):
+        return set()
+    return {int(s) for s in steps.split(",") if s}
+
+
+first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+NAN_LOSS, NAN_RECON = steps_from_env("INJECT_NAN"), steps_from_env("INJECT_NAN_RECON")
+KILL_AT = steps_from_env("KILL_AT") if first_attempt else set()
+SIGTERM_AT = steps_from_env("SIGTERM_AT") if first_attempt else set()
+current_step = [None]  # the step train_step is running, None outside it
+
+train_step = vae_trainer.Trainer.train_step
+
+
+def faulty_train_step(self):
+    if self.step in KILL_AT:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if self.step in SIGTERM_AT:
+        os.kill(os.getpid(), signal.SIGTERM)
+    current_step[0] = self.step
+    try:
+        train_step(self)
+    finally:
+        current_step[0] = None
+
+
+vae_forward = AutoEncoder.forward
+
+
+def faulty_vae_forward(self, *args, **kwargs):
+    recon, mean, logvar = vae_forward(self, *args, **kwargs)
+    if current_step[0] in NAN_RECON:
+        recon = recon * float("nan")
+    return recon, mean, logvar
+
+
+objective_forward = objective.VAEObjective.forward
+
+
+def faulty_objective_forward(self, *args, **kwargs):
+    loss, logs = objective_forward(self, *args, **kwargs)
+    if current_step[0] in NAN_LOSS:
+        loss = loss * float("nan")
+    return loss, logs
+
+
+vae_trainer.Trainer.train_step = faulty_train_step
+AutoEncoder.forward = faulty_vae_forward
+objective.VAEObjective.forward = faulty_objective_forward
+
+if __name__ == "__main__":
+    sys.exit(vae_trainer.main())
