@@ -792,8 +792,10 @@ def gan_step_flops(trainer) -> dict[str, float]:
             trainer.train_step()
         per_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
         out[name] = float(counter.get_total_flops())
-        out[f"{name}_critic"] = float(per_module.get(type(trainer.disc).__name__, 0))
-        out[f"{name}_lpips"] = float(per_module.get(type(trainer.lpips).__name__, 0))
+        objective = type(trainer.objective).__name__  # its own modules are counted under its name
+        out[f"{name}_critic"] = float(per_module.get(type(trainer.disc).__name__, 0)  # the critic's own pass
+                                      + per_module.get(f"{objective}.critic", 0))   # the generator's pass
+        out[f"{name}_lpips"] = float(per_module.get(f"{objective}.lpips", 0))
         out[f"{name}_vae"] = out[name] - out[f"{name}_critic"] - out[f"{name}_lpips"]
     trainer.metrics.host_sync = False
     return out
