@@ -127,7 +127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="print one JSON object on stdout (the human tables go to stderr)")
     p.add_argument("--sections", default="data,train,memory,gpu",
                    help="comma-separated subset of data,train,memory,gpu,quality,finetune (default: all but quality, "
-                        "which trains for about an hour on 2 CPU cores, and finetune, ~5 minutes; gpu runs on CUDA only)")
+                        "which trains for one to two hours on 2 CPU cores, and finetune, ~5 minutes; gpu runs on "
+                        "CUDA only)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if available, else cpu")
     p.add_argument("--threads", type=int, default=0,
@@ -629,7 +630,8 @@ def reference_flags(cfg: dict, steps: int = 400) -> dict:
     return dict(
         learning_rate_vae=2 ** -7 / cfg["vae_ch"],  # launcher: lr 2^-7, divided by the width in the code
         # 200 in its code; at most half of a shorter run, so that one still reaches the peak rate as at 400 steps
-        warmup_steps=min(200, steps // 2), learning_rate_disc=1e-5, disc_start=0, do_attn=False, do_clamp=True, vae_norm_groups=32,
+        warmup_steps=min(200, steps // 2), learning_rate_disc=1e-5, disc_start=0, do_attn=False, do_clamp=True,
+        vae_norm_groups=32,
         disc_type="bce", gen_loss="nonsaturating",  # --disc_type's default is bce; the launcher keeps it
         perceptual_weight=1.0, mse_weight=0.0,  # at HEAD the pixel loss is multiplied by 0.0
         gan_weight=1.0, lecam_weight=0.0, grad_clip=0.0, ema_decay=0.0,
@@ -658,7 +660,8 @@ def bench_quality(args, tmp, report: Report) -> dict:
     train_url, test_url = data_lib.ensure_demo_shards(os.path.join(tmp, "quality_data"))
     vgg = "torchvision" if os.path.isfile(vae_trainer.vgg16_cache_path()) else "random"
     cfg = dict(QUALITY_CONFIG)
-    common = dict(cfg, precision=args.quality_precision, dataset_url=train_url, test_dataset_url=test_url, max_steps=args.quality_steps,
+    common = dict(cfg, precision=args.quality_precision, dataset_url=train_url, test_dataset_url=test_url,
+                  max_steps=args.quality_steps,
                   vgg16_weights=vgg, inception_weights="none", wandb_mode="disabled", num_workers=1,
                   shuffle_buffer=64, log_every_n_steps=50, save_every_n_steps=args.quality_steps,
                   evaluate_every_n_steps=args.quality_steps, eval_max_images=64, seed=args.seed,

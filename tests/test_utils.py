@@ -19,8 +19,8 @@ import utils
 from conftest import record_ops
 from utils import (DISC_NORMS, GradNormFunction, LeCam, NLayerDiscriminator, VGG16Discriminator, WeightsUnavailable,
                    adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy, discriminator_loss,
-                   ensure_vgg16_weights, generator_active_fraction, generator_loss, gradnorm, load_vgg16_features, lowpass_mask, lowpass_mse,
-                   pooled_mse)
+                   ensure_vgg16_weights, generator_active_fraction, generator_loss, gradnorm, load_vgg16_features,
+                   lowpass_mask, lowpass_mse, pooled_mse)
 
 VGG16_CONV_INDICES = (0, 2, 5, 7, 10, 12, 14, 17, 19, 21, 24, 26, 28)
 
