@@ -85,9 +85,6 @@ TRAIN_CONFIGS = {  # --config: the model of the train section
     "tiny": dict(vae_ch=32, vae_ch_mult="1,2,4,4", vae_num_res_blocks=1, vae_resolution=128, batch_size=2),
     "small": dict(vae_ch=64, vae_ch_mult="1,2,4,4", vae_num_res_blocks=2, vae_resolution=128, batch_size=2),
     "flux": dict(vae_ch=128, vae_ch_mult="1,2,4,4", vae_num_res_blocks=2, vae_resolution=256, batch_size=2),
-    # the quality section's model (with --gan: its whole step)
-    "quality": dict(vae_ch=32, vae_ch_mult="1,2,4,4", vae_num_res_blocks=2, vae_z_channels=16, vae_resolution=128,
-                    batch_size=4),
 }
 # The memory section: the FLUX layout (its decoder's two highest-resolution levels hold the largest share of
 # the activations) at batch 1; --memory_ch 128 is the real FLUX width.
@@ -97,6 +94,7 @@ FLUX_CONFIG = dict(vae_ch=128, vae_ch_mult="1,2,4,4", vae_num_res_blocks=2)
 # The quality section (issue 9's configuration): a small f8 VAE trained with the GAN on real photos.
 QUALITY_CONFIG = dict(vae_ch=32, vae_ch_mult="1,2,4,4", vae_num_res_blocks=2, vae_z_channels=16,
                       vae_resolution=128, batch_size=4, do_ganloss=True)
+TRAIN_CONFIGS["quality"] = {k: v for k, v in QUALITY_CONFIG.items() if k != "do_ganloss"}  # with --gan: its step
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH_FLAGS = dict(num_workers=0, shuffle_buffer=2, vgg16_weights="random", wandb_mode="disabled",
                    evaluate_every_n_steps=0, inception_weights="none", num_samples=1, disc_start=0,
@@ -480,13 +478,18 @@ def bench_data(args, datasets, report: Report) -> dict:
 # ----------------------------------------------------------------------------------------------------
 # Building the real trainer around in-memory batches
 # ----------------------------------------------------------------------------------------------------
-def build_trainer(url: str, output_dir: str, run_name: str, device: torch.device, **overrides):
-    """vae_trainer.Trainer from its own flag parser, with the benchmark flags, fed from memory."""
-    values = {**BENCH_FLAGS, **overrides, "dataset_url": url, "output_dir": output_dir, "run_name": run_name}
+def trainer_argv(values: dict) -> list[str]:
+    """vae_trainer.py's command line for these flag values."""
     argv = []
     for key, value in values.items():
         argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
-    cfg = vae_trainer.parse_config(argv)
+    return argv
+
+
+def build_trainer(url: str, output_dir: str, run_name: str, device: torch.device, **overrides):
+    """vae_trainer.Trainer from its own flag parser, with the benchmark flags, fed from memory."""
+    values = {**BENCH_FLAGS, **overrides, "dataset_url": url, "output_dir": output_dir, "run_name": run_name}
+    cfg = vae_trainer.parse_config(trainer_argv(values))
     vae_trainer.validate(cfg)
     with contextlib.redirect_stderr(io.StringIO()):  # the random-VGG16 banner; the report states it once
         trainer = vae_trainer.Trainer(cfg, vae_trainer.DistInfo(device=device))
@@ -674,10 +677,7 @@ def bench_quality(args, tmp, report: Report) -> dict:
                       "held_out_images": list(data_lib.DEMO_TEST)}, "variants": {}}
     procs = {}
     for name, flags in variants.items():  # concurrently: on a shared machine every run sees the same load
-        values = {**common, **flags, "run_name": f"quality_{name}"}
-        argv = []
-        for key, value in values.items():
-            argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+        argv = trainer_argv({**common, **flags, "run_name": f"quality_{name}"})
         log = open(os.path.join(tmp, f"quality_{name}.log"), "w")
         procs[name] = (subprocess.Popen([sys.executable, os.path.join(HERE, "vae_trainer.py"), *argv], env=env,
                                         stdout=log, stderr=subprocess.STDOUT), log, time.time())
