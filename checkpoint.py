@@ -8,16 +8,18 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import time
 
 import torch
 import torch.distributed as dist
 
 from common import ConfigError, DistInfo, atomic_write
+from config import ARCH_FIELDS
 
-# A run directory written with other values of these cannot be resumed (the VAE's weights would not fit).
-# The GAN settings are not among them: switching the critic on after a reconstruction-only warm-up is normal.
-ARCH_FIELDS = ("vae_ch", "vae_ch_mult", "vae_num_res_blocks", "vae_z_channels", "vae_norm_groups", "do_attn",
-               "posterior", "vae_quant_conv")
+# A run directory written with other values of config.ARCH_FIELDS (the ModelConfig fields marked `arch`) cannot
+# be resumed: the VAE's weights would not fit. The GAN settings are not among them: switching the critic on after
+# a reconstruction-only warm-up is normal.
 # What runs written before a field existed used (config.json without it): 32 groups before --vae_norm_groups,
 # no quant convs before --vae_quant_conv.
 LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False}
@@ -178,3 +180,84 @@ def find_resume(cfg, info: DistInfo, run_dir: str, log=print) -> tuple[tuple[str
             raise ConfigError(f"rank {info.rank} cannot read {decision['path']} ({type(e).__name__}), "
                               "which rank 0 resumes from: is the run directory on a shared file system?") from None
     return found, decision["set_aside"]
+
+
+# ------------------------------------------------------------------------------------- what a checkpoint holds
+class Registry:
+    """Every stateful piece of a run, each saved and restored by its owner (torchtitan's CheckpointManager and
+    Stateful in spirit): an entry has state_dict() -> {top-level key: value} and load_state_dict(ckpt, ...),
+    which reads its own keys and applies its own compatibility rules (the VAE refuses another --train_parts,
+    the critic starts afresh when of another kind, a scaler saved disabled is not loaded). The file's keys are
+    the entries' keys together: those of format_version 1, so checkpoints of earlier code load."""
+
+    def __init__(self, **entries):
+        self.entries = entries
+
+    def state_dict(self) -> dict:
+        state = {}
+        for entry in self.entries.values():
+            state.update(entry.state_dict())
+        return state
+
+    def load_state_dict(self, path: str, ckpt: dict, log=print) -> dict:
+        """Restore every entry from `ckpt` (read from `path`); returns {entry name: what its load returned}."""
+        loaded = {}
+        for name, entry in self.entries.items():
+            loaded[name] = entry.load_state_dict(ckpt, path=path, log=log)
+        return loaded
+
+
+class _AbsentAdversary:
+    """The critic's entry of a run without --do_ganloss: the keys it writes as empty (format_version 1)."""
+
+    @staticmethod
+    def state_dict() -> dict:
+        return {"discriminator": None, "optimizer_disc": None, "scheduler_disc": None, "scaler_disc": {},
+                "lecam": None}
+
+    @staticmethod
+    def load_state_dict(ckpt: dict, **_) -> None:
+        return None
+
+
+ABSENT_ADVERSARY = _AbsentAdversary()
+
+
+@torch.no_grad()
+def ranks_in_sync(model: torch.nn.Module, info: DistInfo) -> bool:
+    """DDP keeps replicas equal by construction; verify it at each save. The fingerprint of each tensor
+    is its float64 dot product with a fixed random vector: any differing element changes it."""
+    if not info.distributed:
+        return True
+    gen = torch.Generator(device=info.device).manual_seed(12345)
+    sums = torch.stack([torch.dot(t.detach().double().flatten(),
+                                  torch.randn(t.numel(), generator=gen, device=info.device, dtype=torch.float64))
+                        for t in model.state_dict().values()])
+    gathered = [torch.empty_like(sums) for _ in range(info.world_size)]
+    dist.all_gather(gathered, sums)
+    return all(torch.equal(gathered[0], g) for g in gathered[1:])
+
+
+# ------------------------------------------------------------------------------------- the run directory
+def start_run_dir(run_dir: str, config: dict, set_aside: bool, log=print) -> bool:
+    """Rank 0, once every check that can refuse the run has passed (flags, weights, --load_path, data): set
+    incompatible checkpoints aside (--force), create the directories, write config.json. Returns whether this
+    run created the directory (a run that fails to start then removes it: remove_run_dir_if_unused)."""
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if set_aside:
+        aside = f"{ckpt_dir}.incompatible-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.rename(ckpt_dir, aside)
+        log(f"warning: --force: the checkpoints of the other architecture were moved to {aside}; "
+            "training starts from scratch")
+    created = not os.path.exists(run_dir)
+    os.makedirs(ckpt_dir, exist_ok=True)
+    os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
+    atomic_write(os.path.join(run_dir, "config.json"), lambda f: f.write(json.dumps(config, indent=2).encode()))
+    return created
+
+
+def remove_run_dir_if_unused(run_dir: str) -> None:
+    """After a user error that stopped a run before its first checkpoint (data with no decodable image, ...),
+    remove the run directory it created, so that none is left holding only config.json."""
+    if not checkpoint_files(os.path.join(run_dir, "checkpoints")):
+        shutil.rmtree(run_dir, ignore_errors=True)

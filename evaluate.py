@@ -320,6 +320,40 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
     return out
 
 
+class Validator:
+    """Evaluation during training (torchtitan's validator): PSNR, SSIM, LPIPS and rFID on the fixed test subset,
+    for the weights and (given) their EMA, with the FID network loaded once. Every rank takes part (the images are
+    sharded); what it returns is shown by run_log.Reporter.evaluation."""
+
+    def __init__(self, cfg, lpips_model: nn.Module | None, device: torch.device, rank: int, world_size: int,
+                 local_rank: int = 0, group=None, memory_format=torch.contiguous_format, log=print):
+        self.cfg, self.lpips, self.device, self.memory_format = cfg, lpips_model, device, memory_format
+        self.rank, self.world_size = rank, world_size
+        # the FID network, or None (rFID then reported missing, never faked)
+        self.inception = metric_networks("none", cfg.inception_weights, device, local_rank, log=log, group=group)[1]
+        self.ema_model: AutoEncoder | None = None  # holds the EMA weights, built at the first evaluation
+
+    def run(self, vae: AutoEncoder, ema_state: dict[str, Tensor] | None, autocast) -> tuple[dict, dict]:
+        """({eval/<metric>, eval_ema/<metric>: value}, {eval, eval_ema: uint8 grid of inputs over reconstructions})."""
+        cfg, results, grids = self.cfg, {}, {}
+        models = [("eval", vae)]
+        if ema_state is not None:
+            if self.ema_model is None:
+                self.ema_model = AutoEncoder(vae.params).to(self.device, memory_format=self.memory_format)
+            self.ema_model.load_state_dict(ema_state)
+            models.append(("eval_ema", self.ema_model))
+        for prefix, model in models:
+            res = evaluate_model(
+                model, cfg.test_dataset_url, cfg.vae_resolution, batch_size=cfg.batch_size, device=self.device,
+                rank=self.rank, world_size=self.world_size, max_images=cfg.eval_max_images,
+                lpips_model=self.lpips, inception=self.inception, autocast=autocast,
+                channels_last=cfg.channels_last, grid_images=cfg.num_samples, max_pixels=cfg.max_image_pixels,
+                latent_diagnostics=True)
+            grids[prefix] = res.pop("grid")
+            results.update({f"{prefix}/{k}": v for k, v in res.items() if not k.endswith("_missing")})
+        return results, grids
+
+
 def _empty_latent_batch(vae: AutoEncoder, resolution: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Zero-image latent and image batches of the right shapes: adds nothing to any sum."""
     f, c = vae.downsample_factor, vae.params.z_channels
