@@ -150,6 +150,7 @@ def test_the_adversary_trains_and_checkpoints_on_its_own(objective, inputs):
     LeCam's anchors; a skipped step moves none of them; state_dict/load_state_dict round-trip under the
     checkpoint's keys, and a checkpoint of another critic kind is not loaded."""
     x, recon, _ = inputs
+    recon = recon.detach() * 0.5  # logits other than the earlier tests': LeCam's anchors would move
     adversary = objective.adversary
     adversary.prepare_training(config(), lambda params, lr: torch.optim.AdamW(params, lr=lr))
 
@@ -159,15 +160,15 @@ def test_the_adversary_trains_and_checkpoints_on_its_own(objective, inputs):
         optimizer.zero_grad(set_to_none=True)
 
     before = {k: v.clone() for k, v in adversary.critic.state_dict().items()}
-    anchor = adversary.lecam.ema_real.clone()
+    anchor = adversary.lecam.ema_fake.clone()
     adversary.backward(x, recon, sync=True, accum=1)
     adversary.step(torch.ones(()), step_optimizer)  # skipped: nothing moves but the schedule
     assert all(torch.equal(v, adversary.critic.state_dict()[k]) for k, v in before.items())
-    assert torch.equal(adversary.lecam.ema_real, anchor)
+    assert torch.equal(adversary.lecam.ema_fake, anchor)
     adversary.backward(x, recon, sync=True, accum=1)
     adversary.step(torch.zeros(()), step_optimizer)
     assert not all(torch.equal(v, adversary.critic.state_dict()[k]) for k, v in before.items())
-    assert not torch.equal(adversary.lecam.ema_real, anchor)
+    assert not torch.equal(adversary.lecam.ema_fake, anchor)
     state = adversary.state_dict()
     assert set(state) == {"discriminator", "optimizer_disc", "scheduler_disc", "scaler_disc", "lecam"}
     assert state["scheduler_disc"]["last_epoch"] == 2
@@ -195,14 +196,15 @@ def test_compose_logs_every_term_and_one_total_formula_for_every_balance(balance
                                                                                 gradnorm_factor=4.0)]
     terms[1].value = terms[1].value * last_layer.sum() / 3  # the GAN term also reaches the last layer
     backward, logs = compose(terms, balance, scale=torch.tensor(2.0), accum=2, last_layer=last_layer)
-    assert logs["loss/total"].item() == pytest.approx(2.0 * 14.0 + 0.25 * 0.5 + 0.1 * 3.0)
+    assert logs["loss/total"].item() == pytest.approx(2.0 * 6.0 + 0.25 * 0.5 + 0.1 * 3.0)
     assert set(logs) >= {"loss/part", "loss/gan_g", "loss/kl", "loss/total"} and "loss/pixel" not in logs
     if balance == "gradnorm":  # branches unweighted (GradNorm carries their weight), the KL weighted and scaled
-        expected = 2.0 * (14.0 + 0.5 + 0.1 * 3.0 * 4.0 / 2)
+        expected = 2.0 * (6.0 + 0.5 + 0.1 * 3.0 * 4.0 / 2)
     else:
         gan_weight = 0.25
-        if balance == "adaptive":  # ||d rec / d w|| / ||d gan / d w|| at the last layer
-            gan_weight = 0.25 * (2.0 * torch.tensor([1.0, 2.0, 3.0]).norm() / (0.5 / 3 * math.sqrt(3) + 1e-4))
+        if balance == "adaptive":  # ||d rec / d w|| / (||d gan / d w|| + 1e-4) at the last layer, both scaled
+            rec_grad_norm = 2.0 * 2.0 * torch.tensor([1.0, 2.0, 3.0]).norm()
+            gan_weight = 0.25 * rec_grad_norm / (2.0 * 0.5 / 3 * math.sqrt(3) + 1e-4)
             assert logs["loss/adaptive_weight"].item() == pytest.approx(float(gan_weight), rel=1e-5)
-        expected = 2.0 * (2.0 * 14.0 + gan_weight * 0.5 + 0.1 * 3.0) / 2
+        expected = 2.0 * (2.0 * 6.0 + gan_weight * 0.5 + 0.1 * 3.0) / 2
     assert backward.item() == pytest.approx(float(expected), rel=1e-5)
