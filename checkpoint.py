@@ -5,17 +5,21 @@ loading bare VAE weights. What a checkpoint holds is Trainer.checkpoint_state; t
 trainer, so evaluate.py, export.py and probe.py use it directly."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import shutil
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+from ae import AutoEncoder, AutoEncoderParams
 from common import ConfigError, DistInfo, atomic_write
 from config import ARCH_FIELDS
+from pretrained import DIFFUSERS_WEIGHTS, from_diffusers_state_dict
 
 # A run directory written with other values of config.ARCH_FIELDS (the ModelConfig fields marked `arch`) cannot
 # be resumed: the VAE's weights would not fit. The GAN settings are not among them: switching the critic on after
@@ -261,3 +265,84 @@ def remove_run_dir_if_unused(run_dir: str) -> None:
     remove the run directory it created, so that none is left holding only config.json."""
     if not checkpoint_files(os.path.join(run_dir, "checkpoints")):
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------- loading a trained VAE
+# Below both evaluate.py and export.py (which use it): a run directory, a checkpoint file, or an export.py folder.
+SAFETENSORS_WEIGHTS = "model.safetensors"  # export.py --format safetensors
+
+
+def load_diffusers_export(path: str) -> tuple[AutoEncoder, dict]:
+    """(AutoEncoder in eval mode, the diffusers config) from a folder written by `export.py --format diffusers`,
+    without diffusers itself. ValueError (one line) for another kind of AutoencoderKL."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    params, state = from_diffusers_state_dict(load_file(os.path.join(path, DIFFUSERS_WEIGHTS)), config)
+    vae = AutoEncoder(params)
+    vae.load_state_dict(state)
+    return vae.eval(), config
+
+
+def load_autoencoder(path: str) -> tuple[AutoEncoder, dict]:
+    """(AutoEncoder in eval mode, config dict with scaling_factor / shift_factor / resolution / step) from a
+    folder written by `export.py --format safetensors`."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    fields = {f.name for f in dataclasses.fields(AutoEncoderParams)}
+    vae = AutoEncoder(AutoEncoderParams.from_dict({k: v for k, v in config.items() if k in fields}))
+    vae.load_state_dict(load_file(os.path.join(path, SAFETENSORS_WEIGHTS)))
+    return vae.eval(), config
+
+
+def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
+    """(model on CPU in eval mode, info with `checkpoint`, `step`, `resolution`); ConfigError (one line)
+    for anything the user can get wrong."""
+    if not os.path.exists(ckpt):
+        raise ConfigError(f"--ckpt {ckpt}: no such file or directory")
+    exported = [name for name in (SAFETENSORS_WEIGHTS, DIFFUSERS_WEIGHTS) if os.path.isfile(os.path.join(ckpt, name))]
+    if os.path.isdir(ckpt) and exported:
+        if ema:
+            raise ConfigError(f"--ema: {ckpt} is an exported model, which holds one set of weights")
+        try:
+            if exported[0] == SAFETENSORS_WEIGHTS:
+                vae, config = load_autoencoder(ckpt)
+                return vae, {"checkpoint": ckpt, "step": config.get("step"), "resolution": config.get("resolution")}
+            vae, config = load_diffusers_export(ckpt)  # diffusers keeps no step; sample_size is the resolution
+            return vae, {"checkpoint": ckpt, "step": None, "resolution": config.get("sample_size")}
+        except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
+            reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            raise ConfigError(f"--ckpt {ckpt}: not a loadable export.py folder "
+                              f"({type(e).__name__}: {reason})") from None
+    if os.path.isdir(ckpt):
+        ckpt_dir = os.path.join(ckpt, "checkpoints") if os.path.isdir(os.path.join(ckpt, "checkpoints")) else ckpt
+        if not checkpoint_files(ckpt_dir):
+            raise ConfigError(f"--ckpt {ckpt}: no checkpoints (step_*.pt) in {ckpt_dir}, and not an export.py folder "
+                              f"({SAFETENSORS_WEIGHTS} or {DIFFUSERS_WEIGHTS})")
+        quiet = os.environ.get("RANK", "0") != "0"
+        found = load_latest_checkpoint(ckpt_dir, log=lambda m: quiet or print(m, file=sys.stderr))
+        if found is None:
+            raise ConfigError(f"--ckpt {ckpt}: no readable checkpoint in {ckpt_dir}")
+        path, state = found
+    else:
+        path = ckpt
+        try:
+            state = load_checkpoint(path)
+        except Exception as e:
+            raise ConfigError(f"--ckpt {path}: unreadable checkpoint ({type(e).__name__})") from None
+    if not isinstance(state, dict) or "model_params" not in state or "vae" not in state:
+        raise ConfigError(f"--ckpt {path}: not a trainer checkpoint (no model_params/vae)")
+    if ema and not state.get("ema"):
+        raise ConfigError(f"--ema: {path} holds no EMA weights (trained with --ema_decay 0?)")
+    try:
+        vae = AutoEncoder(AutoEncoderParams.from_dict(state["model_params"]))
+        vae.load_state_dict(state["ema"] if ema else state["vae"])
+    except (TypeError, ValueError, RuntimeError) as e:
+        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise ConfigError(f"--ckpt {path}: weights do not fit its model_params ({reason})") from None
+    config = state.get("config") or {}
+    # where a fine-tune started (pretrained.Source.describe()) and what it trained: export keeps the source's
+    # latent factors after a decoder-only fine-tune
+    return vae.eval(), {"checkpoint": path, "step": state.get("step"), "resolution": config.get("vae_resolution"),
+                        "init_source": state.get("init_source"), "train_parts": config.get("train_parts", "all")}

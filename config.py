@@ -79,7 +79,7 @@ class ModelConfig:
 class FinetuneConfig:
     """Starting from a released VAE, and which parts train."""
     GROUP: ClassVar[str] = "finetune"  # the --help group
-    TITLE: ClassVar[str] = "Fine-tuning a released VAE ([recipe](#fine-tune-an-existing-vae))"  # the README table's heading
+    TITLE: ClassVar[str] = "Fine-tuning a released VAE ([recipe](#fine-tune-an-existing-vae))"  # README heading
 
     init_from: str = opt("", "start from a released VAE: a diffusers AutoencoderKL folder, FLUX's ae.safetensors, an "
                              "SD VAE file or a full SD checkpoint (first_stage_model.*). The architecture (the --vae_* "
@@ -89,7 +89,8 @@ class FinetuneConfig:
                            pretrained.FAMILY_CHOICES)
     train_parts: str = opt("all", "all: train the whole VAE; decoder: freeze the encoder, quant_conv and the "
                                   "posterior (no_grad, eval mode, not in the optimizer, EMA or DDP), train the "
-                                  "decoder: the latent space stays the source's, so export keeps its latent factors", ("all", "decoder"))
+                                  "decoder: the latent space stays the source's, so export keeps its latent factors",
+                           ("all", "decoder"))
 
 
 @dataclass
@@ -99,7 +100,8 @@ class LossConfig:
     TITLE: ClassVar[str] = "Losses"  # the README table's heading
 
     loss_balance: str = opt("gradnorm", "gradnorm: each branch's gradient on the reconstruction is normalised to "
-                                        "its weight; adaptive: LDM's adaptive GAN weight; none: plain weighted sum", ("gradnorm", "adaptive", "none"))
+                                        "its weight; adaptive: LDM's adaptive GAN weight; none: plain weighted sum",
+                            ("gradnorm", "adaptive", "none"))
     perceptual_weight: float = opt(1.0, "LPIPS branch weight")
     mse_weight: float = opt(1.0, "pixel (pooled + low-pass MSE) branch weight")
     pooled_mse_weight: float = opt(1.0, "pooled MSE inside the pixel branch")
@@ -120,7 +122,8 @@ class CriticConfig:
     TITLE: ClassVar[str] = "Discriminator (GAN)"  # the README table's heading
 
     do_ganloss: bool = opt(False, "train with the discriminator")
-    discriminator: str = opt("vgg16", "vgg16: VGG16 feature slices with conv heads; patchgan: N-layer PatchGAN", ("vgg16", "patchgan"))
+    discriminator: str = opt("vgg16", "vgg16: VGG16 feature slices with conv heads; patchgan: N-layer PatchGAN",
+                             ("vgg16", "patchgan"))
     disc_type: str = opt("hinge", "discriminator loss", DISC_TYPES)
     disc_norm: str = opt("group_spectral", "PatchGAN normalisation", DISC_NORMS)
     gen_loss: str = opt("thresholded", "generator loss: thresholded = relu(D(x) - D(x_hat) - margin) (reference); "
@@ -168,7 +171,8 @@ class SpeedConfig:
     GROUP: ClassVar[str] = "speed"  # the --help group
     TITLE: ClassVar[str] = "Precision and speed"  # the README table's heading
 
-    precision: str = opt("fp32", "fp32 (recommended for VAEs), or bf16/fp16 autocast with fp32 islands", ("fp32", "bf16", "fp16"))
+    precision: str = opt("fp32", "fp32 (recommended for VAEs), or bf16/fp16 autocast with fp32 islands",
+                         ("fp32", "bf16", "fp16"))
     allow_tf32: bool = opt(False, "allow TF32 matmuls/convolutions on Ampere+ GPUs")
     grad_checkpointing: str = opt("none", "recompute activations in backward, one block at a time: decoder_hr (the "
                                           "decoder's two highest-resolution levels), hr (those of the encoder too), "

@@ -32,8 +32,8 @@ from torch import Tensor, nn
 
 import data as data_lib
 import latents as latents_lib
-from ae import AutoEncoder, AutoEncoderParams
-from checkpoint import checkpoint_files, load_checkpoint, load_latest_checkpoint
+from ae import AutoEncoder
+from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
 from common import ConfigError, OneLineParser, init_distributed
 from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, fetch_weights,
                    hub_cache_path, load_vgg16_features, warn_random_vgg, warn_random_weights)
@@ -500,62 +500,6 @@ def reconstruct_folder(vae: AutoEncoder, src: str, dst: str, device: torch.devic
         Image.fromarray(out).save(target)
         done += 1
     return done
-
-
-# ============================================================================================
-# Loading a model: run directory, checkpoint file, or an export.py folder (diffusers or safetensors)
-# ============================================================================================
-def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
-    """(model on CPU in eval mode, info with `checkpoint`, `step`, `resolution`); ConfigError (one line)
-    for anything the user can get wrong."""
-    if not os.path.exists(ckpt):
-        raise ConfigError(f"--ckpt {ckpt}: no such file or directory")
-    from export import DIFFUSERS_WEIGHTS, SAFETENSORS_WEIGHTS, load_autoencoder, load_diffusers_export
-    exported = [name for name in (SAFETENSORS_WEIGHTS, DIFFUSERS_WEIGHTS) if os.path.isfile(os.path.join(ckpt, name))]
-    if os.path.isdir(ckpt) and exported:
-        if ema:
-            raise ConfigError(f"--ema: {ckpt} is an exported model, which holds one set of weights")
-        try:
-            if exported[0] == SAFETENSORS_WEIGHTS:
-                vae, config = load_autoencoder(ckpt)
-                return vae, {"checkpoint": ckpt, "step": config.get("step"), "resolution": config.get("resolution")}
-            vae, config = load_diffusers_export(ckpt)  # diffusers keeps no step; sample_size is the resolution
-            return vae, {"checkpoint": ckpt, "step": None, "resolution": config.get("sample_size")}
-        except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
-            reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-            raise ConfigError(f"--ckpt {ckpt}: not a loadable export.py folder "
-                              f"({type(e).__name__}: {reason})") from None
-    if os.path.isdir(ckpt):
-        ckpt_dir = os.path.join(ckpt, "checkpoints") if os.path.isdir(os.path.join(ckpt, "checkpoints")) else ckpt
-        if not checkpoint_files(ckpt_dir):
-            raise ConfigError(f"--ckpt {ckpt}: no checkpoints (step_*.pt) in {ckpt_dir}, and not an export.py folder "
-                              f"({SAFETENSORS_WEIGHTS} or {DIFFUSERS_WEIGHTS})")
-        quiet = os.environ.get("RANK", "0") != "0"
-        found = load_latest_checkpoint(ckpt_dir, log=lambda m: quiet or print(m, file=sys.stderr))
-        if found is None:
-            raise ConfigError(f"--ckpt {ckpt}: no readable checkpoint in {ckpt_dir}")
-        path, state = found
-    else:
-        path = ckpt
-        try:
-            state = load_checkpoint(path)
-        except Exception as e:
-            raise ConfigError(f"--ckpt {path}: unreadable checkpoint ({type(e).__name__})") from None
-    if not isinstance(state, dict) or "model_params" not in state or "vae" not in state:
-        raise ConfigError(f"--ckpt {path}: not a trainer checkpoint (no model_params/vae)")
-    if ema and not state.get("ema"):
-        raise ConfigError(f"--ema: {path} holds no EMA weights (trained with --ema_decay 0?)")
-    try:
-        vae = AutoEncoder(AutoEncoderParams.from_dict(state["model_params"]))
-        vae.load_state_dict(state["ema"] if ema else state["vae"])
-    except (TypeError, ValueError, RuntimeError) as e:
-        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-        raise ConfigError(f"--ckpt {path}: weights do not fit its model_params ({reason})") from None
-    config = state.get("config") or {}
-    # where a fine-tune started (pretrained.Source.describe()) and what it trained: export keeps the source's
-    # latent factors after a decoder-only fine-tune
-    return vae.eval(), {"checkpoint": path, "step": state.get("step"), "resolution": config.get("vae_resolution"),
-                        "init_source": state.get("init_source"), "train_parts": config.get("train_parts", "all")}
 
 
 # ============================================================================================

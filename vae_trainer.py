@@ -125,6 +125,27 @@ class StopFlag:
         return bool(flag.item())
 
 
+def build_vae(cfg: Config, device: torch.device, memory_format, init_weights: bool,
+              source: pretrained.Source | None = None, log=print) -> tuple[AutoEncoder, dict | None]:
+    """The autoencoder on the device, with --load_path's or --init_from's weights when `init_weights` (not
+    resuming); and the description of the --init_from source it was initialised from (None otherwise)."""
+    vae, described = AutoEncoder(model_params(cfg)), None
+    if cfg.load_path and init_weights:
+        checkpoint.load_vae_weights_into(vae, cfg.load_path)
+        log(f"initialised VAE weights from {cfg.load_path}")
+    if cfg.init_from and init_weights:
+        if source is None:
+            source = read_init_source(cfg)
+        vae.load_state_dict(source.state)
+        described = source.describe()
+        for note in source.notes:
+            log(f"note: {note}")
+        family = f", {source.family}" if source.family else ""
+        log(f"initialised the VAE from {cfg.init_from} ({source.layout}{family})")
+    vae.set_grad_checkpointing(cfg.grad_checkpointing)
+    return vae.to(device, memory_format=memory_format), described
+
+
 class VAETraining:
     """The VAE and everything that trains it: the module DDP wraps (the VAE, or its decoder behind a frozen
     encoder: --train_parts decoder), AdamW, the schedule, the (fp16) GradScaler and the EMA. A checkpoint entry
@@ -272,7 +293,8 @@ class Trainer:
         # --init_from: what the run started from (path, layout, family, latent factors), in config.json and every
         # checkpoint; export keeps its factors after a decoder-only fine-tune
         self.init_source = resume[1].get("init_source") if resume is not None else None
-        self.vae = self.build_vae(init_weights=resume is None, source=source)
+        self.vae, source_described = build_vae(cfg, self.device, self.memory_format, resume is None, source, self.log)
+        self.init_source = source_described or self.init_source
         self.objective = self.build_objective()
         self.adversary = self.objective.adversary  # the critic's owner; None without --do_ganloss
         self.validator = (evaluate_lib.Validator(cfg, self.lpips, self.device, info.rank, info.world_size,
@@ -314,25 +336,6 @@ class Trainer:
         self.report = run_log.Reporter(cfg, info, self.run_dir, wandb_run)
 
     # ----------------------------------------------------------------------------- building the parts
-    def build_vae(self, init_weights: bool, source: pretrained.Source | None = None) -> AutoEncoder:
-        """The autoencoder on the device; --load_path's or --init_from's weights when not resuming."""
-        cfg = self.cfg
-        vae = AutoEncoder(model_params(cfg))
-        if cfg.load_path and init_weights:
-            checkpoint.load_vae_weights_into(vae, cfg.load_path)
-            self.log(f"initialised VAE weights from {cfg.load_path}")
-        if cfg.init_from and init_weights:
-            if source is None:
-                source = read_init_source(cfg)
-            vae.load_state_dict(source.state)
-            self.init_source = source.describe()
-            for note in source.notes:
-                self.log(f"note: {note}")
-            self.log(f"initialised the VAE from {cfg.init_from} ({source.layout}"
-                     f"{', ' + source.family if source.family else ''})")
-        vae.set_grad_checkpointing(self.cfg.grad_checkpointing)
-        return vae.to(self.device, memory_format=self.memory_format)
-
     def build_objective(self) -> VAEObjective:
         """LPIPS, the pixel losses and the adversary (critic, LeCam). A random VGG16 that no loss trains on (the
         demo without pretrained weights) is not built at all: its LPIPS would only add a meaningless number to
