@@ -252,7 +252,7 @@ def test_demo_runs_from_nothing(tmp_path):
 def test_demo_without_vgg16_weights_trains_no_random_feature_branch(tmp_path, monkeypatch):
     """The demo's config: without cached VGG16 weights, LPIPS and the VGG16 critic (both would train on random
     features) are off; with them, the full recipe stays. An explicit --vgg16_weights random is the user's choice."""
-    monkeypatch.setattr(vae_trainer, "vgg16_cache_path", lambda: str(tmp_path / "absent" / "vgg16.pth"))
+    monkeypatch.setattr(config, "vgg16_cache_path", lambda: str(tmp_path / "absent" / "vgg16.pth"))
     demo = vae_trainer.parse_config(["--demo", "--output_dir", str(tmp_path)])
     assert demo.perceptual_weight > 0 and demo.do_ganloss and demo.discriminator == "vgg16"  # the full recipe
     offline = vae_trainer.prepare_demo(demo)
@@ -264,7 +264,7 @@ def test_demo_without_vgg16_weights_trains_no_random_feature_branch(tmp_path, mo
     cached = tmp_path / "hub" / "vgg16.pth"
     cached.parent.mkdir()
     cached.write_bytes(b"weights")
-    monkeypatch.setattr(vae_trainer, "vgg16_cache_path", lambda: str(cached))
+    monkeypatch.setattr(config, "vgg16_cache_path", lambda: str(cached))
     online = vae_trainer.prepare_demo(demo)
     assert (online.vgg16_weights, online.perceptual_weight, online.do_ganloss) == (
         "torchvision", demo.perceptual_weight, True)
