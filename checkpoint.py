@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ae import AutoEncoder, AutoEncoderParams
 from common import ConfigError, DistInfo, atomic_write
-from config import ARCH_FIELDS
+from config import ARCH_FIELDS, ModelConfig, section
 from pretrained import DIFFUSERS_WEIGHTS, from_diffusers_state_dict
 
 # A run directory written with other values of config.ARCH_FIELDS (the ModelConfig fields marked `arch`) cannot
@@ -110,12 +110,13 @@ def restore_scaler(scaler, state: dict | None) -> None:
 
 
 # ------------------------------------------------------------------------------------- which checkpoint to resume
-def check_compatible(cfg, saved: dict, where: str) -> bool:
-    """False (with --force) or ConfigError if `saved` (a config dict) describes another VAE architecture."""
+def check_compatible(model: ModelConfig, force: bool, saved: dict, where: str) -> bool:
+    """False (with --force) or ConfigError if `saved` (a config dict) describes another VAE architecture than
+    `model`'s (its fields marked `arch`)."""
     saved = {**LEGACY_ARCH, **saved}
-    diff = [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in ARCH_FIELDS
-            if k in saved and saved[k] != getattr(cfg, k)]
-    if diff and not cfg.force:
+    diff = [f"{k}: {saved.get(k)!r} -> {getattr(model, k)!r}" for k in ARCH_FIELDS
+            if k in saved and saved[k] != getattr(model, k)]
+    if diff and not force:
         raise ConfigError(f"{where} was written with a different architecture ({'; '.join(diff)}): use "
                           "another --run_name, or --force to start this one from scratch")
     return not diff
@@ -133,7 +134,7 @@ def decide_resume(cfg, run_dir: str, log=print) -> tuple[tuple[str, dict] | None
                 saved = json.load(f)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{config_path} is unreadable ({type(e).__name__}): fix or remove it") from None
-        if not check_compatible(cfg, saved, config_path) and existing:
+        if not check_compatible(section(cfg, ModelConfig), cfg.force, saved, config_path) and existing:
             set_aside, existing = True, []
     if cfg.resume == "never":
         if existing:
@@ -150,7 +151,7 @@ def decide_resume(cfg, run_dir: str, log=print) -> tuple[tuple[str, dict] | None
         except Exception as e:
             raise ConfigError(f"--resume {cfg.resume}: unreadable checkpoint ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
-    if found is not None and not check_compatible(cfg, found[1]["config"], found[0]):
+    if found is not None and not check_compatible(section(cfg, ModelConfig), cfg.force, found[1]["config"], found[0]):
         # --force with a checkpoint of another architecture: start from scratch (keeping the run's own aside)
         return None, set_aside or cfg.resume == "auto"
     return found, set_aside

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ae import kl_divergence
-from config import Config, CriticConfig, LossConfig, resolve_auto
+from config import Config, LossConfig, resolve_auto
 from objective import Term, VAEObjective, compose
 from utils import discriminator_loss, generator_active_fraction, generator_loss, pooled_mse
 
