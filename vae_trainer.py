@@ -285,7 +285,7 @@ class Trainer:
 
         # (path, checkpoint) or None; refuses incompatible run dirs. Nothing is written to the run directory
         # before every check that can refuse the run has passed (checkpoint.start_run_dir, below).
-        resume, self._set_aside = checkpoint.find_resume(cfg, info, self.run_dir, self.log)
+        resume, set_aside = checkpoint.find_resume(cfg, info, self.run_dir, self.log)
 
         # networks: built from the same seed on every rank (DDP also broadcasts rank 0's weights), in this
         # order (random initialisations draw from the global RNG)
@@ -328,12 +328,12 @@ class Trainer:
             noise_prob=cfg.latent_noise_prob, noise_max=cfg.latent_noise_max,
             downsample_factor=self.vae.downsample_factor)
         self.metrics = Metrics()
+        self.report = run_log.Reporter(cfg, info, self.run_dir)  # reads the grids' images: a bad set refuses here
         if info.is_main:
             config = {**public_config(cfg), **({"init_source": self.init_source} if self.init_source else {})}
-            self.created_run_dir = checkpoint.start_run_dir(self.run_dir, config, self._set_aside, self.log)
-        wandb_run = (run_log.init_wandb(cfg.wandb_mode, cfg.project_name, cfg.run_name, self.run_dir,
-                                        public_config(cfg), self.log) if info.is_main else None)
-        self.report = run_log.Reporter(cfg, info, self.run_dir, wandb_run)
+            self.created_run_dir = checkpoint.start_run_dir(self.run_dir, config, set_aside, self.log)
+            self.report.wandb = run_log.init_wandb(cfg.wandb_mode, cfg.project_name, cfg.run_name, self.run_dir,
+                                                   public_config(cfg), self.log)
 
     # ----------------------------------------------------------------------------- building the parts
     def build_objective(self) -> VAEObjective:
