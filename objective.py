@@ -98,8 +98,8 @@ def compose(terms: list[Term], balance: str, scale: Tensor, accum: int, last_lay
 # ------------------------------------------------------------------------------------------ the VAE's objective
 class VAEObjective(nn.Module):
     """LPIPS + pooled MSE + low-pass MSE (each a GradNorm branch by default), the latent penalty, and the generator
-    term against the adversary's critic. Takes its config sections (LossConfig; CriticConfig for the generator
-    term) from `cfg`.
+    term against the adversary's critic. Reads its config sections (LossConfig; CriticConfig for the generator
+    term) from `cfg` at every call, so a changed weight takes effect at once.
 
     lpips: built when `with_lpips` (a random VGG16 that no loss uses is not built at all). `vgg_features`: VGG16
     `features` weights (None: random, tests only). `adversary`: the critic's owner (None: no GAN term); without
@@ -109,18 +109,25 @@ class VAEObjective(nn.Module):
                  device: torch.device | str = "cpu", memory_format=torch.contiguous_format,
                  adversary: Adversary | None = None):
         super().__init__()
-        self.loss_cfg: LossConfig = section(cfg, LossConfig)
-        self.gan_cfg: CriticConfig = section(cfg, CriticConfig)
+        self.cfg = cfg  # read through its sections at every call: a changed weight takes effect at once
         self.device = torch.device(device)
         self.memory_format = memory_format
         self.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
         # built in this order: with random weights the construction draws from the global RNG
         self.lpips = build_lpips(vgg_features).to(device, memory_format=memory_format) if with_lpips else None
-        self.lowpass_mse = LowpassMSE(self.loss_cfg.lowpass_threshold).to(device)  # its filters live on the device
+        self.lowpass_mse = LowpassMSE(cfg.lowpass_threshold).to(device)  # its filters live on the device
         if adversary is None and cfg.do_ganloss:
             adversary = Adversary(self.gan_cfg, build_critic(self.gan_cfg, vgg_features), cfg.precision,
                                   device=self.device, memory_format=memory_format)
         self.adversary = adversary
+
+    @property
+    def loss_cfg(self) -> LossConfig:
+        return section(self.cfg, LossConfig)
+
+    @property
+    def gan_cfg(self) -> CriticConfig:
+        return section(self.cfg, CriticConfig)
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
@@ -174,7 +181,8 @@ class VAEObjective(nn.Module):
             # gives each active patch the push it gets when all are active (patch gradients are near-orthogonal).
             # Measured on the critic's pass over the detached reconstructions: the same critic, the same images.
             active = generator_active_fraction(real_logits, critic_fake_logits, gan.gen_loss, gan.gan_margin)
-            fake_logits = self.adversary.generator_logits(branch(gan.gan_weight * active.sqrt()))
+            with self.autocast():  # the objective's precision, like every loss network's pass here
+                fake_logits = self.adversary.generator_logits(branch(gan.gan_weight * active.sqrt()))
             g_loss = generator_loss(fake_logits, real_logits, gan.gen_loss, gan.gan_margin)
             terms.append(Term("gan_g", g_loss, gan.gan_weight, balanced=True, adversarial=True,
                               logs={"gan/active_fraction": active}))
@@ -254,9 +262,9 @@ class Adversary:
         return d_loss, real_logits, fake_logits, logs
 
     def generator_logits(self, fake: Tensor) -> Tensor:
-        """The critic's logits on reconstructions that keep their graph (the generator's term), in fp32."""
-        with self.autocast():
-            return self.critic(fake.contiguous(memory_format=self.memory_format)).float()
+        """The critic's logits on reconstructions that keep their graph (the generator's term), in fp32; under the
+        caller's autocast (the objective's)."""
+        return self.critic(fake.contiguous(memory_format=self.memory_format)).float()
 
     @contextlib.contextmanager
     def frozen(self):

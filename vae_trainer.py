@@ -358,14 +358,14 @@ class Trainer:
         # fused AdamW reads `found_inf` on the device: a rejected step is skipped without a host sync
         return torch.optim.AdamW(params, fused=True, **kwargs)
 
-    # the parts under the names callers (bench.py, tests) reach them by
+    # the parts under the names callers (bench.py, tests) reach them by; settable, as attributes were
     disc = property(lambda self: self.adversary.critic if self.adversary is not None else None)
     lpips = property(lambda self: self.objective.lpips)
     ema = property(lambda self: self.training.ema)
-    opt_vae = property(lambda self: self.training.optimizer)
-    scaler_vae = property(lambda self: self.training.scaler)
-    opt_disc = property(lambda self: self.adversary.optimizer if self.adversary is not None else None)
-    scaler_disc = property(lambda self: self.adversary.scaler if self.adversary is not None else None)
+    opt_vae = property(lambda self: self.training.optimizer, lambda self, v: setattr(self.training, "optimizer", v))
+    scaler_vae = property(lambda self: self.training.scaler, lambda self, v: setattr(self.training, "scaler", v))
+    opt_disc = property(lambda self: self.adversary.optimizer, lambda self, v: setattr(self.adversary, "optimizer", v))
+    scaler_disc = property(lambda self: self.adversary.scaler, lambda self, v: setattr(self.adversary, "scaler", v))
 
     def log(self, msg: str) -> None:
         if self.info.is_main:
@@ -469,7 +469,7 @@ class Trainer:
                 x, recon = target, recon.float()  # every loss reduces in fp32
                 real_logits = fake_logits = None
                 if adversary is not None:  # the critic learns real vs detached fakes, every step
-                    d_loss, real_logits, fake_logits, d_logs = adversary.backward(x, recon, sync, accum)
+                    d_loss, real_logits, fake_logits, d_logs = self.critic_backward(x, recon, sync, accum)
                     self.metrics.add(**{k: v / accum for k, v in d_logs.items()})
                     step_loss = step_loss + d_loss.detach()
                 with self.objective.critic_frozen():
@@ -487,6 +487,12 @@ class Trainer:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
 
+    # the two steps of train_step a test or a variant may wrap (instance attributes win over these)
+    guarded_step = staticmethod(NonFiniteGuard.step_optimizer)
+
+    def critic_backward(self, x, recon, sync: bool, accum: int):
+        return self.adversary.backward(x, recon, sync, accum)
+
     def optimizer_steps(self, step_loss: torch.Tensor) -> None:
         """Guarded optimizer steps: a non-finite loss or gradient on any rank skips the step on every rank
         (device flags, no host sync); EMA and LeCam's anchors move only with a step taken."""
@@ -499,9 +505,9 @@ class Trainer:
         flags = torch.stack([bad_vae, bad_disc]).float()
         if self.info.distributed:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        training.step(flags[0], self.step, guard.step_optimizer)
+        training.step(flags[0], self.step, self.guarded_step)
         if adversary is not None:
-            adversary.step(flags[1], guard.step_optimizer)
+            adversary.step(flags[1], self.guarded_step)
             self.metrics.add(**{"guard/skipped_disc": flags[1]})
         guard.record(flags.amax())
         self.metrics.add(**{"guard/skipped_vae": flags[0]})

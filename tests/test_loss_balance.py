@@ -119,7 +119,7 @@ def test_thresholded_gan_push_per_active_patch_does_not_grow_as_patches_drop_out
     branch's norm at gan_weight, so the last active patch got all of it (1.0)."""
     torch.manual_seed(0)
     critic = torch.nn.Conv2d(3, 1, kernel_size=8, stride=8, bias=False)
-    monkeypatch.setattr(trainer.objective, "critic", critic)
+    monkeypatch.setattr(trainer.adversary, "critic", critic)  # the critic's owner
     recon_values = torch.rand(1, 3, 64, 64) * 2 - 1
     for k in (64, 16, 4, 1):
         active = torch.zeros(64, dtype=torch.bool)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ae import kl_divergence
-from config import Config, LossConfig, resolve_auto
+from config import Config, resolve_auto
 from objective import Term, VAEObjective, compose
 from utils import discriminator_loss, generator_active_fraction, generator_loss, pooled_mse
 
@@ -28,15 +28,13 @@ def config(**changes):
 
 @contextlib.contextmanager
 def configured(objective, **changes):
-    """The objective with some of its sections' values changed, for the duration of the block."""
-    saved = objective.loss_cfg, objective.gan_cfg
-    names = {f.name for f in dataclasses.fields(LossConfig)}
-    objective.loss_cfg = dataclasses.replace(saved[0], **{k: v for k, v in changes.items() if k in names})
-    objective.gan_cfg = dataclasses.replace(saved[1], **{k: v for k, v in changes.items() if k not in names})
+    """The objective with some config values changed (it reads them at every call) for the block."""
+    saved = objective.cfg
+    objective.cfg = dataclasses.replace(saved, **changes)
     try:
         yield objective
     finally:
-        objective.loss_cfg, objective.gan_cfg = saved
+        objective.cfg = saved
 
 
 @pytest.fixture(scope="module")
