@@ -5,19 +5,25 @@ loading bare VAE weights. What a checkpoint holds is Trainer.checkpoint_state; t
 trainer, so evaluate.py, export.py and probe.py use it directly."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import shutil
+import sys
+import time
 
 import torch
 import torch.distributed as dist
 
+from ae import AutoEncoder, AutoEncoderParams
 from common import ConfigError, DistInfo, atomic_write
+from config import ARCH_FIELDS, ModelConfig, section
+from pretrained import DIFFUSERS_WEIGHTS, from_diffusers_state_dict
 
-# A run directory written with other values of these cannot be resumed (the VAE's weights would not fit).
-# The GAN settings are not among them: switching the critic on after a reconstruction-only warm-up is normal.
-ARCH_FIELDS = ("vae_ch", "vae_ch_mult", "vae_num_res_blocks", "vae_z_channels", "vae_norm_groups", "do_attn",
-               "posterior", "vae_quant_conv")
+# A run directory written with other values of config.ARCH_FIELDS (the ModelConfig fields marked `arch`) cannot
+# be resumed: the VAE's weights would not fit. The GAN settings are not among them: switching the critic on after
+# a reconstruction-only warm-up is normal.
 # What runs written before a field existed used (config.json without it): 32 groups before --vae_norm_groups,
 # no quant convs before --vae_quant_conv.
 LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False}
@@ -104,12 +110,13 @@ def restore_scaler(scaler, state: dict | None) -> None:
 
 
 # ------------------------------------------------------------------------------------- which checkpoint to resume
-def check_compatible(cfg, saved: dict, where: str) -> bool:
-    """False (with --force) or ConfigError if `saved` (a config dict) describes another VAE architecture."""
+def check_compatible(model: ModelConfig, force: bool, saved: dict, where: str) -> bool:
+    """False (with --force) or ConfigError if `saved` (a config dict) describes another VAE architecture than
+    `model`'s (its fields marked `arch`)."""
     saved = {**LEGACY_ARCH, **saved}
-    diff = [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in ARCH_FIELDS
-            if k in saved and saved[k] != getattr(cfg, k)]
-    if diff and not cfg.force:
+    diff = [f"{k}: {saved.get(k)!r} -> {getattr(model, k)!r}" for k in ARCH_FIELDS
+            if k in saved and saved[k] != getattr(model, k)]
+    if diff and not force:
         raise ConfigError(f"{where} was written with a different architecture ({'; '.join(diff)}): use "
                           "another --run_name, or --force to start this one from scratch")
     return not diff
@@ -127,7 +134,7 @@ def decide_resume(cfg, run_dir: str, log=print) -> tuple[tuple[str, dict] | None
                 saved = json.load(f)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{config_path} is unreadable ({type(e).__name__}): fix or remove it") from None
-        if not check_compatible(cfg, saved, config_path) and existing:
+        if not check_compatible(section(cfg, ModelConfig), cfg.force, saved, config_path) and existing:
             set_aside, existing = True, []
     if cfg.resume == "never":
         if existing:
@@ -144,7 +151,7 @@ def decide_resume(cfg, run_dir: str, log=print) -> tuple[tuple[str, dict] | None
         except Exception as e:
             raise ConfigError(f"--resume {cfg.resume}: unreadable checkpoint ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
-    if found is not None and not check_compatible(cfg, found[1]["config"], found[0]):
+    if found is not None and not check_compatible(section(cfg, ModelConfig), cfg.force, found[1]["config"], found[0]):
         # --force with a checkpoint of another architecture: start from scratch (keeping the run's own aside)
         return None, set_aside or cfg.resume == "auto"
     return found, set_aside
@@ -178,3 +185,165 @@ def find_resume(cfg, info: DistInfo, run_dir: str, log=print) -> tuple[tuple[str
             raise ConfigError(f"rank {info.rank} cannot read {decision['path']} ({type(e).__name__}), "
                               "which rank 0 resumes from: is the run directory on a shared file system?") from None
     return found, decision["set_aside"]
+
+
+# ------------------------------------------------------------------------------------- what a checkpoint holds
+class Registry:
+    """Every stateful piece of a run, each saved and restored by its owner (torchtitan's CheckpointManager and
+    Stateful in spirit): an entry has state_dict() -> {top-level key: value} and load_state_dict(ckpt, ...),
+    which reads its own keys and applies its own compatibility rules (the VAE refuses another --train_parts,
+    the critic starts afresh when of another kind, a scaler saved disabled is not loaded). The file's keys are
+    the entries' keys together: those of format_version 1, so checkpoints of earlier code load."""
+
+    def __init__(self, **entries):
+        self.entries = entries
+
+    def state_dict(self) -> dict:
+        state = {}
+        for entry in self.entries.values():
+            state.update(entry.state_dict())
+        return state
+
+    def load_state_dict(self, path: str, ckpt: dict, log=print) -> dict:
+        """Restore every entry from `ckpt` (read from `path`); returns {entry name: what its load returned}."""
+        loaded = {}
+        for name, entry in self.entries.items():
+            loaded[name] = entry.load_state_dict(ckpt, path=path, log=log)
+        return loaded
+
+
+class _AbsentAdversary:
+    """The critic's entry of a run without --do_ganloss: the keys it writes as empty (format_version 1)."""
+
+    @staticmethod
+    def state_dict() -> dict:
+        return {"discriminator": None, "optimizer_disc": None, "scheduler_disc": None, "scaler_disc": {},
+                "lecam": None}
+
+    @staticmethod
+    def load_state_dict(ckpt: dict, **_) -> None:
+        return None
+
+
+ABSENT_ADVERSARY = _AbsentAdversary()
+
+
+@torch.no_grad()
+def ranks_in_sync(model: torch.nn.Module, info: DistInfo) -> bool:
+    """DDP keeps replicas equal by construction; verify it at each save. The fingerprint of each tensor
+    is its float64 dot product with a fixed random vector: any differing element changes it."""
+    if not info.distributed:
+        return True
+    gen = torch.Generator(device=info.device).manual_seed(12345)
+    sums = torch.stack([torch.dot(t.detach().double().flatten(),
+                                  torch.randn(t.numel(), generator=gen, device=info.device, dtype=torch.float64))
+                        for t in model.state_dict().values()])
+    gathered = [torch.empty_like(sums) for _ in range(info.world_size)]
+    dist.all_gather(gathered, sums)
+    return all(torch.equal(gathered[0], g) for g in gathered[1:])
+
+
+# ------------------------------------------------------------------------------------- the run directory
+def start_run_dir(run_dir: str, config: dict, set_aside: bool, log=print) -> bool:
+    """Rank 0, once every check that can refuse the run has passed (flags, weights, --load_path, data): set
+    incompatible checkpoints aside (--force), create the directories, write config.json. Returns whether this
+    run created the directory (a run that fails to start then removes it: remove_run_dir_if_unused)."""
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if set_aside:
+        aside = f"{ckpt_dir}.incompatible-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.rename(ckpt_dir, aside)
+        log(f"warning: --force: the checkpoints of the other architecture were moved to {aside}; "
+            "training starts from scratch")
+    created = not os.path.exists(run_dir)
+    os.makedirs(ckpt_dir, exist_ok=True)
+    os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
+    atomic_write(os.path.join(run_dir, "config.json"), lambda f: f.write(json.dumps(config, indent=2).encode()))
+    return created
+
+
+def remove_run_dir_if_unused(run_dir: str) -> None:
+    """After a user error that stopped a run before its first checkpoint (data with no decodable image, ...),
+    remove the run directory it created, so that none is left holding only config.json."""
+    if not checkpoint_files(os.path.join(run_dir, "checkpoints")):
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------- loading a trained VAE
+# Below both evaluate.py and export.py (which use it): a run directory, a checkpoint file, or an export.py folder.
+SAFETENSORS_WEIGHTS = "model.safetensors"  # export.py --format safetensors
+
+
+def load_diffusers_export(path: str) -> tuple[AutoEncoder, dict]:
+    """(AutoEncoder in eval mode, the diffusers config) from a folder written by `export.py --format diffusers`,
+    without diffusers itself. ValueError (one line) for another kind of AutoencoderKL."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    params, state = from_diffusers_state_dict(load_file(os.path.join(path, DIFFUSERS_WEIGHTS)), config)
+    vae = AutoEncoder(params)
+    vae.load_state_dict(state)
+    return vae.eval(), config
+
+
+def load_autoencoder(path: str) -> tuple[AutoEncoder, dict]:
+    """(AutoEncoder in eval mode, config dict with scaling_factor / shift_factor / resolution / step) from a
+    folder written by `export.py --format safetensors`."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    fields = {f.name for f in dataclasses.fields(AutoEncoderParams)}
+    vae = AutoEncoder(AutoEncoderParams.from_dict({k: v for k, v in config.items() if k in fields}))
+    vae.load_state_dict(load_file(os.path.join(path, SAFETENSORS_WEIGHTS)))
+    return vae.eval(), config
+
+
+def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
+    """(model on CPU in eval mode, info with `checkpoint`, `step`, `resolution`); ConfigError (one line)
+    for anything the user can get wrong."""
+    if not os.path.exists(ckpt):
+        raise ConfigError(f"--ckpt {ckpt}: no such file or directory")
+    exported = [name for name in (SAFETENSORS_WEIGHTS, DIFFUSERS_WEIGHTS) if os.path.isfile(os.path.join(ckpt, name))]
+    if os.path.isdir(ckpt) and exported:
+        if ema:
+            raise ConfigError(f"--ema: {ckpt} is an exported model, which holds one set of weights")
+        try:
+            if exported[0] == SAFETENSORS_WEIGHTS:
+                vae, config = load_autoencoder(ckpt)
+                return vae, {"checkpoint": ckpt, "step": config.get("step"), "resolution": config.get("resolution")}
+            vae, config = load_diffusers_export(ckpt)  # diffusers keeps no step; sample_size is the resolution
+            return vae, {"checkpoint": ckpt, "step": None, "resolution": config.get("sample_size")}
+        except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
+            reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            raise ConfigError(f"--ckpt {ckpt}: not a loadable export.py folder "
+                              f"({type(e).__name__}: {reason})") from None
+    if os.path.isdir(ckpt):
+        ckpt_dir = os.path.join(ckpt, "checkpoints") if os.path.isdir(os.path.join(ckpt, "checkpoints")) else ckpt
+        if not checkpoint_files(ckpt_dir):
+            raise ConfigError(f"--ckpt {ckpt}: no checkpoints (step_*.pt) in {ckpt_dir}, and not an export.py folder "
+                              f"({SAFETENSORS_WEIGHTS} or {DIFFUSERS_WEIGHTS})")
+        quiet = os.environ.get("RANK", "0") != "0"
+        found = load_latest_checkpoint(ckpt_dir, log=lambda m: quiet or print(m, file=sys.stderr))
+        if found is None:
+            raise ConfigError(f"--ckpt {ckpt}: no readable checkpoint in {ckpt_dir}")
+        path, state = found
+    else:
+        path = ckpt
+        try:
+            state = load_checkpoint(path)
+        except Exception as e:
+            raise ConfigError(f"--ckpt {path}: unreadable checkpoint ({type(e).__name__})") from None
+    if not isinstance(state, dict) or "model_params" not in state or "vae" not in state:
+        raise ConfigError(f"--ckpt {path}: not a trainer checkpoint (no model_params/vae)")
+    if ema and not state.get("ema"):
+        raise ConfigError(f"--ema: {path} holds no EMA weights (trained with --ema_decay 0?)")
+    try:
+        vae = AutoEncoder(AutoEncoderParams.from_dict(state["model_params"]))
+        vae.load_state_dict(state["ema"] if ema else state["vae"])
+    except (TypeError, ValueError, RuntimeError) as e:
+        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise ConfigError(f"--ckpt {path}: weights do not fit its model_params ({reason})") from None
+    config = state.get("config") or {}
+    # where a fine-tune started (pretrained.Source.describe()) and what it trained: export keeps the source's
+    # latent factors after a decoder-only fine-tune
+    return vae.eval(), {"checkpoint": path, "step": state.get("step"), "resolution": config.get("vae_resolution"),
+                        "init_source": state.get("init_source"), "train_parts": config.get("train_parts", "all")}

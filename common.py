@@ -4,6 +4,7 @@ file writes, and capturing/restoring the RNG states a checkpoint carries."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import random
 from dataclasses import dataclass
@@ -27,8 +28,31 @@ def parse_bool(s: str) -> bool:
 
 
 class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one ConfigError line, with a hint for the two typos people make: a misspelt
+    flag ("did you mean --max_steps?") and a brace or glob pattern the shell expanded into extra paths.
+    Build it with allow_abbrev=False: an abbreviation silently taken for a flag is a typo that passes."""
+
     def error(self, message: str):
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            message += unrecognized_hint(message[len(prefix):].split(), self._option_string_actions)
         raise ConfigError(message)
+
+
+def unrecognized_hint(extra: list[str], known: Any) -> str:
+    """'; did you mean --x?' for each misspelt flag among `extra`; a quoting hint for stray positional words."""
+    hints, stray = [], []
+    for i, word in enumerate(extra):
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.split("=")[0], list(known), n=1, cutoff=0.75)
+            if close:
+                hints.append(f"{word.split('=')[0]}: did you mean {close[0]}?")
+        elif not (i > 0 and extra[i - 1].startswith("--") and "=" not in extra[i - 1]):  # not a stray flag's value
+            stray.append(word)
+    if stray:
+        hints.append("several paths where one was expected: the shell expands an unquoted brace or glob pattern; "
+                     "quote it, e.g. --dataset_url 'shards/{00000..00099}.tar'")
+    return "".join(f"; {h}" for h in hints)
 
 
 @dataclass

@@ -32,8 +32,8 @@ from torch import Tensor, nn
 
 import data as data_lib
 import latents as latents_lib
-from ae import AutoEncoder, AutoEncoderParams
-from checkpoint import checkpoint_files, load_checkpoint, load_latest_checkpoint
+from ae import AutoEncoder
+from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
 from common import ConfigError, OneLineParser, init_distributed
 from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, fetch_weights,
                    hub_cache_path, load_vgg16_features, warn_random_vgg, warn_random_weights)
@@ -320,6 +320,40 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
     return out
 
 
+class Validator:
+    """Evaluation during training (torchtitan's validator): PSNR, SSIM, LPIPS and rFID on the fixed test subset,
+    for the weights and (given) their EMA, with the FID network loaded once. Every rank takes part (the images are
+    sharded); what it returns is shown by run_log.Reporter.evaluation."""
+
+    def __init__(self, cfg, lpips_model: nn.Module | None, device: torch.device, rank: int, world_size: int,
+                 local_rank: int = 0, group=None, memory_format=torch.contiguous_format, log=print):
+        self.cfg, self.lpips, self.device, self.memory_format = cfg, lpips_model, device, memory_format
+        self.rank, self.world_size = rank, world_size
+        # the FID network, or None (rFID then reported missing, never faked)
+        self.inception = metric_networks("none", cfg.inception_weights, device, local_rank, log=log, group=group)[1]
+        self.ema_model: AutoEncoder | None = None  # holds the EMA weights, built at the first evaluation
+
+    def run(self, vae: AutoEncoder, ema_state: dict[str, Tensor] | None, autocast) -> tuple[dict, dict]:
+        """({eval/<metric>, eval_ema/<metric>: value}, {eval, eval_ema: uint8 grid of inputs over reconstructions})."""
+        cfg, results, grids = self.cfg, {}, {}
+        models = [("eval", vae)]
+        if ema_state is not None:
+            if self.ema_model is None:
+                self.ema_model = AutoEncoder(vae.params).to(self.device, memory_format=self.memory_format)
+            self.ema_model.load_state_dict(ema_state)
+            models.append(("eval_ema", self.ema_model))
+        for prefix, model in models:
+            res = evaluate_model(
+                model, cfg.test_dataset_url, cfg.vae_resolution, batch_size=cfg.batch_size, device=self.device,
+                rank=self.rank, world_size=self.world_size, max_images=cfg.eval_max_images,
+                lpips_model=self.lpips, inception=self.inception, autocast=autocast,
+                channels_last=cfg.channels_last, grid_images=cfg.num_samples, max_pixels=cfg.max_image_pixels,
+                latent_diagnostics=True)
+            grids[prefix] = res.pop("grid")
+            results.update({f"{prefix}/{k}": v for k, v in res.items() if not k.endswith("_missing")})
+        return results, grids
+
+
 def _empty_latent_batch(vae: AutoEncoder, resolution: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Zero-image latent and image batches of the right shapes: adds nothing to any sum."""
     f, c = vae.downsample_factor, vae.params.z_channels
@@ -466,62 +500,6 @@ def reconstruct_folder(vae: AutoEncoder, src: str, dst: str, device: torch.devic
         Image.fromarray(out).save(target)
         done += 1
     return done
-
-
-# ============================================================================================
-# Loading a model: run directory, checkpoint file, or an export.py folder (diffusers or safetensors)
-# ============================================================================================
-def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
-    """(model on CPU in eval mode, info with `checkpoint`, `step`, `resolution`); ConfigError (one line)
-    for anything the user can get wrong."""
-    if not os.path.exists(ckpt):
-        raise ConfigError(f"--ckpt {ckpt}: no such file or directory")
-    from export import DIFFUSERS_WEIGHTS, SAFETENSORS_WEIGHTS, load_autoencoder, load_diffusers_export
-    exported = [name for name in (SAFETENSORS_WEIGHTS, DIFFUSERS_WEIGHTS) if os.path.isfile(os.path.join(ckpt, name))]
-    if os.path.isdir(ckpt) and exported:
-        if ema:
-            raise ConfigError(f"--ema: {ckpt} is an exported model, which holds one set of weights")
-        try:
-            if exported[0] == SAFETENSORS_WEIGHTS:
-                vae, config = load_autoencoder(ckpt)
-                return vae, {"checkpoint": ckpt, "step": config.get("step"), "resolution": config.get("resolution")}
-            vae, config = load_diffusers_export(ckpt)  # diffusers keeps no step; sample_size is the resolution
-            return vae, {"checkpoint": ckpt, "step": None, "resolution": config.get("sample_size")}
-        except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
-            reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-            raise ConfigError(f"--ckpt {ckpt}: not a loadable export.py folder "
-                              f"({type(e).__name__}: {reason})") from None
-    if os.path.isdir(ckpt):
-        ckpt_dir = os.path.join(ckpt, "checkpoints") if os.path.isdir(os.path.join(ckpt, "checkpoints")) else ckpt
-        if not checkpoint_files(ckpt_dir):
-            raise ConfigError(f"--ckpt {ckpt}: no checkpoints (step_*.pt) in {ckpt_dir}, and not an export.py folder "
-                              f"({SAFETENSORS_WEIGHTS} or {DIFFUSERS_WEIGHTS})")
-        quiet = os.environ.get("RANK", "0") != "0"
-        found = load_latest_checkpoint(ckpt_dir, log=lambda m: quiet or print(m, file=sys.stderr))
-        if found is None:
-            raise ConfigError(f"--ckpt {ckpt}: no readable checkpoint in {ckpt_dir}")
-        path, state = found
-    else:
-        path = ckpt
-        try:
-            state = load_checkpoint(path)
-        except Exception as e:
-            raise ConfigError(f"--ckpt {path}: unreadable checkpoint ({type(e).__name__})") from None
-    if not isinstance(state, dict) or "model_params" not in state or "vae" not in state:
-        raise ConfigError(f"--ckpt {path}: not a trainer checkpoint (no model_params/vae)")
-    if ema and not state.get("ema"):
-        raise ConfigError(f"--ema: {path} holds no EMA weights (trained with --ema_decay 0?)")
-    try:
-        vae = AutoEncoder(AutoEncoderParams.from_dict(state["model_params"]))
-        vae.load_state_dict(state["ema"] if ema else state["vae"])
-    except (TypeError, ValueError, RuntimeError) as e:
-        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-        raise ConfigError(f"--ckpt {path}: weights do not fit its model_params ({reason})") from None
-    config = state.get("config") or {}
-    # where a fine-tune started (pretrained.Source.describe()) and what it trained: export keeps the source's
-    # latent factors after a decoder-only fine-tune
-    return vae.eval(), {"checkpoint": path, "step": state.get("step"), "resolution": config.get("vae_resolution"),
-                        "init_source": state.get("init_source"), "train_parts": config.get("train_parts", "all")}
 
 
 # ============================================================================================

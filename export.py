@@ -22,7 +22,6 @@ bias log(posterior_var); a learned-posterior encoder maps as it is.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -33,11 +32,11 @@ import torch
 import data as data_lib
 import evaluate
 import pretrained
-from ae import AutoEncoder, AutoEncoderParams
+from ae import AutoEncoder
+from checkpoint import SAFETENSORS_WEIGHTS, load_autoencoder, load_diffusers_export, load_model  # noqa: F401
 from common import ConfigError, OneLineParser
-from pretrained import DIFFUSERS_WEIGHTS, diffusers_config, from_diffusers_state_dict, to_diffusers_state_dict
+from pretrained import DIFFUSERS_WEIGHTS, diffusers_config, to_diffusers_state_dict
 
-SAFETENSORS_WEIGHTS = "model.safetensors"
 SINGLE_FILE_WEIGHTS = "ae.safetensors"
 
 
@@ -69,18 +68,6 @@ def export_diffusers(vae: AutoEncoder, out_dir: str, resolution: int, scaling_fa
     model.load_state_dict(to_diffusers_state_dict(vae.state_dict(), params), strict=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     honour_umask(os.path.join(out_dir, DIFFUSERS_WEIGHTS))
-
-
-def load_diffusers_export(path: str) -> tuple[AutoEncoder, dict]:
-    """(AutoEncoder in eval mode, the diffusers config) from a folder written by `export.py --format diffusers`,
-    without diffusers itself. ValueError (one line) for another kind of AutoencoderKL."""
-    from safetensors.torch import load_file
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    params, state = from_diffusers_state_dict(load_file(os.path.join(path, DIFFUSERS_WEIGHTS)), config)
-    vae = AutoEncoder(params)
-    vae.load_state_dict(state)
-    return vae.eval(), config
 
 
 def export_single_file(vae: AutoEncoder, out_dir: str, scaling_factor: float | None = None,
@@ -117,18 +104,6 @@ def export_safetensors(vae: AutoEncoder, out_dir: str, resolution: int | None, s
         json.dump(config, f, indent=2)
 
 
-def load_autoencoder(path: str) -> tuple[AutoEncoder, dict]:
-    """(AutoEncoder in eval mode, config dict with scaling_factor / shift_factor / resolution / step) from a
-    folder written by `export.py --format safetensors`."""
-    from safetensors.torch import load_file
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    fields = {f.name for f in dataclasses.fields(AutoEncoderParams)}
-    vae = AutoEncoder(AutoEncoderParams.from_dict({k: v for k, v in config.items() if k in fields}))
-    vae.load_state_dict(load_file(os.path.join(path, SAFETENSORS_WEIGHTS)))
-    return vae.eval(), config
-
-
 # ============================================================================================
 # The command
 # ============================================================================================
@@ -161,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--scaling_factor must be a positive number, got {args.scaling_factor}")
         if args.latent_stats_images <= 0 or args.batch_size <= 0:
             raise ConfigError("--latent_stats_images and --batch_size must be positive")
-        vae, info = evaluate.load_model(args.ckpt, args.ema)
+        vae, info = load_model(args.ckpt, args.ema)
         resolution = args.resolution or info["resolution"]
         if not resolution or resolution % vae.downsample_factor:
             raise ConfigError(f"--resolution must be a positive multiple of {vae.downsample_factor}, got {resolution}")

@@ -1,65 +1,249 @@
 """The training objective: everything that turns (images, reconstructions, latent) into the loss the VAE
-backpropagates, and the critic's own loss. One nn.Module, like LDM/taming's LPIPSWithDiscriminator: the trainer
-calls it and does not know how the loss is composed.
+backpropagates (`VAEObjective`, like LDM/taming's LPIPSWithDiscriminator), and the critic's owner (`Adversary`:
+the critic network, its DDP wrapper, optimizer, schedule, scaler, LeCam and its own step). The trainer calls them
+and does not know how the loss is composed.
 
-    objective = VAEObjective(cfg, vgg_features)                # LPIPS, low-pass filters, critic, LeCam
-    d_loss, real_logits, fake_logits, logs = objective.critic_loss(x, recon)     # the critic's step
-    with objective.critic_frozen():
+    adversary = Adversary(section(cfg, CriticConfig), critic_net, ...)       # None without --do_ganloss
+    objective = VAEObjective(cfg, vgg_features, adversary=adversary)
+    d_loss, real_logits, fake_logits, logs = adversary.backward(x, recon, sync, accum)   # the critic's step
+    with adversary.frozen():
         loss, logs = objective(x, recon, mean, logvar, step, real_logits, fake_logits)  # the VAE's step
         loss.backward()
 
-Adding a loss branch: a weight field in vae_trainer.Config (the flag), and one block in `forward` below that
-computes the term, adds it to `backward` (through `branch(weight)` to put it under GradNorm) and to `logs`.
+Adding a loss term: a weight field in config.LossConfig (that is the flag), and one block in
+`VAEObjective.terms` that appends a `Term`. `compose` then backpropagates, totals and logs it for every
+--loss_balance, and the log line shows it.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from ae import kl_divergence
+from config import CriticConfig, LossConfig, OptimConfig, section
 from utils import (LeCam, LowpassMSE, NLayerDiscriminator, VGG16Discriminator, adaptive_gan_weight, build_lpips,
-                   discriminator_accuracy, discriminator_loss, generator_active_fraction, generator_loss, gradnorm,
-                   pooled_mse)
+                   cosine_with_warmup, discriminator_accuracy, discriminator_loss, generator_active_fraction,
+                   generator_loss, gradnorm, pooled_mse)
 
 
+# ------------------------------------------------------------------------------------------ composing the terms
+@dataclass
+class Term:
+    """One term of the VAE's loss, per micro-batch.
+
+    balanced: a GradNorm branch. Its value was computed on `branch(weight)` (the reconstruction seen through
+    GradNorm), so under --loss_balance gradnorm the weight sets its gradient's norm and it enters the sum
+    unweighted; under adaptive/none it is weighted like any term. Unbalanced terms (the KL) are always weighted;
+    under gradnorm also multiplied by `gradnorm_factor` (what makes them scale like the branches).
+    adversarial: the generator's GAN term, which LDM's adaptive weight multiplies (--loss_balance adaptive).
+    logs: further metrics of the term (its parts); `logged` False: only those are logged, not the value."""
+    name: str  # logged as loss/<name>
+    value: Tensor
+    weight: float
+    balanced: bool
+    adversarial: bool = False
+    gradnorm_factor: float = 1.0
+    logged: bool = True
+    logs: dict[str, Tensor] = field(default_factory=dict)
+
+
+def _sum(tensors) -> Tensor:
+    """A left fold (a + b) + c ...: the order of the additions is part of a bitwise-reproducible run."""
+    tensors = list(tensors)
+    total = tensors[0]
+    for t in tensors[1:]:
+        total = total + t
+    return total
+
+
+def compose(terms: list[Term], balance: str, scale: Tensor, accum: int, last_layer: Tensor | None = None,
+            adaptive_weight_max: float = 1e4) -> tuple[Tensor, dict[str, Tensor]]:
+    """(the tensor to backpropagate, logs) from the terms, for --loss_balance `balance`. `scale`: the fp16 loss
+    scale (1 otherwise); `accum`: micro-batches per step; `last_layer`: the decoder's last weight (adaptive).
+    logs hold each term as loss/<name>, its parts, and loss/total = sum(weight * value), the same formula for
+    every balance."""
+    logs: dict[str, Tensor] = {}
+    for t in terms:
+        logs.update(t.logs)
+        if t.logged:
+            logs[f"loss/{t.name}"] = t.value
+    if balance == "gradnorm":
+        # The whole sum is scaled, so LPIPS' and the critic's fp16 backward passes run at the loss scale
+        # (unscaled, their small gradients underflow). Each GradNorm renormalises what reaches it to its
+        # weight, which carries the scale once: the VAE's gradient does not depend on this factor.
+        backward = scale * _sum(t.value if t.balanced else t.weight * t.value * t.gradnorm_factor / accum
+                                for t in terms)
+    else:
+        rec = _sum(t.weight * t.value for t in terms if t.balanced and not t.adversarial)
+        parts = [rec]
+        for t in terms:
+            if t.adversarial:
+                weight = torch.full((), t.weight, device=scale.device)
+                if balance == "adaptive":
+                    weight = t.weight * adaptive_gan_weight(scale * rec, scale * t.value, last_layer,
+                                                            adaptive_weight_max)
+                    logs["loss/adaptive_weight"] = weight
+                parts.append(weight * t.value)
+            elif not t.balanced:
+                parts.append(t.weight * t.value)
+        backward = scale * (_sum(parts) / accum)
+    logs["loss/total"] = _sum(t.weight * t.value for t in terms).detach()
+    return backward, logs
+
+
+# ------------------------------------------------------------------------------------------ the VAE's objective
 class VAEObjective(nn.Module):
-    """LPIPS + pooled MSE + low-pass MSE (each a GradNorm branch by default), the latent penalty, the generator
-    term against the critic, and the critic's hinge/BCE loss with LeCam. Reads its weights from `cfg` (a
-    vae_trainer.Config) at every call, so a changed weight takes effect at once.
+    """LPIPS + pooled MSE + low-pass MSE (each a GradNorm branch by default), the latent penalty, and the generator
+    term against the adversary's critic. Reads its config sections (LossConfig; CriticConfig for the generator
+    term) from `cfg` at every call, so a changed weight takes effect at once.
 
-    lpips: built when `with_lpips` (a random VGG16 that no loss uses is not built at all); the critic with
-    cfg.do_ganloss. `vgg_features`: VGG16 `features` weights for both (None: random, tests only)."""
+    lpips: built when `with_lpips` (a random VGG16 that no loss uses is not built at all). `vgg_features`: VGG16
+    `features` weights (None: random, tests only). `adversary`: the critic's owner (None: no GAN term); without
+    one and with cfg.do_ganloss, one is built here (tests, bench) from the same weights."""
 
     def __init__(self, cfg, vgg_features: dict[str, Tensor] | None = None, with_lpips: bool = True,
-                 device: torch.device | str = "cpu", memory_format=torch.contiguous_format):
+                 device: torch.device | str = "cpu", memory_format=torch.contiguous_format,
+                 adversary: Adversary | None = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg = cfg  # read through its sections at every call: a changed weight takes effect at once
         self.device = torch.device(device)
         self.memory_format = memory_format
         self.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
         # built in this order: with random weights the construction draws from the global RNG
         self.lpips = build_lpips(vgg_features).to(device, memory_format=memory_format) if with_lpips else None
         self.lowpass_mse = LowpassMSE(cfg.lowpass_threshold).to(device)  # its filters live on the device
-        self.critic = None
-        if cfg.do_ganloss:
-            self.critic = (VGG16Discriminator(vgg_features) if cfg.discriminator == "vgg16"
-                           else NLayerDiscriminator(norm=cfg.disc_norm))
-            self.critic.to(device, memory_format=memory_format)
-        self.lecam = LeCam().to(device) if cfg.do_ganloss and cfg.lecam_weight > 0 else None
+        if adversary is None and cfg.do_ganloss:
+            adversary = Adversary(self.gan_cfg, build_critic(self.gan_cfg, vgg_features), cfg.precision,
+                                  device=self.device, memory_format=memory_format)
+        self.adversary = adversary
+
+    @property
+    def loss_cfg(self) -> LossConfig:
+        return section(self.cfg, LossConfig)
+
+    @property
+    def gan_cfg(self) -> CriticConfig:
+        return section(self.cfg, CriticConfig)
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
 
-    # ------------------------------------------------------------------ the critic's own loss
-    def critic_loss(self, x: Tensor, recon: Tensor, critic: nn.Module | None = None):
+    def gan_active(self, step: int) -> bool:
+        """Whether the generator gets the adversarial term at `step` (the critic itself trains from step 0)."""
+        return self.adversary is not None and step >= self.gan_cfg.disc_start
+
+    def forward(self, x: Tensor, recon: Tensor, mean: Tensor, logvar: Tensor | None, step: int,
+                real_logits: Tensor | None = None, critic_fake_logits: Tensor | None = None, accum: int = 1,
+                loss_scale: Tensor | None = None, last_layer: Tensor | None = None) -> tuple[Tensor, dict]:
+        """(the tensor to backpropagate, {metric name: value} for logging, per micro-batch). `recon` in fp32; `mean`,
+        `logvar` the posterior; `real_logits`, `critic_fake_logits` the critic's logits on this micro-batch's
+        images and detached reconstructions (Adversary.backward), needed from disc_start on; `accum` micro-batches
+        per step; `loss_scale` the fp16 GradScaler's scale (None: 1); `last_layer` the decoder's last weight
+        (for --loss_balance adaptive)."""
+        scale = loss_scale if loss_scale is not None else torch.ones((), device=self.device)
+        terms = self.terms(x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale)
+        return compose(terms, self.loss_cfg.loss_balance, scale, accum, last_layer, self.gan_cfg.adaptive_weight_max)
+
+    def terms(self, x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale) -> list[Term]:
+        """The loss terms, one block each. Their order is the order of the sums (a fixed-seed run reproduces
+        bitwise only with the same order)."""
+        loss, gan = self.loss_cfg, self.gan_cfg
+        if loss.loss_balance == "gradnorm":
+            # GradNorm fixes each branch's gradient norm, so a loss scale and 1/accum enter as weights
+            def branch(weight):
+                return gradnorm(recon, scale * (weight / accum))
+        else:
+            def branch(weight):
+                return recon
+        kl = kl_divergence(mean, logvar)  # per latent element, over the micro-batch's mean.numel() elements
+        terms = []
+
+        if loss.perceptual_weight > 0:  # weight 0: no VGG16 pass at all (pixel-only steps are ~6x cheaper)
+            with self.autocast():
+                perceptual = self.lpips(branch(loss.perceptual_weight).contiguous(memory_format=self.memory_format),
+                                        x).float().mean()
+            terms.append(Term("perceptual", perceptual, loss.perceptual_weight, balanced=True))
+
+        pixel_in = branch(loss.mse_weight)
+        pooled = pooled_mse(pixel_in, x, loss.mse_pool_factor)
+        lowpass = self.lowpass_mse(pixel_in, x)
+        terms.append(Term("pixel", loss.pooled_mse_weight * pooled + loss.lowpass_mse_weight * lowpass,
+                          loss.mse_weight, balanced=True, logged=False,
+                          logs={"loss/pooled_mse": pooled, "loss/lowpass_mse": lowpass}))
+
+        if self.gan_active(step):
+            # GradNorm would give the GAN branch norm gan_weight however few patches the thresholded loss still
+            # pushes, i.e. hand the last active patch the whole push. Scaled by sqrt(active fraction), the target
+            # gives each active patch the push it gets when all are active (patch gradients are near-orthogonal).
+            # Measured on the critic's pass over the detached reconstructions: the same critic, the same images.
+            active = generator_active_fraction(real_logits, critic_fake_logits, gan.gen_loss, gan.gan_margin)
+            with self.autocast():  # the objective's precision, like every loss network's pass here
+                fake_logits = self.adversary.generator_logits(branch(gan.gan_weight * active.sqrt()))
+            g_loss = generator_loss(fake_logits, real_logits, gan.gen_loss, gan.gan_margin)
+            terms.append(Term("gan_g", g_loss, gan.gan_weight, balanced=True, adversarial=True,
+                              logs={"gan/active_fraction": active}))
+
+        # A GradNorm branch's gradient has norm `weight` over all the reconstruction's elements, so its per-element
+        # size falls as 1/sqrt(their count); a mean KL's would fall as 1/count. Summed and divided by sqrt(count)
+        # (gradnorm_factor), the KL scales like the branches: kl_weight means the same at any batch and resolution.
+        terms.append(Term("kl", kl, loss.kl_weight, balanced=False, gradnorm_factor=math.sqrt(mean.numel())))
+        return terms
+
+    # kept for callers that freeze the critic through the objective (bench.py)
+    def critic_frozen(self):
+        return self.adversary.frozen() if self.adversary is not None else contextlib.nullcontext()
+
+    @property
+    def critic(self) -> nn.Module | None:
+        return self.adversary.critic if self.adversary is not None else None
+
+
+# ------------------------------------------------------------------------------------------ the critic's owner
+CRITICS = {  # --discriminator -> its network, from the CriticConfig and the VGG16 `features` weights
+    "vgg16": lambda cfg, vgg_features: VGG16Discriminator(vgg_features),
+    "patchgan": lambda cfg, vgg_features: NLayerDiscriminator(norm=cfg.disc_norm),
+}
+
+
+def build_critic(cfg: CriticConfig, vgg_features: dict[str, Tensor] | None) -> nn.Module:
+    return CRITICS[cfg.discriminator](cfg, vgg_features)
+
+
+class Adversary:
+    """Everything about the critic: its network (any kind in CRITICS: the trainer only calls this class), the DDP
+    wrapper, AdamW, the warm-up/cosine schedule, the (fp16) GradScaler, LeCam, its loss and backward, and its
+    guarded optimizer step. Checkpointed through state_dict/load_state_dict under today's top-level keys."""
+
+    def __init__(self, cfg: CriticConfig, critic: nn.Module, precision: str, device: torch.device | str = "cpu",
+                 memory_format=torch.contiguous_format):
+        self.cfg, self.device, self.memory_format = cfg, torch.device(device), memory_format
+        self.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self.precision = precision
+        self.critic = critic.to(device, memory_format=memory_format)
+        self.critic_ddp = self.critic  # the module the critic's pass runs (its DDP wrapper under torchrun)
+        self.lecam = LeCam().to(device) if cfg.lecam_weight > 0 else None
+        self.optimizer = self.scheduler = None
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "fp16")
+
+    def prepare_training(self, optim: OptimConfig, make_optimizer, wrap_ddp=lambda m: m) -> None:
+        """The DDP wrapper, the optimizer (`make_optimizer(params, lr)`) and the schedule, for training."""
+        self.critic_ddp = wrap_ddp(self.critic)
+        self.optimizer = make_optimizer(self.critic.parameters(), self.cfg.learning_rate_disc)
+        schedule = cosine_with_warmup(optim.warmup_steps, optim.max_steps, optim.min_lr_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+
+    def loss(self, x: Tensor, recon: Tensor):
         """The critic's loss on real `x` vs the detached `recon` (LeCam included), its logits (detached, for the
-        generator term) and logs. `critic`: the module to run, e.g. the DDP wrapper of self.critic."""
-        critic = critic if critic is not None else self.critic
+        generator term) and logs."""
         with self.autocast():
-            logits = critic(torch.cat([x, recon.detach()]).contiguous(memory_format=self.memory_format))
+            logits = self.critic_ddp(torch.cat([x, recon.detach()]).contiguous(memory_format=self.memory_format))
         real_logits, fake_logits = logits.float().chunk(2)
         d_loss = discriminator_loss(real_logits, fake_logits, self.cfg.disc_type)
         if self.lecam is not None:
@@ -69,85 +253,59 @@ class VAEObjective(nn.Module):
                 "gan/real_logits": real_logits.mean(), "gan/fake_logits": fake_logits.mean()}
         return d_loss, real_logits.detach(), fake_logits.detach(), logs
 
+    def backward(self, x: Tensor, recon: Tensor, sync: bool, accum: int):
+        """The critic's loss and backward on one micro-batch (DDP's all-reduce only when `sync`): its loss, its
+        logits for the generator term, and logs (per micro-batch)."""
+        with no_sync_unless(self.critic_ddp, sync):
+            d_loss, real_logits, fake_logits, logs = self.loss(x, recon)
+            self.scaler.scale(d_loss / accum).backward()
+        return d_loss, real_logits, fake_logits, logs
+
+    def generator_logits(self, fake: Tensor) -> Tensor:
+        """The critic's logits on reconstructions that keep their graph (the generator's term), in fp32; under the
+        caller's autocast (the objective's)."""
+        return self.critic(fake.contiguous(memory_format=self.memory_format)).float()
+
     @contextlib.contextmanager
-    def critic_frozen(self):
+    def frozen(self):
         """The critic's weights take no gradient inside (the generator's pass and its backward): its weight
         gradients are then neither computed (time) nor added to the ones of its own loss."""
-        if self.critic is not None:
-            self.critic.requires_grad_(False)
+        self.critic.requires_grad_(False)
         try:
             yield
         finally:
-            if self.critic is not None:
-                self.critic.requires_grad_(True)
+            self.critic.requires_grad_(True)
 
-    def gan_active(self, step: int) -> bool:
-        """Whether the generator gets the adversarial term at `step` (the critic itself trains from step 0)."""
-        return self.critic is not None and step >= self.cfg.disc_start
+    def step(self, bad: Tensor, step_optimizer) -> None:
+        """The guarded optimizer step (`step_optimizer(optimizer, scaler, bad)`), LeCam's anchors, the schedule."""
+        step_optimizer(self.optimizer, self.scaler, bad)
+        if self.lecam is not None:
+            self.lecam.commit(skip=bad)  # the anchors move only with a step the critic took
+        self.scheduler.step()
 
-    # ------------------------------------------------------------------ the VAE's loss
-    def forward(self, x: Tensor, recon: Tensor, mean: Tensor, logvar: Tensor | None, step: int,
-                real_logits: Tensor | None = None, critic_fake_logits: Tensor | None = None, accum: int = 1,
-                loss_scale: Tensor | None = None, last_layer: Tensor | None = None) -> tuple[Tensor, dict]:
-        """(the tensor to backpropagate, {metric name: term} for logging, per micro-batch). `recon` in fp32; `mean`,
-        `logvar` the posterior; `real_logits`, `critic_fake_logits` the critic's logits on this micro-batch's
-        images and detached reconstructions (critic_loss), needed from cfg.disc_start on; `accum` micro-batches
-        per step; `loss_scale` the fp16 GradScaler's scale (None: 1); `last_layer` the decoder's last weight
-        (for --loss_balance adaptive)."""
-        cfg = self.cfg
-        kl = kl_divergence(mean, logvar)  # per latent element, over the micro-batch's mean.numel() elements
-        latent_elements = mean.numel()
-        gan_on = self.gan_active(step)
-        scale = loss_scale if loss_scale is not None else torch.ones((), device=self.device)
-        if cfg.loss_balance == "gradnorm":
-            # GradNorm fixes each branch's gradient norm, so a loss scale and 1/accum enter as weights
-            def branch(weight):
-                return gradnorm(recon, scale * (weight / accum))
-        else:
-            def branch(weight):
-                return recon
-        terms = {}
-        perceptual = torch.zeros((), device=self.device)
-        if cfg.perceptual_weight > 0:  # weight 0: no VGG16 pass at all (pixel-only steps are ~6x cheaper)
-            with self.autocast():
-                perceptual = self.lpips(branch(cfg.perceptual_weight).contiguous(memory_format=self.memory_format),
-                                        x).float().mean()
-            terms["loss/perceptual"] = perceptual
-        pixel_in = branch(cfg.mse_weight)
-        pooled = pooled_mse(pixel_in, x, cfg.mse_pool_factor)
-        lowpass = self.lowpass_mse(pixel_in, x)
-        pixel = cfg.pooled_mse_weight * pooled + cfg.lowpass_mse_weight * lowpass
-        terms.update({"loss/pooled_mse": pooled, "loss/lowpass_mse": lowpass, "loss/kl": kl})
-        g_loss = torch.zeros((), device=self.device)
-        if gan_on:
-            # GradNorm would give the GAN branch norm gan_weight however few patches the thresholded loss still
-            # pushes, i.e. hand the last active patch the whole push. Scaled by sqrt(active fraction), the target
-            # gives each active patch the push it gets when all are active (patch gradients are near-orthogonal).
-            # Measured on the critic's pass over the detached reconstructions: the same critic, the same images.
-            active = generator_active_fraction(real_logits, critic_fake_logits, cfg.gen_loss, cfg.gan_margin)
-            terms["gan/active_fraction"] = active
-            with self.autocast():
-                fake_logits = self.critic(branch(cfg.gan_weight * active.sqrt()).contiguous(
-                    memory_format=self.memory_format))
-            g_loss = generator_loss(fake_logits.float(), real_logits, cfg.gen_loss, cfg.gan_margin)
-            terms["loss/gan_g"] = g_loss
-        if cfg.loss_balance == "gradnorm":
-            # A GradNorm branch's gradient has norm `weight` over all the reconstruction's elements, so its
-            # per-element size falls as 1/sqrt(their count); a mean KL's would fall as 1/count. Summed and divided
-            # by sqrt(count), the KL scales like the branches: kl_weight means the same at any batch and resolution.
-            kl_branch = cfg.kl_weight * kl * math.sqrt(latent_elements)
-            # The whole sum is scaled, so LPIPS' and the critic's fp16 backward passes run at the loss scale
-            # (unscaled, their small gradients underflow). Each GradNorm renormalises what reaches it to its
-            # weight, which carries the scale once: the VAE's gradient does not depend on this factor.
-            backward = scale * (perceptual + pixel + g_loss + kl_branch / accum)
-        else:
-            rec = cfg.perceptual_weight * perceptual + cfg.mse_weight * pixel
-            gan_w = torch.full((), cfg.gan_weight, device=self.device)
-            if gan_on and cfg.loss_balance == "adaptive":
-                gan_w = cfg.gan_weight * adaptive_gan_weight(scale * rec, scale * g_loss, last_layer,
-                                                             cfg.adaptive_weight_max)
-                terms["loss/adaptive_weight"] = gan_w
-            backward = scale * ((rec + gan_w * g_loss + cfg.kl_weight * kl) / accum)
-        terms["loss/total"] = (cfg.perceptual_weight * perceptual + cfg.mse_weight * pixel
-                          + cfg.gan_weight * g_loss + cfg.kl_weight * kl).detach()
-        return backward, terms
+    def state_dict(self) -> dict:
+        return {"discriminator": self.critic.state_dict(), "optimizer_disc": self.optimizer.state_dict(),
+                "scheduler_disc": self.scheduler.state_dict(), "scaler_disc": self.scaler.state_dict(),
+                "lecam": self.lecam.state_dict() if self.lecam is not None else None}
+
+    def load_state_dict(self, ckpt: dict, path: str = "", log=print) -> None:
+        """The critic resumes only from a checkpoint of the same kind; LeCam's anchors whenever saved."""
+        saved_cfg = ckpt.get("config", {})
+        same_kind = all(saved_cfg.get(k) == getattr(self.cfg, k) for k in ("discriminator", "disc_norm"))
+        if ckpt.get("discriminator") is not None and not same_kind:
+            log("warning: the checkpoint's discriminator is of another kind; the critic starts from scratch")
+        if ckpt.get("discriminator") is not None and same_kind:
+            self.critic.load_state_dict(ckpt["discriminator"])
+            self.optimizer.load_state_dict(ckpt["optimizer_disc"])
+            self.scheduler.load_state_dict(ckpt["scheduler_disc"])
+            if self.scaler.is_enabled() and ckpt.get("scaler_disc"):
+                self.scaler.load_state_dict(ckpt["scaler_disc"])
+        if self.lecam is not None and ckpt.get("lecam") is not None:
+            self.lecam.load_state_dict(ckpt["lecam"])
+
+
+def no_sync_unless(ddp_module, sync: bool):
+    """DDP's no_sync (skip the gradient all-reduce) on the micro-batches before the last one."""
+    if sync or not hasattr(ddp_module, "no_sync"):
+        return contextlib.nullcontext()
+    return ddp_module.no_sync()

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import data as data_lib
 from common import DistInfo, atomic_write
 
 
@@ -114,16 +115,23 @@ def fmt_duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+# How the stdout line shows the loss terms it knows; any other loss/<name> (a new term) appears as <name>.
+TERM_LABELS = {"loss/perceptual": "lpips", "loss/pooled_mse": "pmse", "loss/lowpass_mse": "lpmse", "loss/kl": "kl"}
+GAN_LABELS = {"loss/gan_g": "g", "loss/disc": "d"}
+NOT_TERMS = ("loss/total", "loss/adaptive_weight")
+
+
 def log_line(metrics: dict, step: int, max_steps: int, gan: bool) -> str:
-    """The stdout line of a logging step."""
-    line = [f"step {step}/{max_steps}", f"loss {metrics.get('loss/total', float('nan')):.4f}",
-            f"lpips {metrics['loss/perceptual']:.4f}" if "loss/perceptual" in metrics else "",
-            f"pmse {metrics.get('loss/pooled_mse', 0):.5f}", f"lpmse {metrics.get('loss/lowpass_mse', 0):.5f}",
-            f"kl {metrics.get('loss/kl', 0):.4f}"]
-    line = [part for part in line if part]
+    """The stdout line of a logging step: the total, then every loss term in the metrics (known ones first)."""
+    terms = [k for k in TERM_LABELS if k in metrics]
+    terms += sorted(k for k in metrics if k.startswith("loss/") and k not in TERM_LABELS and k not in GAN_LABELS
+                    and k not in NOT_TERMS)
+    line = [f"step {step}/{max_steps}", f"loss {metrics.get('loss/total', float('nan')):.4f}"]
+    line += [f"{TERM_LABELS.get(k, k[len('loss/'):])} {metrics[k]:{'.5f' if k.endswith('mse') else '.4f'}}"
+             for k in terms]
     if gan:
-        line += [f"g {metrics.get('loss/gan_g', 0):.4f}", f"d {metrics.get('loss/disc', 0):.4f}",
-                 f"dacc {metrics.get('gan/disc_acc', 0):.2f}"]
+        line += [f"{label} {metrics.get(k, 0):.4f}" for k, label in GAN_LABELS.items()]
+        line.append(f"dacc {metrics.get('gan/disc_acc', 0):.2f}")
     line += [f"z mean {metrics.get('latent/mean', 0):+.3f} std {metrics.get('latent/std', 0):.3f}",
              f"{metrics['img_per_s']:.1f} img/s", f"eta {fmt_duration(metrics['eta_s'])}"]
     skipped = sum(v for k, v in metrics.items() if k.startswith("data/skipped"))
@@ -172,3 +180,149 @@ def init_wandb(mode: str, project: str, name: str, run_dir: str, config: dict, l
         log(f"warning: wandb unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
             "logging to stdout and metrics.jsonl only")
         return None
+
+
+def skipped_counts(loader, info: DistInfo) -> dict[str, int]:
+    """The data stream's skip counters (data.SKIP_REASONS), summed over the ranks."""
+    counts = torch.tensor(list(loader.skipped().values()), dtype=torch.float64)
+    if info.distributed:
+        dist.all_reduce(counts, group=info.ctrl_group)
+    return dict(zip(data_lib.SKIP_REASONS, (int(c) for c in counts.tolist())))
+
+
+@torch.no_grad()
+def latent_metrics(metrics: Metrics, mean: torch.Tensor, logvar: torch.Tensor | None, accum: int,
+                   posterior_var: float) -> None:
+    """A micro-batch's latent statistics into `metrics` (averaged over the step's micro-batches)."""
+    mean = mean.float()
+    channel_std = mean.std(dim=(0, 2, 3))
+    noise_std = (torch.exp(0.5 * logvar.float()).mean(dim=(0, 2, 3)) if logvar is not None
+                 else torch.full_like(channel_std, math.sqrt(posterior_var)))
+    collapsed = (channel_std / noise_std < 0.1).float().mean()
+    metrics.add(**{"latent/mean": mean.mean() / accum, "latent/std": mean.std() / accum,
+                   "latent/channel_mean": mean.mean(dim=(0, 2, 3)) / accum,
+                   "latent/channel_std": channel_std / accum,
+                   "latent/collapsed_fraction": collapsed / accum})
+    metrics.max(**{"latent/abs_max": mean.abs().amax(),
+                   "latent/channel_abs_max": mean.abs().amax(dim=(0, 2, 3))})
+    if logvar is not None:
+        metrics.add(**{"latent/logvar_mean": logvar.float().mean() / accum})
+
+
+class Reporter:
+    """Everything a run shows its user, behind one object (torchtitan's metrics processor): the start-up lines,
+    the stdout lines, metrics.jsonl, wandb, the sample grids and the evaluation's printout and grids. Rank 0
+    writes; the others call the same methods and write nothing (the warnings' tracker prints through `log`)."""
+
+    def __init__(self, cfg, info: DistInfo, run_dir: str, wandb_run=None):
+        self.cfg, self.info, self.is_main, self.run_dir = cfg, info, info.is_main, run_dir
+        self.max_steps, self.gan = cfg.max_steps, cfg.do_ganloss
+        self.sample_dir = os.path.join(run_dir, "samples")
+        self.wandb = wandb_run
+        self.tracker = CollapseTracker(self.log)
+        self.sample_images = self._fixed_sample_images() if info.is_main else None
+
+    def _fixed_sample_images(self) -> torch.Tensor:
+        """The first --num_samples images of the test set (or the training set): the same in every grid."""
+        cfg = self.cfg
+        batches = data_lib.iter_eval_batches(cfg.test_dataset_url or cfg.dataset_url, cfg.vae_resolution,
+                                             cfg.num_samples, max_images=cfg.num_samples,
+                                             max_pixels=cfg.max_image_pixels)
+        empty = torch.zeros(0, 3, cfg.vae_resolution, cfg.vae_resolution, dtype=torch.uint8)
+        return next(iter(batches), (None, empty))[1]
+
+    def run_start(self, vae) -> None:
+        """The lines that open a run: what trains, on what, in which precision and batch."""
+        cfg, info = self.cfg, self.info
+        n_params = sum(p.numel() for p in vae.parameters())
+        if cfg.train_parts == "decoder":
+            trained = sum(p.numel() for p in vae.parameters() if p.requires_grad)
+            frozen = "the encoder and quant_conv are" if cfg.vae_quant_conv else "the encoder is"
+            self.log(f"training the decoder only: {trained / 1e6:.1f}M of {n_params / 1e6:.1f}M parameters; {frozen} "
+                     "frozen")
+        self.log(f"run dir {self.run_dir} | {info.world_size} x {info.device.type} | VAE {n_params / 1e6:.1f}M params "
+                 f"| f{vae.downsample_factor} z{cfg.vae_z_channels} {cfg.posterior} posterior | "
+                 f"{cfg.precision} | batch {cfg.batch_size} x {cfg.grad_accum} accum x {info.world_size} ranks")
+
+    def log(self, msg: str) -> None:
+        if self.is_main:
+            print(msg, flush=True)
+
+    def metrics(self, metrics: dict, step: int, elapsed: float, steps_done: int, lr_vae: float,
+                skipped: dict[str, int]) -> None:
+        """A logging step (the metrics reduced over the `steps_done` steps of the last `elapsed` seconds, the
+        learning rate, the data stream's skip counts): the warnings, the stdout line, metrics.jsonl, wandb."""
+        cfg = self.cfg
+        elapsed = max(1e-9, elapsed)
+        images = steps_done * cfg.batch_size * cfg.grad_accum * self.info.world_size
+        metrics["img_per_s"] = images / elapsed
+        metrics["eta_s"] = elapsed / max(1, steps_done) * (cfg.max_steps - step)
+        metrics["lr/vae"] = lr_vae
+        metrics.update({f"data/skipped_{k}": v for k, v in skipped.items()})
+        # the critic winning matters once the generator fights back: a window with generator GAN steps
+        self.tracker.check(metrics, step, gan_active="loss/gan_g" in metrics)
+        if not self.is_main:
+            return
+        print(log_line(metrics, step, self.max_steps, self.gan), flush=True)
+        append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), {"step": step, **metrics})
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=step)
+
+    @torch.no_grad()
+    def sample_grid(self, vae, autocast, step: int) -> str | None:
+        """The fixed images over their reconstructions as samples/step_<step>.png (and on wandb)."""
+        import torchvision
+        if not self.is_main or len(self.sample_images) == 0:
+            return None
+        x = data_lib.to_model_input(self.sample_images, self.info.device, self.cfg.channels_last)
+        with autocast():
+            recon = vae.decode(vae.encode(x)).float()
+        grid = torchvision.utils.make_grid(torch.cat([x, recon.clamp(-1, 1)]).float().cpu() * 0.5 + 0.5,
+                                           nrow=len(x), padding=2)
+        path = os.path.join(self.sample_dir, f"step_{step:08d}.png")
+        atomic_write(path, lambda f: torchvision.utils.save_image(grid, f, format="png"))
+        if self.wandb is not None:
+            import wandb
+            self.wandb.log({"samples": wandb.Image(path, caption="top: input, bottom: reconstruction")}, step=step)
+        return path
+
+    def evaluation(self, results: dict, grids: dict[str, torch.Tensor], step: int) -> None:
+        """An evaluation's results ({prefix/metric: value}, prefixes eval and eval_ema) and its uint8 grids
+        ({prefix: grid}): the grids as PNGs, two stdout lines, a metrics.jsonl record, wandb with spectra."""
+        if not self.is_main:
+            return
+        import torchvision
+        for prefix, grid in grids.items():
+            path = os.path.join(self.sample_dir, f"{prefix}_step_{step:08d}.png")
+            atomic_write(path, lambda f: torchvision.utils.save_image(grid.float() / 255, f, format="png"))
+            if self.wandb is not None:
+                import wandb
+                self.wandb.log({f"{prefix}/grid": wandb.Image(path)}, step=step)
+
+        def fmt(prefix):
+            vals = [f"{k} {results[f'{prefix}/{k}']:.4f}" for k in ("psnr", "ssim", "lpips", "rfid")
+                    if results.get(f"{prefix}/{k}") is not None]
+            return " ".join(vals) + f" ({results[f'{prefix}/n_images']} images)"
+        line = f"eval step {step} | {fmt('eval')}"
+        if "eval_ema" in grids:
+            line += f" | ema {fmt('eval_ema')}"
+        print(line, flush=True)
+        print(f"latents step {step} | high-frequency energy {results['eval/latent_hf_fraction']:.3f} "
+              f"(image at latent size {results['eval/image_hf_fraction']:.3f}) | channel std spread "
+              f"{results['eval/latent_channel_std_spread']:.2f}", flush=True)
+        append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), {"step": step, **results})
+        if self.wandb is not None:
+            import wandb
+
+            import latents as latents_lib
+            plots = {f"{p}/latent_spectrum_plot": latents_lib.wandb_spectrum_plot(
+                wandb, results[f"{p}/latent_spectrum"], results[f"{p}/image_spectrum"],
+                f"{p} power spectrum, step {step}") for p in grids}
+            self.wandb.log({**{k: v for k, v in results.items() if not isinstance(v, list)}, **plots}, step=step)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            try:
+                self.wandb.finish()
+            except Exception:
+                pass

@@ -1,28 +1,40 @@
-"""objective.VAEObjective on its own: built from a Config with random VGG16 weights, no Trainer, process group
-or data set. Its loss equals the recomputation from utils' pieces (bitwise: the op order is part of the contract,
+"""objective.VAEObjective and the Adversary on their own: built from a Config with random VGG16 weights, no
+Trainer, process group or data set. Its loss equals the recomputation from utils' pieces (bitwise: the op order is part of the contract,
 a fixed-seed run must not change when the code is reorganised), each GradNorm branch's gradient has its weight as
 norm, the GAN target shrinks with sqrt(active fraction), and the critic's own loss carries LeCam."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
 import pytest
 import torch
 
-import vae_trainer
 from ae import kl_divergence
-from objective import VAEObjective
+from config import Config, resolve_auto
+from objective import Term, VAEObjective, compose
 from utils import discriminator_loss, generator_active_fraction, generator_loss, pooled_mse
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def config(**changes):
-    cfg = vae_trainer.Config(dataset_url="unused", vae_resolution=32, mse_pool_factor=4, vgg16_weights="random",
-                             do_ganloss=True, discriminator="patchgan", disc_norm="none", disc_start=2,
-                             lecam_weight=0.1)  # disc_norm none: no power iteration, the same critic every call
-    return vae_trainer.resolve_auto(dataclasses.replace(cfg, **changes))
+    cfg = Config(dataset_url="unused", vae_resolution=32, mse_pool_factor=4, vgg16_weights="random",
+                 do_ganloss=True, discriminator="patchgan", disc_norm="none", disc_start=2,
+                 lecam_weight=0.1)  # disc_norm none: no power iteration, the same critic every call
+    return resolve_auto(dataclasses.replace(cfg, **changes))
+
+
+@contextlib.contextmanager
+def configured(objective, **changes):
+    """The objective with some config values changed (it reads them at every call) for the block."""
+    saved = objective.cfg
+    objective.cfg = dataclasses.replace(saved, **changes)
+    try:
+        yield objective
+    finally:
+        objective.cfg = saved
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +56,7 @@ def test_loss_equals_its_recomputation_from_the_pieces(objective, inputs):
     """gradnorm balance, LPIPS + pixel + GAN + KL, grad_accum 2 and an fp16-style loss scale: the returned
     loss and every logged term equal the recomputation exactly (GradNorm is the identity forward)."""
     x, recon, mean = inputs
-    cfg = objective.cfg
+    cfg = config()
     real_logits, fake_logits = (objective.critic(t).float().detach() for t in (x, recon.detach()))
     scale = torch.tensor(8.0)
     loss, logs = objective(x, recon, mean, None, step=cfg.disc_start, real_logits=real_logits,
@@ -72,7 +84,7 @@ def test_plain_sum_without_gradnorm(inputs):
     objective = VAEObjective(config(loss_balance="none", perceptual_weight=0.0, kl_weight=0.5), with_lpips=False)
     x, recon, mean = inputs
     loss, logs = objective(x, recon, mean, None, step=1, accum=4)
-    cfg = objective.cfg
+    cfg = config(loss_balance="none", perceptual_weight=0.0, kl_weight=0.5)
     pixel = cfg.pooled_mse_weight * pooled_mse(recon, x, 4) + cfg.lowpass_mse_weight * objective.lowpass_mse(recon, x)
     expected = torch.ones(()) * ((cfg.perceptual_weight * torch.zeros(()) + cfg.mse_weight * pixel
                                   + torch.full((), cfg.gan_weight) * torch.zeros(()) + 0.5 * kl_divergence(mean, None))
@@ -85,13 +97,9 @@ def test_plain_sum_without_gradnorm(inputs):
 def test_each_gradnorm_branch_has_its_weight_as_gradient_norm(objective, inputs, branch):
     """Only one branch on: its gradient on the reconstruction has norm weight * loss scale / accum."""
     x, recon, mean = inputs
-    cfg = dataclasses.replace(objective.cfg, **{**dict(perceptual_weight=0.0, mse_weight=0.0, kl_weight=0.0), branch: 0.7})
-    saved, objective.cfg = objective.cfg, cfg
-    try:
+    with configured(objective, **{**dict(perceptual_weight=0.0, mse_weight=0.0, kl_weight=0.0), branch: 0.7}):
         loss, _ = objective(x, recon, mean.detach(), None, step=0, accum=2, loss_scale=torch.tensor(4.0))
         grad = torch.autograd.grad(loss, recon)[0]
-    finally:
-        objective.cfg = saved
     assert grad.norm().item() == pytest.approx(0.7 * 4.0 / 2, rel=1e-4)
 
 
@@ -100,20 +108,16 @@ def test_gan_target_is_its_weight_times_sqrt_active_fraction(objective, inputs, 
     """The GAN branch alone (thresholded loss): GradNorm sets its gradient norm to gan_weight * sqrt(active
     fraction of the critic's patches), the push per active patch that all patches active would get."""
     x, recon, mean = inputs
-    cfg = dataclasses.replace(objective.cfg, perceptual_weight=0.0, mse_weight=0.0, kl_weight=0.0, gan_weight=0.5,
-                              gen_loss="thresholded")
     fake = objective.critic(recon.detach()).float().detach()
     order = torch.randperm(fake.numel(), generator=torch.Generator().manual_seed(2))
     active = torch.zeros(fake.numel(), dtype=torch.bool)
     active[order[:active_patches]] = True
     real = torch.where(active.view_as(fake), fake + 1.0, fake - 1.0)  # active: the fake trails by more than the margin
-    saved, objective.cfg = objective.cfg, cfg
-    try:
-        loss, logs = objective(x, recon, mean.detach(), None, step=cfg.disc_start, real_logits=real,
+    with configured(objective, perceptual_weight=0.0, mse_weight=0.0, kl_weight=0.0, gan_weight=0.5,
+                    gen_loss="thresholded"):
+        loss, logs = objective(x, recon, mean.detach(), None, step=config().disc_start, real_logits=real,
                                critic_fake_logits=fake)
         grad = torch.autograd.grad(loss, recon)[0]
-    finally:
-        objective.cfg = saved
     fraction = active_patches / fake.numel()
     assert logs["gan/active_fraction"].item() == pytest.approx(fraction)
     assert grad.norm().item() == pytest.approx(0.5 * math.sqrt(fraction), rel=1e-4)
@@ -121,17 +125,84 @@ def test_gan_target_is_its_weight_times_sqrt_active_fraction(objective, inputs, 
 
 def test_critic_loss_carries_lecam_and_the_frozen_critic_takes_no_gradient(objective, inputs):
     x, recon, mean = inputs
-    d_loss, real_logits, fake_logits, logs = objective.critic_loss(x, recon)
+    adversary, disc_start = objective.adversary, config().disc_start
+    d_loss, real_logits, fake_logits, logs = adversary.loss(x, recon)
     hinge = discriminator_loss(real_logits, fake_logits, "hinge")
-    penalty = objective.lecam.penalty(real_logits, fake_logits)  # against the pending anchors of this step
+    penalty = adversary.lecam.penalty(real_logits, fake_logits)  # against the pending anchors of this step
     assert torch.equal(d_loss, hinge + 0.1 * penalty) and penalty > 0
     assert not real_logits.requires_grad and torch.equal(logs["loss/disc"], d_loss)
-    objective.lecam.commit(skip=torch.zeros(()))
-    with objective.critic_frozen():
-        loss, _ = objective(x, recon, mean, None, step=objective.cfg.disc_start, real_logits=real_logits,
+    adversary.lecam.commit(skip=torch.zeros(()))
+    with adversary.frozen():
+        loss, _ = objective(x, recon, mean, None, step=disc_start, real_logits=real_logits,
                             critic_fake_logits=fake_logits)
         loss.backward()
-    assert all(p.grad is None for p in objective.critic.parameters())
-    assert all(p.requires_grad for p in objective.critic.parameters())
+    assert all(p.grad is None for p in adversary.critic.parameters())
+    assert all(p.requires_grad for p in adversary.critic.parameters())
     assert recon.grad is not None and mean.grad is not None
-    assert not objective.gan_active(objective.cfg.disc_start - 1) and objective.gan_active(objective.cfg.disc_start)
+    assert not objective.gan_active(disc_start - 1) and objective.gan_active(disc_start)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")  # the skipped step takes no optimizer step
+def test_the_adversary_trains_and_checkpoints_on_its_own(objective, inputs):
+    """The critic's owner without a trainer: its backward and guarded step move the critic, the schedule and
+    LeCam's anchors; a skipped step moves none of them; state_dict/load_state_dict round-trip under the
+    checkpoint's keys, and a checkpoint of another critic kind is not loaded."""
+    x, recon, _ = inputs
+    recon = recon.detach() * 0.5  # logits other than the earlier tests': LeCam's anchors would move
+    adversary = objective.adversary
+    adversary.prepare_training(config(), lambda params, lr: torch.optim.AdamW(params, lr=lr))
+
+    def step_optimizer(optimizer, scaler, bad):
+        if not bad:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    before = {k: v.clone() for k, v in adversary.critic.state_dict().items()}
+    anchor = adversary.lecam.ema_fake.clone()
+    adversary.backward(x, recon, sync=True, accum=1)
+    adversary.step(torch.ones(()), step_optimizer)  # skipped: nothing moves but the schedule
+    assert all(torch.equal(v, adversary.critic.state_dict()[k]) for k, v in before.items())
+    assert torch.equal(adversary.lecam.ema_fake, anchor)
+    adversary.backward(x, recon, sync=True, accum=1)
+    adversary.step(torch.zeros(()), step_optimizer)
+    assert not all(torch.equal(v, adversary.critic.state_dict()[k]) for k, v in before.items())
+    assert not torch.equal(adversary.lecam.ema_fake, anchor)
+    state = adversary.state_dict()
+    assert set(state) == {"discriminator", "optimizer_disc", "scheduler_disc", "scaler_disc", "lecam"}
+    assert state["scheduler_disc"]["last_epoch"] == 2
+    fresh = VAEObjective(config(), with_lpips=False).adversary
+    fresh.prepare_training(config(), lambda params, lr: torch.optim.AdamW(params, lr=lr))
+    fresh.load_state_dict({**state, "config": {"discriminator": "vgg16", "disc_norm": "none"}}, log=lambda m: None)
+    assert not torch.equal(fresh.critic.state_dict()["main.0.weight"], state["discriminator"]["main.0.weight"])
+    fresh.load_state_dict({**state, "config": {"discriminator": "patchgan", "disc_norm": "none"}})
+    assert all(torch.equal(v, state["discriminator"][k]) for k, v in fresh.critic.state_dict().items())
+    assert torch.equal(fresh.lecam.ema_real, adversary.lecam.ema_real)
+
+
+def term(name, value, weight, **kwargs):
+    return Term(name, torch.tensor(value, requires_grad=True), weight, **kwargs)
+
+
+@pytest.mark.parametrize("balance", ["gradnorm", "adaptive", "none"])
+def test_compose_logs_every_term_and_one_total_formula_for_every_balance(balance):
+    """loss/total = sum(weight * value) whatever the balance; each term logged under its name (a term that is
+    not `logged` contributes its parts); what is backpropagated follows the balance."""
+    last_layer = torch.ones(3, requires_grad=True)
+    rec = (last_layer * torch.tensor([1.0, 2.0, 3.0])).sum()  # a reconstruction term with a path to the last layer
+    terms = [Term("pixel", rec, 2.0, balanced=True, logged=False, logs={"loss/part": rec.detach()}),
+             term("gan_g", 0.5, 0.25, balanced=True, adversarial=True), term("kl", 3.0, 0.1, balanced=False,
+                                                                                gradnorm_factor=4.0)]
+    terms[1].value = terms[1].value * last_layer.sum() / 3  # the GAN term also reaches the last layer
+    backward, logs = compose(terms, balance, scale=torch.tensor(2.0), accum=2, last_layer=last_layer)
+    assert logs["loss/total"].item() == pytest.approx(2.0 * 6.0 + 0.25 * 0.5 + 0.1 * 3.0)
+    assert set(logs) >= {"loss/part", "loss/gan_g", "loss/kl", "loss/total"} and "loss/pixel" not in logs
+    if balance == "gradnorm":  # branches unweighted (GradNorm carries their weight), the KL weighted and scaled
+        expected = 2.0 * (6.0 + 0.5 + 0.1 * 3.0 * 4.0 / 2)
+    else:
+        gan_weight = 0.25
+        if balance == "adaptive":  # ||d rec / d w|| / (||d gan / d w|| + 1e-4) at the last layer, both scaled
+            rec_grad_norm = 2.0 * 2.0 * torch.tensor([1.0, 2.0, 3.0]).norm()
+            gan_weight = 0.25 * rec_grad_norm / (2.0 * 0.5 / 3 * math.sqrt(3) + 1e-4)
+            assert logs["loss/adaptive_weight"].item() == pytest.approx(float(gan_weight), rel=1e-5)
+        expected = 2.0 * (2.0 * 6.0 + gan_weight * 0.5 + 0.1 * 3.0) / 2
+    assert backward.item() == pytest.approx(float(expected), rel=1e-5)

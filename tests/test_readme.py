@@ -163,3 +163,29 @@ def test_readme_examples_reproduce_their_output(tmp_path, photos_dir):
     proc = run(command, "--shard_size", "3")  # 8 photos: 3 shards, as the README's brace range
     assert_shows([line[2:] for line in lines[1:] if line.startswith("# ")], proc.stdout,
                  {str(tmp_path / "shards"): "/data/shards"})
+
+
+def test_the_layout_keeps_its_promises():
+    """The README's Layout: no module imports another in a circle (loading a trained VAE lives in checkpoint.py,
+    below evaluate.py and export.py), vae_trainer.py stays under 700 lines and no class over 300."""
+    import ast
+    modules = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
+    trees = {m: ast.parse(open(os.path.join(ROOT, m + ".py")).read()) for m in modules}
+    imports = {}
+    for name, tree in trees.items():
+        found = set()
+        for node in ast.walk(tree):  # imports inside functions count too
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module.split(".")[0])
+        imports[name] = found & modules - {name}
+
+    def reaches(start, target, seen=()):
+        return any(m == target or (m not in seen and reaches(m, target, seen + (m,))) for m in imports[start])
+    assert [m for m in sorted(modules) if reaches(m, m)] == []
+    assert len(open(os.path.join(ROOT, "vae_trainer.py")).read().splitlines()) < 700
+    long_classes = [(m, node.name, node.end_lineno - node.lineno + 1) for m, tree in trees.items()
+                    for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+                    and node.end_lineno - node.lineno + 1 > 300]
+    assert long_classes == []

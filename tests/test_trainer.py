@@ -10,6 +10,8 @@ import torch
 from PIL import Image
 
 import checkpoint
+import config
+import objective as objective_lib
 import vae_trainer
 from conftest import TINY, cli_env, run_cli
 
@@ -250,7 +252,7 @@ def test_demo_runs_from_nothing(tmp_path):
 def test_demo_without_vgg16_weights_trains_no_random_feature_branch(tmp_path, monkeypatch):
     """The demo's config: without cached VGG16 weights, LPIPS and the VGG16 critic (both would train on random
     features) are off; with them, the full recipe stays. An explicit --vgg16_weights random is the user's choice."""
-    monkeypatch.setattr(vae_trainer, "vgg16_cache_path", lambda: str(tmp_path / "absent" / "vgg16.pth"))
+    monkeypatch.setattr(config, "vgg16_cache_path", lambda: str(tmp_path / "absent" / "vgg16.pth"))
     demo = vae_trainer.parse_config(["--demo", "--output_dir", str(tmp_path)])
     assert demo.perceptual_weight > 0 and demo.do_ganloss and demo.discriminator == "vgg16"  # the full recipe
     offline = vae_trainer.prepare_demo(demo)
@@ -262,7 +264,7 @@ def test_demo_without_vgg16_weights_trains_no_random_feature_branch(tmp_path, mo
     cached = tmp_path / "hub" / "vgg16.pth"
     cached.parent.mkdir()
     cached.write_bytes(b"weights")
-    monkeypatch.setattr(vae_trainer, "vgg16_cache_path", lambda: str(cached))
+    monkeypatch.setattr(config, "vgg16_cache_path", lambda: str(cached))
     online = vae_trainer.prepare_demo(demo)
     assert (online.vgg16_weights, online.perceptual_weight, online.do_ganloss) == (
         "torchvision", demo.perceptual_weight, True)
@@ -352,7 +354,90 @@ def test_ema_update_rule():
         assert ema.state_dict()[n].dtype == torch.float32
 
 
-def test_readme_documents_every_flag():
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
-    missing = [f.name for f in dataclasses.fields(vae_trainer.Config) if f"`--{f.name}`" not in readme]
-    assert not missing, missing
+def in_process_trainer(shard_url, tmp_path, *extra, cfg_class=None) -> vae_trainer.Trainer:
+    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, "--num_workers", "0",
+                               "--evaluate_every_n_steps", "0", *extra])
+    if cfg_class is not None:
+        cfg = cfg_class(**dataclasses.asdict(cfg))
+    config.validate(cfg)
+    return vae_trainer.Trainer(cfg, vae_trainer.DistInfo())
+
+
+def test_max_bad_steps_is_checked_every_step(shard_url, tmp_path, capsys, monkeypatch, one_torch_thread):
+    """Issue 16 item 7: with logs every 50 steps, a streak of 3 non-finite steps stops the run at its third
+    step, not at the next log (nor never, when the streak ends between two logs)."""
+    trainer = in_process_trainer(shard_url, tmp_path, "--max_bad_steps", "3", "--log_every_n_steps", "50",
+                                 "--max_steps", "40", "--save_every_n_steps", "100")
+    forward = trainer.objective.forward
+
+    def nan_from_step_2(*args, **kwargs):
+        loss, logs = forward(*args, **kwargs)
+        return (loss * float("nan") if trainer.step >= 2 else loss), logs
+    monkeypatch.setattr(trainer.objective, "forward", nan_from_step_2)
+    try:
+        assert trainer.train() == 1
+    finally:
+        trainer.close()
+    assert trainer.step == 5  # steps 2, 3, 4 skipped: stopped after the third
+    assert "error: 3 consecutive steps had non-finite losses or gradients and were skipped" in capsys.readouterr().out
+
+
+@dataclasses.dataclass
+class ConfigWithToyTerm(config.Config):
+    toy_weight: float = config.opt(0.0, "weight of the toy term: the mean reconstruction, pulled to 0")
+
+
+class ObjectiveWithToyTerm(objective_lib.VAEObjective):
+    """A new loss term the way the README's "Change the loss" says: the config field (above) and one block."""
+
+    def __init__(self, cfg, *args, **kwargs):
+        super().__init__(cfg, *args, **kwargs)
+        self.toy_weight = cfg.toy_weight  # (in the repo: a LossConfig field, read as self.loss_cfg.toy_weight)
+
+    def terms(self, x, recon, *args, **kwargs):
+        terms = super().terms(x, recon, *args, **kwargs)
+        if self.toy_weight > 0:  # the block
+            terms.append(objective_lib.Term("toy", recon.mean().square(), self.toy_weight, balanced=False))
+        return terms
+
+
+def test_a_new_loss_term_is_a_field_and_one_block(shard_url, tmp_path, monkeypatch, capsys, one_torch_thread):
+    """With the toy term's weight on, it is backpropagated (the weights differ from a run without it), logged
+    in metrics.jsonl as loss/toy, counted in loss/total and shown on the stdout line."""
+    monkeypatch.setattr(vae_trainer, "VAEObjective", ObjectiveWithToyTerm)
+    finals = {}
+    for weight in (0.0, 50.0):
+        trainer = in_process_trainer(shard_url, tmp_path / str(weight), "--max_steps", "2", "--log_every_n_steps",
+                                     "1", "--save_every_n_steps", "100", "--perceptual_weight", "0",
+                                     cfg_class=lambda **kw: ConfigWithToyTerm(**kw, toy_weight=weight))
+        try:
+            assert trainer.train() == 0
+        finally:
+            trainer.close()
+        finals[weight] = trainer.vae.decoder.conv_out.weight.detach().clone()
+    out = capsys.readouterr().out
+    records = _metrics(str(tmp_path / "50.0" / "vae"))
+    assert all("loss/toy" in r and r["loss/toy"] >= 0 for r in records)
+    assert records[-1]["loss/total"] == pytest.approx(
+        records[-1]["loss/pooled_mse"] + records[-1]["loss/lowpass_mse"] + 0.003 * records[-1]["loss/kl"]
+        + 50.0 * records[-1]["loss/toy"], rel=1e-5)
+    assert "| toy " in out
+    assert not torch.equal(finals[0.0], finals[50.0])
+
+
+# The top-level keys of a checkpoint (format_version 1): runs resume from files written by earlier code.
+CHECKPOINT_KEYS = {"format_version", "step", "config", "model_params", "vae", "ema", "init_source", "discriminator",
+                   "optimizer_vae", "optimizer_disc", "scheduler_vae", "scheduler_disc", "scaler_vae", "scaler_disc",
+                   "lecam", "guard", "ranks", "world_size"}
+
+
+@pytest.mark.parametrize("gan", [True, False])
+def test_the_registry_writes_the_checkpoint_keys_of_format_version_1(shard_url, tmp_path, gan, one_torch_thread):
+    trainer = in_process_trainer(shard_url, tmp_path, *(["--do_ganloss", "--lecam_weight", "0.1"] if gan else []))
+    try:
+        state = trainer.checkpoint_state()
+    finally:
+        trainer.close()
+    assert set(state) == CHECKPOINT_KEYS
+    assert (state["discriminator"] is not None) == gan and (state["lecam"] is not None) == gan
+    assert state["scaler_disc"] == {} and state["guard"] == {"bad_steps_total": 0, "bad_streak": 0}

@@ -7,16 +7,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import checkpoint  # noqa: E402
 import vae_trainer  # noqa: E402
 
 if os.environ.get("RANK") == "1":
-    find_resume = vae_trainer.Trainer._find_resume
+    find_resume = checkpoint.find_resume
 
-    def late_find_resume(self):
+    def late_find_resume(*args, **kwargs):
         time.sleep(float(os.environ.get("VAE_TEST_RANK1_DELAY_S", "3")))
-        return find_resume(self)
+        return find_resume(*args, **kwargs)
 
-    vae_trainer.Trainer._find_resume = late_find_resume
+    checkpoint.find_resume = late_find_resume
 
 if __name__ == "__main__":
     sys.exit(vae_trainer.main())

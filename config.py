@@ -1,0 +1,654 @@
+"""The configuration: one dataclass per concern (torchtitan's job_config), their union `Config` with the flat flag
+names, and `finish_config`, the one function from argv to a finished, validated config.
+
+    cfg, given, source = finish_config(sys.argv[1:])   # demo, --init_from, automatic values, resumed values, checks
+    loss = section(cfg, LossConfig)                    # a component takes its own section, typed
+
+Every field is a flag (`--<name>`, its help from the field); `flag_tables()` writes the README's flag tables from
+the same fields, and tests/test_readme.py checks that the README holds them. A run records its finished config in
+config.json and in every checkpoint; a resumed run reads the automatic values back from there instead of deriving
+them again (a flag given again wins, and one line says what changed).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import data as data_lib
+import latents as latents_lib
+import pretrained
+from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoderParams
+from common import ConfigError, OneLineParser, parse_bool
+from utils import DISC_NORMS, DISC_TYPES, vgg16_cache_path
+
+
+def opt(default, help: str, choices=None, arch: bool = False):
+    """A config field: its default, its --help text, its allowed values; `arch`: part of the VAE's architecture
+    (a run directory written with another value cannot be resumed: checkpoint.check_compatible)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "arch": arch})
+
+
+@dataclass
+class DataConfig:
+    """The training and held-out data and how it is read (data.py)."""
+    GROUP: ClassVar[str] = "data"  # the --help group
+    TITLE: ClassVar[str] = "Data"  # the README table's heading
+
+    dataset_url: str = opt("", "training data: webdataset shards ('shards/{00000..01023}.tar', http(s)://, "
+                               "pipe:..., lists joined by '::') or a directory of images")
+    test_dataset_url: str = opt("", "held-out data for evaluation and sample grids (same forms)")
+    batch_size: int = opt(8, "images per GPU per micro-step")
+    num_workers: int = opt(4, "dataloader worker processes per GPU")
+    vae_resolution: int = opt(256, "training crop size in pixels")
+    shuffle_buffer: int = opt(1000, "samples held (as raw bytes) in each worker's shuffle buffer")
+    resize_prob: float = opt(0.5, "probability of resizing the shorter side to the crop size before cropping "
+                                  "(a whole-image view); otherwise crops are taken at native scale")
+    max_image_pixels: int = opt(100_000_000, "images with more pixels are skipped (decompression bombs)")
+
+
+@dataclass
+class ModelConfig:
+    """The autoencoder's architecture and posterior (ae.py's AutoEncoderParams)."""
+    GROUP: ClassVar[str] = "model"  # the --help group
+    TITLE: ClassVar[str] = "Model"  # the README table's heading
+
+    vae_ch: int = opt(128, "base channel count", arch=True)
+    vae_ch_mult: str = opt("1,2,4,4", "channel multiplier per level; downsampling = 2^(levels-1)", arch=True)
+    vae_num_res_blocks: int = opt(2, "ResnetBlocks per level", arch=True)
+    vae_z_channels: int = opt(16, "latent channels", arch=True)
+    vae_norm_groups: int = opt(0, "GroupNorm groups (diffusers' norm_num_groups); every level's channel count must "
+                                  "divide by it. 0: auto, the largest divisor of --vae_ch up to min(32, vae_ch/4): "
+                                  "32 at 128 (FLUX, SD), 16 at 64, 8 at 32. One channel per group removes each "
+                                  "image's per-channel mean (its colour) at every norm and learns slower", arch=True)
+    do_attn: bool = opt(True, "self-attention in the mid blocks", arch=True)
+    posterior: str = opt("constant", "constant: z = mean + sqrt(posterior_var) * noise; learned: the encoder "
+                                     "also predicts the log-variance (standard SD VAE)", POSTERIORS, arch=True)
+    posterior_var: float = opt(0.1, "the fixed VARIANCE sigma^2 of the constant posterior (std = sqrt)")
+    do_clamp: bool = opt(False, "clamp the posterior mean to [-clamp_th, clamp_th]")
+    clamp_th: float = opt(8.0, "latent clamp threshold used with --do_clamp")
+    vae_quant_conv: bool = opt(False, "LDM's 1x1 quant_conv/post_quant_conv around the latent (the SD 1.x/2.x/SDXL "
+                                      "VAEs; needs --posterior learned). Set by --init_from", arch=True)
+
+
+@dataclass
+class FinetuneConfig:
+    """Starting from a released VAE, and which parts train."""
+    GROUP: ClassVar[str] = "finetune"  # the --help group
+    TITLE: ClassVar[str] = "Fine-tuning a released VAE ([recipe](#fine-tune-an-existing-vae))"  # README heading
+
+    init_from: str = opt("", "start from a released VAE: a diffusers AutoencoderKL folder, FLUX's ae.safetensors, an "
+                             "SD VAE file or a full SD checkpoint (first_stage_model.*). The architecture (the --vae_* "
+                             "flags, --posterior) and the latent factors are read from it")
+    init_family: str = opt("auto", "the family of an --init_from single file, for its latent factors (a VAE-only "
+                                   "file does not say whether it is SD's or SDXL's, FLUX's or SD3's)",
+                           pretrained.FAMILY_CHOICES)
+    train_parts: str = opt("all", "all: train the whole VAE; decoder: freeze the encoder, quant_conv and the "
+                                  "posterior (no_grad, eval mode, not in the optimizer, EMA or DDP), train the "
+                                  "decoder: the latent space stays the source's, so export keeps its latent factors",
+                           ("all", "decoder"))
+
+
+@dataclass
+class LossConfig:
+    """The reconstruction and latent loss terms and how they are balanced (objective.py)."""
+    GROUP: ClassVar[str] = "loss"  # the --help group
+    TITLE: ClassVar[str] = "Losses"  # the README table's heading
+
+    loss_balance: str = opt("gradnorm", "gradnorm: each branch's gradient on the reconstruction is normalised to "
+                                        "its weight; adaptive: LDM's adaptive GAN weight; none: plain weighted sum",
+                            ("gradnorm", "adaptive", "none"))
+    perceptual_weight: float = opt(1.0, "LPIPS branch weight")
+    mse_weight: float = opt(1.0, "pixel (pooled + low-pass MSE) branch weight")
+    pooled_mse_weight: float = opt(1.0, "pooled MSE inside the pixel branch")
+    lowpass_mse_weight: float = opt(1.0, "low-pass MSE inside the pixel branch")
+    mse_pool_factor: int = opt(16, "area-pooling factor of the pooled MSE")
+    lowpass_threshold: float = opt(0.8, "blurriness above which a pixel counts as low-frequency")
+    kl_weight: float = opt(0.003, "weight of the KL / latent penalty (constant posterior: 0.5 * mean^2). gradnorm: "
+                                  "summed over the rank's latent elements and divided by the square root of their "
+                                  "count, so its gradient at the latent has norm kl_weight * rms(mean) at any batch "
+                                  "and resolution; adaptive, none: averaged per latent element, like the other "
+                                  "losses")
+
+
+@dataclass
+class CriticConfig:
+    """The critic and its adversarial term (objective.py's Adversary)."""
+    GROUP: ClassVar[str] = "gan"  # the --help group
+    TITLE: ClassVar[str] = "Discriminator (GAN)"  # the README table's heading
+
+    do_ganloss: bool = opt(False, "train with the discriminator")
+    discriminator: str = opt("vgg16", "vgg16: VGG16 feature slices with conv heads; patchgan: N-layer PatchGAN",
+                             ("vgg16", "patchgan"))
+    disc_type: str = opt("hinge", "discriminator loss", DISC_TYPES)
+    disc_norm: str = opt("group_spectral", "PatchGAN normalisation", DISC_NORMS)
+    gen_loss: str = opt("thresholded", "generator loss: thresholded = relu(D(x) - D(x_hat) - margin) (reference); "
+                                       "ldm = -mean(D(x_hat)); nonsaturating = softplus(-D(x_hat))",
+                      ("thresholded", "ldm", "nonsaturating"))
+    gan_weight: float = opt(0.5, "GAN branch weight (gradnorm: the branch's gradient norm while every patch is "
+                                 "active, times sqrt(active fraction) with the thresholded loss; adaptive: "
+                                 "multiplies the adaptive weight)")
+    gan_margin: float = opt(0.1, "margin of the thresholded generator loss")
+    disc_start: int = opt(-1, "step from which the generator gets the adversarial term (D trains from 0). -1: "
+                              "auto, a fifth of --max_steps")
+    learning_rate_disc: float = opt(0.0, "discriminator learning rate. 0: auto, 1e-5 for the vgg16 critic (a "
+                                         "pretrained trunk, as the reference), --learning_rate_vae for patchgan "
+                                         "(as LDM)")
+    lecam_weight: float = opt(0.0, "LeCam regularisation weight for the discriminator (0: off)")
+    adaptive_weight_max: float = opt(1e4, "clamp of LDM's adaptive weight")
+    vgg16_weights: str = opt("torchvision", "VGG16 for LPIPS and the discriminator: torchvision (its download "
+                                            "cache), a local state-dict PATH, or random (tests/demo only)")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, the schedule, the step budget, EMA, the seed."""
+    GROUP: ClassVar[str] = "optim"  # the --help group
+    TITLE: ClassVar[str] = "Optimisation"  # the README table's heading
+
+    learning_rate_vae: float = opt(0.0, "VAE learning rate (AdamW). 0: auto, 0.032 / --vae_ch (1e-3 at ch 32, "
+                                        "2.5e-4 at ch 128); a tenth of that with --init_from")
+    weight_decay: float = opt(1e-3, "AdamW weight decay (both networks)")
+    adam_beta1: float = opt(0.9, "AdamW beta1")
+    adam_beta2: float = opt(0.95, "AdamW beta2")
+    warmup_steps: int = opt(-1, "linear warm-up steps of the cosine schedule. -1: auto, a tenth of --max_steps, "
+                                "at most 1000")
+    min_lr_ratio: float = opt(0.0, "final learning rate as a fraction of the peak")
+    grad_clip: float = opt(1.0, "clip the global gradient norm of each network (0: off)")
+    max_steps: int = opt(10000, "optimizer steps to train (every rank runs exactly this many)")
+    grad_accum: int = opt(1, "micro-batches per optimizer step")
+    ema_decay: float = opt(0.999, "EMA of the VAE weights, in fp32, with warm-up (0: off)")
+    seed: int = opt(42, "random seed")
+
+
+@dataclass
+class SpeedConfig:
+    """Precision and speed; none of these changes what is learned beyond rounding."""
+    GROUP: ClassVar[str] = "speed"  # the --help group
+    TITLE: ClassVar[str] = "Precision and speed"  # the README table's heading
+
+    precision: str = opt("fp32", "fp32 (recommended for VAEs), or bf16/fp16 autocast with fp32 islands",
+                         ("fp32", "bf16", "fp16"))
+    allow_tf32: bool = opt(False, "allow TF32 matmuls/convolutions on Ampere+ GPUs")
+    grad_checkpointing: str = opt("none", "recompute activations in backward, one block at a time: decoder_hr (the "
+                                          "decoder's two highest-resolution levels), hr (those of the encoder too), "
+                                          "decoder (every decoder level), all", GRAD_CHECKPOINTING)
+    channels_last: bool = opt(True, "channels_last memory format")
+    compile: bool = opt(False, "torch.compile the encoder, decoder and discriminator")
+
+
+@dataclass
+class LatentsConfig:
+    """Regularisers that make the latent easier for a diffusion model (latents.py)."""
+    GROUP: ClassVar[str] = "latents"  # the --help group
+    TITLE: ClassVar[str] = "Latents for diffusion"  # the README table's heading
+
+    scale_equivariance_prob: float = opt(0.0, "probability per micro-batch that the latent is downsampled (and "
+                                              "rotated/flipped with --scale_equivariance_rotate) before decoding, "
+                                              "and the losses compare with the equally downsampled image "
+                                              "(EQ-VAE; a smoother, more diffusable latent). 0: off")
+    scale_equivariance_mode: str = opt("half", "half: x0.5; random: a latent size drawn from a quarter up to one "
+                                               "less than the full one", ("half", "random"))
+    scale_equivariance_rotate: bool = opt(False, "also rotate by 0/90/180/270 degrees and flip (both the latent "
+                                                 "and the image) on scale-equivariance steps")
+    latent_noise_prob: float = opt(0.0, "probability per image that the decoder sees z + Gaussian noise (a "
+                                        "decoder robust to a diffusion model's imperfect latents). 0: off")
+    latent_noise_max: float = opt(0.5, "the noise std is U(0, this) times the batch's latent std")
+
+
+@dataclass
+class RunConfig:
+    """The run directory, logging, checkpoints, evaluation, resuming."""
+    GROUP: ClassVar[str] = "run"  # the --help group
+    TITLE: ClassVar[str] = "Run, logging, checkpoints"  # the README table's heading
+
+    inception_weights: str = opt("torchvision", "FID Inception-v3 for rFID during evaluation: torchvision (torch "
+                                                "hub's cache), a local PATH, random (tests only) or none")
+    output_dir: str = opt("runs", "where run directories live")
+    run_name: str = opt("vae", "run directory name and wandb run name")
+    project_name: str = opt("vae-trainer", "wandb project")
+    wandb_mode: str = opt("offline", "wandb: offline (sync later), online, or disabled",
+                          ("offline", "online", "disabled"))
+    log_every_n_steps: int = opt(50, "log (stdout, metrics.jsonl, wandb) every N steps")
+    save_every_n_steps: int = opt(1000, "checkpoint and sample grid every N steps")
+    evaluate_every_n_steps: int = opt(1000, "evaluate on --test_dataset_url every N steps (0: off)")
+    eval_max_images: int = opt(256, "images of the test set used by evaluation during training")
+    num_samples: int = opt(8, "images in each sample grid")
+    keep_last_k: int = opt(3, "checkpoints kept in <run_dir>/checkpoints")
+    resume: str = opt("auto", "auto: continue from the run directory's latest checkpoint; never: refuse a "
+                              "run directory that has checkpoints; or a checkpoint PATH")
+    load_path: str = opt("", "initialise the VAE weights from a checkpoint or .safetensors (fine-tuning)")
+    force: bool = opt(False, "accept a run directory written with a different architecture")
+    max_bad_steps: int = opt(20, "stop after this many consecutive non-finite (skipped) steps")
+    demo: bool = opt(False, "train a tiny model on bundled sample photos (defaults below are overridden)")
+
+
+SECTIONS = (DataConfig, ModelConfig, FinetuneConfig, LossConfig, CriticConfig, OptimConfig, SpeedConfig,
+            LatentsConfig, RunConfig)
+
+
+@dataclass
+class Config(RunConfig, LatentsConfig, SpeedConfig, OptimConfig, CriticConfig, LossConfig, FinetuneConfig,
+             ModelConfig, DataConfig):
+    """Every section in one flat object (fields in SECTIONS' order): the flags, config.json, the checkpoints'
+    "config" and wandb's config all come from it. Components take `section(cfg, TheirSection)`."""
+
+
+def section(cfg: Config, kind: type):
+    """The `kind` section (e.g. LossConfig) of a config, as its own typed object."""
+    return kind(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(kind)})
+
+
+def section_of(name: str) -> type:
+    """The section that holds the field `name`."""
+    return next(s for s in SECTIONS if name in {f.name for f in dataclasses.fields(s)})
+
+
+# A run directory written with other values of these cannot be resumed (the VAE's weights would not fit).
+ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata["arch"])
+
+
+def uses_vgg16(cfg: Config) -> bool:
+    """Whether a loss trains on VGG16 features: LPIPS with a weight, or the VGG16 critic."""
+    return cfg.perceptual_weight > 0 or (cfg.do_ganloss and cfg.discriminator == "vgg16")
+
+
+# The flags --init_from sets from its source (the architecture and the posterior's settings).
+SOURCE_FIELDS = ARCH_FIELDS + ("posterior_var", "do_clamp")
+
+# The demo: a tiny f4 model at 64 px that visibly learns in about 5 CPU minutes. Its latent (4 x 4 x 16 x 16
+# = 4096 elements per step) takes kl_weight 1/64 = 1/sqrt(4096): the KL strength it was tuned with.
+# Without pretrained VGG16 (prepare_demo) it trains on pixels only, and a pixel-only step costs about a sixth
+# of one with LPIPS and the VGG16 critic (10.2 vs 1.7 img/s, one CPU thread): 900 steps fit where 300 did.
+# With VGG16 weights cached the full recipe runs these 900 steps at that cost (a GPU, or --max_steps 300).
+# Held-out PSNR (the 4 photos at 64 px): the former demo (300 steps, LPIPS and critic on a random VGG16,
+# 32 groups, lr 5e-4, 4x-pooled MSE) 16.4 dB, colours lost; this config 15.9 / 20.1 / 20.7 dB at steps
+# 300 / 600 / 900 (EMA 16.5 / 20.1 / 20.7). --vae_norm_groups 8: 32 groups at --vae_ch 32 are one channel
+# each, so every norm removes each image's per-channel means (its colour): this config with 32 groups
+# reaches 16.9 / 17.4 / 17.6 dB at 300 / 600 / 900, every reconstruction still grey; 8 groups gave the
+# colours back (4 groups: 19.0 dB at 600). --mse_pool_factor 1: full-resolution MSE (the pooled one leaves
+# detail to LPIPS, which is off here); lr 1e-3 (3e-3: 15.5 dB at 300, pixel-only); --posterior_var 0.01.
+DEMO = dict(vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_channels=4, vae_norm_groups=8,
+            do_attn=False, vae_resolution=64, batch_size=4, num_workers=2, shuffle_buffer=64, max_steps=900,
+            learning_rate_vae=1e-3, warmup_steps=30, mse_pool_factor=1, posterior_var=0.01,
+            do_ganloss=True, disc_start=50, mse_weight=1.0, perceptual_weight=0.5, gan_weight=0.3, kl_weight=1 / 64,
+            log_every_n_steps=50, save_every_n_steps=300, evaluate_every_n_steps=300, eval_max_images=16,
+            run_name="demo", ema_decay=0.99)
+
+
+TRAINER_USAGE = """Train a latent-diffusion autoencoder (FLUX-style, constant-variance latent) with torchrun.
+
+    torchrun --nproc_per_node=8 vae_trainer.py --dataset_url 'shards/{00000..01023}.tar' --do_ganloss
+    python vae_trainer.py --demo                      # no data of your own needed
+
+Every hyperparameter is a flag; the run directory <output_dir>/<run_name>/ holds config.json, metrics.jsonl,
+checkpoints/ and samples/, and a run started again in it resumes where it stopped."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per Config field, grouped by section; no abbreviations (`--max_step` is not `--max_steps`)."""
+    parser = OneLineParser(description=TRAINER_USAGE, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    for kind in SECTIONS:
+        group = parser.add_argument_group(kind.GROUP)
+        for f in dataclasses.fields(kind):
+            meta = f.metadata
+            kwargs: dict[str, Any] = dict(help=f"{meta['help']} (default: {f.default})")
+            if f.type in ("bool", bool):
+                kwargs.update(nargs="?", const=True, type=parse_bool, metavar="BOOL")
+            else:
+                kwargs["type"] = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+                if meta["choices"]:
+                    kwargs["choices"] = meta["choices"]
+            group.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def parse_flags(argv: list[str] | None = None) -> tuple[Config, set[str]]:
+    """The config as given (automatic values still 0 / -1) and the names of the flags the user gave (argparse
+    leaves the others out: SUPPRESS). finish_config turns it into the run's config."""
+    given = vars(build_parser().parse_args(argv))
+    values = dict(DEMO) if given.get("demo") else {}
+    values.update(given)
+    return Config(**values), set(given)
+
+
+# --learning_rate_vae auto = LR_TIMES_WIDTH / --vae_ch. Adam's step is scale-free, so the update of a layer's
+# output grows with its fan-in: a rate inversely proportional to the width keeps it comparable (the
+# reference's rule is 2^-7 / vae_ch). The constant comes from this repo's runs at ch 32 (BENCHMARKS.md,
+# "Defaults"): 1e-3 there, which makes 2.5e-4 at FLUX width, where LDM's recipe (4.5e-6 x total batch 64) is 2.9e-4.
+LR_TIMES_WIDTH = 0.032
+
+
+def auto_norm_groups(vae_ch: int) -> int:
+    """The largest divisor of vae_ch up to min(32, vae_ch // 4): at least 4 channels per group where possible."""
+    limit = max(1, min(32, vae_ch // 4))
+    return max(d for d in range(1, limit + 1) if vae_ch % d == 0)
+
+
+def resolve_auto(cfg: Config) -> Config:
+    """The automatic defaults (0 or -1, see each flag's help) made concrete; idempotent. config.json records
+    the resolved values, so a run shows what it trained with."""
+    lr_vae = cfg.learning_rate_vae
+    if lr_vae == 0 and cfg.vae_ch > 0:  # (a bad --vae_ch is refused by validate)
+        # a fine-tune (--init_from) starts from a trained optimum: a tenth (2.5e-5 at FLUX width)
+        lr_vae = LR_TIMES_WIDTH / cfg.vae_ch / (10 if cfg.init_from else 1)
+    changes = dict(
+        learning_rate_vae=lr_vae,
+        learning_rate_disc=cfg.learning_rate_disc or (1e-5 if cfg.discriminator == "vgg16" else lr_vae),
+        warmup_steps=min(1000, cfg.max_steps // 10) if cfg.warmup_steps == -1 else cfg.warmup_steps,
+        disc_start=cfg.max_steps // 5 if cfg.disc_start == -1 else cfg.disc_start,
+        vae_norm_groups=cfg.vae_norm_groups or (auto_norm_groups(cfg.vae_ch) if cfg.vae_ch > 0 else 0))
+    return dataclasses.replace(cfg, **changes)
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """The config of these flags with every automatic value resolved (no --init_from source is read)."""
+    return resolve_auto(parse_flags(argv)[0])
+
+
+def ch_mult_of(cfg: Config) -> tuple[int, ...]:
+    try:
+        mult = tuple(int(m) for m in cfg.vae_ch_mult.split(","))
+    except ValueError:
+        raise ConfigError(f"--vae_ch_mult must be comma-separated integers, got {cfg.vae_ch_mult!r}") from None
+    if not mult or min(mult) <= 0:
+        raise ConfigError(f"--vae_ch_mult must be positive integers, got {cfg.vae_ch_mult!r}")
+    return mult
+
+
+def model_params(cfg: Config) -> AutoEncoderParams:
+    return AutoEncoderParams(ch=cfg.vae_ch, ch_mult=ch_mult_of(cfg), num_res_blocks=cfg.vae_num_res_blocks,
+                             z_channels=cfg.vae_z_channels, norm_groups=cfg.vae_norm_groups,
+                             use_attn=cfg.do_attn, posterior=cfg.posterior,
+                             posterior_var=cfg.posterior_var, clamp_th=cfg.clamp_th if cfg.do_clamp else 0.0,
+                             quant_conv=cfg.vae_quant_conv)
+
+
+def read_init_source(cfg: Config) -> pretrained.Source:
+    try:
+        return pretrained.load_source(cfg.init_from, cfg.init_family)
+    except pretrained.SourceError as e:
+        raise ConfigError(f"--init_from {e}") from None
+
+
+def apply_init_source(cfg: Config) -> tuple[Config, pretrained.Source | None]:
+    """--init_from: load the source and take the run's architecture from it (one ConfigError line if it does not
+    load). Runs before `validate`, on every rank, before any process group exists."""
+    if not cfg.init_from:
+        return cfg, None
+    run_config = os.path.join(cfg.output_dir, cfg.run_name, "config.json")
+    if not os.path.exists(cfg.init_from) and cfg.resume != "never" and os.path.isfile(run_config):
+        # a run being resumed needs its architecture, not the source's weights: the source may have moved
+        try:
+            with open(run_config) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            saved = {}
+        if saved.get("init_from") == cfg.init_from and all(k in saved for k in SOURCE_FIELDS):
+            return dataclasses.replace(cfg, **{k: saved[k] for k in SOURCE_FIELDS}), None
+    source = read_init_source(cfg)
+    p = source.params
+    if (p.in_channels, p.out_ch) != (3, 3):
+        raise ConfigError(f"--init_from {cfg.init_from}: a VAE of {p.in_channels} input / {p.out_ch} output "
+                          "channels; this trainer reads RGB images")
+    arch = dict(vae_ch=p.ch, vae_ch_mult=",".join(str(m) for m in p.ch_mult), vae_num_res_blocks=p.num_res_blocks,
+                vae_z_channels=p.z_channels, vae_norm_groups=p.norm_groups, do_attn=p.use_attn, posterior=p.posterior,
+                posterior_var=p.posterior_var, vae_quant_conv=p.quant_conv, do_clamp=False)
+    return dataclasses.replace(cfg, **arch), source
+
+
+def validate(cfg: Config) -> None:
+    """Refuse bad flags and paths with one line, before any process group or worker starts."""
+    positive = ["batch_size", "vae_resolution", "vae_ch", "vae_num_res_blocks", "vae_z_channels", "vae_norm_groups",
+                "max_steps",
+                "grad_accum", "learning_rate_vae", "learning_rate_disc", "log_every_n_steps",
+                "save_every_n_steps", "posterior_var", "shuffle_buffer", "mse_pool_factor", "keep_last_k",
+                "max_bad_steps", "num_samples", "max_image_pixels", "eval_max_images"]
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
+    non_negative = ["num_workers", "warmup_steps", "weight_decay", "grad_clip", "perceptual_weight", "mse_weight",
+                    "pooled_mse_weight", "lowpass_mse_weight", "kl_weight", "gan_weight", "gan_margin",
+                    "disc_start", "lecam_weight", "evaluate_every_n_steps", "min_lr_ratio"]
+    for name in non_negative:
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    for name in ("resize_prob", "lowpass_threshold", "adam_beta1", "adam_beta2", "min_lr_ratio"):
+        if not 0 <= getattr(cfg, name) <= 1:
+            raise ConfigError(f"--{name} must be in [0, 1], got {getattr(cfg, name)}")
+    if not 0 <= cfg.ema_decay < 1:
+        raise ConfigError(f"--ema_decay must be in [0, 1), got {cfg.ema_decay}")
+    if cfg.do_clamp and cfg.clamp_th <= 0:
+        raise ConfigError(f"--clamp_th must be positive with --do_clamp, got {cfg.clamp_th}")
+    params = model_params(cfg)
+    factor = params.downsample_factor
+    if cfg.vae_resolution % factor:
+        raise ConfigError(f"--vae_resolution {cfg.vae_resolution} is not divisible by the downsample factor "
+                          f"{factor} of --vae_ch_mult {cfg.vae_ch_mult}")
+    if cfg.vae_resolution % cfg.mse_pool_factor:
+        raise ConfigError(f"--vae_resolution {cfg.vae_resolution} is not divisible by --mse_pool_factor "
+                          f"{cfg.mse_pool_factor}")
+    for mult in (1,) + params.ch_mult:
+        if (cfg.vae_ch * mult) % params.norm_groups:
+            raise ConfigError(f"channel count {cfg.vae_ch} x {mult} = {cfg.vae_ch * mult} is not divisible by the "
+                              f"{params.norm_groups} GroupNorm groups (--vae_ch / --vae_ch_mult / --vae_norm_groups)")
+    for name in ("scale_equivariance_prob", "latent_noise_prob"):
+        if not 0 <= getattr(cfg, name) <= 1:
+            raise ConfigError(f"--{name} must be in [0, 1], got {getattr(cfg, name)}")
+    if cfg.latent_noise_max < 0:
+        raise ConfigError(f"--latent_noise_max must be >= 0, got {cfg.latent_noise_max}")
+    if cfg.scale_equivariance_prob > 0 and not scale_equivariance_sizes(cfg):
+        critic = (f" and at least {min_loss_image_size(cfg)} px (the smallest input of the critic or LPIPS)"
+                  if min_loss_image_size(cfg) > 1 else "")
+        raise ConfigError(f"--scale_equivariance_mode {cfg.scale_equivariance_mode}: no smaller size of the "
+                          f"{cfg.vae_resolution // factor}-pixel latent gives an image divisible by --mse_pool_factor "
+                          f"{cfg.mse_pool_factor}{critic}")
+    if cfg.do_ganloss and cfg.discriminator == "vgg16" and cfg.vae_resolution < CRITIC_MIN_SIZE:
+        raise ConfigError(f"--vae_resolution must be at least {CRITIC_MIN_SIZE} for the VGG16 discriminator")
+    if cfg.perceptual_weight > 0 and cfg.vae_resolution < LPIPS_MIN_SIZE:
+        raise ConfigError(f"--vae_resolution must be at least {LPIPS_MIN_SIZE} for LPIPS (--perceptual_weight 0 "
+                          "turns it off)")
+    if cfg.vgg16_weights not in ("torchvision", "random") and not os.path.isfile(cfg.vgg16_weights):
+        raise ConfigError(f"--vgg16_weights {cfg.vgg16_weights}: no such file (or use torchvision / random)")
+    if cfg.inception_weights not in ("torchvision", "random", "none") and not os.path.isfile(cfg.inception_weights):
+        raise ConfigError(f"--inception_weights {cfg.inception_weights}: no such file (or torchvision / random / none)")
+    if cfg.resume not in ("auto", "never") and not os.path.isfile(cfg.resume):
+        raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file (or use auto / never)")
+    if cfg.load_path and not os.path.isfile(cfg.load_path):
+        raise ConfigError(f"--load_path {cfg.load_path}: no such file")
+    if cfg.load_path and cfg.init_from:
+        raise ConfigError("give --init_from (a released VAE) or --load_path (our weights), not both")
+    if cfg.vae_quant_conv and cfg.posterior != "learned":
+        raise ConfigError("--vae_quant_conv needs --posterior learned (the SD VAEs' 2 x z moments)")
+    if not re.fullmatch(r"[A-Za-z0-9_.=+-]+", cfg.run_name):
+        raise ConfigError(f"--run_name {cfg.run_name!r}: use letters, digits and _.=+- only")
+    for name in ("dataset_url", "test_dataset_url"):
+        url = getattr(cfg, name)
+        if url and is_plain_local_path(url) and not os.path.exists(url):
+            raise ConfigError(f"--{name} {url}: no such directory or file")
+        if name == "dataset_url" or url:
+            try:
+                data_lib.probe_remote_shards(data_lib.list_shards(getattr(cfg, name)))
+            except data_lib.DatasetError as e:
+                raise ConfigError(f"--{name}: {e}") from None
+
+
+# The smallest images the loss networks take: the VGG16 critic's and the PatchGAN's, and LPIPS' (VGG16's four
+# max-pools before its last slice: 15 px fails with "Output size is too small").
+CRITIC_MIN_SIZE, LPIPS_MIN_SIZE = 32, 16
+
+
+def min_loss_image_size(cfg: Config) -> int:
+    """The smallest image the losses of this config can take (1: pixel losses only)."""
+    return max(CRITIC_MIN_SIZE if cfg.do_ganloss else 1, LPIPS_MIN_SIZE if cfg.perceptual_weight > 0 else 1)
+
+
+def is_plain_local_path(url: str) -> bool:
+    """A url that names one local directory or file: no brace pattern, list, pipe or scheme."""
+    return not any(c in url for c in "{}:*?") and not url.endswith(".tar")
+
+
+def scale_equivariance_sizes(cfg: Config) -> list[int]:
+    """The latent sizes a scale-equivariance step may decode (latents.equivariance_sizes)."""
+    factor = model_params(cfg).downsample_factor
+    return latents_lib.equivariance_sizes(cfg.vae_resolution // factor, factor, cfg.scale_equivariance_mode,
+                                          cfg.mse_pool_factor, min_loss_image_size(cfg))
+
+
+# Flags that only matter with --do_ganloss.
+GAN_FLAGS = ("discriminator", "disc_type", "disc_norm", "gen_loss", "gan_weight", "gan_margin", "disc_start",
+             "learning_rate_disc", "lecam_weight", "adaptive_weight_max")
+
+
+def config_warnings(cfg: Config, given: set[str]) -> list[str]:
+    """One-line warnings for a valid but probably unintended config: flags the user gave that the chosen
+    configuration ignores (one line per cause; defaults and --demo's values are never named), and schedules
+    that cannot play out within --max_steps."""
+    ignored_when = [  # (flags, ignored in this config, why)
+        (GAN_FLAGS, not cfg.do_ganloss, "without --do_ganloss"),
+        (("disc_norm",), cfg.discriminator != "patchgan", "with --discriminator vgg16 (it normalises the "
+                                                          "PatchGAN only)"),
+        (("gan_margin",), cfg.gen_loss != "thresholded", f"with --gen_loss {cfg.gen_loss} (it is the margin of the "
+                                                          "thresholded loss)"),
+        (("adaptive_weight_max",), cfg.loss_balance != "adaptive", f"with --loss_balance {cfg.loss_balance} (it "
+                                                                   "clamps the adaptive weight)"),
+        (("clamp_th",), not cfg.do_clamp, "without --do_clamp"),
+        (("posterior_var",), cfg.posterior != "constant", f"with --posterior {cfg.posterior} (the encoder predicts "
+                                                          "the variance)"),
+        # --evaluate_every_n_steps 0 is the off switch: consistent with no test set, never "ignored"
+        (("evaluate_every_n_steps",) * (cfg.evaluate_every_n_steps > 0) + ("eval_max_images", "inception_weights"),
+         not cfg.test_dataset_url, "without --test_dataset_url"),
+        (("eval_max_images", "inception_weights"), cfg.evaluate_every_n_steps == 0, "with --evaluate_every_n_steps 0"),
+        (("project_name",), cfg.wandb_mode == "disabled", "with --wandb_mode disabled"),
+        (("scale_equivariance_mode", "scale_equivariance_rotate"), cfg.scale_equivariance_prob == 0,
+         "with --scale_equivariance_prob 0"),
+        (("latent_noise_max",), cfg.latent_noise_prob == 0, "with --latent_noise_prob 0"),
+        (SOURCE_FIELDS, bool(cfg.init_from), "with --init_from (the architecture is read from the source)"),
+        (("init_family",), not cfg.init_from, "without --init_from"),
+    ]
+    lines, named = [], set()
+    for flags, ignored, why in ignored_when:
+        hit = [f for f in flags if f in given and f not in named] if ignored else []
+        if hit:
+            named.update(hit)
+            verb = "has" if len(hit) == 1 else "have"
+            lines.append(f"warning: {', '.join('--' + f for f in hit)} {verb} no effect {why}")
+    if cfg.warmup_steps > cfg.max_steps:
+        lines.append(f"warning: --warmup_steps {cfg.warmup_steps} > --max_steps {cfg.max_steps}: the learning rate "
+                     f"peaks at {cfg.max_steps / cfg.warmup_steps:.0%} of its set value and never decays")
+    if cfg.train_parts == "decoder" and not (cfg.init_from or cfg.load_path):
+        lines.append("warning: --train_parts decoder without --init_from or --load_path: the encoder stays random "
+                     "(unless resumed)")
+    if cfg.do_ganloss and cfg.disc_start >= cfg.max_steps:
+        lines.append(f"warning: --disc_start {cfg.disc_start} >= --max_steps {cfg.max_steps}: the generator never "
+                     "gets the adversarial term (the critic still trains)")
+    return lines
+
+
+def public_config(cfg: Config) -> dict:
+    return {k: data_lib.redact(v) if isinstance(v, str) else v for k, v in dataclasses.asdict(cfg).items()}
+
+
+
+def prepare_demo(cfg: Config) -> Config:
+    """Point the demo at its bundled shards (built once) and pick VGG weights it can use offline."""
+    train_url, test_url = data_lib.ensure_demo_shards(os.path.join(cfg.output_dir, "demo_data"))
+    changes = {}
+    if not cfg.dataset_url:
+        changes["dataset_url"] = train_url
+    if not cfg.test_dataset_url:
+        changes["test_dataset_url"] = test_url
+    if cfg.vgg16_weights == "torchvision" and not os.path.isfile(vgg16_cache_path()):
+        # LPIPS and the VGG16 critic on a random VGG16 would train on noise gradients: switch both off
+        # (demo_summary says so); --vgg16_weights random asks for them anyway, with the loud warning
+        changes.update(vgg16_weights="random", perceptual_weight=0.0, do_ganloss=False)
+    return dataclasses.replace(cfg, **changes)
+
+
+def demo_summary(cfg: Config) -> str:
+    """The demo's one start-up line: which loss branches it trains and why."""
+    if cfg.vgg16_weights == "random" and not uses_vgg16(cfg):
+        return (f"demo: no pretrained VGG16 in the torchvision cache ({vgg16_cache_path()}): LPIPS and the VGG16 "
+                "critic are OFF (on random features they would train on noise); pixel losses only")
+    branches = (["LPIPS"] if cfg.perceptual_weight > 0 else []) + ["pixel"]
+    if cfg.do_ganloss:
+        branches.append(f"{cfg.discriminator} critic from step {cfg.disc_start}")
+    weights = "a RANDOM VGG16" if cfg.vgg16_weights == "random" else "pretrained VGG16"
+    return f"demo: {' + '.join(branches)} losses, with {weights}"
+
+
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One pass from argv to the run's config
+# --------------------------------------------------------------------------------------------------------------
+# The flags whose 0 / -1 means "automatic" (resolve_auto): a continued run keeps the values its start resolved.
+AUTO_FIELDS = ("learning_rate_vae", "learning_rate_disc", "warmup_steps", "disc_start", "vae_norm_groups")
+
+
+def finish_config(argv: list[str] | None = None, builds_demo_data: bool = True
+                  ) -> tuple[Config, set[str], pretrained.Source | None, list[str]]:
+    """argv -> (the run's finished, validated config, the flags the user gave, the --init_from source read on the
+    way (None if none), notes for the user). In order: the flags (and --demo's values), the demo's data and
+    VGG16 choice (`builds_demo_data`: this process builds the demo shards; the others wait for them), the
+    architecture of an --init_from source, the values a continued run resolved at its start, the remaining
+    automatic values, and the checks. Raises ConfigError (one line) for anything the user can fix."""
+    cfg, given = parse_flags(argv)
+    if cfg.demo:
+        if not builds_demo_data:
+            data_lib.wait_for_demo_shards(os.path.join(cfg.output_dir, "demo_data"))
+        cfg = prepare_demo(cfg)
+    cfg, source = apply_init_source(cfg)
+    saved = saved_run_config(cfg)
+    if saved is not None:
+        cfg = dataclasses.replace(cfg, **{k: saved[k] for k in AUTO_FIELDS if k not in given and k in saved})
+    cfg = resolve_auto(cfg)
+    validate(cfg)
+    notes = [demo_summary(cfg)] if cfg.demo else []
+    if saved is not None:
+        changed = [f"--{k} {saved[k]} -> {getattr(cfg, k)}" for k in sorted(given)
+                   if k in saved and saved[k] != getattr(cfg, k) and k not in ("resume", "force")]
+        if changed:
+            notes.append(f"note: continuing {os.path.join(cfg.output_dir, cfg.run_name)} with flags changed since "
+                         f"its start: {', '.join(changed)}")
+    return cfg, given, source, notes
+
+
+def saved_run_config(cfg: Config) -> dict | None:
+    """The finished config of the run this one continues (config.json of a run directory holding checkpoints, or
+    --resume's checkpoint), or None: a new run, --resume never, or another architecture (refused or, with
+    --force, started from scratch by the trainer)."""
+    if cfg.resume == "never":
+        return None
+    run_dir = os.path.join(cfg.output_dir, cfg.run_name)
+    try:
+        if cfg.resume != "auto":
+            import torch
+            saved = torch.load(cfg.resume, map_location="cpu", weights_only=True).get("config")
+        elif any(re.fullmatch(r"step_\d+\.pt", f) for f in os.listdir(os.path.join(run_dir, "checkpoints"))):
+            with open(os.path.join(run_dir, "config.json")) as f:
+                saved = json.load(f)
+        else:
+            return None
+    except Exception:  # no run directory, or an unreadable file: the trainer's resume logic says which
+        return None
+    same_arch = all(saved.get(k) == getattr(cfg, k) for k in ARCH_FIELDS if k != "vae_norm_groups")
+    return saved if isinstance(saved, dict) and same_arch else None
+
+
+def flag_tables() -> str:
+    """The README's flag tables, one per section, from the fields' defaults and help."""
+    out = []
+    for kind in SECTIONS:
+        out += [f"#### {kind.TITLE}", "", "| flag | default | what it does |", "| --- | --- | --- |"]
+        for f in dataclasses.fields(kind):
+            default = '""' if f.default == "" else f.default
+            choices = " (" + r" \| ".join(f.metadata["choices"]) + ")" if f.metadata["choices"] else ""
+            out.append(f"| `--{f.name}` | `{default}` | {f.metadata['help']}{choices} |")
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,106 @@
+"""config.py on its own, in-process: the sections and their flags, the README's tables generated from them,
+finish_config's single pass (a continued run keeps what its start resolved), the checks that need two flags
+together (LPIPS' smallest input), and the one-line answers to typos."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+import config
+import vae_trainer
+from conftest import ROOT, TINY
+
+
+def test_every_field_is_in_one_section_and_a_section_is_typed():
+    names = [f.name for kind in config.SECTIONS for f in dataclasses.fields(kind)]
+    assert len(names) == len(set(names)) == len(dataclasses.fields(config.Config))
+    cfg = config.parse_config(["--kl_weight", "0.5", "--gan_weight", "0.2"])
+    loss = config.section(cfg, config.LossConfig)
+    assert type(loss) is config.LossConfig and loss.kl_weight == 0.5 and not hasattr(loss, "gan_weight")
+    assert config.section(cfg, config.CriticConfig).gan_weight == 0.2
+    assert config.ARCH_FIELDS == ("vae_ch", "vae_ch_mult", "vae_num_res_blocks", "vae_z_channels",
+                                  "vae_norm_groups", "do_attn", "posterior", "vae_quant_conv")
+
+
+def test_readme_flag_tables_are_the_generated_ones():
+    """The README's tables are config.flag_tables() verbatim: a new field is a new row (regenerate with
+    `python -c "import config; print(config.flag_tables())"`), a changed default or help shows here."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert config.flag_tables() in readme
+
+
+def finished(tmp_path, shard_url, *flags):
+    return config.finish_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), "--run_name", "r",
+                                 *TINY[:-2], *flags])
+
+
+def test_a_continued_run_keeps_the_automatic_values_of_its_start(tmp_path, shard_url):
+    """Issue 16 item 4: a 5000-step run resolved warm-up 500 and disc_start 1000; continued with --max_steps
+    50000 it keeps them (re-derived they would be 1000 and 10000: the GAN term off for 9000 steps), says what
+    changed, and a flag given again wins."""
+    cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "5000", "--do_ganloss")
+    assert (cfg.warmup_steps, cfg.disc_start) == (500, 1000) and not notes
+    run_dir = tmp_path / "r"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps(config.public_config(cfg)))
+    (run_dir / "checkpoints" / "step_00003000.pt").write_bytes(b"")  # a run that has saved (read by the trainer)
+    cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "50000", "--do_ganloss")
+    assert (cfg.warmup_steps, cfg.disc_start, cfg.max_steps) == (500, 1000, 50000)
+    assert notes == [f"note: continuing {run_dir} with flags changed since its start: --max_steps 5000 -> 50000"]
+    cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "50000", "--do_ganloss", "--disc_start", "-1")
+    assert cfg.disc_start == 10000 and "--disc_start 1000 -> 10000" in notes[0]  # given again: derived anew
+    cfg, _, _, _ = finished(tmp_path, shard_url, "--max_steps", "50000", "--do_ganloss", "--resume", "never",
+                            "--run_name", "r")
+    assert cfg.disc_start == 10000  # --resume never: a new run, its own automatic values
+
+
+def test_lpips_smallest_input_restricts_the_scale_equivariance_sizes(shard_url):
+    """Issue 16 item 5: with LPIPS on and the GAN off, random scale equivariance at 32 px used to decode at 8 and
+    12 px, where LPIPS fails mid-run ("Output size is too small"); those sizes are left out, and a config with
+    no size left (or a crop below LPIPS' 16 px) is refused in one line."""
+    flags = ["--dataset_url", shard_url, "--vae_ch_mult", "1,2,2", "--vae_resolution", "32", "--mse_pool_factor", "1",
+             "--scale_equivariance_mode", "random", "--scale_equivariance_prob", "0.5"]
+    cfg = config.parse_config(flags)
+    config.validate(cfg)
+    factor = config.model_params(cfg).downsample_factor
+    assert [s * factor for s in config.scale_equivariance_sizes(cfg)] == [16, 20, 24, 28]
+    import torch
+    from utils import build_lpips
+    lpips = build_lpips(None)
+    for size in (16, 12):
+        image = torch.zeros(1, 3, size, size)
+        if size >= config.LPIPS_MIN_SIZE:
+            lpips(image, image)
+        else:
+            with pytest.raises(RuntimeError, match="too small"):
+                lpips(image, image)
+    pixel_only = config.parse_config(flags + ["--perceptual_weight", "0"])
+    assert [s * factor for s in config.scale_equivariance_sizes(pixel_only)] == [8, 12, 16, 20, 24, 28]
+    with pytest.raises(config.ConfigError, match="at least 16 for LPIPS"):
+        config.validate(config.parse_config(["--dataset_url", shard_url, "--vae_ch_mult", "1,2", "--vae_resolution",
+                                             "8", "--mse_pool_factor", "1"]))
+    with pytest.raises(config.ConfigError, match="at least 16 px"):
+        config.validate(config.parse_config(["--dataset_url", shard_url, "--vae_ch_mult", "1,2", "--vae_resolution",
+                                             "16", "--mse_pool_factor", "1", "--scale_equivariance_prob", "0.5"]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max_step", "10"], "unrecognized arguments: --max_step 10; --max_step: did you mean --max_steps?"),
+    (["--max_setps=10"], "--max_setps: did you mean --max_steps?"),
+    (["--dataset_url", "shards/00000.tar", "shards/00001.tar", "shards/00002.tar"],
+     "unrecognized arguments: shards/00001.tar shards/00002.tar; several paths where one was expected: the shell "
+     "expands an unquoted brace or glob pattern; quote it, e.g. --dataset_url 'shards/{00000..00099}.tar'"),
+    (["--dataset_url", "no/such/folder"], "--dataset_url no/such/folder: no such directory or file"),
+])
+def test_typos_get_one_line_that_says_what_to_do(tmp_path, capsys, argv, message):
+    """Issue 18 item 5: abbreviations are not flags (argparse took --max_step for --max_steps), a misspelt flag
+    gets its likely name, the shell's expansion of an unquoted brace url gets the quoting hint, and a mistyped
+    directory is not called a shard."""
+    code = vae_trainer.main(["--output_dir", str(tmp_path), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
+    assert "did you mean" not in err[0] or "--max_st" in err[0]
+    assert "quote it" not in err[0] or "00001" in err[0]
