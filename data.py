@@ -638,26 +638,26 @@ def iter_eval_batches(url: str, resolution: int, batch_size: int, rank: int = 0,
 # Writing shards
 # --------------------------------------------------------------------------------------------
 def write_shards(files: list[str], dst: str, shard_size: int = 1000, verify: bool = True,
-                 root: str | None = None, prefix: str = "") -> tuple[list[str], int]:
+                 root: str | None = None, prefix: str = "") -> tuple[list[str], list[str]]:
     """Pack image files into `dst/{prefix}{00000..}.tar` with their original bytes (no re-encode).
-    Returns (shard paths, number of files skipped as unreadable)."""
+    With `verify` each image is decoded in full first (a truncated JPEG opens but does not decode: training
+    would skip it at every epoch). Returns (shard paths, the files skipped as unreadable)."""
     import webdataset as wds
     os.makedirs(dst, exist_ok=True)
     if root is None:
         root = os.path.commonpath([os.path.dirname(f) for f in files]) if files else ""
-    paths, skipped, seen = [], 0, set()
+    skipped, seen = [], set()
     pattern = os.path.join(dst, f"{prefix}%05d.tar")
     with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as sink:
         for path in files:
-            with open(path, "rb") as f:
-                data = f.read()
-            if verify:
-                try:
-                    with Image.open(io.BytesIO(data)) as im:
-                        im.verify()
-                except Exception:
-                    skipped += 1
-                    continue
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+                if verify:
+                    load_rgb(data)
+            except (OSError, SkipSample):
+                skipped.append(path)
+                continue
             ext = path.rsplit(".", 1)[-1].lower()
             ext = {"jpeg": "jpg", "tif": "tiff"}.get(ext, ext)
             # webdataset groups members by the name up to the first dot: keys must hold none
@@ -669,6 +669,12 @@ def write_shards(files: list[str], dst: str, shard_size: int = 1000, verify: boo
         n = sink.shard
     paths = [pattern % i for i in range(n) if os.path.exists(pattern % i)]
     return paths, skipped
+
+
+def name_a_few(names: list[str], few: int = 5) -> str:
+    """'a, b, c and 4 more'"""
+    more = f" and {len(names) - few} more" if len(names) > few else ""
+    return ", ".join(names[:few]) + more
 
 
 def brace_url(paths: list[str]) -> str:
@@ -749,7 +755,8 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("src", help="folder of images (searched recursively)")
     ms.add_argument("dst", help="output folder for NNNNN.tar shards")
     ms.add_argument("--shard_size", type=int, default=1000, help="images per shard (default 1000)")
-    ms.add_argument("--no_verify", action="store_true", help="do not check that each file opens as an image")
+    ms.add_argument("--no_verify", action="store_true", help="do not decode each image to check it (faster; broken files are then skipped "
+                         "at every epoch of training)")
     return parser
 
 
@@ -766,12 +773,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.src}: no image files found", file=sys.stderr)
         return 2
     paths, skipped = write_shards(files, args.dst, args.shard_size, verify=not args.no_verify, root=args.src)
-    if skipped == len(files):
+    names = [os.path.relpath(p, args.src) for p in skipped]
+    if len(skipped) == len(files):
         for p in paths:
             os.remove(p)
-        print(f"error: {args.src}: none of the {len(files)} image files could be read", file=sys.stderr)
+        print(f"error: {args.src}: none of the {len(files)} image files could be decoded ({name_a_few(names)})",
+              file=sys.stderr)
         return 2
-    print(f"wrote {len(files) - skipped} images into {len(paths)} shards ({skipped} unreadable skipped)")
+    print(f"wrote {len(files) - len(skipped)} images into {len(paths)} shards ({len(skipped)} unreadable skipped"
+          + (f": {name_a_few(names)})" if skipped else ")"))
     print(f"--dataset_url '{brace_url(paths)}'")
     return 0
 

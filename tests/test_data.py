@@ -743,7 +743,7 @@ def test_make_shards_cli(image_folder, tmp_path):
     dst = tmp_path / "dst"
     proc = run_cli("data.py", ["make-shards", str(src), str(dst), "--shard_size", "2"], timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert re.search(r"wrote 5 images into 3 shards \(1 unreadable skipped\)", proc.stdout), proc.stdout
+    assert re.search(r"wrote 5 images into 3 shards \(1 unreadable skipped: broken.jpg\)", proc.stdout), proc.stdout
     m = re.search(r"--dataset_url '([^']+)'", proc.stdout)
     assert m, proc.stdout
     url = m.group(1)
@@ -785,6 +785,34 @@ def test_make_shards_in_process(image_folder, tmp_path, capsys):
     empty.mkdir()
     assert data.main(["make-shards", str(empty), str(tmp_path / "two")]) == 2
     assert capsys.readouterr().err.startswith("error:")
+
+
+def test_make_shards_decodes_and_names_what_it_skips(tmp_path, capsys):
+    """A truncated JPEG opens (its header is whole) but does not decode: make-shards must leave it out, as it does
+    a file that is no image at all, and name both."""
+    src = tmp_path / "src"
+    src.mkdir()
+    whole = encode(noise_image(40, size=(64, 64)), "JPEG", quality=90)
+    (src / "good.jpg").write_bytes(whole)
+    (src / "cut.jpg").write_bytes(whole[:len(whole) // 2])
+    (src / "notes.png").write_bytes(b"plain text, not a png")
+    with Image.open(io.BytesIO(whole[:len(whole) // 2])) as im:
+        assert im.size == (64, 64)  # it opens: only decoding finds the damage
+    assert data.main(["make-shards", str(src), str(tmp_path / "dst")]) == 0
+    out = capsys.readouterr().out
+    assert "wrote 1 images into 1 shards (2 unreadable skipped: cut.jpg, notes.png)" in out, out
+    assert list(read_tar_members([str(tmp_path / "dst" / "00000.tar")]).values()) == [whole]
+
+
+def test_make_shards_names_a_few_of_many(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ok.png").write_bytes(solid_png(1))
+    for i in range(8):
+        (src / f"bad{i}.jpg").write_bytes(b"junk")
+    assert data.main(["make-shards", str(src), str(tmp_path / "dst")]) == 0
+    out = capsys.readouterr().out
+    assert "(8 unreadable skipped: bad0.jpg, bad1.jpg, bad2.jpg, bad3.jpg, bad4.jpg and 3 more)" in out, out
 
 
 def test_make_shards_nothing_readable(tmp_path, capsys):
