@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import data as data_lib
 from common import DistInfo, atomic_write
 
 
@@ -126,9 +127,12 @@ def log_line(metrics: dict, step: int, max_steps: int, gan: bool) -> str:
                  f"dacc {metrics.get('gan/disc_acc', 0):.2f}"]
     line += [f"z mean {metrics.get('latent/mean', 0):+.3f} std {metrics.get('latent/std', 0):.3f}",
              f"{metrics['img_per_s']:.1f} img/s", f"eta {fmt_duration(metrics['eta_s'])}"]
-    skipped = sum(v for k, v in metrics.items() if k.startswith("data/skipped"))
+    # events (each time a bad file or shard is met, again at every epoch) and the distinct files among them
+    skipped = sum(metrics.get(f"data/skipped_{reason}", 0) for reason in data_lib.SKIP_REASONS)
     if skipped:
-        line.append(f"skipped {skipped}")
+        line.append(f"skipped {skipped} ({metrics.get('data/skipped_files', 0)} files)")
+    if metrics.get("data/skipped_outage_waits", 0):
+        line.append(f"outage waits {metrics['data/skipped_outage_waits']}")
     if metrics.get("guard/bad_steps_total", 0):
         line.append(f"bad steps {int(metrics['guard/bad_steps_total'])}")
     return " | ".join(line)

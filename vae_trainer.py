@@ -66,6 +66,8 @@ class Config:
     resize_prob: float = opt(0.5, "probability of resizing the shorter side to the crop size before cropping "
                                   "(a whole-image view); otherwise crops are taken at native scale", "data")
     max_image_pixels: int = opt(100_000_000, "images with more pixels are skipped (decompression bombs)", "data")
+    shard_retry_minutes: float = opt(30.0, "while no remote shard can be read (a server outage), keep retrying with "
+                                           "back-off for this long before stopping", "data")
     # model
     vae_ch: int = opt(128, "base channel count", "model")
     vae_ch_mult: str = opt("1,2,4,4", "channel multiplier per level; downsampling = 2^(levels-1)", "model")
@@ -601,7 +603,7 @@ class Trainer:
         self.loader = data_lib.TrainLoader(
             cfg.dataset_url, cfg.vae_resolution, cfg.batch_size, cfg.seed, info.rank, info.world_size,
             cfg.num_workers, cfg.shuffle_buffer, cfg.resize_prob, cfg.max_image_pixels,
-            pin_memory=self.device.type == "cuda", state=data_state)
+            pin_memory=self.device.type == "cuda", state=data_state, shard_retry_minutes=cfg.shard_retry_minutes)
         if self.loader.few_shards and info.is_main:
             self.log(f"note: fewer shards than data workers ({info.world_size} x {max(1, cfg.num_workers)}): "
                      "every worker reads every shard, in its own order")
@@ -992,10 +994,11 @@ class Trainer:
             self.wandb.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=self.step)
 
     def loader_skipped(self) -> dict[str, int]:
-        counts = torch.tensor(list(self.loader.skipped().values()), dtype=torch.float64)
+        skipped = self.loader.skipped()
+        counts = torch.tensor(list(skipped.values()), dtype=torch.float64)
         if self.info.distributed:
             dist.all_reduce(counts, group=self.info.ctrl_group)
-        return dict(zip(data_lib.SKIP_REASONS, (int(c) for c in counts.tolist())))
+        return dict(zip(skipped, (int(c) for c in counts.tolist())))
 
     def save_unless_in_bad_streak(self, stopping: bool) -> bool:
         """Inside a streak of skipped steps the weights are the last good ones, but periodic saves would rotate

@@ -386,8 +386,8 @@ def test_train_loader_survives_the_zoo(zoo, num_workers):
             x = data.to_model_input(b, torch.device("cpu"))
             assert x.dtype == torch.float32 and x.min().item() >= -1.0 and x.max().item() <= 1.0
         skipped = loader.skipped()
-        assert set(skipped) == {"corrupt", "non_image", "too_large", "shard_errors"}
-        assert all(skipped[k] > 0 for k in skipped), skipped
+        assert set(skipped) == set(data.DATA_COUNTS)
+        assert all(skipped[k] > 0 for k in data.SKIP_REASONS), skipped
         # several epochs went by (each counts its broken members again)
         state = loader.state_dict()
         assert sum(st["epoch"] for st in state["worker_states"].values()) >= 2
@@ -398,7 +398,8 @@ def test_train_loader_survives_the_zoo(zoo, num_workers):
 def test_train_loader_clean_data_counts_nothing(solid_shards):
     with train_loader(solid_shards) as loader:
         take(loader, 12)
-        assert loader.skipped() == {"corrupt": 0, "non_image": 0, "too_large": 0, "shard_errors": 0}
+        assert loader.skipped() == {"corrupt": 0, "non_image": 0, "too_large": 0, "shard_errors": 0, "files": 0,
+                                    "outage_waits": 0}
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -435,23 +436,35 @@ def test_dataset_error_from_worker_is_one_line(tmp_path):
 HANG_HOLD_S = 40
 
 
-@pytest.fixture(scope="module")
-def remote(solid_shards):
-    """An http server of the solid shards, a port with nothing listening ('dead') and a server that accepts
-    connections and never answers ('hang'; it drops each one after HANG_HOLD_S, so that even a reader without
-    a timeout of its own gets free). All closed at the end of the module."""
+def serve_directory(directory: str, port: int = 0):
+    """A loopback http server of `directory` in a thread (port 0: any free one); stop it with stop_serving."""
     import functools
     import http.server
-    import socket
     import threading
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(Quiet, directory=os.path.dirname(solid_shards)))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), functools.partial(Quiet, directory=directory))
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def stop_serving(server) -> None:
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def remote(solid_shards):
+    """An http server of the solid shards, a port with nothing listening ('dead') and a server that accepts
+    connections and never answers ('hang'; it drops each one after HANG_HOLD_S, so that even a reader without
+    a timeout of its own gets free). All closed at the end of the module."""
+    import socket
+    import threading
+
+    server = serve_directory(os.path.dirname(solid_shards))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         dead_port = probe.getsockname()[1]
@@ -475,8 +488,7 @@ def remote(solid_shards):
                "dead": f"http://127.0.0.1:{dead_port}/00003.tar",
                "hang": f"http://127.0.0.1:{hang.getsockname()[1]}/00004.tar"}
     finally:
-        server.shutdown()
-        server.server_close()
+        stop_serving(server)
         hang.close()
 
 
@@ -515,6 +527,118 @@ def test_dead_or_hung_remote_shards_are_skipped_and_counted(remote, short_timeou
         state = loader.state_dict()["worker_states"][0]
         assert state["epoch"] >= 1  # every shard was visited at least once
         assert loader.skipped()["shard_errors"] >= 2 * state["epoch"], (state, loader.skipped())
+
+
+OUTAGE_S = 4
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def shard_server_process(directory: str, port: int):
+    """`python -m http.server` in its own process, so that stopping it closes its port for sure: data worker
+    processes forked from this one would inherit the listening socket of a server thread here and keep it
+    open (connections then hang instead of being refused)."""
+    import socket
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                             "--directory", directory], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(200):
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            time.sleep(0.05)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_shard_server_outage_is_ridden_out(solid_shards, capfd, num_workers):
+    """Serve 3 shards, read a few batches, stop the server for OUTAGE_S seconds, start it again: the stream waits
+    (with back-off, counted and said on stderr) and goes on with every shard, instead of ending the run."""
+    import threading
+    directory, port = os.path.dirname(solid_shards), free_port()
+    url = f"http://127.0.0.1:{port}/{{00000..00002}}.tar"
+    with contextlib.ExitStack() as servers, train_loader(url, shuffle_buffer=2, num_workers=num_workers,
+                                                         shard_retry_minutes=1) as loader:
+        with shard_server_process(directory, port):
+            take(loader, 3)
+        back = threading.Timer(OUTAGE_S, lambda: servers.enter_context(shard_server_process(directory, port)))
+        back.start()
+        start = time.monotonic()
+        # 12 batches of 2 need 8 more shard reads (3 samples each): the outage is met and outlived
+        seen = {v for b in take(loader, 12, seconds=60) for v in sample_ids(b)}
+        waited = time.monotonic() - start
+        back.join()
+        assert seen == shard_ids(0) | shard_ids(1) | shard_ids(2)
+        assert waited >= OUTAGE_S - 1, waited  # the stream had nothing to give while the server was down
+        skipped = loader.skipped()
+        assert skipped["outage_waits"] >= 2 and skipped["shard_errors"] >= 3, skipped
+        assert skipped["files"] == 3  # each shard failed, each counted once among the distinct bad ones
+        assert skipped["corrupt"] == skipped["non_image"] == skipped["too_large"] == 0
+    err = capfd.readouterr().err
+    assert re.search(r"warning: data worker 0: no shard could be read \(.*127\.0\.0\.1.*\); retrying for up "
+                     r"to 1 min \(--shard_retry_minutes\)", err), err
+    assert re.search(r"warning: data worker 0: shards readable again after \d+ s", err), err
+
+
+@pytest.mark.timeout(90)
+def test_a_shard_server_that_stays_down_ends_the_run_in_one_line_after_the_budget(solid_shards):
+    """The budget spent without a readable shard: one line, from the data worker process, naming the URL's
+    failure and the flag; not before the budget."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/{{00000..00002}}.tar"
+    budget_s = 2.4
+    with train_loader(url, shuffle_buffer=2, num_workers=1, shard_retry_minutes=budget_s / 60) as loader:
+        with shard_server_process(os.path.dirname(solid_shards), port):
+            take(loader, 3)
+        start = time.monotonic()
+        with deadline(60), pytest.raises(data.DatasetError) as info:
+            take(loader, 20)
+        waited = time.monotonic() - start
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert message.startswith("no shard of the dataset could be read for ") and "127.0.0.1" in message, message
+    assert "--shard_retry_minutes" in message and "last checkpoint" in message, message
+    assert budget_s <= waited < budget_s + 20, waited
+
+
+def test_outage_backs_off_exponentially_up_to_a_cap_within_the_budget(monkeypatch):
+    """The waits between passes double from RETRY_FIRST_WAIT_S up to RETRY_MAX_WAIT_S, the last one ends with the
+    budget, and the next gives up. (The clock and the sleep are replaced: ten minutes of waits in no time.)"""
+    clock, waits = [1000.0], []
+
+    def fake_sleep(seconds):
+        waits.append(seconds)
+        clock[0] += seconds
+
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(data, "sleep_unless_orphaned", fake_sleep)
+    outage = data.Outage(worker=0, budget_s=600, first_error="x: refused")
+    with pytest.raises(data.DatasetError, match="could be read for 600 s"):
+        for _ in range(100):
+            outage.wait("http://h/0.tar: Connection refused")
+    assert waits == [1, 2, 4, 8, 16, 32, 60, 60, 60, 60, 60, 60, 60, 60, 600 - 543], waits
+
+
+def test_unreadable_local_shards_are_not_waited_for(tmp_path):
+    """Only remote shards have outages to ride out: unreadable local files still end the stream at once."""
+    with open(tmp_path / "a.tar", "wb") as f:
+        f.write(b"\x00garbage" * 100)
+    with train_loader(str(tmp_path / "a.tar"), shard_retry_minutes=10) as loader:
+        start = time.monotonic()
+        with deadline(60), pytest.raises(data.DatasetError, match="no readable sample"):
+            next(loader)
+        assert time.monotonic() - start < 5
 
 
 @pytest.mark.timeout(60)
