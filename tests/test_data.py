@@ -641,6 +641,72 @@ def test_unreadable_local_shards_are_not_waited_for(tmp_path):
         assert time.monotonic() - start < 5
 
 
+def process_tree() -> dict[int, list[int]]:
+    """parent pid -> child pids, for every process alive (zombies left out: they hold nothing)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    return children
+
+
+def is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(150)
+def test_data_workers_die_with_a_killed_trainer(solid_shards, tmp_path):
+    """kill -9 of a training run's main process (what the OOM killer does) while its data workers are blocked
+    reading from a shard server that stopped answering: no worker may stay behind, orphaned. Without the
+    parent-death signal a worker waits out curl's 30 s stall timeout, and one blocked writing to a full pipe
+    stays for good."""
+    import subprocess
+    from conftest import TINY, cli_command, cli_env
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/{{00000..00002}}.tar"
+    args = ["--dataset_url", url, "--output_dir", str(tmp_path / "runs"), "--max_steps", "100000", *TINY,
+            "--num_workers", "2"]
+    leftovers: list[int] = []
+    with shard_server_process(os.path.dirname(solid_shards), port) as server, \
+            subprocess.Popen(cli_command("vae_trainer.py", args), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, env=cli_env()) as trainer:
+        try:
+            workers: list[int] = []
+            end = time.monotonic() + 100
+            while len(workers) < 2 and trainer.poll() is None and time.monotonic() < end:
+                time.sleep(0.2)
+                workers = process_tree().get(trainer.pid, [])
+            assert len(workers) == 2, (workers, trainer.poll())
+            time.sleep(2)  # the workers read shards and fill their prefetch queue
+            os.kill(server.pid, signal.SIGSTOP)  # connections are accepted by the kernel and never answered
+            time.sleep(3)  # the workers are now blocked in reads that will not end
+            tree = process_tree()
+            leftovers = [p for w in workers for p in [w, *tree.get(w, [])]]  # the workers and their curl reads
+            trainer.kill()
+            trainer.wait()
+            end = time.monotonic() + 5
+            while any(map(is_running, workers)) and time.monotonic() < end:
+                time.sleep(0.1)
+            assert not [w for w in workers if is_running(w)], "data workers outlived their killed trainer"
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+            trainer.kill()
+            for pid in leftovers:
+                with contextlib.suppress(ProcessLookupError):
+                    if is_running(pid):
+                        os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.timeout(60)
 def test_unreadable_remote_dataset_fails_at_start(remote, short_timeouts):
     """The start-up probe: no readable shard among those tried is one line within the probe time; one readable
