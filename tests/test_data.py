@@ -395,6 +395,27 @@ def test_train_loader_survives_the_zoo(zoo, num_workers):
         assert take(loader, 4)[-1].shape == (4, 3, R, R)
 
 
+def test_skips_are_reported_as_events_and_distinct_files_naming_each_once(zoo, capfd, monkeypatch):
+    """Bad files are met again at every epoch: the log line says how often (events) and how many files that is,
+    and each bad file is named once, not at every meeting."""
+    import run_log
+    monkeypatch.setattr(data, "_warned", set())  # names warned by earlier tests in this process
+    with train_loader(zoo, batch_size=4, max_pixels=MAX_PIXELS) as loader:
+        take(loader, 16)
+        epochs = loader.state_dict()["worker_states"][0]["epoch"]
+        skipped = loader.skipped()
+    assert epochs >= 3
+    events = sum(skipped[reason] for reason in data.SKIP_REASONS)
+    # shard 1: corrupt, empty, truncated, notes (no image), bomb, bomb_header; shard 2: cut short
+    assert skipped["files"] == 7 and events >= 2 * 7, skipped
+    metrics = {"img_per_s": 1.0, "eta_s": 0.0, **{f"data/skipped_{k}": v for k, v in skipped.items()}}
+    assert f"| skipped {events} (7 files)" in run_log.log_line(metrics, 10, 100, gan=False)
+    err = capfd.readouterr().err
+    for name in ("corrupt", "empty", "truncated", "notes", "bomb", "bomb_header"):
+        assert len(re.findall(rf"warning: skipped an? [a-z-]+ sample \({name}\)", err)) == 1, (name, err)
+    assert len(re.findall(r"warning: shard .*00002.tar: .*skipping the rest of it", err)) == 1, err
+
+
 def test_train_loader_clean_data_counts_nothing(solid_shards):
     with train_loader(solid_shards) as loader:
         take(loader, 12)
