@@ -409,7 +409,7 @@ class Outage:
         self.worker, self.budget_s = worker, budget_s
         self.start, self.next_wait = time.monotonic(), RETRY_FIRST_WAIT_S
         warn(f"data worker {worker}: no shard could be read ({first_error}); retrying for up to "
-             f"{budget_s / 60:g} min (--shard_retry_minutes), training on what arrives")
+             f"{budget_s / 60:g} min (--shard_retry_minutes)")
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
@@ -857,8 +857,9 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("src", help="folder of images (searched recursively)")
     ms.add_argument("dst", help="output folder for NNNNN.tar shards")
     ms.add_argument("--shard_size", type=int, default=1000, help="images per shard (default 1000)")
-    ms.add_argument("--no_verify", action="store_true", help="do not decode each image to check it (faster; broken files are then skipped "
-                         "at every epoch of training)")
+    ms.add_argument("--no_verify", action="store_true",
+                    help="do not decode each image to check it (faster; broken files are then skipped at every "
+                         "epoch of training)")
     return parser
 
 

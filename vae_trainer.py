@@ -67,7 +67,7 @@ class Config:
                                   "(a whole-image view); otherwise crops are taken at native scale", "data")
     max_image_pixels: int = opt(100_000_000, "images with more pixels are skipped (decompression bombs)", "data")
     shard_retry_minutes: float = opt(30.0, "while no remote shard can be read (a server outage), keep retrying with "
-                                           "back-off for this long before stopping", "data")
+                                           "back-off for this long before stopping (0: stop at once)", "data")
     # model
     vae_ch: int = opt(128, "base channel count", "model")
     vae_ch_mult: str = opt("1,2,4,4", "channel multiplier per level; downsampling = 2^(levels-1)", "model")
@@ -343,7 +343,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
     non_negative = ["num_workers", "warmup_steps", "weight_decay", "grad_clip", "perceptual_weight", "mse_weight",
                     "pooled_mse_weight", "lowpass_mse_weight", "kl_weight", "gan_weight", "gan_margin",
-                    "disc_start", "lecam_weight", "evaluate_every_n_steps", "min_lr_ratio"]
+                    "disc_start", "lecam_weight", "evaluate_every_n_steps", "min_lr_ratio", "shard_retry_minutes"]
     for name in non_negative:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")

@@ -582,14 +582,13 @@ def shard_server_process(directory: str, port: int):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("num_workers", [0, 1])
-def test_a_shard_server_outage_is_ridden_out(solid_shards, capfd, num_workers):
+def test_a_shard_server_outage_is_ridden_out(solid_shards, capfd):
     """Serve 3 shards, read a few batches, stop the server for OUTAGE_S seconds, start it again: the stream waits
     (with back-off, counted and said on stderr) and goes on with every shard, instead of ending the run."""
     import threading
     directory, port = os.path.dirname(solid_shards), free_port()
     url = f"http://127.0.0.1:{port}/{{00000..00002}}.tar"
-    with contextlib.ExitStack() as servers, train_loader(url, shuffle_buffer=2, num_workers=num_workers,
+    with contextlib.ExitStack() as servers, train_loader(url, shuffle_buffer=2, num_workers=1,
                                                          shard_retry_minutes=1) as loader:
         with shard_server_process(directory, port):
             take(loader, 3)
@@ -649,6 +648,45 @@ def test_outage_backs_off_exponentially_up_to_a_cap_within_the_budget(monkeypatc
         for _ in range(100):
             outage.wait("http://h/0.tar: Connection refused")
     assert waits == [1, 2, 4, 8, 16, 32, 60, 60, 60, 60, 60, 60, 60, 60, 600 - 543], waits
+
+
+@pytest.mark.timeout(150)
+def test_a_run_whose_shard_server_stays_down_stops_in_one_line_keeping_its_checkpoints(solid_shards, tmp_path):
+    """The trainer's side: the server goes away after a checkpoint and stays away past --shard_retry_minutes.
+    The run ends with exit code 1 and one `error:` line (no traceback), its checkpoints whole, to resume from."""
+    import subprocess
+    from checkpoint import checkpoint_files, load_checkpoint
+    from conftest import TINY, cli_command, cli_env
+    port = free_port()
+    ckpt_dir = tmp_path / "runs" / "outage" / "checkpoints"
+    args = ["--dataset_url", f"http://127.0.0.1:{port}/{{00000..00002}}.tar", "--output_dir", str(tmp_path / "runs"),
+            "--run_name", "outage", "--max_steps", "100000", "--save_every_n_steps", "2",
+            "--evaluate_every_n_steps", "0", "--shard_retry_minutes", "0.05", *TINY]
+    # stdout and stderr to files: a pipe nobody reads while the run goes on could fill up and stall it
+    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
+        trainer = subprocess.Popen(cli_command("vae_trainer.py", args), stdout=out, stderr=err, text=True,
+                                   env=cli_env())
+        try:
+            with shard_server_process(os.path.dirname(solid_shards), port):
+                end = time.monotonic() + 100
+                while not checkpoint_files(str(ckpt_dir)) and trainer.poll() is None and time.monotonic() < end:
+                    time.sleep(0.2)
+                assert checkpoint_files(str(ckpt_dir)), trainer.poll()
+            trainer.wait(timeout=100)
+        finally:
+            trainer.kill()
+            trainer.wait()
+        out.seek(0)
+        err.seek(0)
+        out, err = out.read(), err.read()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert trainer.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert len(errors) == 1 and err.strip().splitlines()[-1] == errors[0], out[-2000:] + err[-3000:]
+    assert errors[0].startswith("error: no shard of the dataset could be read for ") and "--shard_retry_minutes" \
+        in errors[0], errors
+    assert "no shard could be read" in err and "retrying for up to 0.05 min" in err, err[-3000:]
+    for path in checkpoint_files(str(ckpt_dir)):
+        assert load_checkpoint(path)["step"] >= 2
 
 
 def test_unreadable_local_shards_are_not_waited_for(tmp_path):
