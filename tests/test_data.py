@@ -410,6 +410,9 @@ def test_skips_are_reported_as_events_and_distinct_files_naming_each_once(zoo, c
     assert skipped["files"] == 7 and events >= 2 * 7, skipped
     metrics = {"img_per_s": 1.0, "eta_s": 0.0, **{f"data/skipped_{k}": v for k, v in skipped.items()}}
     assert f"| skipped {events} (7 files)" in run_log.log_line(metrics, 10, 100, gan=False)
+    assert "outage" not in run_log.log_line(metrics, 10, 100, gan=False)
+    metrics["data/skipped_outage_waits"] = 3  # not a bad file: shown apart, and not in the events
+    assert f"| skipped {events} (7 files) | outage waits 3" in run_log.log_line(metrics, 10, 100, gan=False)
     err = capfd.readouterr().err
     for name in ("corrupt", "empty", "truncated", "notes", "bomb", "bomb_header"):
         assert len(re.findall(rf"warning: skipped an? [a-z-]+ sample \({name}\)", err)) == 1, (name, err)
