@@ -769,6 +769,27 @@ def test_data_workers_die_with_a_killed_trainer(solid_shards, tmp_path):
                         os.kill(pid, signal.SIGKILL)
 
 
+def test_an_orphaned_worker_stops_waiting_for_the_shard_server(monkeypatch):
+    """The portable check (besides Linux's parent-death signal): a back-off wait ends the worker as soon as its
+    parent is not the one that started it. (os._exit replaced, so that this test process survives.)"""
+    class Exited(BaseException):
+        pass
+
+    def fake_exit(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    monkeypatch.setattr(data, "_parent_pid", os.getppid())
+    start = time.monotonic()
+    data.sleep_unless_orphaned(0.3)  # its parent is alive: it waits the whole time
+    assert time.monotonic() - start >= 0.3
+    monkeypatch.setattr(data, "_parent_pid", os.getppid() + 1)  # as if the parent had died and left it to init
+    start = time.monotonic()
+    with pytest.raises(Exited):
+        data.sleep_unless_orphaned(30)
+    assert time.monotonic() - start < 5
+
+
 @pytest.mark.timeout(60)
 def test_unreadable_remote_dataset_fails_at_start(remote, short_timeouts):
     """The start-up probe: no readable shard among those tried is one line within the probe time; one readable
