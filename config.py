@@ -49,6 +49,8 @@ class DataConfig:
     resize_prob: float = opt(0.5, "probability of resizing the shorter side to the crop size before cropping "
                                   "(a whole-image view); otherwise crops are taken at native scale")
     max_image_pixels: int = opt(100_000_000, "images with more pixels are skipped (decompression bombs)")
+    shard_retry_minutes: float = opt(30.0, "while no remote shard can be read (a server outage), keep retrying with "
+                                           "back-off for this long before stopping (0: stop at once)")
 
 
 @dataclass
@@ -414,7 +416,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
     non_negative = ["num_workers", "warmup_steps", "weight_decay", "grad_clip", "perceptual_weight", "mse_weight",
                     "pooled_mse_weight", "lowpass_mse_weight", "kl_weight", "gan_weight", "gan_margin",
-                    "disc_start", "lecam_weight", "evaluate_every_n_steps", "min_lr_ratio"]
+                    "disc_start", "lecam_weight", "evaluate_every_n_steps", "min_lr_ratio",
+                    "shard_retry_minutes"]
     for name in non_negative:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")

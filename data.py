@@ -23,6 +23,8 @@ CLI: python data.py make-shards SRC_DIR DST_DIR [--shard_size 1000]
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import io
 import math
 import os
@@ -32,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import time
 import warnings
 from collections import Counter
 from typing import Iterator
@@ -44,7 +47,11 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "pbm", "gif")
 DIR_SHARD_SIZE = 256  # files per pseudo-shard when reading a plain directory
-SKIP_REASONS = ("corrupt", "non_image", "too_large", "shard_errors")
+SKIP_REASONS = ("corrupt", "non_image", "too_large", "shard_errors")  # events: each time a bad item is met
+# TrainLoader.skipped(): the events, plus "files": the distinct bad samples and shards among them (counted up to
+# MAX_BAD_TRACKED per data worker), and "outage_waits": the back-off waits while no shard could be read
+DATA_COUNTS = SKIP_REASONS + ("files", "outage_waits")
+MAX_BAD_TRACKED = 1000
 
 
 class DatasetError(RuntimeError):
@@ -183,9 +190,10 @@ def probe_remote_shards(shards: list, probes: int = 3) -> None:
     raise DatasetError(f"cannot read {tried} ({redact(reasons[0])})")
 
 
-def iter_shard(shard, counters: Counter) -> Iterator[tuple[int, dict]]:
+def iter_shard(shard, counters: Counter, errors: list | None = None) -> Iterator[tuple[int, dict]]:
     """(sample index, sample) pairs of one shard; a sample maps lower-case extensions to bytes.
-    A truncated or unreadable shard ends early and is counted; what was read before stands."""
+    A truncated or unreadable shard ends early and is counted; what was read before stands. `errors` collects
+    (kind, reason) of what went wrong: "shard" (not fetched, or cut short) or "member" (a bad tar member)."""
     if isinstance(shard, tuple):
         for idx, path in enumerate(shard):
             try:
@@ -200,6 +208,8 @@ def iter_shard(shard, counters: Counter) -> Iterator[tuple[int, dict]]:
 
     def bad_member(exn: Exception) -> bool:
         counters["corrupt"] += 1
+        if errors is not None:
+            errors.append(("member", f"{shard}: {exn}"))
         return True
 
     def members(stream):
@@ -210,12 +220,16 @@ def iter_shard(shard, counters: Counter) -> Iterator[tuple[int, dict]]:
                 yield {**f, "__url__": shard}
         except (tarfile.TarError, OSError, EOFError, ValueError) as e:
             counters["shard_errors"] += 1
+            if errors is not None:
+                errors.append(("shard", f"{shard}: {e}"))
             warn_once(f"shard {shard}: {type(e).__name__}: {e} (skipping the rest of it)")
 
     try:
         stream = open_shard(shard)
     except (OSError, ValueError) as e:
         counters["shard_errors"] += 1
+        if errors is not None:
+            errors.append(("shard", f"{shard}: {e}"))
         warn_once(f"shard {shard}: {type(e).__name__}: {e}")
         return
     try:
@@ -244,13 +258,15 @@ def redact(text: str) -> str:
 _warned: set[str] = set()
 
 
+def warn(msg: str) -> None:
+    print(f"warning: {redact(msg)}", file=sys.stderr, flush=True)
+
+
 def warn_once(msg: str, limit: int = 20) -> None:
     if msg in _warned or len(_warned) >= limit:
         return
     _warned.add(msg)
-    msg = redact(msg)
-    print(f"warning: {msg}" if len(_warned) < limit else "warning: further data warnings suppressed",
-          file=sys.stderr, flush=True)
+    warn(msg if len(_warned) < limit else "further data warnings suppressed")
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,13 +397,41 @@ def _rng(*parts) -> random.Random:
     return random.Random(":".join(str(p) for p in parts))
 
 
+RETRY_FIRST_WAIT_S = 1.0  # the back-off while no shard can be fetched: 1, 2, 4, ... s
+RETRY_MAX_WAIT_S = 60.0
+
+
+class Outage:
+    """A time when none of a worker's remote shards could be read: waits with exponential back-off (capped)
+    between passes over the shards, and gives up with one line once `budget_s` has gone by."""
+
+    def __init__(self, worker: int, budget_s: float, first_error: str):
+        self.worker, self.budget_s = worker, budget_s
+        self.start, self.next_wait = time.monotonic(), RETRY_FIRST_WAIT_S
+        warn(f"data worker {worker}: no shard could be read ({first_error}); retrying for up to "
+             f"{budget_s / 60:g} min (--shard_retry_minutes)")
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def wait(self, last_error: str) -> None:
+        left = self.budget_s - self.elapsed()
+        if left <= 0:
+            raise DatasetError(f"no shard of the dataset could be read for {self.elapsed():.0f} s (last: "
+                               f"{redact(last_error)}): stopping; the run resumes from its last checkpoint, and "
+                               f"--shard_retry_minutes sets how long to wait")
+        sleep_unless_orphaned(min(self.next_wait, left))
+        self.next_wait = min(2 * self.next_wait, RETRY_MAX_WAIT_S)
+
+
 class _WorkerStream:
     """One data worker's endless stream: epochs of its shards in seeded order, a shuffle buffer of
     raw samples, decoding. `state_dict()` is small and exact."""
 
     def __init__(self, shards: list, stream_id: int, n_streams: int, seed, resolution: int,
-                 buffer_size: int, resize_prob: float, max_pixels: int, state: dict | None = None):
-        self.shards, self.stream_id, self.seed = shards, stream_id, seed
+                 buffer_size: int, resize_prob: float, max_pixels: int, state: dict | None = None,
+                 retry_s: float = 1800.0):
+        self.shards, self.stream_id, self.seed, self.retry_s = shards, stream_id, seed, retry_s
         self.resolution, self.buffer_size = resolution, max(1, buffer_size)
         self.resize_prob, self.max_pixels = resize_prob, max_pixels
         if len(shards) >= n_streams:
@@ -400,6 +444,7 @@ class _WorkerStream:
         self.sample = state.get("sample", 0)  # next sample index within the current shard
         self.drawn = state.get("drawn", 0)  # samples taken out of the buffer so far
         self.counters = Counter(state.get("counters", {}))
+        self.bad = {tuple(k) for k in state.get("bad", [])}  # distinct (shard, sample) keys; sample -1: the shard
         self.buffer: list[tuple[tuple[int, int], dict]] = self._reload(state.get("buffer", []))
         self.failures = 0
         self.raw = self._raw()
@@ -409,22 +454,41 @@ class _WorkerStream:
         _rng(self.seed, self.stream_id, "epoch", epoch).shuffle(order)
         return order
 
+    def _note_bad(self, key: tuple[int, int]) -> None:
+        if len(self.bad) < MAX_BAD_TRACKED:
+            self.bad.add(key)
+
     def _raw(self) -> Iterator[tuple[tuple[int, int], dict]]:
-        empty_epochs = 0
+        empty_epochs, outage = 0, None
+        # a remote shard that cannot be fetched may be back in a minute: a pass that fetched nothing starts an
+        # outage, ridden out with back-off; local files that do not read will not get better by waiting
+        remote = any(isinstance(self.shards[i], str) and is_remote(self.shards[i]) for i in self.own)
         while True:
-            order, got_any = self._order(self.epoch), False
+            order, got_any, errors = self._order(self.epoch), False, []
             while self.pos < len(order):
                 shard_idx = order[self.pos]
-                for idx, sample in iter_shard(self.shards[shard_idx], self.counters):
+                errors_before = len(errors)
+                for idx, sample in iter_shard(self.shards[shard_idx], self.counters, errors):
                     if idx < self.sample:
                         continue
                     self.sample, got_any = idx + 1, True
                     yield (shard_idx, idx), sample
+                if len(errors) > errors_before:
+                    self._note_bad((shard_idx, -1))
                 self.pos, self.sample = self.pos + 1, 0
             self.epoch, self.pos = self.epoch + 1, 0
-            empty_epochs = 0 if got_any else empty_epochs + 1
-            if empty_epochs >= 2:
-                raise DatasetError("no readable sample in any shard of the dataset")
+            if got_any:
+                if outage is not None:
+                    warn(f"data worker {self.stream_id}: shards readable again after {outage.elapsed():.0f} s")
+                empty_epochs, outage = 0, None
+            elif remote and (fetch_errors := [reason for kind, reason in errors if kind == "shard"]):
+                outage = outage or Outage(self.stream_id, self.retry_s, fetch_errors[-1])
+                outage.wait(fetch_errors[-1])
+                self.counters["outage_waits"] += 1
+            else:
+                empty_epochs += 1
+                if empty_epochs >= 2:
+                    raise DatasetError("no readable sample in any shard of the dataset")
 
     def _reload(self, keys: list) -> list:
         """Re-read the samples a saved buffer held, by (shard, index) key."""
@@ -444,7 +508,7 @@ class _WorkerStream:
                 self.buffer.append(next(self.raw))
             rng = _rng(self.seed, self.stream_id, "draw", self.drawn)
             j = rng.randrange(len(self.buffer))
-            _, sample = self.buffer[j]
+            key, sample = self.buffer[j]
             self.buffer[j] = self.buffer[-1]
             self.buffer.pop()
             self.drawn += 1
@@ -454,6 +518,7 @@ class _WorkerStream:
                 return image
             except SkipSample as skip:
                 self.counters[skip.reason] += 1
+                self._note_bad(key)
                 self.failures += 1
                 warn_once(f"skipped a {skip.reason.replace('_', '-')} sample ({sample.get('__key__')})")
                 if self.failures > 10 * self.buffer_size + 1000:
@@ -462,7 +527,8 @@ class _WorkerStream:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos, "sample": self.sample, "drawn": self.drawn,
-                "counters": dict(self.counters), "buffer": [list(k) for k, _ in self.buffer]}
+                "counters": dict(self.counters), "buffer": [list(k) for k, _ in self.buffer],
+                "bad": [list(k) for k in sorted(self.bad)]}
 
 
 class TrainStream(IterableDataset):
@@ -470,8 +536,9 @@ class TrainStream(IterableDataset):
 
     def __init__(self, shards: list, resolution: int, batch_size: int, seed, rank: int, world_size: int,
                  num_workers: int, shuffle_buffer: int, resize_prob: float, max_pixels: int,
-                 worker_states: dict | None = None, worker_offset: int = 0):
+                 worker_states: dict | None = None, worker_offset: int = 0, retry_s: float = 1800.0):
         super().__init__()
+        self.retry_s = retry_s
         self.shards, self.resolution, self.batch_size, self.seed = shards, resolution, batch_size, seed
         self.rank, self.world_size, self.num_workers = rank, world_size, max(1, num_workers)
         self.shuffle_buffer, self.resize_prob, self.max_pixels = shuffle_buffer, resize_prob, max_pixels
@@ -487,7 +554,7 @@ class TrainStream(IterableDataset):
         stream = _WorkerStream(self.shards, self.rank * self.num_workers + logical,
                                self.world_size * self.num_workers, self.seed, self.resolution,
                                self.shuffle_buffer, self.resize_prob, self.max_pixels,
-                               self.worker_states.get(logical))
+                               self.worker_states.get(logical), self.retry_s)
         while True:
             try:
                 images = np.stack([stream.next_image() for _ in range(self.batch_size)])
@@ -496,6 +563,37 @@ class TrainStream(IterableDataset):
                 return
             yield {"images": torch.from_numpy(images).permute(0, 3, 1, 2), "worker": logical,
                    "state": stream.state_dict()}
+
+
+_parent_pid: int | None = None  # in a data worker: the process that started it
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """A data worker whose trainer died (OOM killer, kill -9) must not live on: orphaned, it can block for good
+    writing to a pipe that its siblings still hold open, holding its memory. Linux kills it when its parent
+    dies (prctl PR_SET_PDEATHSIG); elsewhere the waits of our own code check the parent (sleep_unless_orphaned),
+    and PyTorch's worker loop checks it between batches."""
+    global _parent_pid
+    _parent_pid = parent_pid
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the line above
+        os._exit(1)
+
+
+def sleep_unless_orphaned(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        if _parent_pid is not None and os.getppid() != _parent_pid:
+            os._exit(1)  # no one is left to read what this worker would produce
+        time.sleep(min(left, 1.0))
+
+
+def init_data_worker(worker_id: int, parent_pid: int) -> None:
+    """DataLoader worker_init_fn."""
+    exit_with_parent(parent_pid)
+    ignore_stop_signals()
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
@@ -512,7 +610,8 @@ class TrainLoader:
 
     def __init__(self, url: str, resolution: int, batch_size: int, seed: int, rank: int, world_size: int,
                  num_workers: int = 4, shuffle_buffer: int = 1000, resize_prob: float = 0.5,
-                 max_pixels: int = 100_000_000, pin_memory: bool = False, state: dict | None = None):
+                 max_pixels: int = 100_000_000, pin_memory: bool = False, state: dict | None = None,
+                 shard_retry_minutes: float = 30.0):
         self.num_workers = max(0, num_workers)
         logical_workers = max(1, self.num_workers)
         shards = list_shards(url)
@@ -527,12 +626,13 @@ class TrainLoader:
         self.few_shards = len(shards) < world_size * logical_workers
         dataset = TrainStream(shards, resolution, batch_size, stream_seed, rank, world_size, logical_workers,
                               shuffle_buffer, resize_prob, max_pixels, self.worker_states,
-                              self.batches % logical_workers)
+                              self.batches % logical_workers, retry_s=60.0 * shard_retry_minutes)
         kwargs = dict(prefetch_factor=4, persistent_workers=True) if self.num_workers > 0 else {}
         # its own generator: creating the iterator must not draw from the global torch RNG, or a resumed
         # run's posterior noise would be shifted by one draw
         self.loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=pin_memory,
-                                 generator=torch.Generator().manual_seed(0), worker_init_fn=ignore_stop_signals,
+                                 generator=torch.Generator().manual_seed(0),
+                                 worker_init_fn=functools.partial(init_data_worker, parent_pid=os.getpid()),
                                  **kwargs)
         self._iter = None
 
@@ -561,10 +661,13 @@ class TrainLoader:
         self._iter = None
 
     def skipped(self) -> dict[str, int]:
-        total = Counter()
+        """DATA_COUNTS of this rank: the skip events by reason, the distinct bad files, the outage waits."""
+        total, bad = Counter(), set()
         for st in self.worker_states.values():
             total.update(st.get("counters", {}))
-        return {k: int(total.get(k, 0)) for k in SKIP_REASONS}
+            bad.update(tuple(k) for k in st.get("bad", []))  # workers share shards when they are few
+        total["files"] = len(bad)
+        return {k: int(total.get(k, 0)) for k in DATA_COUNTS}
 
     def state_dict(self) -> dict:
         return {"batches": self.batches, "num_workers": max(1, self.num_workers),
@@ -593,7 +696,7 @@ class FixedBatches:
         pass
 
     def skipped(self) -> dict[str, int]:
-        return {k: 0 for k in SKIP_REASONS}
+        return {k: 0 for k in DATA_COUNTS}
 
     def state_dict(self) -> dict:
         return {}
@@ -638,26 +741,26 @@ def iter_eval_batches(url: str, resolution: int, batch_size: int, rank: int = 0,
 # Writing shards
 # --------------------------------------------------------------------------------------------
 def write_shards(files: list[str], dst: str, shard_size: int = 1000, verify: bool = True,
-                 root: str | None = None, prefix: str = "") -> tuple[list[str], int]:
+                 root: str | None = None, prefix: str = "") -> tuple[list[str], list[str]]:
     """Pack image files into `dst/{prefix}{00000..}.tar` with their original bytes (no re-encode).
-    Returns (shard paths, number of files skipped as unreadable)."""
+    With `verify` each image is decoded in full first (a truncated JPEG opens but does not decode: training
+    would skip it at every epoch). Returns (shard paths, the files skipped as unreadable)."""
     import webdataset as wds
     os.makedirs(dst, exist_ok=True)
     if root is None:
         root = os.path.commonpath([os.path.dirname(f) for f in files]) if files else ""
-    paths, skipped, seen = [], 0, set()
+    skipped, seen = [], set()
     pattern = os.path.join(dst, f"{prefix}%05d.tar")
     with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as sink:
         for path in files:
-            with open(path, "rb") as f:
-                data = f.read()
-            if verify:
-                try:
-                    with Image.open(io.BytesIO(data)) as im:
-                        im.verify()
-                except Exception:
-                    skipped += 1
-                    continue
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+                if verify:
+                    load_rgb(data)
+            except (OSError, SkipSample):
+                skipped.append(path)
+                continue
             ext = path.rsplit(".", 1)[-1].lower()
             ext = {"jpeg": "jpg", "tif": "tiff"}.get(ext, ext)
             # webdataset groups members by the name up to the first dot: keys must hold none
@@ -669,6 +772,12 @@ def write_shards(files: list[str], dst: str, shard_size: int = 1000, verify: boo
         n = sink.shard
     paths = [pattern % i for i in range(n) if os.path.exists(pattern % i)]
     return paths, skipped
+
+
+def name_a_few(names: list[str], few: int = 5) -> str:
+    """'a, b, c and 4 more'"""
+    more = f" and {len(names) - few} more" if len(names) > few else ""
+    return ", ".join(names[:few]) + more
 
 
 def brace_url(paths: list[str]) -> str:
@@ -734,7 +843,6 @@ def ensure_demo_shards(root: str) -> tuple[str, str]:
 
 
 def wait_for_demo_shards(root: str, timeout_s: float = 300) -> None:
-    import time
     deadline = time.time() + timeout_s
     while not os.path.isfile(os.path.join(root, "READY")):
         if time.time() > deadline:
@@ -749,7 +857,9 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("src", help="folder of images (searched recursively)")
     ms.add_argument("dst", help="output folder for NNNNN.tar shards")
     ms.add_argument("--shard_size", type=int, default=1000, help="images per shard (default 1000)")
-    ms.add_argument("--no_verify", action="store_true", help="do not check that each file opens as an image")
+    ms.add_argument("--no_verify", action="store_true",
+                    help="do not decode each image to check it (faster; broken files are then skipped at every "
+                         "epoch of training)")
     return parser
 
 
@@ -766,12 +876,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.src}: no image files found", file=sys.stderr)
         return 2
     paths, skipped = write_shards(files, args.dst, args.shard_size, verify=not args.no_verify, root=args.src)
-    if skipped == len(files):
+    names = [os.path.relpath(p, args.src) for p in skipped]
+    if len(skipped) == len(files):
         for p in paths:
             os.remove(p)
-        print(f"error: {args.src}: none of the {len(files)} image files could be read", file=sys.stderr)
+        print(f"error: {args.src}: none of the {len(files)} image files could be decoded ({name_a_few(names)})",
+              file=sys.stderr)
         return 2
-    print(f"wrote {len(files) - skipped} images into {len(paths)} shards ({skipped} unreadable skipped)")
+    print(f"wrote {len(files) - len(skipped)} images into {len(paths)} shards ({len(skipped)} unreadable skipped"
+          + (f": {name_a_few(names)})" if skipped else ")"))
     print(f"--dataset_url '{brace_url(paths)}'")
     return 0
 

@@ -134,9 +134,12 @@ def log_line(metrics: dict, step: int, max_steps: int, gan: bool) -> str:
         line.append(f"dacc {metrics.get('gan/disc_acc', 0):.2f}")
     line += [f"z mean {metrics.get('latent/mean', 0):+.3f} std {metrics.get('latent/std', 0):.3f}",
              f"{metrics['img_per_s']:.1f} img/s", f"eta {fmt_duration(metrics['eta_s'])}"]
-    skipped = sum(v for k, v in metrics.items() if k.startswith("data/skipped"))
+    # events (each time a bad file or shard is met, again at every epoch) and the distinct files among them
+    skipped = sum(metrics.get(f"data/skipped_{reason}", 0) for reason in data_lib.SKIP_REASONS)
     if skipped:
-        line.append(f"skipped {skipped}")
+        line.append(f"skipped {skipped} ({metrics.get('data/skipped_files', 0)} files)")
+    if metrics.get("data/skipped_outage_waits", 0):
+        line.append(f"outage waits {metrics['data/skipped_outage_waits']}")
     if metrics.get("guard/bad_steps_total", 0):
         line.append(f"bad steps {int(metrics['guard/bad_steps_total'])}")
     return " | ".join(line)
@@ -183,11 +186,13 @@ def init_wandb(mode: str, project: str, name: str, run_dir: str, config: dict, l
 
 
 def skipped_counts(loader, info: DistInfo) -> dict[str, int]:
-    """The data stream's skip counters (data.SKIP_REASONS), summed over the ranks."""
-    counts = torch.tensor(list(loader.skipped().values()), dtype=torch.float64)
+    """The data stream's counters (data.DATA_COUNTS: skip events, distinct bad files, outage waits), summed over
+    the ranks."""
+    skipped = loader.skipped()
+    counts = torch.tensor(list(skipped.values()), dtype=torch.float64)
     if info.distributed:
         dist.all_reduce(counts, group=info.ctrl_group)
-    return dict(zip(data_lib.SKIP_REASONS, (int(c) for c in counts.tolist())))
+    return dict(zip(skipped, (int(c) for c in counts.tolist())))
 
 
 @torch.no_grad()

@@ -318,7 +318,7 @@ class Trainer:
         self.loader = data_lib.TrainLoader(
             cfg.dataset_url, cfg.vae_resolution, cfg.batch_size, cfg.seed, info.rank, info.world_size,
             cfg.num_workers, cfg.shuffle_buffer, cfg.resize_prob, cfg.max_image_pixels,
-            pin_memory=self.device.type == "cuda", state=data_state)
+            pin_memory=self.device.type == "cuda", state=data_state, shard_retry_minutes=cfg.shard_retry_minutes)
         if self.loader.few_shards and info.is_main:
             self.log(f"note: fewer shards than data workers ({info.world_size} x {max(1, cfg.num_workers)}): "
                      "every worker reads every shard, in its own order")

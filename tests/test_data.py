@@ -386,8 +386,8 @@ def test_train_loader_survives_the_zoo(zoo, num_workers):
             x = data.to_model_input(b, torch.device("cpu"))
             assert x.dtype == torch.float32 and x.min().item() >= -1.0 and x.max().item() <= 1.0
         skipped = loader.skipped()
-        assert set(skipped) == {"corrupt", "non_image", "too_large", "shard_errors"}
-        assert all(skipped[k] > 0 for k in skipped), skipped
+        assert set(skipped) == set(data.DATA_COUNTS)
+        assert all(skipped[k] > 0 for k in data.SKIP_REASONS), skipped
         # several epochs went by (each counts its broken members again)
         state = loader.state_dict()
         assert sum(st["epoch"] for st in state["worker_states"].values()) >= 2
@@ -395,10 +395,35 @@ def test_train_loader_survives_the_zoo(zoo, num_workers):
         assert take(loader, 4)[-1].shape == (4, 3, R, R)
 
 
+def test_skips_are_reported_as_events_and_distinct_files_naming_each_once(zoo, capfd, monkeypatch):
+    """Bad files are met again at every epoch: the log line says how often (events) and how many files that is,
+    and each bad file is named once, not at every meeting."""
+    import run_log
+    monkeypatch.setattr(data, "_warned", set())  # names warned by earlier tests in this process
+    with train_loader(zoo, batch_size=4, max_pixels=MAX_PIXELS) as loader:
+        take(loader, 16)
+        epochs = loader.state_dict()["worker_states"][0]["epoch"]
+        skipped = loader.skipped()
+    assert epochs >= 3
+    events = sum(skipped[reason] for reason in data.SKIP_REASONS)
+    # shard 1: corrupt, empty, truncated, notes (no image), bomb, bomb_header; shard 2: cut short
+    assert skipped["files"] == 7 and events >= 2 * 7, skipped
+    metrics = {"img_per_s": 1.0, "eta_s": 0.0, **{f"data/skipped_{k}": v for k, v in skipped.items()}}
+    assert f"| skipped {events} (7 files)" in run_log.log_line(metrics, 10, 100, gan=False)
+    assert "outage" not in run_log.log_line(metrics, 10, 100, gan=False)
+    metrics["data/skipped_outage_waits"] = 3  # not a bad file: shown apart, and not in the events
+    assert f"| skipped {events} (7 files) | outage waits 3" in run_log.log_line(metrics, 10, 100, gan=False)
+    err = capfd.readouterr().err
+    for name in ("corrupt", "empty", "truncated", "notes", "bomb", "bomb_header"):
+        assert len(re.findall(rf"warning: skipped an? [a-z-]+ sample \({name}\)", err)) == 1, (name, err)
+    assert len(re.findall(r"warning: shard .*00002.tar: .*skipping the rest of it", err)) == 1, err
+
+
 def test_train_loader_clean_data_counts_nothing(solid_shards):
     with train_loader(solid_shards) as loader:
         take(loader, 12)
-        assert loader.skipped() == {"corrupt": 0, "non_image": 0, "too_large": 0, "shard_errors": 0}
+        assert loader.skipped() == {"corrupt": 0, "non_image": 0, "too_large": 0, "shard_errors": 0, "files": 0,
+                                    "outage_waits": 0}
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -435,23 +460,35 @@ def test_dataset_error_from_worker_is_one_line(tmp_path):
 HANG_HOLD_S = 40
 
 
-@pytest.fixture(scope="module")
-def remote(solid_shards):
-    """An http server of the solid shards, a port with nothing listening ('dead') and a server that accepts
-    connections and never answers ('hang'; it drops each one after HANG_HOLD_S, so that even a reader without
-    a timeout of its own gets free). All closed at the end of the module."""
+def serve_directory(directory: str, port: int = 0):
+    """A loopback http server of `directory` in a thread (port 0: any free one); stop it with stop_serving."""
     import functools
     import http.server
-    import socket
     import threading
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(Quiet, directory=os.path.dirname(solid_shards)))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), functools.partial(Quiet, directory=directory))
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def stop_serving(server) -> None:
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def remote(solid_shards):
+    """An http server of the solid shards, a port with nothing listening ('dead') and a server that accepts
+    connections and never answers ('hang'; it drops each one after HANG_HOLD_S, so that even a reader without
+    a timeout of its own gets free). All closed at the end of the module."""
+    import socket
+    import threading
+
+    server = serve_directory(os.path.dirname(solid_shards))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         dead_port = probe.getsockname()[1]
@@ -475,8 +512,7 @@ def remote(solid_shards):
                "dead": f"http://127.0.0.1:{dead_port}/00003.tar",
                "hang": f"http://127.0.0.1:{hang.getsockname()[1]}/00004.tar"}
     finally:
-        server.shutdown()
-        server.server_close()
+        stop_serving(server)
         hang.close()
 
 
@@ -515,6 +551,243 @@ def test_dead_or_hung_remote_shards_are_skipped_and_counted(remote, short_timeou
         state = loader.state_dict()["worker_states"][0]
         assert state["epoch"] >= 1  # every shard was visited at least once
         assert loader.skipped()["shard_errors"] >= 2 * state["epoch"], (state, loader.skipped())
+
+
+OUTAGE_S = 4
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def shard_server_process(directory: str, port: int):
+    """`python -m http.server` in its own process, so that stopping it closes its port for sure: data worker
+    processes forked from this one would inherit the listening socket of a server thread here and keep it
+    open (connections then hang instead of being refused)."""
+    import socket
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                             "--directory", directory], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(200):
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            time.sleep(0.05)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(90)
+def test_a_shard_server_outage_is_ridden_out(solid_shards, capfd):
+    """Serve 3 shards, read a few batches, stop the server for OUTAGE_S seconds, start it again: the stream waits
+    (with back-off, counted and said on stderr) and goes on with every shard, instead of ending the run."""
+    import threading
+    directory, port = os.path.dirname(solid_shards), free_port()
+    url = f"http://127.0.0.1:{port}/{{00000..00002}}.tar"
+    with contextlib.ExitStack() as servers, train_loader(url, shuffle_buffer=2, num_workers=1,
+                                                         shard_retry_minutes=1) as loader:
+        with shard_server_process(directory, port):
+            take(loader, 3)
+        back = threading.Timer(OUTAGE_S, lambda: servers.enter_context(shard_server_process(directory, port)))
+        back.start()
+        start = time.monotonic()
+        # 12 batches of 2 need 8 more shard reads (3 samples each): the outage is met and outlived
+        seen = {v for b in take(loader, 12, seconds=60) for v in sample_ids(b)}
+        waited = time.monotonic() - start
+        back.join()
+        assert seen == shard_ids(0) | shard_ids(1) | shard_ids(2)
+        assert waited >= OUTAGE_S - 1, waited  # the stream had nothing to give while the server was down
+        skipped = loader.skipped()
+        assert skipped["outage_waits"] >= 2 and skipped["shard_errors"] >= 3, skipped
+        assert skipped["files"] == 3  # each shard failed, each counted once among the distinct bad ones
+        assert skipped["corrupt"] == skipped["non_image"] == skipped["too_large"] == 0
+    err = capfd.readouterr().err
+    assert re.search(r"warning: data worker 0: no shard could be read \(.*127\.0\.0\.1.*\); retrying for up "
+                     r"to 1 min \(--shard_retry_minutes\)", err), err
+    assert re.search(r"warning: data worker 0: shards readable again after \d+ s", err), err
+
+
+@pytest.mark.timeout(90)
+def test_a_shard_server_that_stays_down_ends_the_run_in_one_line_after_the_budget(solid_shards):
+    """The budget spent without a readable shard: one line, from the data worker process, naming the URL's
+    failure and the flag; not before the budget."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/{{00000..00002}}.tar"
+    budget_s = 2.4
+    with train_loader(url, shuffle_buffer=2, num_workers=1, shard_retry_minutes=budget_s / 60) as loader:
+        with shard_server_process(os.path.dirname(solid_shards), port):
+            take(loader, 3)
+        start = time.monotonic()
+        with deadline(60), pytest.raises(data.DatasetError) as info:
+            take(loader, 20)
+        waited = time.monotonic() - start
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert message.startswith("no shard of the dataset could be read for ") and "127.0.0.1" in message, message
+    assert "--shard_retry_minutes" in message and "last checkpoint" in message, message
+    assert budget_s <= waited < budget_s + 20, waited
+
+
+def test_outage_backs_off_exponentially_up_to_a_cap_within_the_budget(monkeypatch):
+    """The waits between passes double from RETRY_FIRST_WAIT_S up to RETRY_MAX_WAIT_S, the last one ends with the
+    budget, and the next gives up. (The clock and the sleep are replaced: ten minutes of waits in no time.)"""
+    clock, waits = [1000.0], []
+
+    def fake_sleep(seconds):
+        waits.append(seconds)
+        clock[0] += seconds
+
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(data, "sleep_unless_orphaned", fake_sleep)
+    outage = data.Outage(worker=0, budget_s=600, first_error="x: refused")
+    with pytest.raises(data.DatasetError, match="could be read for 600 s"):
+        for _ in range(100):
+            outage.wait("http://h/0.tar: Connection refused")
+    assert waits == [1, 2, 4, 8, 16, 32, 60, 60, 60, 60, 60, 60, 60, 60, 600 - 543], waits
+
+
+@pytest.mark.timeout(150)
+def test_a_run_whose_shard_server_stays_down_stops_in_one_line_keeping_its_checkpoints(solid_shards, tmp_path):
+    """The trainer's side: the server goes away after a checkpoint and stays away past --shard_retry_minutes.
+    The run ends with exit code 1 and one `error:` line (no traceback), its checkpoints whole, to resume from."""
+    import subprocess
+    from checkpoint import checkpoint_files, load_checkpoint
+    from conftest import TINY, cli_command, cli_env
+    port = free_port()
+    ckpt_dir = tmp_path / "runs" / "outage" / "checkpoints"
+    args = ["--dataset_url", f"http://127.0.0.1:{port}/{{00000..00002}}.tar", "--output_dir", str(tmp_path / "runs"),
+            "--run_name", "outage", "--max_steps", "100000", "--save_every_n_steps", "2",
+            "--evaluate_every_n_steps", "0", "--shard_retry_minutes", "0.05", *TINY]
+    # stdout and stderr to files: a pipe nobody reads while the run goes on could fill up and stall it
+    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
+        trainer = subprocess.Popen(cli_command("vae_trainer.py", args), stdout=out, stderr=err, text=True,
+                                   env=cli_env())
+        try:
+            with shard_server_process(os.path.dirname(solid_shards), port):
+                end = time.monotonic() + 100
+                while not checkpoint_files(str(ckpt_dir)) and trainer.poll() is None and time.monotonic() < end:
+                    time.sleep(0.2)
+                assert checkpoint_files(str(ckpt_dir)), trainer.poll()
+            trainer.wait(timeout=100)
+        finally:
+            trainer.kill()
+            trainer.wait()
+        out.seek(0)
+        err.seek(0)
+        out, err = out.read(), err.read()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert trainer.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert len(errors) == 1 and err.strip().splitlines()[-1] == errors[0], out[-2000:] + err[-3000:]
+    assert errors[0].startswith("error: no shard of the dataset could be read for ") and "--shard_retry_minutes" \
+        in errors[0], errors
+    assert "no shard could be read" in err and "retrying for up to 0.05 min" in err, err[-3000:]
+    for path in checkpoint_files(str(ckpt_dir)):
+        assert load_checkpoint(path)["step"] >= 2
+
+
+def test_unreadable_local_shards_are_not_waited_for(tmp_path):
+    """Only remote shards have outages to ride out: unreadable local files still end the stream at once."""
+    with open(tmp_path / "a.tar", "wb") as f:
+        f.write(b"\x00garbage" * 100)
+    with train_loader(str(tmp_path / "a.tar"), shard_retry_minutes=10) as loader:
+        start = time.monotonic()
+        with deadline(60), pytest.raises(data.DatasetError, match="no readable sample"):
+            next(loader)
+        assert time.monotonic() - start < 5
+
+
+def process_tree() -> dict[int, list[int]]:
+    """parent pid -> child pids, for every process alive (zombies left out: they hold nothing)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    return children
+
+
+def is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(150)
+def test_data_workers_die_with_a_killed_trainer(solid_shards, tmp_path):
+    """kill -9 of a training run's main process (what the OOM killer does) while its data workers are blocked
+    reading from a shard server that stopped answering: no worker may stay behind, orphaned. Without the
+    parent-death signal a worker waits out curl's 30 s stall timeout, and one blocked writing to a full pipe
+    stays for good."""
+    import subprocess
+    from conftest import TINY, cli_command, cli_env
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/{{00000..00002}}.tar"
+    args = ["--dataset_url", url, "--output_dir", str(tmp_path / "runs"), "--max_steps", "100000", *TINY,
+            "--num_workers", "2"]
+    leftovers: list[int] = []
+    with shard_server_process(os.path.dirname(solid_shards), port) as server, \
+            subprocess.Popen(cli_command("vae_trainer.py", args), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, env=cli_env()) as trainer:
+        try:
+            workers: list[int] = []
+            end = time.monotonic() + 100
+            while len(workers) < 2 and trainer.poll() is None and time.monotonic() < end:
+                time.sleep(0.2)
+                workers = process_tree().get(trainer.pid, [])
+            assert len(workers) == 2, (workers, trainer.poll())
+            time.sleep(2)  # the workers read shards and fill their prefetch queue
+            os.kill(server.pid, signal.SIGSTOP)  # connections are accepted by the kernel and never answered
+            time.sleep(3)  # the workers are now blocked in reads that will not end
+            tree = process_tree()
+            leftovers = [p for w in workers for p in [w, *tree.get(w, [])]]  # the workers and their curl reads
+            trainer.kill()
+            trainer.wait()
+            end = time.monotonic() + 5
+            while any(map(is_running, workers)) and time.monotonic() < end:
+                time.sleep(0.1)
+            assert not [w for w in workers if is_running(w)], "data workers outlived their killed trainer"
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+            trainer.kill()
+            for pid in leftovers:
+                with contextlib.suppress(ProcessLookupError):
+                    if is_running(pid):
+                        os.kill(pid, signal.SIGKILL)
+
+
+def test_an_orphaned_worker_stops_waiting_for_the_shard_server(monkeypatch):
+    """The portable check (besides Linux's parent-death signal): a back-off wait ends the worker as soon as its
+    parent is not the one that started it. (os._exit replaced, so that this test process survives.)"""
+    class Exited(BaseException):
+        pass
+
+    def fake_exit(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    monkeypatch.setattr(data, "_parent_pid", os.getppid())
+    start = time.monotonic()
+    data.sleep_unless_orphaned(0.3)  # its parent is alive: it waits the whole time
+    assert time.monotonic() - start >= 0.3
+    monkeypatch.setattr(data, "_parent_pid", os.getppid() + 1)  # as if the parent had died and left it to init
+    start = time.monotonic()
+    with pytest.raises(Exited):
+        data.sleep_unless_orphaned(30)
+    assert time.monotonic() - start < 5
 
 
 @pytest.mark.timeout(60)
@@ -743,7 +1016,7 @@ def test_make_shards_cli(image_folder, tmp_path):
     dst = tmp_path / "dst"
     proc = run_cli("data.py", ["make-shards", str(src), str(dst), "--shard_size", "2"], timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert re.search(r"wrote 5 images into 3 shards \(1 unreadable skipped\)", proc.stdout), proc.stdout
+    assert re.search(r"wrote 5 images into 3 shards \(1 unreadable skipped: broken.jpg\)", proc.stdout), proc.stdout
     m = re.search(r"--dataset_url '([^']+)'", proc.stdout)
     assert m, proc.stdout
     url = m.group(1)
@@ -785,6 +1058,34 @@ def test_make_shards_in_process(image_folder, tmp_path, capsys):
     empty.mkdir()
     assert data.main(["make-shards", str(empty), str(tmp_path / "two")]) == 2
     assert capsys.readouterr().err.startswith("error:")
+
+
+def test_make_shards_decodes_and_names_what_it_skips(tmp_path, capsys):
+    """A truncated JPEG opens (its header is whole) but does not decode: make-shards must leave it out, as it does
+    a file that is no image at all, and name both."""
+    src = tmp_path / "src"
+    src.mkdir()
+    whole = encode(noise_image(40, size=(64, 64)), "JPEG", quality=90)
+    (src / "good.jpg").write_bytes(whole)
+    (src / "cut.jpg").write_bytes(whole[:len(whole) // 2])
+    (src / "notes.png").write_bytes(b"plain text, not a png")
+    with Image.open(io.BytesIO(whole[:len(whole) // 2])) as im:
+        assert im.size == (64, 64)  # it opens: only decoding finds the damage
+    assert data.main(["make-shards", str(src), str(tmp_path / "dst")]) == 0
+    out = capsys.readouterr().out
+    assert "wrote 1 images into 1 shards (2 unreadable skipped: cut.jpg, notes.png)" in out, out
+    assert list(read_tar_members([str(tmp_path / "dst" / "00000.tar")]).values()) == [whole]
+
+
+def test_make_shards_names_a_few_of_many(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ok.png").write_bytes(solid_png(1))
+    for i in range(8):
+        (src / f"bad{i}.jpg").write_bytes(b"junk")
+    assert data.main(["make-shards", str(src), str(tmp_path / "dst")]) == 0
+    out = capsys.readouterr().out
+    assert "(8 unreadable skipped: bad0.jpg, bad1.jpg, bad2.jpg, bad3.jpg, bad4.jpg and 3 more)" in out, out
 
 
 def test_make_shards_nothing_readable(tmp_path, capsys):
