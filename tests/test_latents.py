@@ -239,6 +239,18 @@ def test_two_ranks_with_regularisers_accumulation_checkpointing_bf16_and_eval_di
     assert len(final_eval["eval/latent_spectrum"]) == len(final_eval["eval/image_spectrum"]) == 16 + 1
 
 
+def test_latent_noise_passes_the_gradient_through_unchanged():
+    """The noise level is relative to the batch's latent std, detached: the decoder's gradient reaches the
+    encoder as it is (d out / d z = identity). Through the std, every step would also push the latent scale
+    down (smaller latents, less noise), a shortcut around the augmentation."""
+    z = (3 * torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(0))).requires_grad_()
+    upstream = torch.randn(z.shape, generator=torch.Generator().manual_seed(1))  # any gradient from the decoder
+    noisy = latents.add_latent_noise(z, prob=1.0, max_level=0.5, gen=torch.Generator().manual_seed(2))
+    assert (noisy - z).abs().mean() > 0.1  # the noise is there
+    noisy.backward(upstream)
+    assert torch.equal(z.grad, upstream)
+
+
 # ------------------------------------------------------------------------------------------ export
 @pytest.mark.timeout(60)
 def test_export_writes_per_channel_latents_mean_and_std(tmp_path, photos_dir):
