@@ -425,6 +425,32 @@ def test_precision_can_change_on_resume(shard_url, tmp_path):
     assert _ckpt(tmp_path, "prec", 3)["scaler_vae"] == {} and _ckpt(tmp_path, "prec", 3)["step"] == 3
 
 
+@pytest.mark.timeout(300)
+def test_fp16_stopped_and_resumed_equals_uninterrupted(shard_url, tmp_path):
+    """fp16 into fp16: the VAE's GradScaler (its loss scale and growth tracker) is part of the state. The first
+    fp16 steps of this model overflow at the initial scale 2^16 and are skipped while the scale backs off; a
+    resume that restarted the scale would skip its first steps again and drift from the uninterrupted run.
+    (fp16 autocast runs on CPU; fp16 convolutions are slow there: a small model, no critic.)"""
+    small = ["--vae_ch_mult", "1,2", "--vae_resolution", "32", "--precision", "fp16"]
+    ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 10, 10, *small))
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    # its first 6 steps are skipped (2^16 -> 2^10); a checkpoint is not written inside that streak
+    first = run_cli(FAULTY, _args(shard_url, tmp_path, "cut", 10, 100, *small), env=cli_env(VAE_TRAINER_SIGTERM_AT="7"))
+    assert first.returncode == 0 and "checkpoint written at step 8" in first.stdout, first.stdout[-2000:]
+    assert _ckpt(tmp_path, "cut", 8)["scaler_vae"]["scale"] < 2.0 ** 16  # it did back off before the stop
+    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 10, 10, *small))
+    assert again.returncode == 0 and "at step 8" in again.stdout, again.stderr[-2000:]
+    # a loss scale restarted at 2^16 overflows again: the resumed run skips steps the uninterrupted one took
+    assert "inside a streak of skipped steps" not in again.stdout, again.stdout[-1500:]
+    a, b = _ckpt(tmp_path, "ref", 10), _ckpt(tmp_path, "cut", 10)
+    assert a["scaler_vae"] == b["scaler_vae"]
+    for name in a["vae"]:
+        assert torch.equal(a["vae"][name], b["vae"][name]), name
+    for pid, state in a["optimizer_vae"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, b["optimizer_vae"]["state"][pid][key]), (pid, key)
+
+
 def test_resume_never_refuses_a_run_dir_with_checkpoints(shard_url, tmp_path):
     assert run_cli("vae_trainer.py", _args(shard_url, tmp_path, "n", 2, 2)).returncode == 0
     proc = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "n", 4, 2, "--resume", "never"))
