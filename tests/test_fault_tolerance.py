@@ -96,6 +96,35 @@ def test_sigkill_of_one_rank_restarts_and_matches_uninterrupted(shard_url, tmp_p
     _assert_same_state(_ckpt(two_rank_reference, "ref", 8), _ckpt(tmp_path, "killed", 8))
 
 
+@pytest.mark.timeout(300)
+def test_two_nodes_one_killed_worker_re_form_resume_and_match_uninterrupted(shard_url, tmp_path, two_rank_reference):
+    """The README's multi-node recipe on loopback: two torchrun agents as two nodes (--nnodes=2, one process
+    each, c10d rendezvous on 127.0.0.1, --max-restarts=1). kill -9 of rank 1's worker at step 5: both agents
+    re-form the job, it resumes from the step-4 checkpoint and ends bitwise equal to the uninterrupted two-rank
+    run (world size 2 either way)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes", "--max-restarts=1",
+            "--local-addr=127.0.0.1", os.path.join(ROOT, FAULTY), *_args(shard_url, tmp_path, "nodes", 8, 2, *GAN)]
+    env = cli_env(VAE_TRAINER_KILL_AT="5@1")
+    nodes = [subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+             for _ in range(2)]
+    try:
+        outputs = [proc.communicate(timeout=240) for proc in nodes]
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                kill_tree(proc)
+    out, err = "".join(o for o, _ in outputs), "".join(e for _, e in outputs)
+    assert [proc.returncode for proc in nodes] == [0, 0], out[-2000:] + err[-4000:]
+    assert "exitcode: -9" in err  # an agent saw its worker killed
+    assert "resumed from" in out and "at step 4" in out
+    _assert_same_state(_ckpt(two_rank_reference, "ref", 8), _ckpt(tmp_path, "nodes", 8))
+
+
 def test_sigterm_on_one_rank_stops_all_and_resumes_exactly(shard_url, tmp_path, two_rank_reference):
     """Preemption seen by rank 1 only: the ranks agree to stop after the same step, save, exit 0."""
     first = run_cli(FAULTY, _args(shard_url, tmp_path, "pre", 8, 100, *GAN), nproc=2,
