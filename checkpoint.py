@@ -84,9 +84,19 @@ def load_vae_weights(path: str) -> dict:
 
 
 def load_vae_weights_into(vae: torch.nn.Module, path: str) -> None:
-    """--load_path: every tensor must exist here with the same shape; else one line (load_state_dict
-    raises a size mismatch as a RuntimeError listing every tensor)."""
-    weights, own = load_vae_weights(path), vae.state_dict()
+    """--load_path: every tensor must exist here with the same shape, and the GroupNorm group count must be the
+    one the weights were trained with where the file says it; else one line (load_state_dict raises a size
+    mismatch as a RuntimeError listing every tensor, and loads weights of another group count without a word:
+    the model then computes something else)."""
+    if path.endswith(".safetensors"):
+        weights, file = load_vae_weights(path), None
+    else:  # read once: the whole checkpoint holds the weights and the group count (and may be large)
+        try:
+            file = load_checkpoint(path)
+        except Exception as e:
+            raise ConfigError(f"{path}: cannot be loaded as weights ({type(e).__name__})") from None
+        weights = file["vae"] if isinstance(file, dict) and "vae" in file else file
+    own = vae.state_dict()
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
         raise ConfigError(f"--load_path {path} holds no VAE state dict")
     missing, unexpected = [k for k in own if k not in weights], [k for k in weights if k not in own]
@@ -99,7 +109,34 @@ def load_vae_weights_into(vae: torch.nn.Module, path: str) -> None:
         raise ConfigError(f"--load_path {path} does not fit this architecture: {len(shapes)} tensors differ in "
                           f"shape, e.g. {name} {list(theirs)} in the file vs {list(ours)} here (--vae_ch, "
                           "--vae_ch_mult, --vae_z_channels, ... must match the weights)")
+    theirs, ours = recorded_norm_groups(path, file), vae.params.norm_groups
+    if theirs is not None and theirs != ours:
+        raise ConfigError(f"--load_path {path} was trained with {theirs} GroupNorm groups, this model has {ours}: "
+                          f"add --vae_norm_groups {theirs}")
     vae.load_state_dict(weights)
+
+
+def recorded_norm_groups(path: str, file) -> int | None:
+    """The GroupNorm group count the weights at `path` (`file`: the loaded checkpoint) were trained with, where
+    it says: our checkpoints (model_params, else the config: runs from before --vae_norm_groups had 32), or the
+    config.json that export.py --format safetensors writes beside its weights. None for a bare state dict or a
+    lone .safetensors: their shapes are all that can be checked."""
+    if path.endswith(".safetensors"):
+        beside = os.path.join(os.path.dirname(path), "config.json")
+        try:
+            with open(beside) as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return None
+        groups = config.get("norm_groups") if isinstance(config, dict) else None
+        return groups if isinstance(groups, int) else None
+    if not isinstance(file, dict) or "vae" not in file:
+        return None
+    if isinstance(file.get("model_params"), dict) and "norm_groups" in file["model_params"]:
+        return file["model_params"]["norm_groups"]
+    if isinstance(file.get("config"), dict):
+        return {**LEGACY_ARCH, **file["config"]}["vae_norm_groups"]
+    return None
 
 
 def restore_scaler(scaler, state: dict | None) -> None:

@@ -10,10 +10,14 @@
 
     python export.py --ckpt runs/flux-ft --out flux-ft --format single_file   # ae.safetensors, FLUX's layout
 
-The latent factors follow the FLUX convention z' = (z - shift_factor) * scaling_factor. They come from
-the flags, or from the latent statistics of --dataset_url (evaluate.latent_stats), else 1.0 / 0.0.
-With --dataset_url the per-channel statistics go into the config too, as `latents_mean` / `latents_std`
-(diffusers' AutoencoderKL keys; per-channel normalisation z' = (z - latents_mean) / latents_std).
+The latent normalisation is written for one pipeline family (--latent_norm), so that the latents its diffusion
+model sees have zero mean and unit variance:
+  scalar (default; FLUX, SD3, SD 1.x/2.x): z' = (z - shift_factor) * scaling_factor, no latents_mean/latents_std.
+      The factors come from the flags, or from the latent statistics of --dataset_url (evaluate.latent_stats),
+      else 1.0 / 0.0.
+  per_channel (SDXL-style pipelines, which decode with latents * latents_std / scaling_factor + latents_mean):
+      latents_mean / latents_std per channel from --dataset_url, scaling_factor 1.0, shift_factor 0.0.
+Both at once would compound: an SDXL-style pipeline applies scaling_factor on top of latents_std.
 A decoder-only fine-tune (--train_parts decoder) keeps its --init_from source's factors unless given others.
 quant_conv / post_quant_conv are exported where the model has them (SD 1.x/2.x/SDXL). A constant-variance encoder becomes
 AutoencoderKL's (mean, log-variance) output by extra conv_out channels with zero weights and
@@ -117,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "single_file: OUT/ae.safetensors in the LDM/FLUX layout (FLUX's ae.safetensors, SD's VAE "
                         "files)")
     p.add_argument("--ema", action="store_true", help="export the checkpoint's EMA weights")
+    p.add_argument("--latent_norm", default="scalar", choices=("scalar", "per_channel"),
+                   help="scalar: scaling_factor/shift_factor (FLUX, SD3, SD 1.x/2.x pipelines); per_channel: "
+                        "latents_mean/latents_std from --dataset_url with scaling_factor 1 (SDXL-style pipelines)")
     p.add_argument("--scaling_factor", type=float, default=None, help="latent scale (z' = (z - shift) * scale)")
     p.add_argument("--shift_factor", type=float, default=None, help="latent shift")
     p.add_argument("--dataset_url", default="", help="compute scale and shift from the latents of these images")
@@ -132,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.dataset_url and (args.scaling_factor is not None or args.shift_factor is not None):
             raise ConfigError("give --scaling_factor/--shift_factor or --dataset_url, not both")
+        if args.latent_norm == "per_channel" and not args.dataset_url:
+            raise ConfigError("--latent_norm per_channel needs --dataset_url (the per-channel statistics)")
+        if args.latent_norm == "per_channel" and args.format == "single_file":
+            raise ConfigError("--latent_norm per_channel needs a config to hold latents_mean/latents_std: "
+                              "--format diffusers or safetensors")
         if args.scaling_factor is not None and not (math.isfinite(args.scaling_factor) and args.scaling_factor > 0):
             raise ConfigError(f"--scaling_factor must be a positive number, got {args.scaling_factor}")
         if args.latent_stats_images <= 0 or args.batch_size <= 0:
@@ -164,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
             stats = evaluate.latent_stats(vae.to(device), args.dataset_url, resolution, batch_size=args.batch_size,
                                           device=device, max_images=args.latent_stats_images)
             vae.cpu()
-            scale, shift = stats["scaling_factor"], stats["shift_factor"]
-            latents_mean, latents_std = stats["channel_mean"], stats["channel_std"]
+            if args.latent_norm == "per_channel":  # the pipeline divides by scaling_factor after latents_std
+                scale, shift = 1.0, 0.0
+                latents_mean, latents_std = stats["channel_mean"], stats["channel_std"]
+            else:
+                scale, shift = stats["scaling_factor"], stats["shift_factor"]
             summary["latent_stats"] = stats
         else:
             # per-channel statistics need --dataset_url (latents_mean/latents_std stay None)
@@ -183,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, data_lib.DatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summary.update(scaling_factor=scale, shift_factor=shift)
+    summary.update(latent_norm=args.latent_norm, scaling_factor=scale, shift_factor=shift)
     print(json.dumps(summary))
     return 0
 

@@ -235,3 +235,62 @@ def test_user_errors_in_process(tmp_path, capsys, args, message):
     assert export.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "o"), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+# ------------------------------------------------------------------------------------------ latent normalisation
+def pipeline_latents(family: str, vae, images: torch.Tensor) -> torch.Tensor:
+    """The latents a diffusion model of `family` is trained on, as diffusers' own pipelines make them from images
+    (their img2img encode paths, the exact inverse of the decode paths of their text-to-image pipelines:
+    SDXL's latents * latents_std / scaling_factor + latents_mean, FLUX's and SD3's latents / scaling_factor +
+    shift_factor). Only the VAE is loaded; the other components are not needed by these paths."""
+    generator = torch.Generator().manual_seed(0)
+    if family == "sdxl":
+        from diffusers import EulerDiscreteScheduler, StableDiffusionXLImg2ImgPipeline
+        pipe = StableDiffusionXLImg2ImgPipeline(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None,
+                                                tokenizer_2=None, unet=None, scheduler=EulerDiscreteScheduler())
+        return pipe.prepare_latents(images, None, len(images), 1, torch.float32, torch.device("cpu"), generator,
+                                    add_noise=False)
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxImg2ImgPipeline
+    pipe = FluxImg2ImgPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None,
+                               tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=None)
+    return pipe._encode_vae_image(images, generator)
+
+
+@pytest.mark.parametrize("latent_norm, family", [("scalar", "flux"), ("per_channel", "sdxl")])
+def test_exported_latents_have_unit_variance_in_the_pipeline_family_they_are_for(tmp_path, photos_dir, capsys,
+                                                                                  latent_norm, family):
+    """Each --latent_norm gives the latents of its pipeline family zero mean and unit variance, through the
+    pipelines' own code: scalar (scaling/shift) for FLUX/SD3, per_channel (latents_mean/std) for SDXL. Writing
+    both (scaling_factor 1/sigma and latents_std) gave an SDXL pipeline latents of std 1/sigma. A tiny posterior
+    variance: the pipelines encode with a posterior sample, the statistics are of the posterior mean."""
+    import data as data_lib
+    params = AutoEncoderParams(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4, use_attn=False,
+                               posterior_var=1e-8)
+    save_checkpoint(tmp_path / "ckpt.pt", params)
+    out = tmp_path / "hf"
+    assert export.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(out), "--dataset_url", photos_dir,
+                        "--latent_stats_images", "8", "--batch_size", "4", "--latent_norm", latent_norm]) == 0
+    stats = json.loads(capsys.readouterr().out)["latent_stats"]
+    assert not 0.5 < stats["latent_std"] < 2  # far from unit variance as it comes out of the encoder
+    images = torch.cat([data_lib.to_model_input(batch, torch.device("cpu"), channels_last=False)
+                        for _, batch in data_lib.iter_eval_batches(photos_dir, 32, 4)])
+    vae = load_diffusers(str(out))
+    with torch.no_grad():
+        z = pipeline_latents(family, vae, images).double()
+    if latent_norm == "per_channel":
+        assert z.mean(dim=(0, 2, 3)).abs().max() < 1e-3
+        assert z.std(dim=(0, 2, 3), unbiased=False).tolist() == pytest.approx([1.0] * 4, abs=1e-3)
+        assert (vae.config.scaling_factor, vae.config.shift_factor) == (1.0, 0.0)
+    else:
+        assert abs(z.mean().item()) < 1e-3 and z.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-3)
+        assert vae.config.latents_mean is None and vae.config.latents_std is None
+
+
+def test_per_channel_normalisation_needs_the_statistics_and_a_config(tmp_path, capsys, photos_dir):
+    save_checkpoint(tmp_path / "ckpt.pt", CONFIGS["constant_no_attn_2_levels"])
+    for extra, message in ((["--latent_norm", "per_channel"], "--latent_norm per_channel needs --dataset_url"),
+                           (["--latent_norm", "per_channel", "--dataset_url", photos_dir, "--format", "single_file"],
+                            "--format diffusers or safetensors")):
+        assert export.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "o"), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err and "\n" not in err

@@ -96,6 +96,35 @@ def test_sigkill_of_one_rank_restarts_and_matches_uninterrupted(shard_url, tmp_p
     _assert_same_state(_ckpt(two_rank_reference, "ref", 8), _ckpt(tmp_path, "killed", 8))
 
 
+@pytest.mark.timeout(300)
+def test_two_nodes_one_killed_worker_re_form_resume_and_match_uninterrupted(shard_url, tmp_path, two_rank_reference):
+    """The README's multi-node recipe on loopback: two torchrun agents as two nodes (--nnodes=2, one process
+    each, c10d rendezvous on 127.0.0.1, --max-restarts=1). kill -9 of rank 1's worker at step 5: both agents
+    re-form the job, it resumes from the step-4 checkpoint and ends bitwise equal to the uninterrupted two-rank
+    run (world size 2 either way)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes", "--max-restarts=1",
+            "--local-addr=127.0.0.1", os.path.join(ROOT, FAULTY), *_args(shard_url, tmp_path, "nodes", 8, 2, *GAN)]
+    env = cli_env(VAE_TRAINER_KILL_AT="5@1")
+    nodes = [subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+             for _ in range(2)]
+    try:
+        outputs = [proc.communicate(timeout=240) for proc in nodes]
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                kill_tree(proc)
+    out, err = "".join(o for o, _ in outputs), "".join(e for _, e in outputs)
+    assert [proc.returncode for proc in nodes] == [0, 0], out[-2000:] + err[-4000:]
+    assert "exitcode: -9" in err  # an agent saw its worker killed
+    assert "resumed from" in out and "at step 4" in out
+    _assert_same_state(_ckpt(two_rank_reference, "ref", 8), _ckpt(tmp_path, "nodes", 8))
+
+
 def test_sigterm_on_one_rank_stops_all_and_resumes_exactly(shard_url, tmp_path, two_rank_reference):
     """Preemption seen by rank 1 only: the ranks agree to stop after the same step, save, exit 0."""
     first = run_cli(FAULTY, _args(shard_url, tmp_path, "pre", 8, 100, *GAN), nproc=2,
@@ -423,6 +452,32 @@ def test_precision_can_change_on_resume(shard_url, tmp_path):
     assert fp16["config"]["precision"] == "fp16"
     assert fp16["scaler_vae"]["scale"] > 0 and fp16["scaler_disc"]["scale"] > 0  # it really ran with loss scaling
     assert _ckpt(tmp_path, "prec", 3)["scaler_vae"] == {} and _ckpt(tmp_path, "prec", 3)["step"] == 3
+
+
+@pytest.mark.timeout(300)
+def test_fp16_stopped_and_resumed_equals_uninterrupted(shard_url, tmp_path):
+    """fp16 into fp16: the VAE's GradScaler (its loss scale and growth tracker) is part of the state. The first
+    fp16 steps of this model overflow at the initial scale 2^16 and are skipped while the scale backs off; a
+    resume that restarted the scale would skip its first steps again and drift from the uninterrupted run.
+    (fp16 autocast runs on CPU; fp16 convolutions are slow there: a small model, no critic.)"""
+    small = ["--vae_ch_mult", "1,2", "--vae_resolution", "32", "--precision", "fp16"]
+    ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 10, 10, *small))
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    # its first 6 steps are skipped (2^16 -> 2^10); a checkpoint is not written inside that streak
+    first = run_cli(FAULTY, _args(shard_url, tmp_path, "cut", 10, 100, *small), env=cli_env(VAE_TRAINER_SIGTERM_AT="7"))
+    assert first.returncode == 0 and "checkpoint written at step 8" in first.stdout, first.stdout[-2000:]
+    assert _ckpt(tmp_path, "cut", 8)["scaler_vae"]["scale"] < 2.0 ** 16  # it did back off before the stop
+    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 10, 10, *small))
+    assert again.returncode == 0 and "at step 8" in again.stdout, again.stderr[-2000:]
+    # a loss scale restarted at 2^16 overflows again: the resumed run skips steps the uninterrupted one took
+    assert "inside a streak of skipped steps" not in again.stdout, again.stdout[-1500:]
+    a, b = _ckpt(tmp_path, "ref", 10), _ckpt(tmp_path, "cut", 10)
+    assert a["scaler_vae"] == b["scaler_vae"]
+    for name in a["vae"]:
+        assert torch.equal(a["vae"][name], b["vae"][name]), name
+    for pid, state in a["optimizer_vae"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, b["optimizer_vae"]["state"][pid][key]), (pid, key)
 
 
 def test_resume_never_refuses_a_run_dir_with_checkpoints(shard_url, tmp_path):

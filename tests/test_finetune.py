@@ -311,3 +311,35 @@ def test_decoder_only_with_checkpointing_and_bf16_gives_the_same_decoder_gradien
         grads.append({n: p.grad for n, p in vae.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+@pytest.mark.parametrize("form", ["checkpoint", "export_safetensors", "bare_state_dict"])
+def test_load_path_refuses_weights_of_another_group_count(tmp_path, form):
+    """Weights of a 32-group model fit a 16-group one tensor for tensor, yet compute something else: where the
+    file says its group count, --load_path refuses in one line naming both counts and the flag; a bare state dict
+    says nothing and loads (its shapes fit)."""
+    from checkpoint import load_vae_weights_into
+    from common import ConfigError
+    params = dict(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4, use_attn=False)
+    trained = AutoEncoder(AutoEncoderParams(**params, norm_groups=32))
+    if form == "checkpoint":  # what the trainer writes (checkpoint_state)
+        path = str(tmp_path / "step_00000010.pt")
+        torch.save({"vae": trained.state_dict(), "model_params": trained.params.to_dict()}, path)
+    elif form == "export_safetensors":
+        export.export_safetensors(trained, str(tmp_path / "st"), 64, 1.0, 0.0, 10)
+        path = str(tmp_path / "st" / export.SAFETENSORS_WEIGHTS)
+    else:
+        path = str(tmp_path / "vae.pt")
+        torch.save(trained.state_dict(), path)
+    fine_tune = AutoEncoder(AutoEncoderParams(**params, norm_groups=16))
+    if form == "bare_state_dict":
+        load_vae_weights_into(fine_tune, path)
+        assert all(torch.equal(a, b) for a, b in zip(fine_tune.state_dict().values(), trained.state_dict().values()))
+        return
+    with pytest.raises(ConfigError) as e:
+        load_vae_weights_into(fine_tune, path)
+    assert str(e.value) == (f"--load_path {path} was trained with 32 GroupNorm groups, this model has 16: "
+                            "add --vae_norm_groups 32")
+    same = AutoEncoder(AutoEncoderParams(**params, norm_groups=32))
+    load_vae_weights_into(same, path)  # the flag the message names makes it load
+    assert all(torch.equal(a, b) for a, b in zip(same.state_dict().values(), trained.state_dict().values()))

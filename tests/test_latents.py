@@ -239,6 +239,18 @@ def test_two_ranks_with_regularisers_accumulation_checkpointing_bf16_and_eval_di
     assert len(final_eval["eval/latent_spectrum"]) == len(final_eval["eval/image_spectrum"]) == 16 + 1
 
 
+def test_latent_noise_passes_the_gradient_through_unchanged():
+    """The noise level is relative to the batch's latent std, detached: the decoder's gradient reaches the
+    encoder as it is (d out / d z = identity). Through the std, every step would also push the latent scale
+    down (smaller latents, less noise), a shortcut around the augmentation."""
+    z = (3 * torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(0))).requires_grad_()
+    upstream = torch.randn(z.shape, generator=torch.Generator().manual_seed(1))  # any gradient from the decoder
+    noisy = latents.add_latent_noise(z, prob=1.0, max_level=0.5, gen=torch.Generator().manual_seed(2))
+    assert (noisy - z).abs().mean() > 0.1  # the noise is there
+    noisy.backward(upstream)
+    assert torch.equal(z.grad, upstream)
+
+
 # ------------------------------------------------------------------------------------------ export
 @pytest.mark.timeout(60)
 def test_export_writes_per_channel_latents_mean_and_std(tmp_path, photos_dir):
@@ -250,14 +262,16 @@ def test_export_writes_per_channel_latents_mean_and_std(tmp_path, photos_dir):
     vae = AutoEncoder(AutoEncoderParams(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4, use_attn=False))
     export.export_safetensors(vae, str(tmp_path / "st"), 32)
     r = run_cli("export.py", ["--ckpt", str(tmp_path / "st"), "--out", str(tmp_path / "hf"), "--dataset_url",
-                              photos_dir, "--latent_stats_images", "4", "--batch_size", "2"])
+                              photos_dir, "--latent_stats_images", "4", "--batch_size", "2",
+                              "--latent_norm", "per_channel"])
     assert r.returncode == 0, r.stderr
     ref = ev.latent_stats(vae, photos_dir, 32, batch_size=2, device=torch.device("cpu"), max_images=4)
     model = AutoencoderKL.from_pretrained(str(tmp_path / "hf"))
     assert list(model.config.latents_mean) == pytest.approx(ref["channel_mean"], rel=1e-9)
     assert list(model.config.latents_std) == pytest.approx(ref["channel_std"], rel=1e-9)
     r = run_cli("export.py", ["--ckpt", str(tmp_path / "st"), "--out", str(tmp_path / "st2"), "--format",
-                              "safetensors", "--dataset_url", photos_dir, "--latent_stats_images", "4"])
+                              "safetensors", "--dataset_url", photos_dir, "--latent_stats_images", "4",
+                              "--latent_norm", "per_channel"])
     assert r.returncode == 0, r.stderr
     config = json.loads((tmp_path / "st2" / "config.json").read_text())
     assert config["latents_std"] == pytest.approx(ref["channel_std"], rel=1e-9)

@@ -1,12 +1,76 @@
-"""run_log.py in-process: the stdout line names every loss term it is given, and the Reporter writes the line,
-metrics.jsonl and (rank 0 only) nothing on other ranks."""
+"""run_log.py in-process: metrics are averaged per key over the steps that logged it, then over the ranks (maxima
+are the maxima over every rank); the stdout line names every loss term it is given; the Reporter writes the line
+and metrics.jsonl on rank 0 and nothing on other ranks."""
 from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
 import config
 import run_log
 from common import DistInfo
+from run_log import Metrics
+
+# per rank, per step: the loss, and the GAN term (None: off on that step, as before --disc_start)
+LOSSES = {0: [1.0, 3.0, 5.0], 1: [10.0, 20.0, 60.0]}
+GAN = {0: [None, 2.0, 4.0], 1: [None, 7.0, 9.0]}
+ABS_MAX = {0: [1.5, 8.0, 2.0], 1: [4.0, 3.0, 6.5]}
+
+
+def log_window(metrics: Metrics, rank: int) -> None:
+    for loss, gan, abs_max in zip(LOSSES[rank], GAN[rank], ABS_MAX[rank]):
+        metrics.add(**{"loss/total": torch.tensor(loss), "latent/channel_std": torch.tensor([loss, 2 * loss])})
+        if gan is not None:
+            metrics.add(**{"loss/gan_g": torch.tensor(gan)})
+        metrics.max(**{"latent/abs_max": torch.tensor(abs_max)})
+        metrics.end_step()
+
+
+def _reduce_worker(rank: int, world: int, store_path: str, out) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        metrics = Metrics()
+        log_window(metrics, rank)
+        out[rank] = metrics.reduce(DistInfo(rank=rank, world_size=world))
+    finally:
+        dist.destroy_process_group()
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+@pytest.mark.timeout(60)
+def test_metrics_under_two_ranks_are_the_mean_over_ranks_of_each_ranks_step_average(tmp_path):
+    """What the log shows under DDP is what one rank's own average would be if the ranks agreed: every rank's
+    window averaged over the steps that logged each key, then the mean over ranks (not their sum), and maxima
+    over every rank. Both ranks report the same numbers."""
+    out = mp.Manager().dict()
+    mp.spawn(_reduce_worker, args=(2, str(tmp_path / "store"), out), nprocs=2)
+    per_rank_loss = [mean(LOSSES[r]) for r in (0, 1)]  # 3.0 and 30.0
+    per_rank_gan = [mean([g for g in GAN[r] if g is not None]) for r in (0, 1)]  # 3.0 and 8.0: 2 steps each
+    expected = {"loss/total": mean(per_rank_loss), "loss/gan_g": mean(per_rank_gan),
+                "latent/channel_std": [mean(per_rank_loss), 2 * mean(per_rank_loss)],
+                "latent/abs_max": max(ABS_MAX[0] + ABS_MAX[1])}
+    assert expected == {"loss/total": 16.5, "loss/gan_g": 5.5, "latent/channel_std": [16.5, 33.0],
+                        "latent/abs_max": 8.0}
+    for rank in (0, 1):
+        assert out[rank].keys() == expected.keys()
+        for key, value in expected.items():
+            assert out[rank][key] == pytest.approx(value, rel=1e-6), (rank, key)
+
+
+def test_metrics_of_one_process_and_the_window_reset():
+    metrics = Metrics()
+    log_window(metrics, 1)
+    # these sums and quotients are exact in float32
+    assert metrics.reduce(DistInfo()) == {"loss/total": 30.0, "loss/gan_g": 8.0, "latent/channel_std": [30.0, 60.0],
+                                          "latent/abs_max": 6.5}
+    assert metrics.reduce(DistInfo()) == {}  # the next window starts empty
 
 
 def test_the_log_line_iterates_over_the_loss_terms():
