@@ -119,11 +119,15 @@ def plot_metrics(run_dir: str, out_path: str | None = None) -> str | None:
     return out_path
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Plot a run's metrics.jsonl as PNG curves.", allow_abbrev=False)
     parser.add_argument("run_dir", help="a run directory (holding metrics.jsonl), e.g. runs/demo")
     parser.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/curves.png)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     metrics_path = os.path.join(args.run_dir, "metrics.jsonl")
     if not os.path.isfile(metrics_path):
         print(f"error: no metrics.jsonl in {args.run_dir} (give a run directory, e.g. runs/demo)", file=sys.stderr)
