@@ -20,6 +20,8 @@ import os
 import torch
 from torch import nn
 
+from ae import GRAD_CHECKPOINTING
+
 GIB = 1024 ** 3
 BACKWARD_TENSORS = 4
 
@@ -87,12 +89,11 @@ def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_si
     device = next(vae.parameters()).device
     exclude = {p.untyped_storage().data_ptr() for m in (vae, objective) for p in m.parameters()}
     step = objective.cfg.disc_start if step is None else step  # the generator term on: the costliest step
-    amp = objective.amp_dtype
     x = torch.rand(batch_size, 3, resolution, resolution, device=device) * 2 - 1
     out: dict = {}
 
     def vae_forward():
-        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+        with objective.autocast():  # the trainer's autocast: the same device type and dtype
             out["recon"], out["mean"], out["logvar"] = vae(x)
         out["recon"] = out["recon"].float()
 
@@ -105,7 +106,6 @@ def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_si
             objective(x, out["recon"], out["mean"], out["logvar"], step, out.get("real"), out.get("fake"))
 
     with _probe_settings(vae, objective, shape):
-        amp = objective.amp_dtype
         vae_bytes, vae_largest = _saved_bytes(vae_forward, exclude)
         critic_bytes, critic_largest = _saved_bytes(critic_loss, exclude)
         loss_bytes, loss_largest = _saved_bytes(vae_loss, exclude)
@@ -117,7 +117,9 @@ def estimate_step_memory(vae: nn.Module, objective, shape: StepShape, ema: bool 
     """A training step's peak memory for `shape`, from two probes of one image each (default: 64 and 128 px,
     the smaller of them capped at the real resolution) extrapolated linearly in pixels and batch size.
     `vae`: the AutoEncoder (its trainable parameters are the ones with requires_grad); `objective`: the
-    VAEObjective with the loss networks that are on."""
+    VAEObjective with the loss networks that are on. A frozen part (requires_grad off, as --train_parts decoder
+    leaves the encoder) saves nothing for backward and holds no gradient or optimizer state, so it is estimated
+    as the trainer will run it."""
     r1, r2 = probe_resolutions or (min(64, shape.resolution), min(128, shape.resolution))
     a1, _ = probe_activation_bytes(vae, objective, shape, 1, r1)
     a2, largest = probe_activation_bytes(vae, objective, shape, 1, r2)
@@ -176,13 +178,12 @@ def remedies(shape: StepShape) -> list[tuple[str, StepShape]]:
     """The flags that cut a step's memory, strongest last, each with the shape it gives: checkpointing the
     high-resolution levels (then all), a smaller micro-batch with accumulation (same images per step), bf16."""
     out = []
-    for mode in ("hr", "all"):
-        if ("none", "decoder_hr", "hr", "decoder", "all").index(shape.grad_checkpointing) < \
-                ("none", "decoder_hr", "hr", "decoder", "all").index(mode):
-            out.append((f"--grad_checkpointing {mode}", dataclasses.replace(shape, grad_checkpointing=mode)))
-            break
+    stronger = [mode for mode in ("hr", "all")
+                if GRAD_CHECKPOINTING.index(mode) > GRAD_CHECKPOINTING.index(shape.grad_checkpointing)]
+    if stronger:
+        out.append((f"--grad_checkpointing {stronger[0]}", dataclasses.replace(shape, grad_checkpointing=stronger[0])))
     if shape.batch_size > 1:
-        smaller = max(1, shape.batch_size // 2) if shape.batch_size > 2 else 1
+        smaller = shape.batch_size // 2
         accum = shape.grad_accum * shape.batch_size // smaller
         out.append((f"--batch_size {smaller} --grad_accum {accum}",
                     dataclasses.replace(shape, batch_size=smaller, grad_accum=accum)))
