@@ -171,7 +171,7 @@ def available_memory(device: torch.device | str) -> tuple[int, str]:
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2 ** 20:.0f} MiB"
 
 
 def remedies(shape: StepShape) -> list[tuple[str, StepShape]]:
@@ -192,6 +192,20 @@ def remedies(shape: StepShape) -> list[tuple[str, StepShape]]:
     return out
 
 
+def all_remedies(shape: StepShape) -> tuple[str, StepShape] | None:
+    """Every remedy at once, at their strongest (every level checkpointed, one image per micro-batch, bf16);
+    None if the shape has them all already."""
+    strongest = dataclasses.replace(shape, grad_checkpointing="all", batch_size=1,
+                                    grad_accum=shape.grad_accum * shape.batch_size,
+                                    precision="bf16" if shape.precision == "fp32" else shape.precision)
+    if strongest == shape:
+        return None
+    flags = ["--grad_checkpointing all"] if shape.grad_checkpointing != "all" else []
+    flags += [f"--batch_size 1 --grad_accum {strongest.grad_accum}"] if shape.batch_size > 1 else []
+    flags += ["--precision bf16"] if shape.precision == "fp32" else []
+    return " ".join(flags), strongest
+
+
 def fit_message(needed: StepMemory, available: tuple[int, str], shape: StepShape, estimate=None,
                 headroom: float = 0.9) -> str | None:
     """None if the step fits in `headroom` of the available memory, else one line: what it needs, what there
@@ -202,6 +216,10 @@ def fit_message(needed: StepMemory, available: tuple[int, str], shape: StepShape
     options = []
     for flags, new_shape in remedies(shape):
         options.append(f"{flags} (~{_gib(estimate(new_shape).total)})" if estimate else flags)
+    together = all_remedies(shape)
+    if estimate and together and len(remedies(shape)) > 1:
+        options.append(f"all of them, {together[0]} (~{_gib(estimate(together[1]).total)})")
+    options.append("a smaller --vae_resolution")
     return (f"a training step at batch {shape.batch_size} x {shape.resolution} px needs about {_gib(needed.total)} "
             f"(activations {_gib(needed.activations)}, weights {_gib(needed.weights)}, gradients/AdamW/EMA "
             f"{_gib(needed.training_state)}) but {_gib(free)} is {where}; these help: " + ", ".join(options))
