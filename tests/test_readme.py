@@ -16,13 +16,14 @@ from conftest import ROOT, cli_env, run_cli
 import data
 import evaluate
 import export
+import plots
 import probe
 import vae_trainer
 
 README = os.path.join(ROOT, "README.md")
 PARSERS = {"vae_trainer.py": vae_trainer.build_parser, "evaluate.py": evaluate.build_parser,
            "export.py": export.build_parser, "data.py": data.build_parser,
-           "probe.py": probe.build_parser}
+           "probe.py": probe.build_parser, "plots.py": plots.build_parser}
 
 
 def code_blocks() -> list[tuple[str, list[str]]]:
@@ -103,7 +104,12 @@ def test_every_readme_command_parses():
     for command in shell_commands():
         tokens = shlex.split(command, comments=True)
         if tokens[:2] == ["pip", "install"]:
-            assert os.path.isfile(os.path.join(ROOT, tokens[-1])), command
+            if "-r" in tokens:
+                assert os.path.isfile(os.path.join(ROOT, tokens[tokens.index("-r") + 1])), command
+            else:  # a package installed ahead of requirements.txt (torch's CPU build) must be one it names
+                required = open(os.path.join(ROOT, "requirements.txt")).read()
+                names = [t for t in tokens[2:] if not t.startswith("-") and not t.startswith("https://")]
+                assert names and all(re.search(rf"^{n}\b", required, re.M) for n in names), command
             continue
         if tokens[:3] == ["python", "-m", "pytest"]:
             continue

@@ -1,0 +1,241 @@
+"""Will a training step fit in memory? An estimate made before training, from the real networks, and the one
+line that says what will not fit and which flags help (also for a CUDA out-of-memory error met during training).
+
+    needed = estimate_step_memory(vae, objective, StepShape(batch_size=4, resolution=2048))
+    line = fit_message(needed, available_memory(device), shape, lambda s: estimate_step_memory(vae, objective, s))
+
+The activations a step keeps for backward are measured, not derived: the real forward of the VAE, the critic's
+loss and the VAE's loss run at two small probe sizes under torch.autograd.graph.saved_tensors_hooks, which sees
+every tensor autograd saves (gradient checkpointing's discarded ones excepted: it installs its own hooks inside).
+Saved bytes grow linearly with the pixels of a micro-batch, so two probes give the slope and the constant, and the
+step at the real batch and resolution is extrapolated from them. To that come the weights, their gradients, the
+AdamW moments and the EMA copy (fp32 each) of every trained parameter.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import torch
+from torch import nn
+
+from ae import GRAD_CHECKPOINTING
+
+GIB = 1024 ** 3
+BACKWARD_TENSORS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """What sets a step's memory besides the networks: one micro-batch of `batch_size` images (a step runs
+    `grad_accum` of them one after another, so accumulation costs no activation memory)."""
+    batch_size: int
+    resolution: int
+    grad_accum: int = 1
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    grad_checkpointing: str = "none"  # ae.GRAD_CHECKPOINTING
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """Bytes of a training step at its peak."""
+    activations: int  # saved for backward by one micro-batch (VAE + the larger of critic loss and VAE loss)
+    weights: int  # every parameter of the VAE, LPIPS and the critic
+    training_state: int  # gradients, AdamW's two moments and the EMA copy of the trained parameters
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.weights + self.training_state
+
+
+def _saved_bytes(run, exclude: set[int]) -> int:
+    """Bytes of the distinct storages that autograd saves for backward while `run()` builds its graph
+    (parameters, in `exclude` by storage pointer, are counted as weights instead)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in exclude and t.device.type != "meta":
+            seen[ptr] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values()), max(seen.values(), default=0)
+
+
+@contextlib.contextmanager
+def _probe_settings(vae: nn.Module, objective, shape: StepShape):
+    """The VAE's checkpointing mode and the objective's autocast dtype as `shape` asks, restored after."""
+    old_levels = (set(vae.encoder.checkpoint_levels), set(vae.decoder.checkpoint_levels))
+    old_amp = objective.amp_dtype
+    vae.set_grad_checkpointing(shape.grad_checkpointing)
+    objective.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[shape.precision]
+    try:
+        yield
+    finally:
+        vae.encoder.checkpoint_levels, vae.decoder.checkpoint_levels = old_levels
+        objective.amp_dtype = old_amp
+
+
+def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_size: int, resolution: int,
+                           step: int | None = None) -> tuple[int, int]:
+    """Peak bytes saved for backward by one real micro-batch of `batch_size` random images at `resolution`:
+    the VAE's graph plus the larger of the critic's loss graph (freed by its backward before the VAE's loss is
+    built, as in the trainer's step) and the VAE loss's graph (LPIPS, pixel losses, generator term); and the
+    largest single tensor among them."""
+    device = next(vae.parameters()).device
+    exclude = {p.untyped_storage().data_ptr() for m in (vae, objective) for p in m.parameters()}
+    step = objective.cfg.disc_start if step is None else step  # the generator term on: the costliest step
+    x = torch.rand(batch_size, 3, resolution, resolution, device=device) * 2 - 1
+    out: dict = {}
+
+    def vae_forward():
+        with objective.autocast():  # the trainer's autocast: the same device type and dtype
+            out["recon"], out["mean"], out["logvar"] = vae(x)
+        out["recon"] = out["recon"].float()
+
+    def critic_loss():
+        if objective.critic is not None:
+            _, out["real"], out["fake"], _ = objective.critic_loss(x, out["recon"])
+
+    def vae_loss():
+        with objective.critic_frozen():
+            objective(x, out["recon"], out["mean"], out["logvar"], step, out.get("real"), out.get("fake"))
+
+    with _probe_settings(vae, objective, shape):
+        vae_bytes, vae_largest = _saved_bytes(vae_forward, exclude)
+        critic_bytes, critic_largest = _saved_bytes(critic_loss, exclude)
+        loss_bytes, loss_largest = _saved_bytes(vae_loss, exclude)
+    return vae_bytes + max(critic_bytes, loss_bytes), max(vae_largest, critic_largest, loss_largest)
+
+
+def estimate_step_memory(vae: nn.Module, objective, shape: StepShape, ema: bool = True,
+                         probe_resolutions: tuple[int, int] | None = None) -> StepMemory:
+    """A training step's peak memory for `shape`, from two probes of one image each (default: 64 and 128 px,
+    the smaller of them capped at the real resolution) extrapolated linearly in pixels and batch size.
+    `vae`: the AutoEncoder (its trainable parameters are the ones with requires_grad); `objective`: the
+    VAEObjective with the loss networks that are on. A frozen part (requires_grad off, as --train_parts decoder
+    leaves the encoder) saves nothing for backward and holds no gradient or optimizer state, so it is estimated
+    as the trainer will run it."""
+    r1, r2 = probe_resolutions or (min(64, shape.resolution), min(128, shape.resolution))
+    a1, _ = probe_activation_bytes(vae, objective, shape, 1, r1)
+    a2, largest = probe_activation_bytes(vae, objective, shape, 1, r2)
+    slope = (a2 - a1) / (r2 ** 2 - r1 ** 2) if r2 != r1 else a1 / r1 ** 2  # bytes per pixel of an image
+    per_image = a1 + slope * (shape.resolution ** 2 - r1 ** 2)
+    # Backward holds, beside what was saved, the gradients of the tensors it is working through (and, under
+    # checkpointing, one recomputed block): a few tensors of the largest size, BACKWARD_TENSORS of them.
+    transient = BACKWARD_TENSORS * largest * (shape.resolution / r2) ** 2
+    activations = int((max(0.0, per_image) + transient) * shape.batch_size)
+    params = [p for m in (vae, objective) for p in m.parameters()]
+    weights = sum(p.numel() * p.element_size() for p in params)
+    trained = [p for p in params if p.requires_grad]  # LPIPS is frozen; the critic trains
+    vae_trained = [p for p in vae.parameters() if p.requires_grad]
+    training_state = (sum(p.numel() * p.element_size() for p in trained)  # gradients
+                      + sum(p.numel() * 4 * 2 for p in trained)  # AdamW's exp_avg and exp_avg_sq, fp32
+                      + (sum(p.numel() * 4 for p in vae_trained) if ema else 0))  # the EMA's fp32 shadow
+    return StepMemory(activations, weights, training_state)
+
+
+def available_memory(device: torch.device | str) -> tuple[int, str]:
+    """(bytes this process can still allocate, what they are) on `device`: CUDA's free memory, or the
+    machine's available RAM (/proc/meminfo's MemAvailable, capped by a cgroup's memory limit)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"free on {torch.cuda.get_device_name(device)}"
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        import psutil  # not Linux: psutil knows
+        available = psutil.virtual_memory().available
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit, usage = open(limit_file).read().strip(), open(usage_file).read().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:
+            available = min(available, int(limit) - int(usage))
+        break
+    return available, "RAM available"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2 ** 20:.0f} MiB"
+
+
+def remedies(shape: StepShape) -> list[tuple[str, StepShape]]:
+    """The flags that cut a step's memory, strongest last, each with the shape it gives: checkpointing the
+    high-resolution levels (then all), a smaller micro-batch with accumulation (same images per step), bf16."""
+    out = []
+    stronger = [mode for mode in ("hr", "all")
+                if GRAD_CHECKPOINTING.index(mode) > GRAD_CHECKPOINTING.index(shape.grad_checkpointing)]
+    if stronger:
+        out.append((f"--grad_checkpointing {stronger[0]}", dataclasses.replace(shape, grad_checkpointing=stronger[0])))
+    if shape.batch_size > 1:
+        smaller = shape.batch_size // 2
+        accum = shape.grad_accum * shape.batch_size // smaller
+        out.append((f"--batch_size {smaller} --grad_accum {accum}",
+                    dataclasses.replace(shape, batch_size=smaller, grad_accum=accum)))
+    if shape.precision == "fp32":
+        out.append(("--precision bf16", dataclasses.replace(shape, precision="bf16")))
+    return out
+
+
+def all_remedies(shape: StepShape) -> tuple[str, StepShape] | None:
+    """Every remedy at once, at their strongest (every level checkpointed, one image per micro-batch, bf16);
+    None if the shape has them all already."""
+    strongest = dataclasses.replace(shape, grad_checkpointing="all", batch_size=1,
+                                    grad_accum=shape.grad_accum * shape.batch_size,
+                                    precision="bf16" if shape.precision == "fp32" else shape.precision)
+    if strongest == shape:
+        return None
+    flags = ["--grad_checkpointing all"] if shape.grad_checkpointing != "all" else []
+    flags += [f"--batch_size 1 --grad_accum {strongest.grad_accum}"] if shape.batch_size > 1 else []
+    flags += ["--precision bf16"] if shape.precision == "fp32" else []
+    return " ".join(flags), strongest
+
+
+def fit_message(needed: StepMemory, available: tuple[int, str], shape: StepShape, estimate=None,
+                headroom: float = 0.9) -> str | None:
+    """None if the step fits in `headroom` of the available memory, else one line: what it needs, what there
+    is, and the flags that help (with what each would need, where `estimate(shape) -> StepMemory` is given)."""
+    free, where = available
+    if needed.total <= headroom * free:
+        return None
+    options = []
+    for flags, new_shape in remedies(shape):
+        options.append(f"{flags} (~{_gib(estimate(new_shape).total)})" if estimate else flags)
+    together = all_remedies(shape)
+    if estimate and together and len(remedies(shape)) > 1:
+        options.append(f"all of them, {together[0]} (~{_gib(estimate(together[1]).total)})")
+    options.append("a smaller --vae_resolution")
+    return (f"a training step at batch {shape.batch_size} x {shape.resolution} px needs about {_gib(needed.total)} "
+            f"(activations {_gib(needed.activations)}, weights {_gib(needed.weights)}, gradients/AdamW/EMA "
+            f"{_gib(needed.training_state)}) but {_gib(free)} is {where}; these help: " + ", ".join(options))
+
+
+def out_of_memory_message(error: BaseException, shape: StepShape, step: int) -> str:
+    """The one line for a CUDA out-of-memory error met at `step` (torch.cuda.OutOfMemoryError)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    held = f" ({_gib(torch.cuda.max_memory_allocated(device))} at peak in this process)" if device is not None else ""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    flags = ", ".join(f for f, _ in remedies(shape)) or "a smaller --vae_resolution"
+    return (f"out of GPU memory at step {step} with batch {shape.batch_size} x {shape.resolution} px{held}: "
+            f"{first[:160]}; these help: {flags}")
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux)."""
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

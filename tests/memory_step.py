@@ -1,0 +1,39 @@
+"""One real training step (VAE forward, LPIPS + pixel losses, backward, AdamW step) in a fresh process; prints
+memory.py's estimate and the growth of the process's peak resident memory over the step, in bytes, as JSON.
+A fresh process because ru_maxrss is the peak over a process's whole life. Args: BATCH RESOLUTION CHECKPOINTING."""
+import gc
+import json
+import os
+import resource
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import memory  # noqa: E402
+import vae_trainer  # noqa: E402
+from ae import AutoEncoder  # noqa: E402
+from objective import VAEObjective  # noqa: E402
+
+torch.set_num_threads(1)
+batch, resolution, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+cfg = vae_trainer.resolve_auto(vae_trainer.Config(
+    dataset_url="unused", vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_channels=4, do_attn=False,
+    vgg16_weights="random", grad_checkpointing=mode))
+torch.manual_seed(0)
+vae = AutoEncoder(vae_trainer.model_params(cfg))
+vae.set_grad_checkpointing(mode)
+objective = VAEObjective(cfg, None, with_lpips=True)
+# the estimate runs at 64 and 128 px, far below the step measured here, so its own peak stays under the base
+estimate = memory.estimate_step_memory(vae, objective, memory.StepShape(batch, resolution, grad_checkpointing=mode),
+                                       ema=False)
+x = torch.rand(batch, 3, resolution, resolution) * 2 - 1
+gc.collect()
+base = memory.rss_bytes()
+optimizer = torch.optim.AdamW(vae.parameters())
+recon, mean, logvar = vae(x)
+loss, _ = objective(x, recon.float(), mean, logvar, 0)
+loss.backward()
+optimizer.step()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"estimate_without_weights": estimate.total - estimate.weights, "measured_growth": peak - base}))
