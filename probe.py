@@ -310,7 +310,8 @@ def in_loop_probe_loss(vae: nn.Module, images: Tensor, *, heldout_images: int, s
     device = images.device
     n_train = len(images) - heldout_images
     if heldout_images < 1 or n_train < 1:
-        raise ValueError(f"the probe set needs training and held-out images: {len(images)} with {heldout_images} held out")
+        raise ValueError(f"the probe set needs training and held-out images: {len(images)} images, "
+                         f"{heldout_images} held out")
 
     def all_reduce(t: Tensor) -> Tensor:
         if distributed:
