@@ -202,7 +202,7 @@ def test_probe_numbers_are_equal_under_one_and_two_ranks(tmp_path):
     two = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
     assert two[0] == two[1]  # every rank reports the same numbers
     assert two[0][0] == pytest.approx(one[0], rel=1e-6)  # the held-out loss over all 6 latents, not rank 0's 3
-    assert two[0][1] == pytest.approx(one[1], rel=1e-4)
+    assert two[0][1] == pytest.approx(one[1], rel=1e-6)  # equal here; 1e-6 leaves room for summation order
 
 
 def test_in_loop_probe_is_repeatable_and_leaves_the_callers_rng_alone():
