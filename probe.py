@@ -16,6 +16,7 @@ with the reason where not). A stopped probe started again with the same command 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -132,10 +133,22 @@ def latent_shape(vae, resolution: int) -> tuple[int, int, int]:
     return vae.params.z_channels, resolution // f, resolution // f
 
 
-def cached_latents(i, spec, vae, args, info) -> dict:
-    key = {"vae": os.path.abspath(spec), "dataset_url": args.dataset_url, "test_dataset_url": args.test_dataset_url,
+def vae_digest(vae: nn.Module) -> str:
+    """sha256 of the VAE's weights (names and bytes): what identifies it. A path, step or mtime would miss a run
+    directory retrained in place or a checkpoint overwritten; hashing the weights already in memory costs well under
+    a second for a FLUX-size VAE (~330 MB), small beside encoding the probe's images."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(vae.state_dict().items()):
+        h.update(name.encode())
+        h.update(str(tuple(tensor.shape)).encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return h.hexdigest()
+
+
+def cached_latents(digest, spec, vae, args, info) -> dict:
+    key = {"vae_digest": digest, "dataset_url": args.dataset_url, "test_dataset_url": args.test_dataset_url,
            "resolution": args.resolution, "max_images": args.max_images, "world_size": info.world_size}
-    path = os.path.join(args.out, "cache", f"vae{i}.rank{info.rank}.pt")
+    path = os.path.join(args.out, "cache", f"vae_{digest[:16]}.rank{info.rank}.pt")
     if os.path.isfile(path):
         cached = torch.load(path, weights_only=True)
         if cached["key"] == key:
@@ -173,9 +186,14 @@ def heldout_loss(model, lat, args, device) -> float:
     return (total[0] / total[1]).item()
 
 
-def train_probe(i, spec, vae, lat, args, info, log) -> dict:
+def state_path_of(args, digest: str) -> str:
+    """The resume state of one VAE's probe, named by its weights: another VAE never resumes it."""
+    return os.path.join(args.out, f"probe_state_{digest[:16]}.pt")
+
+
+def train_probe(digest, spec, vae, lat, args, info, log) -> dict:
     device, shape = info.device, tuple(lat["train"].shape[1:])
-    state_path = os.path.join(args.out, f"probe_state_vae{i}.pt")
+    state_path = state_path_of(args, digest)
     torch.manual_seed(args.seed)  # the same initial transformer for every VAE
     model = DiT(shape[0], shape[1], args.patch_size, **PRESETS[args.preset]).to(device)
     model_ddp = DDP(model) if info.world_size > 1 else model
@@ -211,7 +229,7 @@ def train_probe(i, spec, vae, lat, args, info, log) -> dict:
             curve.append([step, heldout_loss(model, lat, args, device)])
             log(f"{spec}: step {step}/{args.steps} held-out flow-matching loss {curve[-1][1]:.4f}")
         if step % args.save_every == 0 and step < args.steps and info.rank == 0:
-            save(state_path, model, opt, step, curve, train_time, settings(args, info))
+            save(state_path, digest, model, opt, step, curve, train_time, settings(args, info))
         if step in kill_at:
             if dist.is_initialized():
                 dist.barrier()  # the checkpoint above is on disk
@@ -221,7 +239,7 @@ def train_probe(i, spec, vae, lat, args, info, log) -> dict:
               "train_latents_per_s": images_per_s, "steps_per_s": args.steps / max(train_time, 1e-9)}
     result.update(fid_of_samples(model, vae, lat, args, info))
     if info.rank == 0:
-        save(state_path, model, opt, step, curve, train_time, settings(args, info), result)
+        save(state_path, digest, model, opt, step, curve, train_time, settings(args, info), result)
     return result
 
 
@@ -232,9 +250,10 @@ def settings(args, info) -> str:
     return json.dumps({**{k: getattr(args, k) for k in keys}, "world_size": info.world_size})
 
 
-def save(path, model, opt, step, curve, train_time, settings_json, result=None) -> None:
+def save(path, digest, model, opt, step, curve, train_time, settings_json, result=None) -> None:
     tmp = f"{path}.tmp"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "curve": curve,
+    torch.save({"vae_digest": digest, "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                "curve": curve,
                 "train_time": train_time, "settings": settings_json,
                 "result": json.dumps(result) if result else None}, tmp)
     os.replace(tmp, path)
@@ -272,10 +291,90 @@ def real_features(args, info):
 
 
 # ============================================================================================
+# The probe inside the training loop: one number per call, the same recipe every time
+# ============================================================================================
+def in_loop_probe_loss(vae: nn.Module, images: Tensor, *, heldout_images: int, steps: int = 100,
+                       batch_size: int = 32, preset: str = "tiny", patch_size: int = 2, lr: float = 3e-4,
+                       warmup_steps: int = 10, seed: int = 0, group=None) -> float:
+    """The held-out flow-matching loss of the probe's DiT trained for `steps` on `vae`'s latents of `images`.
+
+    `images`: the fixed probe set, float in [-1, 1], (N, 3, H, W), the same on every rank; its last
+    `heldout_images` are held out. Every rank of `group` (the default group when distributed) must call it:
+    the encoding, each training step's batch and the held-out loss are split across ranks and summed with one
+    all_reduce each, so the number is the same under any world size (up to float summation order). The DiT's
+    initialisation, the batches, noise and t come from `seed` alone, so successive calls compare the VAE with
+    itself; the caller's RNG streams (torch CPU and CUDA; numpy and python's are never used) are left as they were.
+    """
+    distributed = dist.is_initialized()
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
+    device = images.device
+    n_train = len(images) - heldout_images
+    if heldout_images < 1 or n_train < 1:
+        raise ValueError(f"the probe set needs training and held-out images: {len(images)} images, "
+                         f"{heldout_images} held out")
+
+    def all_reduce(t: Tensor) -> Tensor:
+        if distributed:
+            dist.all_reduce(t, group=group)
+        return t
+
+    with torch.no_grad():  # each rank encodes a strided share; the sum of zero-padded shares is every latent, exactly
+        shares = vae.encode(images[rank::world]).float()
+        latents = torch.zeros(len(images), *shares.shape[1:], device=device)
+        latents[rank::world] = shares
+        latents = all_reduce(latents)
+        mean = latents[:n_train].mean(dim=(0, 2, 3), keepdim=True)
+        std = latents[:n_train].std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
+        latents = (latents - mean) / std
+    train, heldout = latents[:n_train], latents[n_train:]
+    shape = tuple(latents.shape[1:])
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)  # the same initial transformer at every call
+        model = DiT(shape[0], shape[1], patch_size, **PRESETS[preset]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    params = list(model.parameters())
+    for step in range(steps):
+        g = generator("cpu", seed, step)  # the global batch, identical on every rank; each takes a strided share
+        pick = torch.randint(n_train, (batch_size,), generator=g)
+        noise = torch.randn(batch_size, *shape, generator=g)
+        t = torch.rand(batch_size, generator=g)
+        mine = slice(rank, batch_size, world)
+        loss_sum = flow_matching_loss(model, train[pick[mine]], noise[mine].to(device), t[mine].to(device)).sum()
+        opt.zero_grad(set_to_none=False)
+        (loss_sum / batch_size).backward()
+        flat = all_reduce(torch.cat([p.grad.flatten() for p in params]))  # one collective per step
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for group_ in opt.param_groups:
+            group_["lr"] = lr * min(1.0, (step + 1) / max(1, warmup_steps))
+        opt.step()
+
+    with torch.no_grad():  # fixed noise and t per held-out image: comparable across calls
+        total = torch.zeros(2, dtype=torch.float64, device=device)
+        index = torch.arange(len(heldout))[rank::world]
+        if len(index):
+            gens = [generator("cpu", seed, 7, int(i)) for i in index]
+            noise = torch.stack([torch.randn(shape, generator=gen) for gen in gens]).to(device)
+            t = torch.stack([torch.rand((), generator=gen) for gen in gens]).to(device)
+            total[0] = flow_matching_loss(model, heldout[index.to(device)], noise, t).double().sum()
+            total[1] = len(index)
+        total = all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+# ============================================================================================
 # The command
 # ============================================================================================
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every flag's default in its help line."""
+
+
 def build_parser():
-    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--vae", action="append", required=True, help="a VAE to probe (repeat): run dir, checkpoint, or "
                                                                  "export.py folder")
     p.add_argument("--dataset_url", required=True, help="images the probe trains on (shards or a folder)")
@@ -344,9 +443,10 @@ def main(argv=None) -> int:
                                                                 info.local_rank, log=log, group=info.ctrl_group)
         INCEPTION["missing"] = missing.get("rfid")
         results = []
-        for i, (spec, vae) in enumerate(zip(args.vae, vaes)):
+        for spec, vae in zip(args.vae, vaes):
+            digest = vae_digest(vae)
             vae.to(info.device)
-            lat = cached_latents(i, spec, vae, args, info)
+            lat = cached_latents(digest, spec, vae, args, info)
             counts = torch.tensor([len(lat["train"]), len(lat["test"])], device=info.device)
             if dist.is_initialized():
                 dist.all_reduce(counts, op=dist.ReduceOp.MIN)
@@ -356,12 +456,14 @@ def main(argv=None) -> int:
             if INCEPTION["net"] is not None and "real" not in INCEPTION:
                 INCEPTION["real"] = real_features(args, info)
                 args.fid_samples = args.fid_samples or int(INCEPTION["real"].count.item())
-            state_path = os.path.join(args.out, f"probe_state_vae{i}.pt")
+            state_path = state_path_of(args, digest)
             state = torch.load(state_path, weights_only=True) if os.path.isfile(state_path) else {}
+            if state and state.get("vae_digest") != digest:
+                raise ConfigError(f"{state_path} belongs to another VAE than {spec}: use another --out")
             if state and state["settings"] != settings(args, info):
                 raise ConfigError(f"{args.out} holds a probe of other settings: use another --out, or the same flags")
-            results.append(json.loads(state["result"]) if state.get("result")
-                           else train_probe(i, spec, vae, lat, args, info, log))
+            results.append({**json.loads(state["result"]), "vae": spec} if state.get("result")
+                           else train_probe(digest, spec, vae, lat, args, info, log))
             vae.cpu()
         if info.is_main:
             table = {"vaes": results, "settings": {k: v for k, v in vars(args).items() if k != "vae"},
@@ -383,10 +485,12 @@ def format_table(results: list[dict]) -> str:
     steps = [s for s, _ in results[0]["heldout_loss"]]
     head = ["vae", *(f"loss@{s}" for s in steps), "FID", "latents/s"]
     rows = [[r["vae"], *(f"{v:.4f}" for _, v in r["heldout_loss"]),
-             f"{r['fid']:.2f}" if r.get("fid") is not None else f"null ({r.get('fid_missing')})",
-             f"{r['train_latents_per_s']:.0f}"] for r in results]
+             f"{r['fid']:.2f}" if r.get("fid") is not None else "null*", f"{r['train_latents_per_s']:.0f}"]
+            for r in results]
     widths = [max(len(str(row[k])) for row in [head, *rows]) for k in range(len(head))]
-    return "\n".join(" | ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in [head, *rows])
+    lines = [" | ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in [head, *rows]]
+    reasons = dict.fromkeys(r.get("fid_missing") for r in results if r.get("fid") is None)  # one note per reason
+    return "\n".join(lines + [f"* FID null: {reason}" for reason in reasons])
 
 
 if __name__ == "__main__":

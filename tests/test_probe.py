@@ -2,11 +2,16 @@
 2 ranks, resumes exactly after a kill, and refuses latents of other shapes with one line."""
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
+import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import export
 import probe
@@ -72,7 +77,7 @@ def test_two_ranks_table_holds_every_vae_and_is_fair(vaes, shard_url, tmp_path):
     assert first["heldout_loss"] == again["heldout_loss"] and first["heldout_loss"] != other["heldout_loss"]
     assert first["latent_shape"] == [4, 16, 16]
     assert first["fid"] is None and "inception_weights none" in first["fid_missing"]
-    lines = proc.stdout.strip().splitlines()[-4:]  # the table: a header and one row per VAE
+    lines = proc.stdout.strip().splitlines()[-5:-1]  # the table: a header and one row per VAE, then the FID note
     assert lines[0].startswith("vae") and all(vaes[n] in line for n, line in zip("aba", lines[1:]))
 
 
@@ -87,7 +92,8 @@ def test_resume_after_a_kill_is_exact(vaes, shard_url, tmp_path):
     assert "resumed the probe at step 2" in again.stdout
     ref_row, cut_row = (json.loads((tmp_path / d / "probe.json").read_text())["vaes"][0] for d in ("ref", "cut"))
     assert cut_row["heldout_loss"] == ref_row["heldout_loss"]  # bitwise: the same floats
-    ref_state, cut_state = (torch.load(tmp_path / d / "probe_state_vae0.pt", weights_only=True) for d in ("ref", "cut"))
+    ref_state, cut_state = (torch.load(*(tmp_path / d).glob("probe_state_*.pt"), weights_only=True)
+                            for d in ("ref", "cut"))
     assert all(torch.equal(ref_state["model"][k], cut_state["model"][k]) for k in ref_state["model"])
     # other settings in the same --out: refused, not silently mixed
     other = run_cli("probe.py", _args(vaes, "a", shard_url, tmp_path / "cut", 8))
@@ -101,3 +107,112 @@ def test_latents_of_other_shapes_are_refused_with_one_line(vaes, shard_url, tmp_
     assert proc.stderr.strip() == (f"error: latents of other shapes cannot be compared in one probe: {vaes['a']} "
                                    f"gives 4x16x16, {vaes['c']} gives 8x16x16 at 32 px")
     assert not (tmp_path / "probe.json").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Keyed by the VAE's weights (issue 16 item 2)
+# --------------------------------------------------------------------------------------------
+def _heldout(path):
+    return [row["heldout_loss"] for row in json.loads(path.read_text())["vaes"]]
+
+
+@pytest.mark.timeout(120)
+def test_state_and_latents_belong_to_the_vae_not_its_position_or_path(vaes, shard_url, tmp_path, capsys):
+    """b probed after a into the same --out gives b's own numbers; a run folder rewritten with other weights and
+    probed again gives the new weights' numbers (no stale latents, no stale result); a's probe killed mid-run is
+    not resumed by b."""
+    assert probe.main(_args(vaes, "b", shard_url, tmp_path / "b_clean")) == 0
+    b_clean = _heldout(tmp_path / "b_clean" / "probe.json")[0]
+    assert probe.main(_args(vaes, "a", shard_url, tmp_path / "shared")) == 0
+    a_row = _heldout(tmp_path / "shared" / "probe.json")[0]
+    assert probe.main(_args(vaes, "b", shard_url, tmp_path / "shared")) == 0
+    assert _heldout(tmp_path / "shared" / "probe.json")[0] == b_clean != a_row
+
+    retrained = tmp_path / "run"  # the same path, first a's weights, then b's
+    shutil.copytree(vaes["a"], retrained)
+    assert probe.main(_args({"r": str(retrained)}, "r", shard_url, tmp_path / "again")) == 0
+    shutil.rmtree(retrained)
+    shutil.copytree(vaes["b"], retrained)
+    assert probe.main(_args({"r": str(retrained)}, "r", shard_url, tmp_path / "again")) == 0
+    assert _heldout(tmp_path / "again" / "probe.json")[0] == b_clean
+
+    killed = run_cli("probe.py", _args(vaes, "a", shard_url, tmp_path / "cut"), env=cli_env(PROBE_KILL_AT="3"))
+    assert killed.returncode != 0
+    capsys.readouterr()
+    assert probe.main(_args(vaes, "b", shard_url, tmp_path / "cut")) == 0
+    assert "resumed" not in capsys.readouterr().out
+    assert _heldout(tmp_path / "cut" / "probe.json")[0] == b_clean
+
+
+def test_table_gives_the_fid_reason_once_under_it():
+    rows = [{"vae": v, "heldout_loss": [[0, 2.0], [3, 1.5]], "fid": None, "fid_missing": "no Inception weights",
+             "train_latents_per_s": 10.0} for v in ("a", "b")]
+    lines = probe.format_table(rows).splitlines()
+    assert len(lines) == 4 and lines[-1] == "* FID null: no Inception weights"
+    assert all("no Inception" not in line for line in lines[:-1]) and "null*" in lines[1]
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        probe.build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "held-out images (default: 1000)" in out and "(default: tiny)" in out
+
+
+# --------------------------------------------------------------------------------------------
+# Numbers equal across world sizes (the held-out loss's all_reduce) and the in-loop probe
+# --------------------------------------------------------------------------------------------
+def _tiny_vae():
+    torch.manual_seed(0)
+    return AutoEncoder(AutoEncoderParams(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4, use_attn=False)).eval()
+
+
+def _probe_images():
+    return torch.rand(10, 3, 32, 32, generator=torch.Generator().manual_seed(3)) * 2 - 1
+
+
+def _heldout_and_in_loop(rank, world):
+    """(probe.heldout_loss on this rank's strided share of 6 latents, in_loop_probe_loss) under `world` ranks."""
+    torch.manual_seed(0)
+    model = probe.DiT(4, 8, 2, **probe.PRESETS["tiny"])
+    for p in model.parameters():  # a non-trivial prediction: adaLN-Zero starts at 0
+        torch.nn.init.normal_(p, std=0.05)
+    latents = torch.randn(6, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    lat = {"test": latents[rank::world], "test_index": torch.arange(6)[rank::world]}
+    args = argparse.Namespace(batch_size=2, seed=0)
+    heldout = probe.heldout_loss(model, lat, args, torch.device("cpu"))
+    in_loop = probe.in_loop_probe_loss(_tiny_vae(), _probe_images(), heldout_images=3, steps=3, batch_size=4,
+                                       patch_size=4, warmup_steps=1)
+    return heldout, in_loop
+
+
+def _rank_worker(rank, world, init_file, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.save(_heldout_and_in_loop(rank, world), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_probe_numbers_are_equal_under_one_and_two_ranks(tmp_path):
+    one = _heldout_and_in_loop(0, 1)
+    mp.spawn(_rank_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2)
+    two = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
+    assert two[0] == two[1]  # every rank reports the same numbers
+    assert two[0][0] == pytest.approx(one[0], rel=1e-6)  # the held-out loss over all 6 latents, not rank 0's 3
+    assert two[0][1] == pytest.approx(one[1], rel=1e-6)  # equal here; 1e-6 leaves room for summation order
+
+
+def test_in_loop_probe_is_repeatable_and_leaves_the_callers_rng_alone():
+    vae, images = _tiny_vae(), _probe_images()
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    first = probe.in_loop_probe_loss(vae, images, heldout_images=3, steps=3, batch_size=4, patch_size=4)
+    assert torch.equal(torch.get_rng_state(), before)
+    second = probe.in_loop_probe_loss(vae, images, heldout_images=3, steps=3, batch_size=4, patch_size=4)
+    assert first == second and math.isfinite(first) and first > 0
+    other = AutoEncoder(AutoEncoderParams(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4, use_attn=False))
+    assert probe.in_loop_probe_loss(other.eval(), images, heldout_images=3, steps=3, batch_size=4,
+                                    patch_size=4) != first
