@@ -42,6 +42,8 @@ Headline keys of --json (the target each is checked against)
                                interleaved in one process, fastest steps               (<= 0.30)
   gpu_bf16_speedup_flux_256    CUDA only: FLUX VAE img/s in bf16 / in fp32 at 256 px      (>= 1.7)
   gan_step_flop_speedup        --gan: FLOPs of the reference's step / ours (issue 9's step target: >= 1.5)
+  gan_step_flop_speedup_frozen --gan: FLOPs of the reference's step / the frozen-trunk step (issue 19:
+                               the trainer's VAE part + utils' frozen critic blocks counted)  (>= 2.0)
   quality_psnr_over_reference  held-out PSNR, defaults - reference hyperparameters, dB      (>= 3)
   quality_psnr_over_floor      held-out PSNR, defaults - plain MSE, dB                      (>= -1)
   quality_ssim_over_reference, quality_ssim_over_floor  the same for SSIM           (>= 0.03, >= -0.03)
@@ -107,6 +109,7 @@ TARGETS = {  # key: (comparison, threshold)
     "ckpt_time_cost_512": ("<=", 0.30),
     "gpu_bf16_speedup_flux_256": (">=", 1.7),
     "gan_step_flop_speedup": (">=", 1.5),
+    "gan_step_flop_speedup_frozen": (">=", 2.0),
     "quality_psnr_over_reference": (">=", 3.0),
     "quality_psnr_over_floor": (">=", -1.0),
     "quality_ssim_over_reference": (">=", 0.03),
@@ -584,6 +587,12 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
                     f"{flops['reference'] / 1e9:.1f} ({flops['reference'] / flops['ours']:.3f}x); critic "
                     f"{flops['ours_critic'] / 1e9:.1f} / {flops['reference_critic'] / 1e9:.1f}, LPIPS "
                     f"{flops['ours_lpips'] / 1e9:.1f}, VAE {flops['ours_vae'] / 1e9:.1f}")
+        report.line(f"  frozen trunk (issue 19): {flops['frozen'] / 1e9:.1f} GFLOP "
+                    f"({flops['reference'] / flops['frozen']:.3f}x the reference's way): trunk forwards "
+                    f"{flops['frozen_trunk_forward'] / 1e9:.1f}, LPIPS heads {flops['frozen_lpips_heads'] / 1e9:.2f}, "
+                    f"critic heads' step {flops['frozen_critic_heads_step'] / 1e9:.1f}, generator term + both "
+                    f"branches' backward {flops['frozen_generator_and_backward'] / 1e9:.1f}, VAE "
+                    f"{flops['ours_vae'] / 1e9:.1f}")
     del trainers, variants
     gc.collect()
 
@@ -801,7 +810,51 @@ def gan_step_flops(trainer) -> dict[str, float]:
         out[f"{name}_lpips"] = float(per_module.get(f"{objective}.lpips", 0))
         out[f"{name}_vae"] = out[name] - out[f"{name}_critic"] - out[f"{name}_lpips"]
     trainer.metrics.host_sync = False
+    out.update(frozen_gan_step_flops(trainer, out["ours_vae"]))
     return out
+
+
+def frozen_gan_step_flops(trainer, vae_flops: float) -> dict[str, float]:
+    """FLOPs of one GAN step with the frozen trunk (issue 19), composed of the trainer's own VAE part
+    (`vae_flops`: gan_step_flops' `ours_vae`, encoder, decoder, pixel losses) and a count of the frozen
+    critic's step on images of the trainer's batch shape: LPIPS' VGG16 once for the input (no grad) and
+    once for the reconstruction (with grad), LPIPS from those features, the heads' own step on the detached
+    features (real and fake, hinge, backward into the heads), the generator term from the heads on the
+    reconstruction's features. GradNorm normalises each branch at the reconstruction, which needs each
+    branch's gradient there: two backward passes through the trunk (input gradients only, its weights are
+    frozen), one for LPIPS and one for the generator term."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from utils import FeatureCriticHeads, discriminator_loss, generator_loss, lpips_from_features, vgg16_features
+    cfg = trainer.cfg
+    lpips_model = trainer.objective.lpips
+    device = trainer.device
+    size, batch = cfg.vae_resolution, cfg.batch_size
+    heads = FeatureCriticHeads().to(device)
+    x = torch.rand(batch, 3, size, size, device=device) * 2 - 1
+    recon = (torch.rand(batch, 3, size, size, device=device) * 2 - 1).requires_grad_(True)
+    counts = {}
+    with FlopCounterMode(display=False) as counter:
+        with torch.no_grad():
+            x_feats = vgg16_features(lpips_model, x)
+        recon_feats = vgg16_features(lpips_model, recon)
+    counts["trunk_forward"] = counter.get_total_flops()
+    with FlopCounterMode(display=False) as counter:
+        perceptual = lpips_from_features(lpips_model, recon_feats, x_feats).float().mean()
+    counts["lpips_heads"] = counter.get_total_flops()
+    with FlopCounterMode(display=False) as counter:  # the critic's step: heads only, on detached features
+        logits = heads([torch.cat([r, f.detach()]) for r, f in zip(x_feats, recon_feats)])
+        real_logits, fake_logits = logits.float().chunk(2)
+        discriminator_loss(real_logits, fake_logits, "hinge").backward()
+    counts["critic_heads_step"] = counter.get_total_flops()
+    heads.requires_grad_(False)
+    with FlopCounterMode(display=False) as counter:  # the generator term, and each branch's gradient
+        g_loss = generator_loss(heads(recon_feats).float(), real_logits.detach(), "thresholded")
+        torch.autograd.grad(perceptual, recon, retain_graph=True)
+        torch.autograd.grad(g_loss, recon)
+    counts["generator_and_backward"] = counter.get_total_flops()
+    frozen = float(sum(counts.values()))
+    return {"frozen": vae_flops + frozen, "frozen_critic_and_lpips": frozen,
+            **{f"frozen_{k}": float(v) for k, v in counts.items()}}
 
 
 def step_flops(trainer, levels) -> dict[str, float]:
@@ -990,6 +1043,8 @@ def summarize(results: dict) -> dict:
         keys[f"{results['device']}_bf16_speedup_{t['config']['name']}"] = t["bf16_speedup"]
         if t.get("gan_step_flops"):
             keys["gan_step_flop_speedup"] = t["gan_step_flops"]["reference"] / t["gan_step_flops"]["ours"]
+            if "frozen" in t["gan_step_flops"]:
+                keys["gan_step_flop_speedup_frozen"] = t["gan_step_flops"]["reference"] / t["gan_step_flops"]["frozen"]
     m = results.get("memory", {}).get("cases", {})
     for res in (256, 512):
         hr = m.get(f"decoder_hr@{res}")
