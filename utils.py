@@ -308,6 +308,24 @@ def lpips_from_features(lpips_model: nn.Module, features_0: list[Tensor], featur
     return total
 
 
+def gradnorm_branches_through_one_pass(recon: Tensor, leaf: Tensor, branches: list[tuple[Tensor, float | Tensor]]
+                                       ) -> Tensor:
+    """GradNorm per branch when several losses share one trunk pass over the reconstruction.
+
+    `leaf` is recon.detach().requires_grad_() and every loss in `branches` ((loss, weight) pairs) was computed
+    from it (e.g. LPIPS and the generator term from one vgg16_features(lpips_model, leaf)). Each branch's
+    gradient at the reconstruction is taken on its own (one input-only backward through the trunk each:
+    GradNorm needs each branch's norm), then re-enters the VAE's graph through gradnorm(recon, weight), which
+    normalises it to `weight` (DDP all-reduce included) exactly as if the branch had its own trunk pass.
+    Returns the surrogate scalar to add to the VAE's backward sum; its value is meaningless, its gradient
+    with respect to `recon` is the sum of the normalised branch gradients."""
+    surrogate = torch.zeros((), device=recon.device)
+    for i, (loss, weight) in enumerate(branches):
+        (grad,) = torch.autograd.grad(loss, leaf, retain_graph=i < len(branches) - 1)
+        surrogate = surrogate + (gradnorm(recon, weight).float() * grad.float()).sum()
+    return surrogate
+
+
 class FeatureCriticHeads(nn.Module):
     """The trainable part of the frozen-trunk critic: logit heads on VGG16's relu2_2 .. relu5_3.
 

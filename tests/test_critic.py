@@ -7,7 +7,8 @@ import torch
 import torchvision
 
 from utils import (VGG16_SLICES, FeatureCriticHeads, VGG16Discriminator, build_lpips, diff_augment, gan_ramp,
-                   lpips_from_features, r1_penalty, vgg16_features)
+                   generator_loss, gradnorm, gradnorm_branches_through_one_pass, lpips_from_features, r1_penalty,
+                   vgg16_features)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,41 @@ def test_lpips_from_one_trunk_pass_per_image_equals_lpips(lpips_model):
     assert torch.equal(value, expected)
     assert torch.equal(grad, grad_expected)
     assert (value > 0).all()
+
+
+def test_gradnorm_per_branch_through_one_shared_pass_equals_separate_passes(lpips_model):
+    """Issue 19's exactness: LPIPS and the generator term from one trunk pass over the reconstruction give the
+    VAE (here a conv standing in for the decoder) the gradient of the two branches on separate passes, each
+    normalised to its own weight; the two branches' raw gradients differ in size by orders of magnitude."""
+    torch.manual_seed(0)
+    decoder = torch.nn.Conv2d(3, 3, 3, padding=1)
+    heads = FeatureCriticHeads(width=16).eval().requires_grad_(False)
+    for head in heads.heads:
+        torch.nn.init.normal_(head[-1].weight)
+    x, z = images(seed=8, size=32), images(seed=9, size=32)
+    with torch.no_grad():
+        x_feats = vgg16_features(lpips_model, x)
+        real_logits = heads(x_feats)
+    w_lpips, w_gan = 1.0, 0.35
+
+    def branches(recon_lpips, recon_gan):
+        perceptual = lpips_from_features(lpips_model, vgg16_features(lpips_model, recon_lpips), x_feats).mean()
+        g_loss = generator_loss(heads(vgg16_features(lpips_model, recon_gan)), real_logits, "ldm")
+        return perceptual, g_loss
+
+    recon = decoder(z)
+    separate = sum(branches(gradnorm(recon, w_lpips), gradnorm(recon, w_gan)))
+    expected = torch.autograd.grad(separate, decoder.weight)[0]
+
+    recon = decoder(z)
+    leaf = recon.detach().requires_grad_(True)
+    recon_feats = vgg16_features(lpips_model, leaf)
+    perceptual = lpips_from_features(lpips_model, recon_feats, x_feats).mean()
+    g_loss = generator_loss(heads(recon_feats), real_logits, "ldm")
+    surrogate = gradnorm_branches_through_one_pass(recon, leaf, [(perceptual, w_lpips), (g_loss, w_gan)])
+    shared = torch.autograd.grad(surrogate, decoder.weight)[0]
+    torch.testing.assert_close(shared, expected, rtol=1e-5, atol=1e-7)
+    assert decoder.weight.grad is None and not any(p.grad is not None for p in heads.parameters())
 
 
 def test_feature_heads_shape_neutral_start_and_what_trains(lpips_model):
