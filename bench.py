@@ -593,6 +593,11 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
                     f"critic heads' step {flops['frozen_critic_heads_step'] / 1e9:.1f}, generator term + both "
                     f"branches' backward {flops['frozen_generator_and_backward'] / 1e9:.1f}, VAE "
                     f"{flops['ours_vae'] / 1e9:.1f}")
+        gan_memory = {size: gan_saved_activations(size) for size in (256, 512)}
+        for size, saved in gan_memory.items():
+            report.line(f"  GAN + LPIPS activations saved for backward, {size} px, batch 1 (MiB): VAE side ours "
+                        f"{saved['ours_vae_side']:.0f}, frozen {saved['frozen_vae_side']:.0f}; critic's step ours "
+                        f"{saved['ours_critic_step']:.0f}, frozen {saved['frozen_critic_step']:.0f}")
     del trainers, variants
     gc.collect()
 
@@ -626,6 +631,7 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
         "speedup_compile": rate["compile"] / rate["channels_last"] if "compile" in rate else None,
         "bf16_speedup": rate["bf16"] / rate["channels_last"],
         "gan_step_flops": flops if args.gan else None,
+        "gan_saved_mib": gan_memory if args.gan else None,
     }
 
 
@@ -790,6 +796,59 @@ def saved_activations(trainer) -> dict[str, float]:
         for handle in handles:
             handle.remove()
     return {k: mib(v) for k, v in sorted(totals.items())}
+
+
+def gan_saved_activations(size: int, batch: int = 1) -> dict[str, float]:
+    """MiB saved for backward by the GAN and LPIPS part of one step at `size` px (the VAE's own activations
+    are the same either way and left out), trainable critic (ours) vs frozen trunk (issue 19), random weights:
+    the VAE-side graph (live until the VAE's backward: LPIPS and the generator term on the reconstruction)
+    and the critic's own step (its graph is freed before the VAE's forward). Saved-tensor hooks, unique
+    storages, parameters excluded: exact, free of timing noise and of the allocator."""
+    from utils import (FeatureCriticHeads, VGG16Discriminator, build_lpips, discriminator_loss, generator_loss,
+                       lpips_from_features, vgg16_features)
+    lpips_model, critic, heads = build_lpips(None), VGG16Discriminator(None), FeatureCriticHeads()
+    params = {t.untyped_storage().data_ptr() for m in (lpips_model, critic, heads)
+              for t in list(m.parameters()) + list(m.buffers())}
+
+    def saved_mib(run) -> float:
+        seen: dict[int, int] = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            run()
+        return mib(sum(seen.values()))
+
+    x = torch.rand(batch, 3, size, size) * 2 - 1
+    recon = (torch.rand(batch, 3, size, size) * 2 - 1).requires_grad_(True)
+
+    def ours_vae_side():
+        critic.requires_grad_(False)
+        lpips_model(recon, x).mean() + critic(recon).mean()
+        critic.requires_grad_(True)
+
+    def ours_critic_step():
+        discriminator_loss(*critic(torch.cat([x, recon.detach()])).chunk(2), "hinge")
+
+    with torch.no_grad():
+        x_feats = vgg16_features(lpips_model, x)
+
+    def frozen_vae_side():
+        heads.requires_grad_(False)
+        feats = vgg16_features(lpips_model, recon)
+        lpips_from_features(lpips_model, feats, x_feats).mean() + generator_loss(heads(feats), None, "ldm")
+        heads.requires_grad_(True)
+
+    def frozen_critic_step():
+        with torch.no_grad():
+            fake_feats = vgg16_features(lpips_model, recon)
+        discriminator_loss(*heads([torch.cat([a, b]) for a, b in zip(x_feats, fake_feats)]).chunk(2), "hinge")
+
+    return {"ours_vae_side": saved_mib(ours_vae_side), "ours_critic_step": saved_mib(ours_critic_step),
+            "frozen_vae_side": saved_mib(frozen_vae_side), "frozen_critic_step": saved_mib(frozen_critic_step)}
 
 
 def gan_step_flops(trainer) -> dict[str, float]:
