@@ -220,3 +220,23 @@ def test_r1_penalty_on_the_feature_heads_trains_them(lpips_model):
     (500, 100, 50, 1.0), (99, 100, 0, 0.0), (100, 100, 0, 1.0)])
 def test_gan_ramp(step, start, ramp, factor):
     assert gan_ramp(step, start, ramp) == pytest.approx(factor)
+
+
+def test_bench_counts_the_frozen_step_with_both_branches_backward(lpips_model):
+    """bench.frozen_gan_step_flops: two trunk forwards (x, recon) and, for GradNorm's two branches, two
+    input-only backward passes through the trunk on top of the heads' work."""
+    import types
+
+    import bench
+    from torch.utils.flop_counter import FlopCounterMode
+    trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(vae_resolution=32, batch_size=2),
+                                    objective=types.SimpleNamespace(lpips=lpips_model), device=torch.device("cpu"))
+    flops = bench.frozen_gan_step_flops(trainer, vae_flops=1e9)
+    with FlopCounterMode(display=False) as one_pass, torch.no_grad():
+        vgg16_features(lpips_model, images(n=2, size=32))
+    trunk = one_pass.get_total_flops()
+    parts = [flops[f"frozen_{k}"] for k in ("trunk_forward", "lpips_heads", "critic_heads_step",
+                                             "generator_and_backward")]
+    assert flops["frozen"] == 1e9 + sum(parts) == 1e9 + flops["frozen_critic_and_lpips"]
+    assert flops["frozen_trunk_forward"] == 2 * trunk
+    assert 2 * trunk < flops["frozen_generator_and_backward"] < 2.5 * trunk
