@@ -593,6 +593,9 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
                     f"critic heads' step {flops['frozen_critic_heads_step'] / 1e9:.1f}, generator term + both "
                     f"branches' backward {flops['frozen_generator_and_backward'] / 1e9:.1f}, VAE "
                     f"{flops['ours_vae'] / 1e9:.1f}")
+        gan_wall = gan_part_wall_clock(config["vae_resolution"], batch)
+        report.line("  the GAN + LPIPS part alone, one thread, 3 interleaved rounds (s): " + ", ".join(
+            f"{name} {median(t):.2f} ({min(t):.2f}-{max(t):.2f})" for name, t in gan_wall.items()))
         gan_memory = {size: gan_saved_activations(size) for size in (256, 512)}
         for size, saved in gan_memory.items():
             report.line(f"  GAN + LPIPS activations saved for backward, {size} px, batch 1 (MiB): VAE side ours "
@@ -632,6 +635,7 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
         "bf16_speedup": rate["bf16"] / rate["channels_last"],
         "gan_step_flops": flops if args.gan else None,
         "gan_saved_mib": gan_memory if args.gan else None,
+        "gan_part_wall_s": gan_wall if args.gan else None,
     }
 
 
@@ -849,6 +853,62 @@ def gan_saved_activations(size: int, batch: int = 1) -> dict[str, float]:
 
     return {"ours_vae_side": saved_mib(ours_vae_side), "ours_critic_step": saved_mib(ours_critic_step),
             "frozen_vae_side": saved_mib(frozen_vae_side), "frozen_critic_step": saved_mib(frozen_critic_step)}
+
+
+def gan_part_wall_clock(size: int, batch: int, rounds: int = 3) -> dict[str, list[float]]:
+    """Seconds of the GAN and LPIPS part of one step (the VAE's part is the same in all three and left out),
+    interleaved in rotated order each round so load bursts hit all alike: the reference's way (LPIPS on both
+    images, the trainable critic's step, the generator's pass with the critic's weight gradients), ours
+    (the same, the critic frozen in the generator's pass), and the frozen trunk (issue 19: one trunk pass per
+    image, the heads' step, both GradNorm branches' backward through the trunk). Random weights."""
+    from utils import (FeatureCriticHeads, VGG16Discriminator, build_lpips, discriminator_loss, generator_loss,
+                       lpips_from_features, vgg16_features)
+    lpips_model, critic, heads = build_lpips(None), VGG16Discriminator(None), FeatureCriticHeads()
+    for head in list(critic.heads) + list(heads.heads):  # past the neutral start: every patch pushes
+        torch.nn.init.normal_(head[-1].weight, std=0.01)
+    x = torch.rand(batch, 3, size, size) * 2 - 1
+    recon = (torch.rand(batch, 3, size, size) * 2 - 1).requires_grad_(True)
+
+    def trainable(reference: bool):
+        def step():
+            logits = critic(torch.cat([x, recon.detach()]))
+            real_logits, fake_logits = logits.float().chunk(2)
+            discriminator_loss(real_logits, fake_logits, "hinge").backward()
+            critic.requires_grad_(reference)
+            perceptual = lpips_model(recon, x).mean()
+            g_loss = generator_loss(critic(recon), real_logits.detach(), "thresholded")
+            torch.autograd.grad(perceptual, recon, retain_graph=True)  # GradNorm's two branches
+            torch.autograd.grad(g_loss, recon)
+            critic.requires_grad_(True)
+            critic.zero_grad(set_to_none=True)
+        return step
+
+    def frozen():
+        with torch.no_grad():
+            x_feats = vgg16_features(lpips_model, x)
+        recon_feats = vgg16_features(lpips_model, recon)
+        perceptual = lpips_from_features(lpips_model, recon_feats, x_feats).mean()
+        logits = heads([torch.cat([a, b.detach()]) for a, b in zip(x_feats, recon_feats)])
+        real_logits, fake_logits = logits.float().chunk(2)
+        discriminator_loss(real_logits, fake_logits, "hinge").backward()
+        heads.requires_grad_(False)
+        g_loss = generator_loss(heads(recon_feats), real_logits.detach(), "thresholded")
+        torch.autograd.grad(perceptual, recon, retain_graph=True)
+        torch.autograd.grad(g_loss, recon)
+        heads.requires_grad_(True)
+        heads.zero_grad(set_to_none=True)
+
+    variants = {"reference": trainable(True), "ours": trainable(False), "frozen": frozen}
+    times = {name: [] for name in variants}
+    names = list(variants)
+    for name in names:  # warm-up
+        variants[name]()
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def gan_step_flops(trainer) -> dict[str, float]:
