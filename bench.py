@@ -42,6 +42,8 @@ Headline keys of --json (the target each is checked against)
                                interleaved in one process, fastest steps               (<= 0.30)
   gpu_bf16_speedup_flux_256    CUDA only: FLUX VAE img/s in bf16 / in fp32 at 256 px      (>= 1.7)
   gan_step_flop_speedup        --gan: FLOPs of the reference's step / ours (issue 9's step target: >= 1.5)
+  gan_step_flop_speedup_frozen --gan: FLOPs of the reference's step / the frozen-trunk step (issue 19:
+                               the trainer's VAE part + utils' frozen critic blocks counted)  (>= 2.0)
   quality_psnr_over_reference  held-out PSNR, defaults - reference hyperparameters, dB      (>= 3)
   quality_psnr_over_floor      held-out PSNR, defaults - plain MSE, dB                      (>= -1)
   quality_ssim_over_reference, quality_ssim_over_floor  the same for SSIM           (>= 0.03, >= -0.03)
@@ -107,6 +109,7 @@ TARGETS = {  # key: (comparison, threshold)
     "ckpt_time_cost_512": ("<=", 0.30),
     "gpu_bf16_speedup_flux_256": (">=", 1.7),
     "gan_step_flop_speedup": (">=", 1.5),
+    "gan_step_flop_speedup_frozen": (">=", 2.0),
     "quality_psnr_over_reference": (">=", 3.0),
     "quality_psnr_over_floor": (">=", -1.0),
     "quality_ssim_over_reference": (">=", 0.03),
@@ -584,6 +587,20 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
                     f"{flops['reference'] / 1e9:.1f} ({flops['reference'] / flops['ours']:.3f}x); critic "
                     f"{flops['ours_critic'] / 1e9:.1f} / {flops['reference_critic'] / 1e9:.1f}, LPIPS "
                     f"{flops['ours_lpips'] / 1e9:.1f}, VAE {flops['ours_vae'] / 1e9:.1f}")
+        report.line(f"  frozen trunk (issue 19): {flops['frozen'] / 1e9:.1f} GFLOP "
+                    f"({flops['reference'] / flops['frozen']:.3f}x the reference's way): trunk forwards "
+                    f"{flops['frozen_trunk_forward'] / 1e9:.1f}, LPIPS heads {flops['frozen_lpips_heads'] / 1e9:.2f}, "
+                    f"critic heads' step {flops['frozen_critic_heads_step'] / 1e9:.1f}, generator term + both "
+                    f"branches' backward {flops['frozen_generator_and_backward'] / 1e9:.1f}, VAE "
+                    f"{flops['ours_vae'] / 1e9:.1f}")
+        gan_wall = gan_part_wall_clock(config["vae_resolution"], batch)
+        report.line("  the GAN + LPIPS part alone, one thread, 3 interleaved rounds (s): " + ", ".join(
+            f"{name} {median(t):.2f} ({min(t):.2f}-{max(t):.2f})" for name, t in gan_wall.items()))
+        gan_memory = {size: gan_saved_activations(size) for size in (256, 512)}
+        for size, saved in gan_memory.items():
+            report.line(f"  GAN + LPIPS activations saved for backward, {size} px, batch 1 (MiB): VAE side ours "
+                        f"{saved['ours_vae_side']:.0f}, frozen {saved['frozen_vae_side']:.0f}; critic's step ours "
+                        f"{saved['ours_critic_step']:.0f}, frozen {saved['frozen_critic_step']:.0f}")
     del trainers, variants
     gc.collect()
 
@@ -617,6 +634,8 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
         "speedup_compile": rate["compile"] / rate["channels_last"] if "compile" in rate else None,
         "bf16_speedup": rate["bf16"] / rate["channels_last"],
         "gan_step_flops": flops if args.gan else None,
+        "gan_saved_mib": gan_memory if args.gan else None,
+        "gan_part_wall_s": gan_wall if args.gan else None,
     }
 
 
@@ -783,6 +802,115 @@ def saved_activations(trainer) -> dict[str, float]:
     return {k: mib(v) for k, v in sorted(totals.items())}
 
 
+def gan_saved_activations(size: int, batch: int = 1) -> dict[str, float]:
+    """MiB saved for backward by the GAN and LPIPS part of one step at `size` px (the VAE's own activations
+    are the same either way and left out), trainable critic (ours) vs frozen trunk (issue 19), random weights:
+    the VAE-side graph (live until the VAE's backward: LPIPS and the generator term on the reconstruction)
+    and the critic's own step (its graph is freed before the VAE's forward). Saved-tensor hooks, unique
+    storages, parameters excluded: exact, free of timing noise and of the allocator."""
+    from utils import (FeatureCriticHeads, VGG16Discriminator, build_lpips, discriminator_loss, generator_loss,
+                       lpips_from_features, vgg16_features)
+    lpips_model, critic, heads = build_lpips(None), VGG16Discriminator(None), FeatureCriticHeads()
+    params = {t.untyped_storage().data_ptr() for m in (lpips_model, critic, heads)
+              for t in list(m.parameters()) + list(m.buffers())}
+
+    def saved_mib(run) -> float:
+        seen: dict[int, int] = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            run()
+        return mib(sum(seen.values()))
+
+    x = torch.rand(batch, 3, size, size) * 2 - 1
+    recon = (torch.rand(batch, 3, size, size) * 2 - 1).requires_grad_(True)
+
+    def ours_vae_side():
+        critic.requires_grad_(False)
+        lpips_model(recon, x).mean() + critic(recon).mean()
+        critic.requires_grad_(True)
+
+    def ours_critic_step():
+        discriminator_loss(*critic(torch.cat([x, recon.detach()])).chunk(2), "hinge")
+
+    with torch.no_grad():
+        x_feats = vgg16_features(lpips_model, x)
+
+    def frozen_vae_side():
+        heads.requires_grad_(False)
+        feats = vgg16_features(lpips_model, recon)
+        lpips_from_features(lpips_model, feats, x_feats).mean() + generator_loss(heads(feats), None, "ldm")
+        heads.requires_grad_(True)
+
+    def frozen_critic_step():
+        with torch.no_grad():
+            fake_feats = vgg16_features(lpips_model, recon)
+        discriminator_loss(*heads([torch.cat([a, b]) for a, b in zip(x_feats, fake_feats)]).chunk(2), "hinge")
+
+    return {"ours_vae_side": saved_mib(ours_vae_side), "ours_critic_step": saved_mib(ours_critic_step),
+            "frozen_vae_side": saved_mib(frozen_vae_side), "frozen_critic_step": saved_mib(frozen_critic_step)}
+
+
+def gan_part_wall_clock(size: int, batch: int, rounds: int = 3) -> dict[str, list[float]]:
+    """Seconds of the GAN and LPIPS part of one step (the VAE's part is the same in all three and left out),
+    interleaved in rotated order each round so load bursts hit all alike: the reference's way (LPIPS on both
+    images, the trainable critic's step, the generator's pass with the critic's weight gradients), ours
+    (the same, the critic frozen in the generator's pass), and the frozen trunk (issue 19: one trunk pass per
+    image, the heads' step, both GradNorm branches' backward through the trunk). Random weights."""
+    from utils import (FeatureCriticHeads, VGG16Discriminator, build_lpips, discriminator_loss, generator_loss,
+                       lpips_from_features, vgg16_features)
+    lpips_model, critic, heads = build_lpips(None), VGG16Discriminator(None), FeatureCriticHeads()
+    for head in list(critic.heads) + list(heads.heads):  # past the neutral start: every patch pushes
+        torch.nn.init.normal_(head[-1].weight, std=0.01)
+    x = torch.rand(batch, 3, size, size) * 2 - 1
+    recon = (torch.rand(batch, 3, size, size) * 2 - 1).requires_grad_(True)
+
+    def trainable(reference: bool):
+        def step():
+            logits = critic(torch.cat([x, recon.detach()]))
+            real_logits, fake_logits = logits.float().chunk(2)
+            discriminator_loss(real_logits, fake_logits, "hinge").backward()
+            critic.requires_grad_(reference)
+            perceptual = lpips_model(recon, x).mean()
+            g_loss = generator_loss(critic(recon), real_logits.detach(), "thresholded")
+            torch.autograd.grad(perceptual, recon, retain_graph=True)  # GradNorm's two branches
+            torch.autograd.grad(g_loss, recon)
+            critic.requires_grad_(True)
+            critic.zero_grad(set_to_none=True)
+        return step
+
+    def frozen():
+        with torch.no_grad():
+            x_feats = vgg16_features(lpips_model, x)
+        recon_feats = vgg16_features(lpips_model, recon)
+        perceptual = lpips_from_features(lpips_model, recon_feats, x_feats).mean()
+        logits = heads([torch.cat([a, b.detach()]) for a, b in zip(x_feats, recon_feats)])
+        real_logits, fake_logits = logits.float().chunk(2)
+        discriminator_loss(real_logits, fake_logits, "hinge").backward()
+        heads.requires_grad_(False)
+        g_loss = generator_loss(heads(recon_feats), real_logits.detach(), "thresholded")
+        torch.autograd.grad(perceptual, recon, retain_graph=True)
+        torch.autograd.grad(g_loss, recon)
+        heads.requires_grad_(True)
+        heads.zero_grad(set_to_none=True)
+
+    variants = {"reference": trainable(True), "ours": trainable(False), "frozen": frozen}
+    times = {name: [] for name in variants}
+    names = list(variants)
+    for name in names:  # warm-up
+        variants[name]()
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def gan_step_flops(trainer) -> dict[str, float]:
     """FLOPs of one GAN step our way and the reference's way (the critic's weight gradients also computed in
     the generator's pass), in total and per network: what the step costs wherever FLOPs set its time,
@@ -801,7 +929,51 @@ def gan_step_flops(trainer) -> dict[str, float]:
         out[f"{name}_lpips"] = float(per_module.get(f"{objective}.lpips", 0))
         out[f"{name}_vae"] = out[name] - out[f"{name}_critic"] - out[f"{name}_lpips"]
     trainer.metrics.host_sync = False
+    out.update(frozen_gan_step_flops(trainer, out["ours_vae"]))
     return out
+
+
+def frozen_gan_step_flops(trainer, vae_flops: float) -> dict[str, float]:
+    """FLOPs of one GAN step with the frozen trunk (issue 19), composed of the trainer's own VAE part
+    (`vae_flops`: gan_step_flops' `ours_vae`, encoder, decoder, pixel losses) and a count of the frozen
+    critic's step on images of the trainer's batch shape: LPIPS' VGG16 once for the input (no grad) and
+    once for the reconstruction (with grad), LPIPS from those features, the heads' own step on the detached
+    features (real and fake, hinge, backward into the heads), the generator term from the heads on the
+    reconstruction's features. GradNorm normalises each branch at the reconstruction, which needs each
+    branch's gradient there: two backward passes through the trunk (input gradients only, its weights are
+    frozen), one for LPIPS and one for the generator term."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from utils import FeatureCriticHeads, discriminator_loss, generator_loss, lpips_from_features, vgg16_features
+    cfg = trainer.cfg
+    lpips_model = trainer.objective.lpips
+    device = trainer.device
+    size, batch = cfg.vae_resolution, cfg.batch_size
+    heads = FeatureCriticHeads().to(device)
+    x = torch.rand(batch, 3, size, size, device=device) * 2 - 1
+    recon = (torch.rand(batch, 3, size, size, device=device) * 2 - 1).requires_grad_(True)
+    counts = {}
+    with FlopCounterMode(display=False) as counter:
+        with torch.no_grad():
+            x_feats = vgg16_features(lpips_model, x)
+        recon_feats = vgg16_features(lpips_model, recon)
+    counts["trunk_forward"] = counter.get_total_flops()
+    with FlopCounterMode(display=False) as counter:
+        perceptual = lpips_from_features(lpips_model, recon_feats, x_feats).float().mean()
+    counts["lpips_heads"] = counter.get_total_flops()
+    with FlopCounterMode(display=False) as counter:  # the critic's step: heads only, on detached features
+        logits = heads([torch.cat([r, f.detach()]) for r, f in zip(x_feats, recon_feats)])
+        real_logits, fake_logits = logits.float().chunk(2)
+        discriminator_loss(real_logits, fake_logits, "hinge").backward()
+    counts["critic_heads_step"] = counter.get_total_flops()
+    heads.requires_grad_(False)
+    with FlopCounterMode(display=False) as counter:  # the generator term, and each branch's gradient
+        g_loss = generator_loss(heads(recon_feats).float(), real_logits.detach(), "thresholded")
+        torch.autograd.grad(perceptual, recon, retain_graph=True)
+        torch.autograd.grad(g_loss, recon)
+    counts["generator_and_backward"] = counter.get_total_flops()
+    frozen = float(sum(counts.values()))
+    return {"frozen": vae_flops + frozen, "frozen_critic_and_lpips": frozen,
+            **{f"frozen_{k}": float(v) for k, v in counts.items()}}
 
 
 def step_flops(trainer, levels) -> dict[str, float]:
@@ -990,6 +1162,8 @@ def summarize(results: dict) -> dict:
         keys[f"{results['device']}_bf16_speedup_{t['config']['name']}"] = t["bf16_speedup"]
         if t.get("gan_step_flops"):
             keys["gan_step_flop_speedup"] = t["gan_step_flops"]["reference"] / t["gan_step_flops"]["ours"]
+            if "frozen" in t["gan_step_flops"]:
+                keys["gan_step_flop_speedup_frozen"] = t["gan_step_flops"]["reference"] / t["gan_step_flops"]["frozen"]
     m = results.get("memory", {}).get("cases", {})
     for res in (256, 512):
         hr = m.get(f"decoder_hr@{res}")

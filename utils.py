@@ -287,6 +287,172 @@ class NLayerDiscriminator(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------
+# The frozen critic: heads on LPIPS' VGG16 features (--critic_trunk frozen)
+# --------------------------------------------------------------------------------------------
+def vgg16_features(lpips_model: nn.Module, images: Tensor) -> list[Tensor]:
+    """The five relu features (relu1_2 .. relu5_3) of [-1, 1] `images`, from LPIPS' own scaling layer and
+    VGG16: one trunk pass that serves LPIPS (lpips_from_features), the critic's step (detached) and the
+    generator term (FeatureCriticHeads). Differentiable with respect to `images`; the trunk is frozen."""
+    return list(lpips_model.net(lpips_model.scaling_layer(images)))
+
+
+def lpips_from_features(lpips_model: nn.Module, features_0: list[Tensor], features_1: list[Tensor]) -> Tensor:
+    """LPIPS between the two images whose vgg16_features are given: lpips.LPIPS.forward's arithmetic after
+    its trunk (unit-normalised channels, squared difference, learned 1x1 heads, spatial mean, summed over
+    the five depths), so the value equals lpips_model(image_0, image_1). Shape (N, 1, 1, 1)."""
+    import lpips
+    total = 0
+    for f0, f1, lin in zip(features_0, features_1, lpips_model.lins):
+        diff = (lpips.normalize_tensor(f0) - lpips.normalize_tensor(f1)) ** 2
+        total = total + lin(diff).mean([2, 3], keepdim=True)
+    return total
+
+
+def gradnorm_branches_through_one_pass(recon: Tensor, leaf: Tensor, branches: list[tuple[Tensor, float | Tensor]]
+                                       ) -> Tensor:
+    """GradNorm per branch when several losses share one trunk pass over the reconstruction.
+
+    `leaf` is recon.detach().requires_grad_() and every loss in `branches` ((loss, weight) pairs) was computed
+    from it (e.g. LPIPS and the generator term from one vgg16_features(lpips_model, leaf)). Each branch's
+    gradient at the reconstruction is taken on its own (one input-only backward through the trunk each:
+    GradNorm needs each branch's norm), then re-enters the VAE's graph through gradnorm(recon, weight), which
+    normalises it to `weight` (DDP all-reduce included) exactly as if the branch had its own trunk pass.
+    Returns the surrogate scalar to add to the VAE's backward sum; its value is meaningless, its gradient
+    with respect to `recon` is the sum of the normalised branch gradients."""
+    surrogate = torch.zeros((), device=recon.device)
+    for i, (loss, weight) in enumerate(branches):
+        (grad,) = torch.autograd.grad(loss, leaf, retain_graph=i < len(branches) - 1)
+        surrogate = surrogate + (gradnorm(recon, weight).float() * grad.float()).sum()
+    return surrogate
+
+
+class FeatureCriticHeads(nn.Module):
+    """The trainable part of the frozen-trunk critic: logit heads on VGG16's relu2_2 .. relu5_3.
+
+    After Projected GAN (Sauer et al. 2021, pg_modules/projector.py and discriminator.py): each depth's
+    features are first mixed across channels by a FIXED random 1x1 projection to `width` channels (CCM;
+    it spreads the signal of a few dominant channels, so the heads cannot latch onto one) and across
+    depths by adding the upsampled coarser projection (CSM, top-down, as a feature pyramid). Each depth
+    then gets its own small discriminator (multi-scale heads, as Projected GAN and StyleGAN-T): two
+    spectral-norm 3x3 convs (no batch statistics: small per-GPU batches, DDP) and a 1x1 logit conv that
+    starts at zero (a neutral critic, logits 0, as VGG16Discriminator). The logit maps are area-pooled
+    to relu5_3's grid (1/16 of the image) and summed: one logit per 16x16 patch, the same output as
+    VGG16Discriminator, so the hinge losses, the thresholded generator term and LeCam read it unchanged.
+    relu1_2 (full resolution, near-linear in the pixels the MSE terms already match) is left out: its
+    head would cost as much as the others together.
+
+    forward(features) takes vgg16_features' list of five tensors (the first is ignored) and returns
+    logits (N, 1, H/16, W/16).
+    """
+
+    def __init__(self, width: int = 64, channels: tuple[int, ...] = VGG16_CHANNELS[1:], seed: int = 0):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)  # the projection is part of the critic's definition
+        for i, c in enumerate(channels):
+            # Kaiming-uniform like nn.Conv2d's default init, but fixed: a buffer, so no optimizer or DDP sees it
+            bound = 1 / math.sqrt(c)
+            projection = (torch.rand(width, c, 1, 1, generator=generator) * 2 - 1) * bound * math.sqrt(3)
+            self.register_buffer(f"projection{i}", projection)
+        sn = nn.utils.spectral_norm
+        self.heads = nn.ModuleList(
+            nn.Sequential(sn(nn.Conv2d(width, width, 3, padding=1)), nn.LeakyReLU(0.2),
+                          sn(nn.Conv2d(width, width, 3, padding=1)), nn.LeakyReLU(0.2),
+                          nn.Conv2d(width, 1, 1))
+            for _ in channels)
+        for head in self.heads:
+            nn.init.zeros_(head[-1].weight)
+            nn.init.zeros_(head[-1].bias)
+
+    def projections(self) -> list[Tensor]:
+        return [getattr(self, f"projection{i}") for i in range(len(self.heads))]
+
+    def mix(self, features: list[Tensor]) -> list[Tensor]:
+        """The fixed cross-channel and cross-scale mixing: one `width`-channel map per head, fine to coarse."""
+        used = features[len(features) - len(self.heads):]
+        mixed = [F.conv2d(f, p) for f, p in zip(used, self.projections())]
+        for i in range(len(mixed) - 2, -1, -1):  # coarse to fine: each depth also sees the coarser context
+            mixed[i] = mixed[i] + F.interpolate(mixed[i + 1], size=mixed[i].shape[-2:], mode="bilinear",
+                                                align_corners=False)
+        return mixed
+
+    def forward(self, features: list[Tensor]) -> Tensor:
+        maps = [head(m) for head, m in zip(self.heads, self.mix(features))]
+        size = maps[-1].shape[-2:]
+        return sum(F.adaptive_avg_pool2d(m, size) for m in maps)
+
+
+# --------------------------------------------------------------------------------------------
+# GAN stabilisers: DiffAugment, R1, the generator term's ramp
+# --------------------------------------------------------------------------------------------
+DIFFAUG_POLICIES = ("color", "translation", "cutout")
+
+
+def diff_augment(images: Tensor, policy: str = "color,translation,cutout", translation_ratio: float = 0.125,
+                 cutout_ratio: float = 0.5) -> Tensor:
+    """DiffAugment (Zhao et al. 2020, mit-han-lab/data-efficient-gans DiffAugment_pytorch.py) of [-1, 1]
+    images: per image, random brightness (+-0.5), saturation (x0..2) and contrast (x0.5..1.5); a translation
+    by up to 1/8 of the size with zero fill; a cutout of half the size with zeros. Every operation is
+    differentiable with respect to the images, and every image draws its own parameters, so calling it on
+    real and fake (together or apart) augments both with the same distribution, as the critic must see."""
+    ops = [op for op in policy.split(",") if op]
+    unknown = sorted(set(ops) - set(DIFFAUG_POLICIES))
+    if unknown:
+        raise ValueError(f"diffaug policy: unknown {unknown}; choose from {','.join(DIFFAUG_POLICIES)}")
+    n, _, h, w = images.shape
+    x = images
+
+    def per_image(*shape):
+        return torch.rand(n, *shape, dtype=x.dtype, device=x.device)
+
+    if "color" in ops:
+        x = x + (per_image(1, 1, 1) - 0.5)
+        mean = x.mean(dim=1, keepdim=True)
+        x = (x - mean) * (per_image(1, 1, 1) * 2) + mean
+        mean = x.mean(dim=[1, 2, 3], keepdim=True)
+        x = (x - mean) * (per_image(1, 1, 1) + 0.5) + mean
+    if "translation" in ops:
+        shift_h, shift_w = int(h * translation_ratio + 0.5), int(w * translation_ratio + 0.5)
+        dy = torch.randint(-shift_h, shift_h + 1, (n, 1, 1), device=x.device)
+        dx = torch.randint(-shift_w, shift_w + 1, (n, 1, 1), device=x.device)
+        rows = torch.arange(h, device=x.device).view(1, h, 1) - dy  # the source row of each output row
+        cols = torch.arange(w, device=x.device).view(1, 1, w) - dx
+        inside = ((rows >= 0) & (rows < h) & (cols >= 0) & (cols < w)).unsqueeze(1)
+        index = (rows.clamp(0, h - 1) * w + cols.clamp(0, w - 1)).view(n, 1, h * w).expand(-1, x.shape[1], -1)
+        x = torch.gather(x.flatten(2), 2, index).view_as(x) * inside
+    if "cutout" in ops:
+        cut_h, cut_w = int(h * cutout_ratio + 0.5), int(w * cutout_ratio + 0.5)
+        top = torch.randint(0, h + (1 - cut_h % 2), (n, 1, 1), device=x.device) - cut_h // 2
+        left = torch.randint(0, w + (1 - cut_w % 2), (n, 1, 1), device=x.device) - cut_w // 2
+        rows = torch.arange(h, device=x.device).view(1, h, 1)
+        cols = torch.arange(w, device=x.device).view(1, 1, w)
+        cut = (rows >= top) & (rows < top + cut_h) & (cols >= left) & (cols < left + cut_w)
+        x = x * (~cut).unsqueeze(1)
+    return x
+
+
+def r1_penalty(real_logits: Tensor, real_inputs: Tensor | list[Tensor]) -> Tensor:
+    """R1 (Mescheder et al. 2018): the mean over images of the squared norm of the critic's gradient at
+    real inputs, E ||d sum(logits) / d input||^2, in fp32; the caller weights it by gamma / 2. `real_inputs`
+    are the images (trainable trunk) or the frozen trunk's features (frozen: the gradient then only
+    crosses the small heads, which is what makes it cheap), made to require grad before the critic's
+    forward. The graph is kept, so the penalty trains the critic."""
+    inputs = [real_inputs] if torch.is_tensor(real_inputs) else list(real_inputs)
+    grads = torch.autograd.grad(real_logits.float().sum(), inputs, create_graph=True, allow_unused=True)
+    per_image = sum(g.float().pow(2).flatten(1).sum(1) for g in grads if g is not None)
+    return per_image.mean()
+
+
+def gan_ramp(step: int, disc_start: int, ramp_steps: int) -> float:
+    """The generator term's factor at `step`: 0 before disc_start, then linear up to 1 over ramp_steps
+    (0: the step function of LDM/taming, whose sudden loss jump users report, latent-diffusion #350)."""
+    if step < disc_start:
+        return 0.0
+    if ramp_steps <= 0:
+        return 1.0
+    return min(1.0, (step - disc_start + 1) / ramp_steps)
+
+
+# --------------------------------------------------------------------------------------------
 # Reconstruction losses
 # --------------------------------------------------------------------------------------------
 def pooled_mse(recon: Tensor, target: Tensor, pool: int) -> Tensor:

@@ -1,0 +1,242 @@
+"""The frozen-trunk critic's building blocks (issue 19): LPIPS' VGG16 features shared with the critic,
+LPIPS from those features, the feature heads, DiffAugment, R1 and the generator term's ramp."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+
+from utils import (VGG16_SLICES, FeatureCriticHeads, VGG16Discriminator, build_lpips, diff_augment, gan_ramp,
+                   generator_loss, gradnorm, gradnorm_branches_through_one_pass, lpips_from_features, r1_penalty,
+                   vgg16_features)
+
+
+@pytest.fixture(scope="module")
+def vgg_weights() -> dict:
+    """A VGG16 `features` state dict that is not LPIPS' own random init: both networks must load it."""
+    generator = torch.Generator().manual_seed(7)
+    features = torchvision.models.vgg.make_layers(torchvision.models.vgg.cfgs["D"]).state_dict()
+    return {key: torch.randn(value.shape, generator=generator) * (2 / value[0].numel()) ** 0.5
+            for key, value in features.items()}
+
+
+@pytest.fixture(scope="module")
+def lpips_model(vgg_weights):
+    return build_lpips(vgg_weights)
+
+
+def images(n=2, size=64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 3, size, size, generator=generator) * 2 - 1
+
+
+def test_lpips_features_are_the_critic_trunks_features(lpips_model, vgg_weights):
+    """The same VGG16 cut at the same five relus: with LPIPS' scaling constants (its rounded -.030/.088/.188
+    differ from ImageNetScaling's 2 * mean - 1 by up to 3e-8) the critic's trunk gives the same tensors."""
+    critic = VGG16Discriminator(vgg_weights)
+    x = images()
+    with torch.no_grad():
+        lpips_feats = vgg16_features(lpips_model, x)
+        h = critic.scaling(x)
+        close_feats = []
+        for block in critic.slices:
+            h = block(h)
+            close_feats.append(h)
+        critic.scaling.shift.copy_(lpips_model.scaling_layer.shift)
+        h = critic.scaling(x)
+        same_feats = []
+        for block in critic.slices:
+            h = block(h)
+            same_feats.append(h)
+    assert [f.shape[1] for f in lpips_feats] == [64, 128, 256, 512, 512]
+    assert [f.shape[-1] for f in lpips_feats] == [64, 32, 16, 8, 4]
+    for ours, theirs, near in zip(lpips_feats, same_feats, close_feats):
+        assert torch.equal(ours, theirs)
+        torch.testing.assert_close(near, ours, rtol=1e-5, atol=1e-5)
+    assert len(VGG16_SLICES) == len(lpips_feats)
+
+
+def test_lpips_from_one_trunk_pass_per_image_equals_lpips(lpips_model):
+    x, recon = images(seed=1), images(seed=2).requires_grad_(True)
+    expected = lpips_model(recon, x)
+    (grad_expected,) = torch.autograd.grad(expected.sum(), recon)
+    with torch.no_grad():
+        x_feats = vgg16_features(lpips_model, x)
+    recon_feats = vgg16_features(lpips_model, recon)
+    value = lpips_from_features(lpips_model, recon_feats, x_feats)
+    (grad,) = torch.autograd.grad(value.sum(), recon)
+    assert value.shape == expected.shape == (2, 1, 1, 1)
+    assert torch.equal(value, expected)
+    assert torch.equal(grad, grad_expected)
+    assert (value > 0).all()
+
+
+def test_gradnorm_per_branch_through_one_shared_pass_equals_separate_passes(lpips_model):
+    """Issue 19's exactness: LPIPS and the generator term from one trunk pass over the reconstruction give the
+    VAE (here a conv standing in for the decoder) the gradient of the two branches on separate passes, each
+    normalised to its own weight; the two branches' raw gradients differ in size by orders of magnitude."""
+    torch.manual_seed(0)
+    decoder = torch.nn.Conv2d(3, 3, 3, padding=1)
+    heads = FeatureCriticHeads(width=16).eval().requires_grad_(False)
+    for head in heads.heads:
+        torch.nn.init.normal_(head[-1].weight)
+    x, z = images(seed=8, size=32), images(seed=9, size=32)
+    with torch.no_grad():
+        x_feats = vgg16_features(lpips_model, x)
+        real_logits = heads(x_feats)
+    w_lpips, w_gan = 1.0, 0.35
+
+    def branches(recon_lpips, recon_gan):
+        perceptual = lpips_from_features(lpips_model, vgg16_features(lpips_model, recon_lpips), x_feats).mean()
+        g_loss = generator_loss(heads(vgg16_features(lpips_model, recon_gan)), real_logits, "ldm")
+        return perceptual, g_loss
+
+    recon = decoder(z)
+    separate = sum(branches(gradnorm(recon, w_lpips), gradnorm(recon, w_gan)))
+    expected = torch.autograd.grad(separate, decoder.weight)[0]
+
+    recon = decoder(z)
+    leaf = recon.detach().requires_grad_(True)
+    recon_feats = vgg16_features(lpips_model, leaf)
+    perceptual = lpips_from_features(lpips_model, recon_feats, x_feats).mean()
+    g_loss = generator_loss(heads(recon_feats), real_logits, "ldm")
+    surrogate = gradnorm_branches_through_one_pass(recon, leaf, [(perceptual, w_lpips), (g_loss, w_gan)])
+    shared = torch.autograd.grad(surrogate, decoder.weight)[0]
+    torch.testing.assert_close(shared, expected, rtol=1e-5, atol=1e-7)
+    assert decoder.weight.grad is None and not any(p.grad is not None for p in heads.parameters())
+
+
+def test_feature_heads_shape_neutral_start_and_what_trains(lpips_model):
+    heads = FeatureCriticHeads(width=32)
+    feats = vgg16_features(lpips_model, images(size=64))
+    logits = heads(feats)
+    assert logits.shape == (2, 1, 4, 4)  # one logit per 16x16 patch, as VGG16Discriminator's
+    assert torch.equal(logits, torch.zeros_like(logits))
+    # the random channel projections are fixed (buffers, saved with the critic), the heads train
+    assert len(heads.projections()) == 4 and all(not p.requires_grad for p in heads.projections())
+    assert {name.split(".")[0] for name, _ in heads.named_parameters()} == {"heads"}
+    assert all(f"projection{i}" in heads.state_dict() for i in range(4))
+    torch.testing.assert_close(FeatureCriticHeads(width=32).projection0, heads.projection0, rtol=0, atol=0)
+
+
+def test_feature_heads_see_every_depth_but_relu1_2(lpips_model):
+    heads = FeatureCriticHeads(width=16)
+    for head in heads.heads:  # past the neutral start
+        torch.nn.init.normal_(head[-1].weight)
+    feats = [f.detach().requires_grad_(True) for f in vgg16_features(lpips_model, images(size=32))]
+    heads(feats).sum().backward()
+    assert feats[0].grad is None
+    assert all(f.grad is not None and f.grad.abs().sum() > 0 for f in feats[1:])
+    # cross-scale mixing: relu2_2's head alone still feels relu5_3 (through the upsampled projection)
+    heads.zero_grad()
+    feats = [f.detach().requires_grad_(True) for f in feats]
+    heads.heads[0](heads.mix(feats)[0]).sum().backward()
+    assert feats[4].grad.abs().sum() > 0
+
+
+def test_feature_heads_cost_little_next_to_the_trunk(lpips_model):
+    from torch.utils.flop_counter import FlopCounterMode
+    x = images(n=1, size=128)
+    with FlopCounterMode(display=False) as trunk:
+        feats = vgg16_features(lpips_model, x)
+    with FlopCounterMode(display=False) as head:
+        FeatureCriticHeads()(feats)
+    assert head.get_total_flops() < 0.1 * trunk.get_total_flops()
+
+
+def test_diff_augment_translation_is_a_shift_with_zero_fill():
+    torch.manual_seed(0)
+    x = images(n=8, size=16, seed=3)
+    out = diff_augment(x, "translation")
+    for image, shifted in zip(x, out):
+        matches = []
+        for dy in range(-2, 3):
+            for dx in range(-2, 3):
+                expected = torch.zeros_like(image)
+                src = image[:, max(0, -dy):16 - max(0, dy), max(0, -dx):16 - max(0, dx)]
+                expected[:, max(0, dy):16 - max(0, -dy), max(0, dx):16 - max(0, -dx)] = src
+                matches.append(torch.equal(shifted, expected))
+        assert sum(matches) == 1
+    assert not torch.equal(out, x)
+
+
+def test_diff_augment_cutout_zeros_a_half_size_square():
+    torch.manual_seed(0)
+    x = images(n=16, size=16, seed=4).abs() + 0.1  # no zeros of its own
+    out = diff_augment(x, "cutout")
+    zeroed = (out == 0).all(dim=1)
+    kept = ~zeroed
+    assert torch.equal(out * kept.unsqueeze(1), x * kept.unsqueeze(1))
+    counts = zeroed.flatten(1).sum(1)
+    assert (counts <= 64).all() and (counts > 0).all() and (counts == 64).any()  # 8x8, clipped at borders
+
+
+def test_diff_augment_colour_is_per_image_and_differentiable():
+    torch.manual_seed(0)
+    same = images(n=1, size=16, seed=5).repeat(4, 1, 1, 1).requires_grad_(True)
+    out = diff_augment(same, "color")
+    means = out.detach().mean(dim=[1, 2, 3])
+    assert len(set(means.tolist())) == 4  # every image draws its own brightness / saturation / contrast
+    (out * torch.randn_like(out)).sum().backward()
+    assert same.grad.abs().sum() > 0
+    full = diff_augment(same)
+    full.sum().backward()
+    assert torch.isfinite(same.grad).all()
+
+
+def test_diff_augment_unknown_policy_is_one_line():
+    with pytest.raises(ValueError) as info:
+        diff_augment(images(), "color,zoom")
+    assert "zoom" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_r1_penalty_on_a_linear_critic_and_its_gradient():
+    """logits = <w, f>: the gradient at f is w, so R1 = ||w||^2 and its gradient with respect to w is 2w."""
+    w = torch.randn(3, 4, 4, requires_grad=True)
+    features = torch.randn(5, 3, 4, 4, requires_grad=True)
+    logits = (features * w).flatten(1).sum(1, keepdim=True)
+    penalty = r1_penalty(logits, [features])
+    torch.testing.assert_close(penalty, w.detach().pow(2).sum())
+    (grad_w,) = torch.autograd.grad(penalty, w)
+    torch.testing.assert_close(grad_w, 2 * w.detach())
+
+
+def test_r1_penalty_on_the_feature_heads_trains_them(lpips_model):
+    heads = FeatureCriticHeads(width=16).eval()  # eval: spectral norm's power iteration holds still
+    for head in heads.heads:
+        torch.nn.init.normal_(head[-1].weight)
+    feats = [f.detach().requires_grad_(True) for f in vgg16_features(lpips_model, images(size=32))]
+    penalty = r1_penalty(heads(feats), feats)
+    penalty.backward()
+    assert penalty > 0 and penalty.dtype == torch.float32
+    assert heads.heads[0][-1].weight.grad.abs().sum() > 0
+    # per image: doubling the batch with the same images leaves the mean unchanged
+    feats2 = [torch.cat([f, f]).detach().requires_grad_(True) for f in feats]
+    torch.testing.assert_close(r1_penalty(heads(feats2), feats2), penalty.detach())
+
+
+@pytest.mark.parametrize("step, start, ramp, factor", [
+    (0, 100, 50, 0.0), (99, 100, 50, 0.0), (100, 100, 50, 1 / 50), (124, 100, 50, 0.5), (149, 100, 50, 1.0),
+    (500, 100, 50, 1.0), (99, 100, 0, 0.0), (100, 100, 0, 1.0)])
+def test_gan_ramp(step, start, ramp, factor):
+    assert gan_ramp(step, start, ramp) == pytest.approx(factor)
+
+
+def test_bench_counts_the_frozen_step_with_both_branches_backward(lpips_model):
+    """bench.frozen_gan_step_flops: two trunk forwards (x, recon) and, for GradNorm's two branches, two
+    input-only backward passes through the trunk on top of the heads' work."""
+    import types
+
+    import bench
+    from torch.utils.flop_counter import FlopCounterMode
+    trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(vae_resolution=32, batch_size=2),
+                                    objective=types.SimpleNamespace(lpips=lpips_model), device=torch.device("cpu"))
+    flops = bench.frozen_gan_step_flops(trainer, vae_flops=1e9)
+    with FlopCounterMode(display=False) as one_pass, torch.no_grad():
+        vgg16_features(lpips_model, images(n=2, size=32))
+    trunk = one_pass.get_total_flops()
+    parts = [flops[f"frozen_{k}"] for k in ("trunk_forward", "lpips_heads", "critic_heads_step",
+                                             "generator_and_backward")]
+    assert flops["frozen"] == 1e9 + sum(parts) == 1e9 + flops["frozen_critic_and_lpips"]
+    assert flops["frozen_trunk_forward"] == 2 * trunk
+    assert 2 * trunk < flops["frozen_generator_and_backward"] < 2.5 * trunk
