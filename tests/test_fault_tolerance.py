@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+import run_log
 import vae_trainer
 from conftest import FAULTY, ROOT, TINY, cli_command, cli_env, kill_tree, run_cli
 
@@ -508,7 +509,7 @@ def test_secrets_never_land_in_outputs(shard_url, tmp_path):
 # ------------------------------------------------------------------------------------------ collapse tracker
 def test_collapse_tracker_warns_once_per_episode():
     said = []
-    tracker = vae_trainer.CollapseTracker(said.append)
+    tracker = run_log.CollapseTracker(said.append)
     calm = {"latent/collapsed_fraction": 0.0, "latent/abs_max": 3.0, "latent/std": 1.0, "gan/disc_acc": 0.6}
     collapsed = dict(calm, **{"latent/collapsed_fraction": 0.75})
     for step, m in enumerate([calm, collapsed, collapsed, collapsed, calm, collapsed]):
