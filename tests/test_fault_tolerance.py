@@ -100,15 +100,18 @@ def test_sigkill_of_one_rank_restarts_and_matches_uninterrupted(shard_url, tmp_p
 @pytest.mark.timeout(300)
 def test_two_nodes_one_killed_worker_re_form_resume_and_match_uninterrupted(shard_url, tmp_path, two_rank_reference):
     """The README's multi-node recipe on loopback: two torchrun agents as two nodes (--nnodes=2, one process
-    each, c10d rendezvous on 127.0.0.1, --max-restarts=1). kill -9 of rank 1's worker at step 5: both agents
-    re-form the job, it resumes from the step-4 checkpoint and ends bitwise equal to the uninterrupted two-rank
-    run (world size 2 either way)."""
+    each, c10d rendezvous on 127.0.0.1, the README's --max-restarts=3). kill -9 of rank 1's worker at step 5: both
+    agents re-form the job, it resumes from the step-4 checkpoint and ends bitwise equal to the uninterrupted
+    two-rank run (world size 2 either way). Three restarts, not one: the agent of the surviving node may restart its
+    worker for the membership change without counting it, so the two nodes' TORCHELASTIC_RESTART_COUNT can differ
+    for one attempt, whose workers then meet in different store namespaces and fail to connect (seen under load);
+    the next attempt agrees."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes", "--max-restarts=1",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes", "--max-restarts=3",
             "--local-addr=127.0.0.1", os.path.join(ROOT, FAULTY), *_args(shard_url, tmp_path, "nodes", 8, 2, *GAN)]
     env = cli_env(VAE_TRAINER_KILL_AT="5@1")
     nodes = [subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
