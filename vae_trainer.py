@@ -337,14 +337,20 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- building the parts
     def build_objective(self) -> VAEObjective:
-        """LPIPS, the pixel losses and the adversary (critic, LeCam). A random VGG16 that no loss trains on (the
-        demo without pretrained weights) is not built at all: its LPIPS would only add a meaningless number to
-        evaluation."""
+        """LPIPS, the pixel losses and the adversary (critic, LeCam). VGG16 is needed when a loss trains on it;
+        otherwise (pixel-only training) only evaluation's LPIPS metric wants it: loaded if its weights can be had,
+        else that metric is reported missing with one note. A random VGG16 that no loss trains on is not built."""
         cfg, vgg_features = self.cfg, None
-        with_lpips = cfg.vgg16_weights != "random" or uses_vgg16(cfg)
-        if with_lpips:
+        if uses_vgg16(cfg):
             vgg_features = load_vgg16_features(self._vgg16_weights())
-        return VAEObjective(cfg, vgg_features, with_lpips=with_lpips, device=self.device,
+        elif self.eval_on and cfg.vgg16_weights != "random":
+            try:
+                vgg_features = load_vgg16_features(self._vgg16_weights())
+            except WeightsUnavailable as e:
+                if cfg.vgg16_weights != "torchvision":
+                    raise  # the user named a file: an error, not a missing metric
+                self.log(f"note: evaluation's LPIPS will not be computed: {e}")
+        return VAEObjective(cfg, vgg_features, with_lpips=vgg_features is not None, device=self.device,
                             memory_format=self.memory_format)
 
     def wrap_ddp(self, module):

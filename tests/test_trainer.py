@@ -70,6 +70,20 @@ def test_bad_dataset_paths_via_the_cli(tmp_path, url, message):
     assert not (tmp_path / "runs").exists()
 
 
+def test_pixel_only_training_needs_no_vgg16(shard_url, tmp_path):
+    """--perceptual_weight 0 without the VGG16 critic, the default --vgg16_weights torchvision and an empty
+    torch cache (no download here): the run trains and never loads, requires or mentions VGG16."""
+    tiny = [a for a in TINY if a != "--vgg16_weights" and a != "random"]
+    assert len(tiny) == len(TINY) - 2
+    args = ["--dataset_url", shard_url, "--output_dir", str(tmp_path / "runs"), *tiny, "--perceptual_weight", "0",
+            "--max_steps", "2", "--save_every_n_steps", "100"]
+    proc = run_cli("vae_trainer.py", args, env=cli_env(TORCH_HOME=str(tmp_path / "empty_torch_cache")))
+    assert proc.returncode == 0, proc.stderr
+    assert "vgg" not in (proc.stdout + proc.stderr).lower()
+    assert os.path.isfile(tmp_path / "runs" / "vae" / "checkpoints" / "step_00000002.pt")
+    assert not (tmp_path / "empty_torch_cache").exists()  # nothing downloaded, nothing looked up there
+
+
 @pytest.mark.parametrize("flags, expected", [
     (["--do_ganloss", "--disc_norm", "batch"], ["--disc_norm has no effect with --discriminator vgg16"]),
     (["--do_ganloss", "--gen_loss", "ldm", "--gan_margin", "0.2"], ["--gan_margin has no effect with --gen_loss ldm"]),
