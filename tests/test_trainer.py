@@ -455,3 +455,23 @@ def test_the_registry_writes_the_checkpoint_keys_of_format_version_1(shard_url, 
     assert set(state) == CHECKPOINT_KEYS
     assert (state["discriminator"] is not None) == gan and (state["lecam"] is not None) == gan
     assert state["scaler_disc"] == {} and state["guard"] == {"bad_steps_total": 0, "bad_streak": 0}
+
+
+def test_pixel_only_evaluation_reports_lpips_missing_without_vgg16(shard_url, tmp_path, capsys, monkeypatch,
+                                                                   one_torch_thread):
+    """Evaluation of a pixel-only run without VGG16 weights: LPIPS is reported missing (never computed on a
+    random VGG16), with one note; PSNR is still computed."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty_torch_cache"))
+    real_ensure = vae_trainer.ensure_vgg16_weights
+    monkeypatch.setattr(vae_trainer, "ensure_vgg16_weights", lambda spec, download=True: real_ensure(spec, False))
+    trainer = in_process_trainer(shard_url, tmp_path, "--vgg16_weights", "torchvision", "--perceptual_weight", "0",
+                                 "--test_dataset_url", shard_url, "--evaluate_every_n_steps", "1",
+                                 "--inception_weights", "none", "--eval_max_images", "2")
+    try:
+        assert trainer.lpips is None
+        results = trainer.evaluate()
+    finally:
+        trainer.close()
+    assert results["eval/lpips"] is None and results["eval/psnr"] > 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "LPIPS will not be computed" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: evaluation's LPIPS will not be computed")
