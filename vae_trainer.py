@@ -34,7 +34,7 @@ from ae import AutoEncoder
 from checkpoint import checkpoint_files
 from common import ConfigError, DistInfo, atomic_write, capture_rng, init_distributed, restore_rng
 from config import (DEMO, Config, OptimConfig, build_parser, ch_mult_of, config_warnings, demo_summary,  # noqa: F401
-                    finish_config, model_params, parse_config, parse_flags, prepare_demo, public_config,
+                    cpu_use_line, finish_config, model_params, parse_config, parse_flags, prepare_demo, public_config,
                     read_init_source, resolve_auto, scale_equivariance_sizes, section, uses_vgg16, validate)
 from objective import VAEObjective, no_sync_unless
 from run_log import Metrics
@@ -570,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         if is_rank0:
             print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
         return 2
-    for line in notes if is_rank0 else []:
+    torch.set_num_threads(cfg.num_threads)
+    for line in [*notes, cpu_use_line(cfg, given)] if is_rank0 else []:
         print(line, flush=True)
     for line in config_warnings(cfg, given) if is_rank0 else []:
         print(line, file=sys.stderr, flush=True)

@@ -80,6 +80,8 @@ def test_pixel_only_training_needs_no_vgg16(shard_url, tmp_path):
     proc = run_cli("vae_trainer.py", args, env=cli_env(TORCH_HOME=str(tmp_path / "empty_torch_cache")))
     assert proc.returncode == 0, proc.stderr
     assert "vgg" not in (proc.stdout + proc.stderr).lower()
+    assert "torch threads (--num_threads chosen from the cores" in proc.stdout  # issue 18 item 7's one line
+    assert "suggested max number of worker" not in proc.stderr
     assert os.path.isfile(tmp_path / "runs" / "vae" / "checkpoints" / "step_00000002.pt")
     assert not (tmp_path / "empty_torch_cache").exists()  # nothing downloaded, nothing looked up there
 
