@@ -182,6 +182,8 @@ class SpeedConfig:
                                           "decoder (every decoder level), all", GRAD_CHECKPOINTING)
     channels_last: bool = opt(True, "channels_last memory format")
     compile: bool = opt(False, "torch.compile the encoder, decoder and discriminator")
+    memory_check: bool = opt(True, "before the first step, estimate the step's memory: stop (exit 2) if it exceeds "
+                                   "the free memory by more than the estimate's error (25%), warn if it may not fit")
     num_threads: int = opt(0, "torch threads per rank. 0: auto, the rank's CPU cores left to it by its data workers")
 
 

@@ -477,3 +477,40 @@ def test_pixel_only_evaluation_reports_lpips_missing_without_vgg16(shard_url, tm
     assert results["eval/lpips"] is None and results["eval/psnr"] > 0
     notes = [line for line in capsys.readouterr().out.splitlines() if "LPIPS will not be computed" in line]
     assert len(notes) == 1 and notes[0].startswith("note: evaluation's LPIPS will not be computed")
+
+
+def test_a_step_that_clearly_will_not_fit_stops_before_training(shard_url, tmp_path):
+    """Issue 18 item 2's case (2048 px, width 32, on CPU), at batch 16 so that it exceeds any test machine's RAM
+    (about 400 GiB; batch 4 is 100 GiB): one line naming the flags that help, exit 2, nothing written."""
+    args = ["--dataset_url", shard_url, "--output_dir", str(tmp_path / "runs"), *TINY, "--perceptual_weight", "0",
+            "--vae_resolution", "2048", "--batch_size", "16", "--max_steps", "2"]
+    proc = run_cli("vae_trainer.py", args)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: a training step at batch 16 x 2048 px needs about ")
+    assert "--grad_checkpointing hr" in lines[0] and lines[0].endswith("; --memory_check false skips this check")
+    assert "Traceback" not in proc.stdout + proc.stderr and "step 1" not in proc.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_gpu_out_of_memory_error_becomes_one_line_and_a_checkpoint(shard_url, tmp_path, capsys, monkeypatch,
+                                                                   one_torch_thread):
+    """torch.OutOfMemoryError in step 3 (as CUDA raises it): the one line with the flags that help, exit 1, and
+    the two completed steps in a checkpoint (none was due before)."""
+    trainer = in_process_trainer(shard_url, tmp_path, "--max_steps", "5", "--save_every_n_steps", "100",
+                                 "--perceptual_weight", "0")
+    step = trainer.train_step
+
+    def out_of_memory_at_step_3():
+        if trainer.step == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        step()
+    monkeypatch.setattr(trainer, "train_step", out_of_memory_at_step_3)
+    try:
+        assert trainer.train() == 1
+    finally:
+        trainer.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: out of GPU memory at step 3 with batch 2 x 64 px: CUDA out of memory. Tried to allocate "
+                   f"2.00 GiB; these help: --grad_checkpointing hr, --batch_size 1 --grad_accum 2, --precision bf16"]
+    assert checkpoint.checkpoint_files(str(tmp_path / "vae" / "checkpoints"))[0].endswith("step_00000002.pt")
