@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import data as data_lib
+import plots
 from common import DistInfo, atomic_write
 
 
@@ -226,6 +227,26 @@ class Reporter:
         self.wandb = wandb_run
         self.tracker = CollapseTracker(self.log)
         self.sample_images = self._fixed_sample_images() if info.is_main else None
+        self.curves_failed = False  # said once; the run goes on without curves.png
+
+    def _save_grid(self, grid: torch.Tensor, path: str) -> None:
+        """A grid (floats in [0, 1]) as a PNG for people: its tiles enlarged by a whole factor, nearest neighbour
+        (plots.enlarge_for_viewing: every k-th pixel is the reconstruction exactly)."""
+        import torchvision
+        grid = plots.enlarge_for_viewing(grid, self.cfg.vae_resolution)
+        atomic_write(path, lambda f: torchvision.utils.save_image(grid, f, format="png"))
+
+    def plot_curves(self) -> None:
+        """curves.png in the run directory, from metrics.jsonl (at each checkpoint and evaluation). A plot that
+        fails (matplotlib missing or broken) is said once and never stops the run."""
+        if not self.is_main or self.curves_failed:
+            return
+        try:
+            plots.plot_metrics(self.run_dir)
+        except Exception as e:
+            self.curves_failed = True
+            self.log(f"warning: curves.png not written ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                     "training goes on")
 
     def _fixed_sample_images(self) -> torch.Tensor:
         """The first --num_samples images of the test set (or the training set): the same in every grid."""
@@ -285,7 +306,8 @@ class Reporter:
         grid = torchvision.utils.make_grid(torch.cat([x, recon.clamp(-1, 1)]).float().cpu() * 0.5 + 0.5,
                                            nrow=len(x), padding=2)
         path = os.path.join(self.sample_dir, f"step_{step:08d}.png")
-        atomic_write(path, lambda f: torchvision.utils.save_image(grid, f, format="png"))
+        self._save_grid(grid, path)
+        self.plot_curves()
         if self.wandb is not None:
             import wandb
             self.wandb.log({"samples": wandb.Image(path, caption="top: input, bottom: reconstruction")}, step=step)
@@ -296,10 +318,9 @@ class Reporter:
         ({prefix: grid}): the grids as PNGs, two stdout lines, a metrics.jsonl record, wandb with spectra."""
         if not self.is_main:
             return
-        import torchvision
         for prefix, grid in grids.items():
             path = os.path.join(self.sample_dir, f"{prefix}_step_{step:08d}.png")
-            atomic_write(path, lambda f: torchvision.utils.save_image(grid.float() / 255, f, format="png"))
+            self._save_grid(grid.float() / 255, path)
             if self.wandb is not None:
                 import wandb
                 self.wandb.log({f"{prefix}/grid": wandb.Image(path)}, step=step)
@@ -316,6 +337,7 @@ class Reporter:
               f"(image at latent size {results['eval/image_hf_fraction']:.3f}) | channel std spread "
               f"{results['eval/latent_channel_std_spread']:.2f}", flush=True)
         append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), {"step": step, **results})
+        self.plot_curves()
         if self.wandb is not None:
             import wandb
 

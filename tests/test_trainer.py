@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -514,3 +515,27 @@ def test_a_gpu_out_of_memory_error_becomes_one_line_and_a_checkpoint(shard_url, 
     assert err == [f"error: out of GPU memory at step 3 with batch 2 x 64 px: CUDA out of memory. Tried to allocate "
                    f"2.00 GiB; these help: --grad_checkpointing hr, --batch_size 1 --grad_accum 2, --precision bf16"]
     assert checkpoint.checkpoint_files(str(tmp_path / "vae" / "checkpoints"))[0].endswith("step_00000002.pt")
+
+
+def test_the_run_directory_holds_curves_and_grids_enlarged_for_viewing(shard_url, tmp_path, one_torch_thread):
+    """Issue 18 item 4: 64 px tiles are saved 4x (256 px, nearest: every 4th pixel is the grid exactly), and
+    curves.png is written at the checkpoint and the evaluation."""
+    trainer = in_process_trainer(shard_url, tmp_path, "--max_steps", "2", "--save_every_n_steps", "2",
+                                 "--perceptual_weight", "0", "--test_dataset_url", shard_url,
+                                 "--evaluate_every_n_steps", "2", "--inception_weights", "none",
+                                 "--eval_max_images", "2", "--num_samples", "2")
+    try:
+        assert trainer.train() == 0
+    finally:
+        trainer.close()
+    run_dir = tmp_path / "vae"
+    samples = run_dir / "samples"
+    for name in ("step_00000002.png", "eval_step_00000002.png", "eval_ema_step_00000002.png"):
+        with Image.open(samples / name) as grid:
+            width, height = grid.size
+        assert (width, height) == (4 * (2 + 2 * (64 + 2)), 4 * (2 + 2 * (64 + 2))), name  # 2 images over 2 recons
+    with Image.open(samples / "step_00000002.png") as grid:
+        pixels = torch.tensor(np.array(grid.convert("RGB")))
+    assert torch.equal(pixels[::4, ::4].repeat_interleave(4, 0).repeat_interleave(4, 1), pixels)
+    with Image.open(run_dir / "curves.png") as curves:
+        assert curves.size[0] >= 400
