@@ -449,8 +449,9 @@ class Trainer:
                 return self.out_of_memory(e, last_saved)
             self.step += 1
             steps_since += 1
+            self.report.step_done(self.step)
             final = self.step == cfg.max_steps
-            if self.step % cfg.log_every_n_steps == 0 or final:
+            if self.report.log_due(self.step) or final:
                 self.log_window(t_start, steps_since)
                 t_start, steps_since = time.time(), 0
             streak = self.guard.checked_streak()  # every step: a streak that ends between two logs counts
