@@ -43,7 +43,8 @@ class DataConfig:
                                "pipe:..., lists joined by '::') or a directory of images")
     test_dataset_url: str = opt("", "held-out data for evaluation and sample grids (same forms)")
     batch_size: int = opt(8, "images per GPU per micro-step")
-    num_workers: int = opt(4, "dataloader worker processes per GPU")
+    num_workers: int = opt(-1, "dataloader worker processes per rank. -1: auto, from the CPU cores this rank has "
+                               "(cpu_use: half of them, at most 4, at least 1)")
     vae_resolution: int = opt(256, "training crop size in pixels")
     shuffle_buffer: int = opt(1000, "samples held (as raw bytes) in each worker's shuffle buffer")
     resize_prob: float = opt(0.5, "probability of resizing the shorter side to the crop size before cropping "
@@ -181,6 +182,9 @@ class SpeedConfig:
                                           "decoder (every decoder level), all", GRAD_CHECKPOINTING)
     channels_last: bool = opt(True, "channels_last memory format")
     compile: bool = opt(False, "torch.compile the encoder, decoder and discriminator")
+    memory_check: bool = opt(True, "before the first step, estimate the step's memory: stop (exit 2) if it exceeds "
+                                   "the free memory by more than the estimate's error (25%), warn if it may not fit")
+    num_threads: int = opt(0, "torch threads per rank. 0: auto, the rank's CPU cores left to it by its data workers")
 
 
 @dataclass
@@ -275,7 +279,7 @@ SOURCE_FIELDS = ARCH_FIELDS + ("posterior_var", "do_clamp")
 # colours back (4 groups: 19.0 dB at 600). --mse_pool_factor 1: full-resolution MSE (the pooled one leaves
 # detail to LPIPS, which is off here); lr 1e-3 (3e-3: 15.5 dB at 300, pixel-only); --posterior_var 0.01.
 DEMO = dict(vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_channels=4, vae_norm_groups=8,
-            do_attn=False, vae_resolution=64, batch_size=4, num_workers=2, shuffle_buffer=64, max_steps=900,
+            do_attn=False, vae_resolution=64, batch_size=4, shuffle_buffer=64, max_steps=900,
             learning_rate_vae=1e-3, warmup_steps=30, mse_pool_factor=1, posterior_var=0.01,
             do_ganloss=True, disc_start=50, mse_weight=1.0, perceptual_weight=0.5, gan_weight=0.3, kl_weight=1 / 64,
             log_every_n_steps=50, save_every_n_steps=300, evaluate_every_n_steps=300, eval_max_images=16,
@@ -345,7 +349,34 @@ def resolve_auto(cfg: Config) -> Config:
         warmup_steps=min(1000, cfg.max_steps // 10) if cfg.warmup_steps == -1 else cfg.warmup_steps,
         disc_start=cfg.max_steps // 5 if cfg.disc_start == -1 else cfg.disc_start,
         vae_norm_groups=cfg.vae_norm_groups or (auto_norm_groups(cfg.vae_ch) if cfg.vae_ch > 0 else 0))
+    changes.update(zip(("num_workers", "num_threads"), cpu_use(cfg.num_workers, cfg.num_threads, cores_per_rank())))
     return dataclasses.replace(cfg, **changes)
+
+
+def cores_per_rank() -> int:
+    """The CPU cores this process may run on (its affinity: a SLURM or container limit shows there, not in
+    os.cpu_count()), shared by the LOCAL_WORLD_SIZE ranks torchrun starts on this machine."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def cpu_use(num_workers: int, num_threads: int, cores: int) -> tuple[int, int]:
+    """(data workers, torch threads) of one rank with `cores` CPU cores; a given value (>= 0 workers, > 0
+    threads) is kept. Auto: half the cores decode images (at most 4: more rarely helps a GPU), at least 1, and
+    the remaining cores compute; never more workers than cores (PyTorch warns about that)."""
+    workers = min(4, max(1, cores // 2)) if num_workers < 0 else num_workers
+    threads = max(1, cores - workers) if num_threads <= 0 else num_threads
+    return workers, threads
+
+
+def cpu_use_line(cfg: Config, given: set[str]) -> str:
+    """The one line a run starts with: what each rank runs on, and which of it was chosen automatically."""
+    chosen = [f"--{k}" for k in ("num_workers", "num_threads") if k not in given]
+    return (f"cpu: {cores_per_rank()} cores per rank: {cfg.num_workers} data workers, {cfg.num_threads} torch "
+            f"threads" + (f" ({' and '.join(chosen)} chosen from the cores; give them to override)" if chosen else ""))
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
@@ -414,7 +445,7 @@ def validate(cfg: Config) -> None:
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
-    non_negative = ["num_workers", "warmup_steps", "weight_decay", "grad_clip", "perceptual_weight", "mse_weight",
+    non_negative = ["num_workers", "num_threads", "warmup_steps", "weight_decay", "grad_clip", "perceptual_weight", "mse_weight",
                     "pooled_mse_weight", "lowpass_mse_weight", "kl_weight", "gan_weight", "gan_margin",
                     "disc_start", "lecam_weight", "evaluate_every_n_steps", "min_lr_ratio",
                     "shard_retry_minutes"]
@@ -591,7 +622,10 @@ def demo_summary(cfg: Config) -> str:
 # One pass from argv to the run's config
 # --------------------------------------------------------------------------------------------------------------
 # The flags whose 0 / -1 means "automatic" (resolve_auto): a continued run keeps the values its start resolved.
-AUTO_FIELDS = ("learning_rate_vae", "learning_rate_disc", "warmup_steps", "disc_start", "vae_norm_groups")
+# num_workers too: the data stream's position is saved per worker, so an exact resume needs the same count
+# (num_threads changes no result: a continued run chooses it for the machine it runs on).
+AUTO_FIELDS = ("learning_rate_vae", "learning_rate_disc", "warmup_steps", "disc_start", "vae_norm_groups",
+               "num_workers")
 
 
 def finish_config(argv: list[str] | None = None, builds_demo_data: bool = True

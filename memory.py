@@ -36,6 +36,11 @@ class StepShape:
     precision: str = "fp32"  # fp32 | bf16 | fp16
     grad_checkpointing: str = "none"  # ae.GRAD_CHECKPOINTING
 
+    @classmethod
+    def of(cls, cfg) -> "StepShape":
+        """The shape of a run's step, from its config."""
+        return cls(cfg.batch_size, cfg.vae_resolution, cfg.grad_accum, cfg.precision, cfg.grad_checkpointing)
+
 
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
@@ -80,6 +85,12 @@ def _probe_settings(vae: nn.Module, objective, shape: StepShape):
         objective.amp_dtype = old_amp
 
 
+def _networks(vae: nn.Module, objective) -> list[nn.Module]:
+    """The VAE, the objective's loss networks and the critic (owned by the objective's adversary, not a
+    submodule of it)."""
+    return [vae, objective] + ([objective.critic] if objective.critic is not None else [])
+
+
 def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_size: int, resolution: int,
                            step: int | None = None) -> tuple[int, int]:
     """Peak bytes saved for backward by one real micro-batch of `batch_size` random images at `resolution`:
@@ -87,7 +98,7 @@ def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_si
     built, as in the trainer's step) and the VAE loss's graph (LPIPS, pixel losses, generator term); and the
     largest single tensor among them."""
     device = next(vae.parameters()).device
-    exclude = {p.untyped_storage().data_ptr() for m in (vae, objective) for p in m.parameters()}
+    exclude = {p.untyped_storage().data_ptr() for m in _networks(vae, objective) for p in m.parameters()}
     step = objective.cfg.disc_start if step is None else step  # the generator term on: the costliest step
     x = torch.rand(batch_size, 3, resolution, resolution, device=device) * 2 - 1
     out: dict = {}
@@ -99,7 +110,7 @@ def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_si
 
     def critic_loss():
         if objective.critic is not None:
-            _, out["real"], out["fake"], _ = objective.critic_loss(x, out["recon"])
+            _, out["real"], out["fake"], _ = objective.adversary.loss(x, out["recon"])
 
     def vae_loss():
         with objective.critic_frozen():
@@ -129,7 +140,7 @@ def estimate_step_memory(vae: nn.Module, objective, shape: StepShape, ema: bool 
     # checkpointing, one recomputed block): a few tensors of the largest size, BACKWARD_TENSORS of them.
     transient = BACKWARD_TENSORS * largest * (shape.resolution / r2) ** 2
     activations = int((max(0.0, per_image) + transient) * shape.batch_size)
-    params = [p for m in (vae, objective) for p in m.parameters()]
+    params = [p for m in _networks(vae, objective) for p in m.parameters()]
     weights = sum(p.numel() * p.element_size() for p in params)
     trained = [p for p in params if p.requires_grad]  # LPIPS is frozen; the critic trains
     vae_trained = [p for p in vae.parameters() if p.requires_grad]
@@ -239,3 +250,61 @@ def rss_bytes() -> int:
     """This process's resident memory now (Linux)."""
     with open(f"/proc/{os.getpid()}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class WontFit(Exception):
+    """A training step clearly needs more memory than there is; the message is one line for the user."""
+
+
+# The estimate is within 25% of a real step's memory (tests/test_memory.py): a step estimated above the available
+# memory by more than that would die; one estimated between 90% and 125% of it may fit, so it is only warned about.
+REFUSE_ABOVE = 1.25
+
+
+@contextlib.contextmanager
+def _training_state_untouched(vae: nn.Module, objective):
+    """The probes run real forwards: a critic's BatchNorm statistics, LeCam's pending anchors and the RNG would
+    move. Put them back, so a run with the check trains exactly as one without it."""
+    buffers = [b for m in _networks(vae, objective) for b in m.buffers()]
+    saved = [b.clone() for b in buffers]
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, value in zip(buffers, saved):
+                    b.copy_(value)
+            if objective.adversary is not None and objective.adversary.lecam is not None:
+                objective.adversary.lecam.pending = None
+            if cuda:
+                torch.cuda.empty_cache()  # the probes' blocks, before the real step allocates its own
+
+
+def check_before_training(vae: nn.Module, objective, shape: StepShape, device, ema: bool = True
+                          ) -> tuple[str | None, bool]:
+    """(line, refuse) before the first step: None if the step fits; else fit_message's line and whether the
+    estimate exceeds the available memory by more than its own error (REFUSE_ABOVE: the run would die)."""
+    def estimate(s: StepShape) -> StepMemory:
+        return estimate_step_memory(vae, objective, s, ema)
+    with _training_state_untouched(vae, objective):
+        needed = estimate(shape)
+        available = available_memory(device)
+        line = fit_message(needed, available, shape, estimate)
+    return line, line is not None and needed.total > REFUSE_ABOVE * available[0]
+
+
+def check_every_rank(vae: nn.Module, objective, shape: StepShape, device, ema: bool, group=None) -> str | None:
+    """Before the first step and before anything is written: raises WontFit if the step clearly will not fit
+    (REFUSE_ABOVE) on any rank, returns a warning line if it may not, else None. Every rank estimates for its own
+    device (the probes' LeCam update all-reduces, so all must run them); under torchrun the verdicts are gathered."""
+    mine = check_before_training(vae, objective, shape, device, ema=ema)
+    verdicts = [mine]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        verdicts = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(verdicts, mine, group=group)
+    refused = [line for line, refuse in verdicts if refuse]
+    if refused:
+        raise WontFit(f"{refused[0]}; --memory_check false skips this check")
+    warned = [line for line, _ in verdicts if line]
+    return f"warning: {warned[0]}" if warned else None

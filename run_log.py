@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import data as data_lib
+import plots
 from common import DistInfo, atomic_write
 
 
@@ -133,7 +135,9 @@ def log_line(metrics: dict, step: int, max_steps: int, gan: bool) -> str:
         line += [f"{label} {metrics.get(k, 0):.4f}" for k, label in GAN_LABELS.items()]
         line.append(f"dacc {metrics.get('gan/disc_acc', 0):.2f}")
     line += [f"z mean {metrics.get('latent/mean', 0):+.3f} std {metrics.get('latent/std', 0):.3f}",
-             f"{metrics['img_per_s']:.1f} img/s", f"eta {fmt_duration(metrics['eta_s'])}"]
+             f"{metrics['img_per_s']:.1f} img/s" + (f" (avg {metrics['img_per_s_avg']:.1f})"
+                                                    if "img_per_s_avg" in metrics else ""),
+             f"eta {fmt_duration(metrics['eta_s'])}"]
     # events (each time a bad file or shard is met, again at every epoch) and the distinct files among them
     skipped = sum(metrics.get(f"data/skipped_{reason}", 0) for reason in data_lib.SKIP_REASONS)
     if skipped:
@@ -226,6 +230,46 @@ class Reporter:
         self.wandb = wandb_run
         self.tracker = CollapseTracker(self.log)
         self.sample_images = self._fixed_sample_images() if info.is_main else None
+        self.curves_failed = False  # said once; the run goes on without curves.png
+        self.timed_images, self.timed_seconds = 0, 0.0  # every logged window of this process, for img_per_s_avg
+        self.progress = None  # tqdm's bar on an interactive terminal (rank 0); plain lines otherwise
+
+    # A run that logs every 50 steps would be silent for minutes at the start: it also logs at steps 1 and 10.
+    EARLY_LOG_STEPS = (1, 10)
+
+    def log_due(self, step: int) -> bool:
+        every = self.cfg.log_every_n_steps
+        return step % every == 0 or (every > max(self.EARLY_LOG_STEPS) and step in self.EARLY_LOG_STEPS)
+
+    def step_done(self, step: int) -> None:
+        """Moves the progress bar, on an interactive terminal only: under SLURM, in a pipe or a file, stdout
+        keeps its plain lines."""
+        if not self.is_main or not sys.stdout.isatty():
+            return
+        if self.progress is None:
+            from tqdm import tqdm
+            self.progress = tqdm(total=self.max_steps, initial=step - 1, unit="step", dynamic_ncols=True,
+                                 smoothing=0.05)
+        self.progress.update(step - self.progress.n)
+
+    def _save_grid(self, grid: torch.Tensor, path: str) -> None:
+        """A grid (floats in [0, 1]) as a PNG for people: its tiles enlarged by a whole factor, nearest neighbour
+        (plots.enlarge_for_viewing: every k-th pixel is the reconstruction exactly)."""
+        import torchvision
+        grid = plots.enlarge_for_viewing(grid, self.cfg.vae_resolution)
+        atomic_write(path, lambda f: torchvision.utils.save_image(grid, f, format="png"))
+
+    def plot_curves(self) -> None:
+        """curves.png in the run directory, from metrics.jsonl (at each checkpoint and evaluation). A plot that
+        fails (matplotlib missing or broken) is said once and never stops the run."""
+        if not self.is_main or self.curves_failed:
+            return
+        try:
+            plots.plot_metrics(self.run_dir)
+        except Exception as e:
+            self.curves_failed = True
+            self.log(f"warning: curves.png not written ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                     "training goes on")
 
     def _fixed_sample_images(self) -> torch.Tensor:
         """The first --num_samples images of the test set (or the training set): the same in every grid."""
@@ -251,7 +295,14 @@ class Reporter:
 
     def log(self, msg: str) -> None:
         if self.is_main:
-            print(msg, flush=True)
+            self.print(msg)
+
+    def print(self, line: str) -> None:
+        """A line to stdout, above the progress bar when there is one."""
+        if self.progress is not None:
+            self.progress.write(line)
+        else:
+            print(line, flush=True)
 
     def metrics(self, metrics: dict, step: int, elapsed: float, steps_done: int, lr_vae: float,
                 skipped: dict[str, int]) -> None:
@@ -259,16 +310,21 @@ class Reporter:
         learning rate, the data stream's skip counts): the warnings, the stdout line, metrics.jsonl, wandb."""
         cfg = self.cfg
         elapsed = max(1e-9, elapsed)
-        images = steps_done * cfg.batch_size * cfg.grad_accum * self.info.world_size
-        metrics["img_per_s"] = images / elapsed
-        metrics["eta_s"] = elapsed / max(1, steps_done) * (cfg.max_steps - step)
+        images_per_step = cfg.batch_size * cfg.grad_accum * self.info.world_size
+        self.timed_images += steps_done * images_per_step
+        self.timed_seconds += elapsed
+        # img/s over the steps since the last line (what the run does now), img/s averaged over every step of this
+        # process (steady: one slow window moves it little), and the ETA from that average
+        metrics["img_per_s"] = steps_done * images_per_step / elapsed
+        metrics["img_per_s_avg"] = self.timed_images / self.timed_seconds
+        metrics["eta_s"] = (cfg.max_steps - step) * images_per_step / metrics["img_per_s_avg"]
         metrics["lr/vae"] = lr_vae
         metrics.update({f"data/skipped_{k}": v for k, v in skipped.items()})
         # the critic winning matters once the generator fights back: a window with generator GAN steps
         self.tracker.check(metrics, step, gan_active="loss/gan_g" in metrics)
         if not self.is_main:
             return
-        print(log_line(metrics, step, self.max_steps, self.gan), flush=True)
+        self.print(log_line(metrics, step, self.max_steps, self.gan))
         append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), {"step": step, **metrics})
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=step)
@@ -285,7 +341,8 @@ class Reporter:
         grid = torchvision.utils.make_grid(torch.cat([x, recon.clamp(-1, 1)]).float().cpu() * 0.5 + 0.5,
                                            nrow=len(x), padding=2)
         path = os.path.join(self.sample_dir, f"step_{step:08d}.png")
-        atomic_write(path, lambda f: torchvision.utils.save_image(grid, f, format="png"))
+        self._save_grid(grid, path)
+        self.plot_curves()
         if self.wandb is not None:
             import wandb
             self.wandb.log({"samples": wandb.Image(path, caption="top: input, bottom: reconstruction")}, step=step)
@@ -296,10 +353,9 @@ class Reporter:
         ({prefix: grid}): the grids as PNGs, two stdout lines, a metrics.jsonl record, wandb with spectra."""
         if not self.is_main:
             return
-        import torchvision
         for prefix, grid in grids.items():
             path = os.path.join(self.sample_dir, f"{prefix}_step_{step:08d}.png")
-            atomic_write(path, lambda f: torchvision.utils.save_image(grid.float() / 255, f, format="png"))
+            self._save_grid(grid.float() / 255, path)
             if self.wandb is not None:
                 import wandb
                 self.wandb.log({f"{prefix}/grid": wandb.Image(path)}, step=step)
@@ -311,11 +367,12 @@ class Reporter:
         line = f"eval step {step} | {fmt('eval')}"
         if "eval_ema" in grids:
             line += f" | ema {fmt('eval_ema')}"
-        print(line, flush=True)
-        print(f"latents step {step} | high-frequency energy {results['eval/latent_hf_fraction']:.3f} "
-              f"(image at latent size {results['eval/image_hf_fraction']:.3f}) | channel std spread "
-              f"{results['eval/latent_channel_std_spread']:.2f}", flush=True)
+        self.print(line)
+        self.print(f"latents step {step} | high-frequency energy {results['eval/latent_hf_fraction']:.3f} "
+                   f"(image at latent size {results['eval/image_hf_fraction']:.3f}) | channel std spread "
+                   f"{results['eval/latent_channel_std_spread']:.2f}")
         append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), {"step": step, **results})
+        self.plot_curves()
         if self.wandb is not None:
             import wandb
 
@@ -326,6 +383,8 @@ class Reporter:
             self.wandb.log({**{k: v for k, v in results.items() if not isinstance(v, list)}, **plots}, step=step)
 
     def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
         if self.wandb is not None:
             try:
                 self.wandb.finish()

@@ -28,13 +28,14 @@ import checkpoint
 import data as data_lib
 import evaluate as evaluate_lib
 import latents as latents_lib
+import memory
 import pretrained
 import run_log
 from ae import AutoEncoder
 from checkpoint import checkpoint_files
 from common import ConfigError, DistInfo, atomic_write, capture_rng, init_distributed, restore_rng
 from config import (DEMO, Config, OptimConfig, build_parser, ch_mult_of, config_warnings, demo_summary,  # noqa: F401
-                    finish_config, model_params, parse_config, parse_flags, prepare_demo, public_config,
+                    cpu_use_line, finish_config, model_params, parse_config, parse_flags, prepare_demo, public_config,
                     read_init_source, resolve_auto, scale_equivariance_sizes, section, uses_vgg16, validate)
 from objective import VAEObjective, no_sync_unless
 from run_log import Metrics
@@ -144,6 +145,32 @@ def build_vae(cfg: Config, device: torch.device, memory_format, init_weights: bo
         log(f"initialised the VAE from {cfg.init_from} ({source.layout}{family})")
     vae.set_grad_checkpointing(cfg.grad_checkpointing)
     return vae.to(device, memory_format=memory_format), described
+
+
+def build_objective(cfg: Config, info: DistInfo, device: torch.device, memory_format, eval_on: bool,
+                    log) -> VAEObjective:
+    """LPIPS, the pixel losses and the adversary (critic, LeCam). VGG16 is needed when a loss trains on it;
+    otherwise (pixel-only training) only evaluation's LPIPS metric wants it: loaded if its weights can be had,
+    else that metric is reported missing with one note. A random VGG16 that no loss trains on is not built."""
+    def vgg16_features():
+        if cfg.vgg16_weights == "random" and info.is_main:
+            warn_random_vgg("LPIPS" + (" and the discriminator" if cfg.do_ganloss and cfg.discriminator == "vgg16"
+                                       else ""))
+        path = fetch_weights(ensure_vgg16_weights, cfg.vgg16_weights, info.local_rank, info.ctrl_group)
+        return load_vgg16_features(path)
+
+    vgg_features = None
+    if uses_vgg16(cfg):
+        vgg_features = vgg16_features()
+    elif eval_on and cfg.vgg16_weights != "random":
+        try:
+            vgg_features = vgg16_features()
+        except WeightsUnavailable as e:
+            if cfg.vgg16_weights != "torchvision":
+                raise  # the user named a file: an error, not a missing metric
+            log(f"note: evaluation's LPIPS will not be computed: {e}")
+    return VAEObjective(cfg, vgg_features, with_lpips=vgg_features is not None, device=device,
+                        memory_format=memory_format)
 
 
 class VAETraining:
@@ -295,7 +322,7 @@ class Trainer:
         self.init_source = resume[1].get("init_source") if resume is not None else None
         self.vae, source_described = build_vae(cfg, self.device, self.memory_format, resume is None, source, self.log)
         self.init_source = source_described or self.init_source
-        self.objective = self.build_objective()
+        self.objective = build_objective(cfg, info, self.device, self.memory_format, self.eval_on, self.log)
         self.adversary = self.objective.adversary  # the critic's owner; None without --do_ganloss
         self.validator = (evaluate_lib.Validator(cfg, self.lpips, self.device, info.rank, info.world_size,
                                                  info.local_rank, info.ctrl_group, self.memory_format, self.log)
@@ -303,6 +330,11 @@ class Trainer:
         if cfg.compile and self.adversary is not None:
             self.adversary.critic.compile()
         self.training = VAETraining(self.vae, cfg, self._adamw, self.wrap_ddp, self.device)
+        if cfg.memory_check:  # before the critic's DDP wrapper (the probes run its forward without a backward)
+            warning = memory.check_every_rank(self.vae, self.objective, memory.StepShape.of(cfg), self.device,
+                                              self.ema is not None, info.ctrl_group)
+            if warning:
+                self.log(warning)
         if self.adversary is not None:
             self.adversary.prepare_training(section(cfg, OptimConfig), self._adamw, self.wrap_ddp)
         self.guard = NonFiniteGuard(self.device, cfg.grad_clip)
@@ -336,17 +368,6 @@ class Trainer:
                                                    public_config(cfg), self.log)
 
     # ----------------------------------------------------------------------------- building the parts
-    def build_objective(self) -> VAEObjective:
-        """LPIPS, the pixel losses and the adversary (critic, LeCam). A random VGG16 that no loss trains on (the
-        demo without pretrained weights) is not built at all: its LPIPS would only add a meaningless number to
-        evaluation."""
-        cfg, vgg_features = self.cfg, None
-        with_lpips = cfg.vgg16_weights != "random" or uses_vgg16(cfg)
-        if with_lpips:
-            vgg_features = load_vgg16_features(self._vgg16_weights())
-        return VAEObjective(cfg, vgg_features, with_lpips=with_lpips, device=self.device,
-                            memory_format=self.memory_format)
-
     def wrap_ddp(self, module):
         if not self.info.distributed:
             return module
@@ -370,12 +391,6 @@ class Trainer:
     def log(self, msg: str) -> None:
         if self.info.is_main:
             print(msg, flush=True)
-
-    def _vgg16_weights(self) -> str | None:
-        if self.cfg.vgg16_weights == "random" and self.info.is_main:
-            warn_random_vgg("LPIPS" + (" and the discriminator" if self.gan and self.cfg.discriminator == "vgg16"
-                                       else ""))
-        return fetch_weights(ensure_vgg16_weights, self.cfg.vgg16_weights, self.info.local_rank, self.info.ctrl_group)
 
     # ----------------------------------------------------------------------------- the run directory, resuming
     def state_dict(self) -> dict:
@@ -428,11 +443,15 @@ class Trainer:
         t_start, steps_since = time.time(), 0
         last_saved = self.step if self.resumed_from else -1
         while self.step < cfg.max_steps:
-            self.train_step()
+            try:
+                self.train_step()
+            except torch.OutOfMemoryError as e:
+                return self.out_of_memory(e, last_saved)
             self.step += 1
             steps_since += 1
+            self.report.step_done(self.step)
             final = self.step == cfg.max_steps
-            if self.step % cfg.log_every_n_steps == 0 or final:
+            if self.report.log_due(self.step) or final:
                 self.log_window(t_start, steps_since)
                 t_start, steps_since = time.time(), 0
             streak = self.guard.checked_streak()  # every step: a streak that ends between two logs counts
@@ -522,6 +541,18 @@ class Trainer:
         self.report.metrics(metrics, self.step, time.time() - t_start, steps_done,
                             self.training.scheduler.get_last_lr()[0], run_log.skipped_counts(self.loader, self.info))
 
+    def out_of_memory(self, error: torch.OutOfMemoryError, last_saved: int) -> int:
+        """A GPU out-of-memory error in a step: one line with the flags that help, and (one process) a checkpoint
+        of the last completed step if none holds it. Under torchrun the other ranks wait in a collective:
+        torchrun ends them when this one exits."""
+        self.training.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
+        torch.cuda.empty_cache()  # a no-op without CUDA
+        print(f"error: {memory.out_of_memory_message(error, memory.StepShape.of(self.cfg), self.step + 1)}",
+              file=sys.stderr, flush=True)
+        if not self.info.distributed and self.step > 0 and self.step != last_saved:
+            self.save_unless_in_bad_streak(stopping=True)
+        return 1
+
     def save_unless_in_bad_streak(self, stopping: bool) -> bool:
         """Inside a streak of skipped steps the weights are the last good ones, but periodic saves would rotate
         good checkpoints out; a stop request is still honoured (resuming needs it). True if saved."""
@@ -564,7 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         if is_rank0:
             print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
         return 2
-    for line in notes if is_rank0 else []:
+    torch.set_num_threads(cfg.num_threads)
+    for line in [*notes, cpu_use_line(cfg, given)] if is_rank0 else []:
         print(line, flush=True)
     for line in config_warnings(cfg, given) if is_rank0 else []:
         print(line, file=sys.stderr, flush=True)
@@ -574,6 +606,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg, info, source)
         source = None  # the source's weights are in the model now: do not hold a second copy for the whole run
         return trainer.train()
+    except memory.WontFit as e:  # like a refused flag: exit 2, nothing written
+        if info.is_main:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     except (ConfigError, WeightsUnavailable, data_lib.DatasetError) as e:
         if info.is_main:
             print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)

@@ -104,3 +104,30 @@ def test_typos_get_one_line_that_says_what_to_do(tmp_path, capsys, argv, message
     assert code == 2 and len(err) == 1 and message in err[0], err
     assert "did you mean" not in err[0] or "--max_st" in err[0]
     assert "quote it" not in err[0] or "00001" in err[0]
+
+
+@pytest.mark.parametrize("workers, threads, cores, expected", [
+    (-1, 0, 2, (1, 1)),  # the 2-core machine: 1 worker (PyTorch warns above the cores), the other core computes
+    (-1, 0, 1, (1, 1)),
+    (-1, 0, 16, (4, 12)),  # one GPU on a 16-core node
+    (-1, 0, 6, (3, 3)),
+    (0, 0, 8, (0, 8)),  # given values win: 0 workers (load in the main process) is a choice
+    (6, 3, 2, (6, 3)),
+])
+def test_cpu_use_from_the_cores(workers, threads, cores, expected):
+    assert config.cpu_use(workers, threads, cores) == expected
+
+
+def test_cores_per_rank_divides_the_affinity_by_local_ranks(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert config.cores_per_rank() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert config.cores_per_rank() == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert config.cores_per_rank() == 16
+    cfg = config.parse_config(["--dataset_url", "x"])
+    assert (cfg.num_workers, cfg.num_threads) == (4, 12)
+    line = config.cpu_use_line(cfg, {"dataset_url"})
+    assert line == ("cpu: 16 cores per rank: 4 data workers, 12 torch threads (--num_workers and --num_threads "
+                    "chosen from the cores; give them to override)")

@@ -106,3 +106,38 @@ def test_a_cuda_out_of_memory_error_becomes_one_line():
 def test_available_memory_on_cpu_is_a_positive_byte_count():
     free, where = memory.available_memory("cpu")
     assert 0 < free < 1 << 50 and where == "RAM available"
+
+
+def test_the_check_counts_the_critic_and_leaves_training_state_as_it_was():
+    """With the GAN on (a PatchGAN with BatchNorm, LeCam): the critic's weights and AdamW state are counted, and
+    the probes' forwards move neither the critic's running statistics, nor LeCam's anchors, nor the RNG."""
+    vae, objective = build(do_ganloss=True, discriminator="patchgan", disc_norm="batch", lecam_weight=0.1,
+                           perceptual_weight=0.0)
+    without_critic = build(perceptual_weight=0.0)
+    shape = memory.StepShape(batch_size=2, resolution=64)
+    assert (memory.estimate_step_memory(vae, objective, shape).weights
+            > memory.estimate_step_memory(*without_critic, shape).weights
+            + sum(p.numel() * 4 for p in objective.critic.parameters()) - 1)
+    buffers = {k: v.clone() for k, v in objective.critic.state_dict().items()}
+    rng = torch.get_rng_state()
+    line, refuse = memory.check_before_training(vae, objective, shape, "cpu")
+    assert (line, refuse) == (None, False)
+    assert all(torch.equal(v, objective.critic.state_dict()[k]) for k, v in buffers.items())
+    assert objective.adversary.lecam.pending is None and not objective.adversary.lecam.initialized
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_refuse_only_beyond_the_estimates_error(monkeypatch):
+    """Refused when the estimate exceeds the available memory by more than 25% (it would die), only warned
+    about between 90% and 125% (it may fit), silent below."""
+    vae, objective = build(perceptual_weight=0.0)
+    shape = memory.StepShape(batch_size=2, resolution=64)
+    needed = memory.estimate_step_memory(vae, objective, shape).total
+    for available, expected in ((needed * 2, None), (needed * 0.95, "warning"), (needed / 1.3, "refused")):
+        monkeypatch.setattr(memory, "available_memory", lambda device: (int(available), "RAM available"))
+        if expected == "refused":
+            with pytest.raises(memory.WontFit, match="--memory_check false skips this check"):
+                memory.check_every_rank(vae, objective, shape, "cpu", ema=True)
+        else:
+            warning = memory.check_every_rank(vae, objective, shape, "cpu", ema=True)
+            assert warning is None if expected is None else warning.startswith("warning: a training step at batch 2")

@@ -95,4 +95,28 @@ def test_the_reporter_writes_rank_0s_line_and_record_only(tmp_path, capsys, shar
     (record,) = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     # 4 steps x 2 images x 1 accum x 2 ranks in 2 s; 6 steps left at 0.5 s each
     assert record == {"step": 4, "loss/total": 0.5, "loss/kl": 0.25, "latent/mean": 0.0, "latent/std": 1.0,
-                      "img_per_s": 8.0, "eta_s": 3.0, "lr/vae": 1e-3, "data/skipped_decode": 0}
+                      "img_per_s": 8.0, "img_per_s_avg": 8.0, "eta_s": 3.0, "lr/vae": 1e-3, "data/skipped_decode": 0}
+
+
+def test_rates_and_eta_mean_what_the_readme_says(tmp_path, capsys, shard_url):
+    """img/s: over the window since the last line; avg: every step of this process; the ETA: the steps left at
+    that average. A slow first window (start-up) then a fast one: 0.5 and 4.5 img/s, average 2.5."""
+    cfg = config.parse_config(["--dataset_url", shard_url, "--max_steps", "100", "--batch_size", "1",
+                               "--vae_resolution", "32", "--num_samples", "1"])
+    reporter = run_log.Reporter(cfg, DistInfo(), str(tmp_path))
+    reporter.metrics({"loss/total": 1.0}, step=1, elapsed=2.0, steps_done=1, lr_vae=1e-3, skipped={})
+    reporter.metrics({"loss/total": 1.0}, step=10, elapsed=2.0, steps_done=9, lr_vae=1e-3, skipped={})
+    first, second = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert (first["img_per_s"], first["img_per_s_avg"], first["eta_s"]) == (0.5, 0.5, 99 / 0.5)
+    assert (second["img_per_s"], second["img_per_s_avg"], second["eta_s"]) == (4.5, 2.5, 90 / 2.5)
+    assert "| 4.5 img/s (avg 2.5) | eta 0:00:36" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_a_run_that_logs_rarely_says_something_at_steps_1_and_10(tmp_path, shard_url):
+    def due(every):
+        cfg = config.parse_config(["--dataset_url", shard_url, "--log_every_n_steps", str(every), "--vae_resolution",
+                                   "32", "--num_samples", "1"])
+        reporter = run_log.Reporter(cfg, DistInfo(rank=1, world_size=2), str(tmp_path))
+        return [step for step in range(1, 121) if reporter.log_due(step)]
+    assert due(50) == [1, 10, 50, 100]
+    assert due(2) == list(range(2, 121, 2))  # frequent logs need no early line (and keep their records' steps)

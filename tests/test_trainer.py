@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -68,6 +69,22 @@ def test_bad_dataset_paths_via_the_cli(tmp_path, url, message):
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_pixel_only_training_needs_no_vgg16(shard_url, tmp_path):
+    """--perceptual_weight 0 without the VGG16 critic, the default --vgg16_weights torchvision and an empty
+    torch cache (no download here): the run trains and never loads, requires or mentions VGG16."""
+    tiny = [a for a in TINY if a != "--vgg16_weights" and a != "random"]
+    assert len(tiny) == len(TINY) - 2
+    args = ["--dataset_url", shard_url, "--output_dir", str(tmp_path / "runs"), *tiny, "--perceptual_weight", "0",
+            "--max_steps", "2", "--save_every_n_steps", "100"]
+    proc = run_cli("vae_trainer.py", args, env=cli_env(TORCH_HOME=str(tmp_path / "empty_torch_cache")))
+    assert proc.returncode == 0, proc.stderr
+    assert "vgg" not in (proc.stdout + proc.stderr).lower()
+    assert "torch threads (--num_threads chosen from the cores" in proc.stdout  # issue 18 item 7's one line
+    assert "suggested max number of worker" not in proc.stderr
+    assert os.path.isfile(tmp_path / "runs" / "vae" / "checkpoints" / "step_00000002.pt")
+    assert not (tmp_path / "empty_torch_cache").exists()  # nothing downloaded, nothing looked up there
 
 
 @pytest.mark.parametrize("flags, expected", [
@@ -441,3 +458,84 @@ def test_the_registry_writes_the_checkpoint_keys_of_format_version_1(shard_url, 
     assert set(state) == CHECKPOINT_KEYS
     assert (state["discriminator"] is not None) == gan and (state["lecam"] is not None) == gan
     assert state["scaler_disc"] == {} and state["guard"] == {"bad_steps_total": 0, "bad_streak": 0}
+
+
+def test_pixel_only_evaluation_reports_lpips_missing_without_vgg16(shard_url, tmp_path, capsys, monkeypatch,
+                                                                   one_torch_thread):
+    """Evaluation of a pixel-only run without VGG16 weights: LPIPS is reported missing (never computed on a
+    random VGG16), with one note; PSNR is still computed."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty_torch_cache"))
+    real_ensure = vae_trainer.ensure_vgg16_weights
+    monkeypatch.setattr(vae_trainer, "ensure_vgg16_weights", lambda spec, download=True: real_ensure(spec, False))
+    trainer = in_process_trainer(shard_url, tmp_path, "--vgg16_weights", "torchvision", "--perceptual_weight", "0",
+                                 "--test_dataset_url", shard_url, "--evaluate_every_n_steps", "1",
+                                 "--inception_weights", "none", "--eval_max_images", "2")
+    try:
+        assert trainer.lpips is None
+        results = trainer.evaluate()
+    finally:
+        trainer.close()
+    assert results["eval/lpips"] is None and results["eval/psnr"] > 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "LPIPS will not be computed" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: evaluation's LPIPS will not be computed")
+
+
+def test_a_step_that_clearly_will_not_fit_stops_before_training(shard_url, tmp_path):
+    """Issue 18 item 2's case (2048 px, width 32, on CPU), at batch 16 so that it exceeds any test machine's RAM
+    (about 400 GiB; batch 4 is 100 GiB): one line naming the flags that help, exit 2, nothing written."""
+    args = ["--dataset_url", shard_url, "--output_dir", str(tmp_path / "runs"), *TINY, "--perceptual_weight", "0",
+            "--vae_resolution", "2048", "--batch_size", "16", "--max_steps", "2"]
+    proc = run_cli("vae_trainer.py", args)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: a training step at batch 16 x 2048 px needs about ")
+    assert "--grad_checkpointing hr" in lines[0] and lines[0].endswith("; --memory_check false skips this check")
+    assert "Traceback" not in proc.stdout + proc.stderr and "step 1" not in proc.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_gpu_out_of_memory_error_becomes_one_line_and_a_checkpoint(shard_url, tmp_path, capsys, monkeypatch,
+                                                                   one_torch_thread):
+    """torch.OutOfMemoryError in step 3 (as CUDA raises it): the one line with the flags that help, exit 1, and
+    the two completed steps in a checkpoint (none was due before)."""
+    trainer = in_process_trainer(shard_url, tmp_path, "--max_steps", "5", "--save_every_n_steps", "100",
+                                 "--perceptual_weight", "0")
+    step = trainer.train_step
+
+    def out_of_memory_at_step_3():
+        if trainer.step == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        step()
+    monkeypatch.setattr(trainer, "train_step", out_of_memory_at_step_3)
+    try:
+        assert trainer.train() == 1
+    finally:
+        trainer.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: out of GPU memory at step 3 with batch 2 x 64 px: CUDA out of memory. Tried to allocate "
+                   f"2.00 GiB; these help: --grad_checkpointing hr, --batch_size 1 --grad_accum 2, --precision bf16"]
+    assert checkpoint.checkpoint_files(str(tmp_path / "vae" / "checkpoints"))[0].endswith("step_00000002.pt")
+
+
+def test_the_run_directory_holds_curves_and_grids_enlarged_for_viewing(shard_url, tmp_path, one_torch_thread):
+    """Issue 18 item 4: 64 px tiles are saved 4x (256 px, nearest: every 4th pixel is the grid exactly), and
+    curves.png is written at the checkpoint and the evaluation."""
+    trainer = in_process_trainer(shard_url, tmp_path, "--max_steps", "2", "--save_every_n_steps", "2",
+                                 "--perceptual_weight", "0", "--test_dataset_url", shard_url,
+                                 "--evaluate_every_n_steps", "2", "--inception_weights", "none",
+                                 "--eval_max_images", "2", "--num_samples", "2")
+    try:
+        assert trainer.train() == 0
+    finally:
+        trainer.close()
+    run_dir = tmp_path / "vae"
+    samples = run_dir / "samples"
+    for name in ("step_00000002.png", "eval_step_00000002.png", "eval_ema_step_00000002.png"):
+        with Image.open(samples / name) as grid:
+            width, height = grid.size
+        assert (width, height) == (4 * (2 + 2 * (64 + 2)), 4 * (2 + 2 * (64 + 2))), name  # 2 images over 2 recons
+    with Image.open(samples / "step_00000002.png") as grid:
+        pixels = torch.tensor(np.array(grid.convert("RGB")))
+    assert torch.equal(pixels[::4, ::4].repeat_interleave(4, 0).repeat_interleave(4, 1), pixels)
+    with Image.open(run_dir / "curves.png") as curves:
+        assert curves.size[0] >= 400
