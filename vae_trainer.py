@@ -36,6 +36,7 @@ from common import ConfigError, DistInfo, atomic_write, capture_rng, init_distri
 from config import (DEMO, Config, OptimConfig, build_parser, ch_mult_of, config_warnings, demo_summary,  # noqa: F401
                     finish_config, model_params, parse_config, parse_flags, prepare_demo, public_config,
                     read_init_source, resolve_auto, scale_equivariance_sizes, section, uses_vgg16, validate)
+from alignment import AlignmentLoss
 from objective import VAEObjective, no_sync_unless
 from run_log import Metrics
 from utils import (WeightsUnavailable, cosine_with_warmup, ensure_vgg16_weights, fetch_weights, load_vgg16_features,
@@ -151,9 +152,12 @@ class VAETraining:
     encoder: --train_parts decoder), AdamW, the schedule, the (fp16) GradScaler and the EMA. A checkpoint entry
     under today's keys (vae, ema, optimizer_vae, scheduler_vae, scaler_vae)."""
 
-    def __init__(self, vae: AutoEncoder, cfg: Config, make_optimizer, wrap_ddp, device: torch.device):
+    def __init__(self, vae: AutoEncoder, cfg: Config, make_optimizer, wrap_ddp, device: torch.device,
+                 projection: torch.nn.Module | None = None):
         self.vae, self.cfg = vae, cfg
         self.trained = DecoderOnly(vae) if cfg.train_parts == "decoder" else vae
+        if projection is not None:
+            self.trained = WithProjection(self.trained, projection)
         self.ema = EMA(vae, cfg.ema_decay) if cfg.ema_decay > 0 else None
         if cfg.compile:
             vae.encoder.compile()  # the inner modules, never the DDP wrapper
@@ -192,6 +196,50 @@ class VAETraining:
         self.optimizer.load_state_dict(ckpt["optimizer_vae"])
         self.scheduler.load_state_dict(ckpt["scheduler_vae"])
         checkpoint.restore_scaler(self.scaler, ckpt.get("scaler_vae"))
+
+
+class WithProjection(torch.nn.Module):
+    """The module DDP wraps when the alignment trains: the VAE (or DecoderOnly) and the alignment's projection, so
+    one DDP all-reduces both (in the same buckets, skipped together under no_sync) and broadcasts both at start.
+    The projection is used by the objective after the forward; DDP only needs its gradient in the same backward."""
+
+    def __init__(self, trained: torch.nn.Module, projection: torch.nn.Module):
+        super().__init__()
+        self.trained, self.projection = trained, projection
+
+    def forward(self, *args, **kwargs):
+        return self.trained(*args, **kwargs)
+
+
+class ProjectionTraining:
+    """--vf_weight: the alignment's 1x1 projection trains with the VAE (in its DDP wrapper, WithProjection) under
+    its own AdamW and schedule with the VAE's settings, unscaled by the VAE's fp16 scaler and skipped with the VAE's
+    step. Its own optimizer, so a checkpoint written without it still resumes (the projection then starts afresh).
+    No EMA: the EMA is of the VAE, what is evaluated and exported; the projection is never exported. A checkpoint
+    entry (keys vf_projection, optimizer_vf, scheduler_vf)."""
+
+    def __init__(self, projection: torch.nn.Module, cfg: Config, make_optimizer):
+        self.projection = projection
+        self.optimizer = make_optimizer(projection.parameters(), cfg.learning_rate_vae)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
+        self.no_scaler = torch.amp.GradScaler(enabled=False)  # the VAE's scaler updates once, after the VAE's step
+
+    def step(self, bad: torch.Tensor, step_optimizer) -> None:
+        step_optimizer(self.optimizer, self.no_scaler, bad)
+        self.scheduler.step()
+
+    def state_dict(self) -> dict:
+        return {"vf_projection": {k: v.detach().cpu() for k, v in self.projection.state_dict().items()},
+                "optimizer_vf": self.optimizer.state_dict(), "scheduler_vf": self.scheduler.state_dict()}
+
+    def load_state_dict(self, ckpt: dict, path: str = "", log=print) -> None:
+        if ckpt.get("vf_projection") is None:
+            log(f"note: {path} has no alignment projection (written without --vf_weight): it starts afresh")
+            return
+        self.projection.load_state_dict(ckpt["vf_projection"])
+        self.optimizer.load_state_dict(ckpt["optimizer_vf"])
+        self.scheduler.load_state_dict(ckpt["scheduler_vf"])
 
 
 class NonFiniteGuard:
@@ -302,14 +350,18 @@ class Trainer:
                           if self.eval_on else None)
         if cfg.compile and self.adversary is not None:
             self.adversary.critic.compile()
-        self.training = VAETraining(self.vae, cfg, self._adamw, self.wrap_ddp, self.device)
+        alignment = self.objective.alignment
+        self.training = VAETraining(self.vae, cfg, self._adamw, self.wrap_ddp, self.device,
+                                    alignment.projection if alignment is not None else None)
+        self.projection = (ProjectionTraining(alignment.projection, cfg, self._adamw) if alignment is not None
+                           else None)
         if self.adversary is not None:
             self.adversary.prepare_training(section(cfg, OptimConfig), self._adamw, self.wrap_ddp)
         self.guard = NonFiniteGuard(self.device, cfg.grad_clip)
         # every piece of state a checkpoint holds, each saved and restored by its owner
         self.state = checkpoint.Registry(
             training=self.training, adversary=self.adversary or checkpoint.ABSENT_ADVERSARY, guard=self.guard,
-            run=self)
+            run=self, **({"vf_projection": self.projection} if self.projection is not None else {}))
 
         data_state, self.resumed_from = None, None
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank posterior noise
@@ -344,8 +396,12 @@ class Trainer:
         with_lpips = cfg.vgg16_weights != "random" or uses_vgg16(cfg)
         if with_lpips:
             vgg_features = load_vgg16_features(self._vgg16_weights())
+        alignment = None
+        if cfg.vf_weight > 0 and cfg.train_parts != "decoder":  # decoder-only: config_warnings says it is off
+            alignment = AlignmentLoss(self.vae.params.z_channels, cfg.vf_model, cfg.vf_weights,
+                                      cfg.vf_image_size).to(self.device)
         return VAEObjective(cfg, vgg_features, with_lpips=with_lpips, device=self.device,
-                            memory_format=self.memory_format)
+                            memory_format=self.memory_format, alignment=alignment)
 
     def wrap_ddp(self, module):
         if not self.info.distributed:
@@ -460,7 +516,7 @@ class Trainer:
         step_loss = torch.zeros((), device=self.device)  # this step's losses, for the guard
         for micro in range(accum):
             sync = micro == accum - 1  # DDP all-reduces gradients on the last micro-batch only
-            x = data_lib.to_model_input(next(self.loader), self.device, self.cfg.channels_last)
+            x = images = data_lib.to_model_input(next(self.loader), self.device, self.cfg.channels_last)
             with no_sync_unless(self.training.ddp, sync):
                 # latents.py's regularisers: the losses below see the transformed image (x unchanged when off)
                 target, to_decoder = self.regularisers.draw(x, self.step, micro)
@@ -476,7 +532,8 @@ class Trainer:
                     loss, logs = self.objective(x, recon, mean, logvar, self.step, real_logits, fake_logits, accum,
                                                 loss_scale=self.training.scaler.scale(
                                                     torch.ones((), device=self.device)),
-                                                last_layer=self.vae.decoder.conv_out.weight)
+                                                last_layer=self.vae.decoder.conv_out.weight, latent=mean,
+                                                images=images)
                     step_loss = step_loss + loss.detach()
                     loss.backward()
             self.metrics.add(**{k: v / accum for k, v in logs.items()})
@@ -499,6 +556,9 @@ class Trainer:
         guard, adversary, training = self.guard, self.adversary, self.training
         bad_vae = guard.nonfinite(self.vae, training.optimizer, training.scaler, "vae", self.metrics)
         bad_loss = ~torch.isfinite(step_loss)
+        if self.projection is not None:  # unscaled by the VAE's scaler before its update; skipped with the VAE
+            bad_vae = bad_vae | guard.nonfinite(self.projection.projection, self.projection.optimizer,
+                                                training.scaler, "vf_projection", self.metrics)
         bad_vae = bad_vae | bad_loss
         bad_disc = (guard.nonfinite(adversary.critic, adversary.optimizer, adversary.scaler, "disc", self.metrics)
                     | bad_loss if adversary is not None else torch.zeros_like(bad_vae))
@@ -506,6 +566,8 @@ class Trainer:
         if self.info.distributed:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         training.step(flags[0], self.step, self.guarded_step)
+        if self.projection is not None:
+            self.projection.step(flags[0], self.guarded_step)
         if adversary is not None:
             adversary.step(flags[1], self.guarded_step)
             self.metrics.add(**{"guard/skipped_disc": flags[1]})
