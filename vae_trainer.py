@@ -13,6 +13,7 @@ and the registry of stateful entries, run_log.py everything the user sees (Repor
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ import data as data_lib
 import evaluate as evaluate_lib
 import latents as latents_lib
 import pretrained
+import probe as probe_lib
 import run_log
 from ae import AutoEncoder
 from checkpoint import checkpoint_files
@@ -379,6 +381,7 @@ class Trainer:
             equivariance_sizes=scale_equivariance_sizes(cfg), equivariance_rotate=cfg.scale_equivariance_rotate,
             noise_prob=cfg.latent_noise_prob, noise_max=cfg.latent_noise_max,
             downsample_factor=self.vae.downsample_factor)
+        self.probe_images = self.read_probe_set() if cfg.probe_every_n_steps else None
         self.metrics = Metrics()
         self.report = run_log.Reporter(cfg, info, self.run_dir)  # reads the grids' images: a bad set refuses here
         if info.is_main:
@@ -506,6 +509,8 @@ class Trainer:
                 return 0
             if self.eval_on and (self.step % cfg.evaluate_every_n_steps == 0 or final):
                 self.evaluate()
+            if cfg.probe_every_n_steps and (self.step % cfg.probe_every_n_steps == 0 or final):
+                self.probe()
         self.log(f"done: {cfg.max_steps} steps; checkpoints in {self.ckpt_dir}, samples in {self.sample_dir}")
         return 0
 
@@ -612,6 +617,34 @@ class Trainer:
                                             self.autocast)
         self.report.evaluation(results, grids, self.step)
         return results
+
+    def read_probe_set(self) -> torch.Tensor:
+        """The in-loop probe's fixed images: the first --probe_images center crops of --test_dataset_url (else
+        --dataset_url), the same on every rank and at every probe."""
+        cfg = self.cfg
+        url = cfg.test_dataset_url or cfg.dataset_url
+        batches = [b for _, b in data_lib.iter_eval_batches(url, cfg.vae_resolution, cfg.probe_images,
+                                                             max_images=cfg.probe_images)]
+        images = torch.cat(batches) if batches else torch.empty(0)
+        if len(images) <= cfg.probe_heldout:
+            raise ConfigError(f"the probe set {data_lib.redact(url)} has {len(images)} images; --probe_heldout "
+                              f"{cfg.probe_heldout} needs more (--probe_images {cfg.probe_images})")
+        return data_lib.to_model_input(images, self.device, channels_last=False)
+
+    def probe(self) -> float:
+        """eval/probe_loss: probe.in_loop_probe_loss of the EMA VAE (the VAE without EMA) on the probe set. Every
+        rank takes part; the training RNG is left as it was (in_loop_probe_loss seeds its own)."""
+        cfg, start = self.cfg, time.time()
+        vae = self.vae
+        if self.ema is not None:
+            vae = copy.deepcopy(self.vae)
+            vae.load_state_dict(self.ema.model_state_dict(self.vae))
+        was_training = vae.training
+        loss = probe_lib.in_loop_probe_loss(vae.eval(), self.probe_images, heldout_images=cfg.probe_heldout,
+                                            steps=cfg.probe_steps, batch_size=cfg.probe_batch_size, seed=cfg.seed)
+        vae.train(was_training)
+        self.report.probe(loss, self.step, time.time() - start)
+        return loss
 
     def close(self) -> None:
         self.loader.close()
