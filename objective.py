@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ae import kl_divergence
+from alignment import AlignmentLoss
 from config import CriticConfig, LatentsConfig, LossConfig, OptimConfig, section
 from utils import (LeCam, LowpassMSE, NLayerDiscriminator, VGG16Discriminator, adaptive_gan_weight, build_lpips,
                    cosine_with_warmup, discriminator_accuracy, discriminator_loss, generator_active_fraction,
@@ -107,7 +108,7 @@ class VAEObjective(nn.Module):
 
     def __init__(self, cfg, vgg_features: dict[str, Tensor] | None = None, with_lpips: bool = True,
                  device: torch.device | str = "cpu", memory_format=torch.contiguous_format,
-                 adversary: Adversary | None = None, alignment: nn.Module | None = None):
+                 adversary: Adversary | None = None, z_channels: int | None = None):
         super().__init__()
         self.cfg = cfg  # read through its sections at every call: a changed weight takes effect at once
         self.device = torch.device(device)
@@ -120,8 +121,11 @@ class VAEObjective(nn.Module):
             adversary = Adversary(self.gan_cfg, build_critic(self.gan_cfg, vgg_features), cfg.precision,
                                   device=self.device, memory_format=memory_format)
         self.adversary = adversary
-        # alignment.AlignmentLoss (--vf_weight; None: off): its projection trains with the VAE (VFProjection)
-        self.alignment = alignment
+        # --vf_weight: alignment.AlignmentLoss, whose projection trains with the VAE (the trainer's VAETraining).
+        # Off with --train_parts decoder: the frozen encoder's latent has no gradient (config_warnings says so)
+        self.alignment = None
+        if cfg.vf_weight > 0 and cfg.train_parts != "decoder":
+            self.alignment = AlignmentLoss(z_channels, cfg.vf_model, cfg.vf_weights, cfg.vf_image_size).to(device)
 
     @property
     def loss_cfg(self) -> LossConfig:

@@ -273,7 +273,7 @@ class Reporter:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=step)
 
-    def probe(self, probe_loss: float, step: int, seconds: float) -> None:
+    def probe(self, step: int, probe_loss: float, seconds: float) -> None:
         """The in-loop diffusability probe's held-out loss: a line, a metrics.jsonl record, wandb."""
         if not self.is_main:
             return

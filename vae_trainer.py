@@ -13,7 +13,6 @@ and the registry of stateful entries, run_log.py everything the user sees (Repor
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -38,7 +37,6 @@ from common import ConfigError, DistInfo, atomic_write, capture_rng, init_distri
 from config import (DEMO, Config, OptimConfig, build_parser, ch_mult_of, config_warnings, demo_summary,  # noqa: F401
                     finish_config, model_params, parse_config, parse_flags, prepare_demo, public_config,
                     read_init_source, resolve_auto, scale_equivariance_sizes, section, uses_vgg16, validate)
-from alignment import AlignmentLoss
 from objective import VAEObjective, no_sync_unless
 from run_log import Metrics
 from utils import (WeightsUnavailable, cosine_with_warmup, ensure_vgg16_weights, fetch_weights, load_vgg16_features,
@@ -155,11 +153,13 @@ class VAETraining:
     under today's keys (vae, ema, optimizer_vae, scheduler_vae, scaler_vae)."""
 
     def __init__(self, vae: AutoEncoder, cfg: Config, make_optimizer, wrap_ddp, device: torch.device,
-                 projection: torch.nn.Module | None = None):
+                 alignment: torch.nn.Module | None = None):
         self.vae, self.cfg = vae, cfg
         self.trained = DecoderOnly(vae) if cfg.train_parts == "decoder" else vae
-        if projection is not None:
-            self.trained = WithProjection(self.trained, projection)
+        # --vf_weight: the alignment's projection trains beside the VAE (its own checkpoint entry)
+        self.projection = ProjectionTraining(alignment.projection, cfg, make_optimizer) if alignment else None
+        if self.projection is not None:
+            self.trained = WithProjection(self.trained, alignment.projection)
         self.ema = EMA(vae, cfg.ema_decay) if cfg.ema_decay > 0 else None
         if cfg.compile:
             vae.encoder.compile()  # the inner modules, never the DDP wrapper
@@ -171,8 +171,18 @@ class VAETraining:
             self.optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
 
+    def nonfinite(self, guard, metrics: Metrics) -> torch.Tensor:
+        """The guard's check of the VAE's gradient, and of the projection's (unscaled by the same fp16 scaler)."""
+        bad = guard.nonfinite(self.vae, self.optimizer, self.scaler, "vae", metrics)
+        if self.projection is not None:
+            bad = bad | guard.nonfinite(self.projection.projection, self.projection.optimizer, self.scaler,
+                                        "vf_projection", metrics)
+        return bad
+
     def step(self, bad: torch.Tensor, step: int, step_optimizer) -> None:
         step_optimizer(self.optimizer, self.scaler, bad)
+        if self.projection is not None:  # skipped with the VAE; after the scaler's update (it has none of its own)
+            self.projection.step(bad, step_optimizer)
         if self.ema is not None:
             self.ema.update(self.vae, step, bad)
         self.scheduler.step()
@@ -352,18 +362,14 @@ class Trainer:
                           if self.eval_on else None)
         if cfg.compile and self.adversary is not None:
             self.adversary.critic.compile()
-        alignment = self.objective.alignment
-        self.training = VAETraining(self.vae, cfg, self._adamw, self.wrap_ddp, self.device,
-                                    alignment.projection if alignment is not None else None)
-        self.projection = (ProjectionTraining(alignment.projection, cfg, self._adamw) if alignment is not None
-                           else None)
+        self.training = VAETraining(self.vae, cfg, self._adamw, self.wrap_ddp, self.device, self.objective.alignment)
         if self.adversary is not None:
             self.adversary.prepare_training(section(cfg, OptimConfig), self._adamw, self.wrap_ddp)
         self.guard = NonFiniteGuard(self.device, cfg.grad_clip)
         # every piece of state a checkpoint holds, each saved and restored by its owner
         self.state = checkpoint.Registry(
             training=self.training, adversary=self.adversary or checkpoint.ABSENT_ADVERSARY, guard=self.guard,
-            run=self, **({"vf_projection": self.projection} if self.projection is not None else {}))
+            run=self, **({"vf_projection": self.training.projection} if self.training.projection else {}))
 
         data_state, self.resumed_from = None, None
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank posterior noise
@@ -381,7 +387,7 @@ class Trainer:
             equivariance_sizes=scale_equivariance_sizes(cfg), equivariance_rotate=cfg.scale_equivariance_rotate,
             noise_prob=cfg.latent_noise_prob, noise_max=cfg.latent_noise_max,
             downsample_factor=self.vae.downsample_factor)
-        self.probe_images = self.read_probe_set() if cfg.probe_every_n_steps else None
+        self.in_loop_probe = probe_lib.InLoopProbe(cfg, self.device) if cfg.probe_every_n_steps else None
         self.metrics = Metrics()
         self.report = run_log.Reporter(cfg, info, self.run_dir)  # reads the grids' images: a bad set refuses here
         if info.is_main:
@@ -399,12 +405,8 @@ class Trainer:
         with_lpips = cfg.vgg16_weights != "random" or uses_vgg16(cfg)
         if with_lpips:
             vgg_features = load_vgg16_features(self._vgg16_weights())
-        alignment = None
-        if cfg.vf_weight > 0 and cfg.train_parts != "decoder":  # decoder-only: config_warnings says it is off
-            alignment = AlignmentLoss(self.vae.params.z_channels, cfg.vf_model, cfg.vf_weights,
-                                      cfg.vf_image_size).to(self.device)
         return VAEObjective(cfg, vgg_features, with_lpips=with_lpips, device=self.device,
-                            memory_format=self.memory_format, alignment=alignment)
+                            memory_format=self.memory_format, z_channels=self.vae.params.z_channels)
 
     def wrap_ddp(self, module):
         if not self.info.distributed:
@@ -484,6 +486,8 @@ class Trainer:
         self.report.run_start(self.vae)
         if self.eval_on and self.step == 0:
             self.evaluate()  # the untrained baseline, and a sanity check of the test set before hours of training
+        if cfg.probe_every_n_steps and self.step == 0:
+            self.report.probe(self.step, *self.in_loop_probe(self.vae, self.ema))  # the curve's first point
         t_start, steps_since = time.time(), 0
         last_saved = self.step if self.resumed_from else -1
         while self.step < cfg.max_steps:
@@ -510,7 +514,7 @@ class Trainer:
             if self.eval_on and (self.step % cfg.evaluate_every_n_steps == 0 or final):
                 self.evaluate()
             if cfg.probe_every_n_steps and (self.step % cfg.probe_every_n_steps == 0 or final):
-                self.probe()
+                self.report.probe(self.step, *self.in_loop_probe(self.vae, self.ema))  # every rank takes part
         self.log(f"done: {cfg.max_steps} steps; checkpoints in {self.ckpt_dir}, samples in {self.sample_dir}")
         return 0
 
@@ -559,11 +563,8 @@ class Trainer:
         """Guarded optimizer steps: a non-finite loss or gradient on any rank skips the step on every rank
         (device flags, no host sync); EMA and LeCam's anchors move only with a step taken."""
         guard, adversary, training = self.guard, self.adversary, self.training
-        bad_vae = guard.nonfinite(self.vae, training.optimizer, training.scaler, "vae", self.metrics)
+        bad_vae = training.nonfinite(guard, self.metrics)
         bad_loss = ~torch.isfinite(step_loss)
-        if self.projection is not None:  # unscaled by the VAE's scaler before its update; skipped with the VAE
-            bad_vae = bad_vae | guard.nonfinite(self.projection.projection, self.projection.optimizer,
-                                                training.scaler, "vf_projection", self.metrics)
         bad_vae = bad_vae | bad_loss
         bad_disc = (guard.nonfinite(adversary.critic, adversary.optimizer, adversary.scaler, "disc", self.metrics)
                     | bad_loss if adversary is not None else torch.zeros_like(bad_vae))
@@ -571,8 +572,6 @@ class Trainer:
         if self.info.distributed:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         training.step(flags[0], self.step, self.guarded_step)
-        if self.projection is not None:
-            self.projection.step(flags[0], self.guarded_step)
         if adversary is not None:
             adversary.step(flags[1], self.guarded_step)
             self.metrics.add(**{"guard/skipped_disc": flags[1]})
@@ -601,7 +600,7 @@ class Trainer:
         return True
 
     def save(self) -> str | None:
-        in_sync = checkpoint.ranks_in_sync(self.vae, self.info)
+        in_sync = checkpoint.ranks_in_sync(self.training.trained, self.info)  # the VAE and its --vf_weight projection
         state = self.state.state_dict()  # every rank takes part in the gather
         state["ranks_in_sync"] = in_sync
         if not self.info.is_main:
@@ -617,34 +616,6 @@ class Trainer:
                                             self.autocast)
         self.report.evaluation(results, grids, self.step)
         return results
-
-    def read_probe_set(self) -> torch.Tensor:
-        """The in-loop probe's fixed images: the first --probe_images center crops of --test_dataset_url (else
-        --dataset_url), the same on every rank and at every probe."""
-        cfg = self.cfg
-        url = cfg.test_dataset_url or cfg.dataset_url
-        batches = [b for _, b in data_lib.iter_eval_batches(url, cfg.vae_resolution, cfg.probe_images,
-                                                             max_images=cfg.probe_images)]
-        images = torch.cat(batches) if batches else torch.empty(0)
-        if len(images) <= cfg.probe_heldout:
-            raise ConfigError(f"the probe set {data_lib.redact(url)} has {len(images)} images; --probe_heldout "
-                              f"{cfg.probe_heldout} needs more (--probe_images {cfg.probe_images})")
-        return data_lib.to_model_input(images, self.device, channels_last=False)
-
-    def probe(self) -> float:
-        """eval/probe_loss: probe.in_loop_probe_loss of the EMA VAE (the VAE without EMA) on the probe set. Every
-        rank takes part; the training RNG is left as it was (in_loop_probe_loss seeds its own)."""
-        cfg, start = self.cfg, time.time()
-        vae = self.vae
-        if self.ema is not None:
-            vae = copy.deepcopy(self.vae)
-            vae.load_state_dict(self.ema.model_state_dict(self.vae))
-        was_training = vae.training
-        loss = probe_lib.in_loop_probe_loss(vae.eval(), self.probe_images, heldout_images=cfg.probe_heldout,
-                                            steps=cfg.probe_steps, batch_size=cfg.probe_batch_size, seed=cfg.seed)
-        vae.train(was_training)
-        self.report.probe(loss, self.step, time.time() - start)
-        return loss
 
     def close(self) -> None:
         self.loader.close()
