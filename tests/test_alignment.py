@@ -144,7 +144,7 @@ def _run_args(url, out, run, steps, save, *extra):
             "--probe_images", "6", "--probe_heldout", "2", "--probe_steps", "2", "--probe_batch_size", "4", *extra]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_resume_with_alignment_and_probe_on_is_bitwise(shard_url, tmp_path):
     """Stopped at step 3 (before that step's probe, which the uninterrupted run does) and resumed: the VAE, the
     projection and both optimizers end bitwise equal, and the probe curve is the same numbers."""
@@ -173,7 +173,7 @@ def test_resume_with_alignment_and_probe_on_is_bitwise(shard_url, tmp_path):
     assert sorted(ref_curve) == [0, 3, 6] and cut_curve == {0: ref_curve[0], 6: ref_curve[6]}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_two_ranks_train_the_projection_in_sync_and_probe_like_one(shard_url, tmp_path):
     """2 gloo ranks with the alignment (accumulation, bf16, checkpointing): the VAE and the projection stay equal on
     every rank (checked at the save), every rank takes part in the probe (no hang), and its first point, the same
