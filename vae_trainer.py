@@ -171,6 +171,10 @@ class VAETraining:
             self.optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
 
+    def replicated(self) -> torch.nn.Module:
+        """What DDP must keep equal on every rank: the VAE and the --vf_weight projection (checked at each save)."""
+        return torch.nn.ModuleList([self.vae] + ([self.projection.projection] if self.projection else []))
+
     def nonfinite(self, guard, metrics: Metrics) -> torch.Tensor:
         """The guard's check of the VAE's gradient, and of the projection's (unscaled by the same fp16 scaler)."""
         bad = guard.nonfinite(self.vae, self.optimizer, self.scaler, "vae", metrics)
@@ -600,7 +604,7 @@ class Trainer:
         return True
 
     def save(self) -> str | None:
-        in_sync = checkpoint.ranks_in_sync(self.training.trained, self.info)  # the VAE and its --vf_weight projection
+        in_sync = checkpoint.ranks_in_sync(self.training.replicated(), self.info)
         state = self.state.state_dict()  # every rank takes part in the gather
         state["ranks_in_sync"] = in_sync
         if not self.info.is_main:
