@@ -204,6 +204,21 @@ class LatentsConfig:
     latent_noise_prob: float = opt(0.0, "probability per image that the decoder sees z + Gaussian noise (a "
                                         "decoder robust to a diffusion model's imperfect latents). 0: off")
     latent_noise_max: float = opt(0.5, "the noise std is U(0, this) times the batch's latent std")
+    vf_weight: float = opt(0.0, "vision-foundation alignment (VA-VAE's VF loss, alignment.py): the norm of its "
+                                "gradient at the latent (a GradNorm branch, like --mse_weight). 0: off")
+    vf_model: str = opt("dinov2_vitl14", "the frozen foundation encoder the latent is aligned with",
+                        ("dinov2_vitl14", "dinov2_vitb14", "dinov2_vits14"))
+    vf_weights: str = opt("timm", "its weights: timm (timm's Hugging Face cache), a local PATH, random (tests only)")
+    vf_image_size: int = opt(224, "the images are resized to this for the foundation encoder (patch 14: 16 x 16 "
+                                  "tokens at 224)")
+    probe_every_n_steps: int = opt(0, "every N steps, train the diffusability probe's small DiT on the (EMA) VAE's "
+                                      "latents of a fixed probe set and log its held-out loss as eval/probe_loss. "
+                                      "0: off")
+    probe_images: int = opt(64, "images in the probe set (the first ones of --test_dataset_url, else "
+                                "--dataset_url)")
+    probe_heldout: int = opt(16, "of them, held out for the probe's loss")
+    probe_steps: int = opt(100, "the probe DiT's training steps at each probe")
+    probe_batch_size: int = opt(32, "the probe DiT's batch size")
 
 
 @dataclass
@@ -474,6 +489,19 @@ def validate(cfg: Config) -> None:
     for name in ("scale_equivariance_prob", "latent_noise_prob"):
         if not 0 <= getattr(cfg, name) <= 1:
             raise ConfigError(f"--{name} must be in [0, 1], got {getattr(cfg, name)}")
+    if cfg.vf_weight < 0:
+        raise ConfigError(f"--vf_weight must be >= 0, got {cfg.vf_weight}")
+    if cfg.vf_weight > 0 and cfg.loss_balance != "gradnorm":
+        raise ConfigError("--vf_weight is a GradNorm branch: use it with --loss_balance gradnorm")
+    if cfg.vf_weights not in ("timm", "random") and not os.path.isfile(cfg.vf_weights):
+        raise ConfigError(f"--vf_weights {cfg.vf_weights}: no such file (or use timm / random)")
+    if cfg.vf_image_size < 14 or cfg.vf_image_size % 14:
+        raise ConfigError(f"--vf_image_size must be a positive multiple of 14 (the patch size), got "
+                          f"{cfg.vf_image_size}")
+    if min(cfg.probe_every_n_steps, cfg.probe_steps, cfg.probe_batch_size) < 0 or cfg.probe_heldout < 1 \
+            or cfg.probe_images <= cfg.probe_heldout:
+        raise ConfigError(f"the probe needs --probe_images ({cfg.probe_images}) > --probe_heldout "
+                          f"({cfg.probe_heldout}) >= 1 and non-negative --probe_every_n_steps/steps/batch_size")
     if cfg.latent_noise_max < 0:
         raise ConfigError(f"--latent_noise_max must be >= 0, got {cfg.latent_noise_max}")
     if cfg.scale_equivariance_prob > 0 and not scale_equivariance_sizes(cfg):
@@ -562,6 +590,11 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
         (("scale_equivariance_mode", "scale_equivariance_rotate"), cfg.scale_equivariance_prob == 0,
          "with --scale_equivariance_prob 0"),
         (("latent_noise_max",), cfg.latent_noise_prob == 0, "with --latent_noise_prob 0"),
+        (("vf_weight", "vf_model", "vf_weights", "vf_image_size"), cfg.train_parts == "decoder",
+         "with --train_parts decoder (the encoder is frozen: there is no latent to align)"),
+        (("vf_model", "vf_weights", "vf_image_size"), cfg.vf_weight == 0, "with --vf_weight 0"),
+        (("probe_images", "probe_heldout", "probe_steps", "probe_batch_size"), cfg.probe_every_n_steps == 0,
+         "with --probe_every_n_steps 0"),
         (SOURCE_FIELDS, bool(cfg.init_from), "with --init_from (the architecture is read from the source)"),
         (("init_family",), not cfg.init_from, "without --init_from"),
     ]

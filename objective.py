@@ -24,7 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from ae import kl_divergence
-from config import CriticConfig, LossConfig, OptimConfig, section
+from alignment import AlignmentLoss
+from config import CriticConfig, LatentsConfig, LossConfig, OptimConfig, section
 from utils import (LeCam, LowpassMSE, NLayerDiscriminator, VGG16Discriminator, adaptive_gan_weight, build_lpips,
                    cosine_with_warmup, discriminator_accuracy, discriminator_loss, generator_active_fraction,
                    generator_loss, gradnorm, pooled_mse)
@@ -107,7 +108,7 @@ class VAEObjective(nn.Module):
 
     def __init__(self, cfg, vgg_features: dict[str, Tensor] | None = None, with_lpips: bool = True,
                  device: torch.device | str = "cpu", memory_format=torch.contiguous_format,
-                 adversary: Adversary | None = None):
+                 adversary: Adversary | None = None, z_channels: int | None = None):
         super().__init__()
         self.cfg = cfg  # read through its sections at every call: a changed weight takes effect at once
         self.device = torch.device(device)
@@ -120,6 +121,11 @@ class VAEObjective(nn.Module):
             adversary = Adversary(self.gan_cfg, build_critic(self.gan_cfg, vgg_features), cfg.precision,
                                   device=self.device, memory_format=memory_format)
         self.adversary = adversary
+        # --vf_weight: alignment.AlignmentLoss, whose projection trains with the VAE (the trainer's VAETraining).
+        # Off with --train_parts decoder: the frozen encoder's latent has no gradient (config_warnings says so)
+        self.alignment = None
+        if cfg.vf_weight > 0 and cfg.train_parts != "decoder":
+            self.alignment = AlignmentLoss(z_channels, cfg.vf_model, cfg.vf_weights, cfg.vf_image_size).to(device)
 
     @property
     def loss_cfg(self) -> LossConfig:
@@ -138,17 +144,20 @@ class VAEObjective(nn.Module):
 
     def forward(self, x: Tensor, recon: Tensor, mean: Tensor, logvar: Tensor | None, step: int,
                 real_logits: Tensor | None = None, critic_fake_logits: Tensor | None = None, accum: int = 1,
-                loss_scale: Tensor | None = None, last_layer: Tensor | None = None) -> tuple[Tensor, dict]:
+                loss_scale: Tensor | None = None, last_layer: Tensor | None = None,
+                latent: Tensor | None = None, images: Tensor | None = None) -> tuple[Tensor, dict]:
         """(the tensor to backpropagate, {metric name: value} for logging, per micro-batch). `recon` in fp32; `mean`,
         `logvar` the posterior; `real_logits`, `critic_fake_logits` the critic's logits on this micro-batch's
         images and detached reconstructions (Adversary.backward), needed from disc_start on; `accum` micro-batches
         per step; `loss_scale` the fp16 GradScaler's scale (None: 1); `last_layer` the decoder's last weight
-        (for --loss_balance adaptive)."""
+        (for --loss_balance adaptive); `latent`, `images` the encoder's output with its graph and its input, for
+        the alignment term (as they were before any latent regulariser transformed them)."""
         scale = loss_scale if loss_scale is not None else torch.ones((), device=self.device)
-        terms = self.terms(x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale)
+        terms = self.terms(x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent, images)
         return compose(terms, self.loss_cfg.loss_balance, scale, accum, last_layer, self.gan_cfg.adaptive_weight_max)
 
-    def terms(self, x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale) -> list[Term]:
+    def terms(self, x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent=None,
+              images=None) -> list[Term]:
         """The loss terms, one block each. Their order is the order of the sums (a fixed-seed run reproduces
         bitwise only with the same order)."""
         loss, gan = self.loss_cfg, self.gan_cfg
@@ -186,6 +195,13 @@ class VAEObjective(nn.Module):
             g_loss = generator_loss(fake_logits, real_logits, gan.gen_loss, gan.gan_margin)
             terms.append(Term("gan_g", g_loss, gan.gan_weight, balanced=True, adversarial=True,
                               logs={"gan/active_fraction": active}))
+
+        if self.alignment is not None:
+            # a GradNorm branch at the latent (AlignmentLoss applies it; --vf_weight requires gradnorm): its
+            # gradient into the encoder has norm vf_weight, so it enters the sum unweighted like the others
+            vf_weight = section(self.cfg, LatentsConfig).vf_weight
+            vf, parts = self.alignment(latent, images, scale * (vf_weight / accum))
+            terms.append(Term("vf", vf, vf_weight, balanced=True, logs={f"loss/{k}": v for k, v in parts.items()}))
 
         # A GradNorm branch's gradient has norm `weight` over all the reconstruction's elements, so its per-element
         # size falls as 1/sqrt(their count); a mean KL's would fall as 1/count. Summed and divided by sqrt(count)

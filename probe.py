@@ -16,6 +16,7 @@ with the reason where not). A stopped probe started again with the same command 
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -364,6 +365,40 @@ def in_loop_probe_loss(vae: nn.Module, images: Tensor, *, heldout_images: int, s
             total[1] = len(index)
         total = all_reduce(total)
     return (total[0] / total[1]).item()
+
+
+class InLoopProbe:
+    """The trainer's --probe_every_n_steps: the fixed probe set (the first --probe_images center crops of
+    --test_dataset_url, else --dataset_url; the same on every rank and at every call) and in_loop_probe_loss's
+    settings from the config (its seed the run's --seed)."""
+
+    def __init__(self, cfg, device: torch.device):
+        self.cfg = cfg
+        url = cfg.test_dataset_url or cfg.dataset_url
+        batches = [b for _, b in data_lib.iter_eval_batches(url, cfg.vae_resolution, cfg.probe_images,
+                                                             max_images=cfg.probe_images)]
+        images = torch.cat(batches) if batches else torch.empty(0)
+        if len(images) <= cfg.probe_heldout:
+            raise ConfigError(f"the probe set {data_lib.redact(url)} has {len(images)} images; --probe_heldout "
+                              f"{cfg.probe_heldout} needs more (--probe_images {cfg.probe_images})")
+        self.images = data_lib.to_model_input(images, device, channels_last=False)
+
+    def __call__(self, vae: nn.Module, ema=None) -> tuple[float, float]:
+        """(the held-out loss, seconds taken) of `vae`, or of its average when `ema` (the trainer's EMA) is given:
+        a copy of `vae` with the averaged weights. The caller's RNG is left as it was (in_loop_probe_loss)."""
+        start = time.time()
+        if ema is not None:
+            ema_state = ema.model_state_dict(vae)
+            vae = copy.deepcopy(vae)
+            vae.load_state_dict(ema_state)
+        was_training = vae.training
+        cfg = self.cfg
+        try:
+            loss = in_loop_probe_loss(vae.eval(), self.images, heldout_images=cfg.probe_heldout,
+                                      steps=cfg.probe_steps, batch_size=cfg.probe_batch_size, seed=cfg.seed)
+        finally:
+            vae.train(was_training)
+        return loss, time.time() - start
 
 
 # ============================================================================================

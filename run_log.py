@@ -329,6 +329,16 @@ class Reporter:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=step)
 
+    def probe(self, step: int, probe_loss: float, seconds: float) -> None:
+        """The in-loop diffusability probe's held-out loss: a line, a metrics.jsonl record, wandb."""
+        if not self.is_main:
+            return
+        print(f"probe step {step} | eval/probe_loss {probe_loss:.5f} (diffusability: lower is better; "
+              f"{seconds:.1f} s)", flush=True)
+        append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), {"step": step, "eval/probe_loss": probe_loss})
+        if self.wandb is not None:
+            self.wandb.log({"eval/probe_loss": probe_loss}, step=step)
+
     @torch.no_grad()
     def sample_grid(self, vae, autocast, step: int) -> str | None:
         """The fixed images over their reconstructions as samples/step_<step>.png (and on wandb)."""

@@ -30,6 +30,7 @@ import evaluate as evaluate_lib
 import latents as latents_lib
 import memory
 import pretrained
+import probe as probe_lib
 import run_log
 from ae import AutoEncoder
 from checkpoint import checkpoint_files
@@ -147,8 +148,8 @@ def build_vae(cfg: Config, device: torch.device, memory_format, init_weights: bo
     return vae.to(device, memory_format=memory_format), described
 
 
-def build_objective(cfg: Config, info: DistInfo, device: torch.device, memory_format, eval_on: bool,
-                    log) -> VAEObjective:
+def build_objective(cfg: Config, info: DistInfo, device: torch.device, memory_format, eval_on: bool, log,
+                    z_channels: int) -> VAEObjective:
     """LPIPS, the pixel losses and the adversary (critic, LeCam). VGG16 is needed when a loss trains on it;
     otherwise (pixel-only training) only evaluation's LPIPS metric wants it: loaded if its weights can be had,
     else that metric is reported missing with one note. A random VGG16 that no loss trains on is not built."""
@@ -170,7 +171,7 @@ def build_objective(cfg: Config, info: DistInfo, device: torch.device, memory_fo
                 raise  # the user named a file: an error, not a missing metric
             log(f"note: evaluation's LPIPS will not be computed: {e}")
     return VAEObjective(cfg, vgg_features, with_lpips=vgg_features is not None, device=device,
-                        memory_format=memory_format)
+                        memory_format=memory_format, z_channels=z_channels)
 
 
 class VAETraining:
@@ -178,9 +179,14 @@ class VAETraining:
     encoder: --train_parts decoder), AdamW, the schedule, the (fp16) GradScaler and the EMA. A checkpoint entry
     under today's keys (vae, ema, optimizer_vae, scheduler_vae, scaler_vae)."""
 
-    def __init__(self, vae: AutoEncoder, cfg: Config, make_optimizer, wrap_ddp, device: torch.device):
+    def __init__(self, vae: AutoEncoder, cfg: Config, make_optimizer, wrap_ddp, device: torch.device,
+                 alignment: torch.nn.Module | None = None):
         self.vae, self.cfg = vae, cfg
         self.trained = DecoderOnly(vae) if cfg.train_parts == "decoder" else vae
+        # --vf_weight: the alignment's projection trains beside the VAE (its own checkpoint entry)
+        self.projection = ProjectionTraining(alignment.projection, cfg, make_optimizer) if alignment else None
+        if self.projection is not None:
+            self.trained = WithProjection(self.trained, alignment.projection)
         self.ema = EMA(vae, cfg.ema_decay) if cfg.ema_decay > 0 else None
         if cfg.compile:
             vae.encoder.compile()  # the inner modules, never the DDP wrapper
@@ -192,8 +198,22 @@ class VAETraining:
             self.optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
 
+    def replicated(self) -> torch.nn.Module:
+        """What DDP must keep equal on every rank: the VAE and the --vf_weight projection (checked at each save)."""
+        return torch.nn.ModuleList([self.vae] + ([self.projection.projection] if self.projection else []))
+
+    def nonfinite(self, guard, metrics: Metrics) -> torch.Tensor:
+        """The guard's check of the VAE's gradient, and of the projection's (unscaled by the same fp16 scaler)."""
+        bad = guard.nonfinite(self.vae, self.optimizer, self.scaler, "vae", metrics)
+        if self.projection is not None:
+            bad = bad | guard.nonfinite(self.projection.projection, self.projection.optimizer, self.scaler,
+                                        "vf_projection", metrics)
+        return bad
+
     def step(self, bad: torch.Tensor, step: int, step_optimizer) -> None:
         step_optimizer(self.optimizer, self.scaler, bad)
+        if self.projection is not None:  # skipped with the VAE; after the scaler's update (it has none of its own)
+            self.projection.step(bad, step_optimizer)
         if self.ema is not None:
             self.ema.update(self.vae, step, bad)
         self.scheduler.step()
@@ -219,6 +239,50 @@ class VAETraining:
         self.optimizer.load_state_dict(ckpt["optimizer_vae"])
         self.scheduler.load_state_dict(ckpt["scheduler_vae"])
         checkpoint.restore_scaler(self.scaler, ckpt.get("scaler_vae"))
+
+
+class WithProjection(torch.nn.Module):
+    """The module DDP wraps when the alignment trains: the VAE (or DecoderOnly) and the alignment's projection, so
+    one DDP all-reduces both (in the same buckets, skipped together under no_sync) and broadcasts both at start.
+    The projection is used by the objective after the forward; DDP only needs its gradient in the same backward."""
+
+    def __init__(self, trained: torch.nn.Module, projection: torch.nn.Module):
+        super().__init__()
+        self.trained, self.projection = trained, projection
+
+    def forward(self, *args, **kwargs):
+        return self.trained(*args, **kwargs)
+
+
+class ProjectionTraining:
+    """--vf_weight: the alignment's 1x1 projection trains with the VAE (in its DDP wrapper, WithProjection) under
+    its own AdamW and schedule with the VAE's settings, unscaled by the VAE's fp16 scaler and skipped with the VAE's
+    step. Its own optimizer, so a checkpoint written without it still resumes (the projection then starts afresh).
+    No EMA: the EMA is of the VAE, what is evaluated and exported; the projection is never exported. A checkpoint
+    entry (keys vf_projection, optimizer_vf, scheduler_vf)."""
+
+    def __init__(self, projection: torch.nn.Module, cfg: Config, make_optimizer):
+        self.projection = projection
+        self.optimizer = make_optimizer(projection.parameters(), cfg.learning_rate_vae)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
+        self.no_scaler = torch.amp.GradScaler(enabled=False)  # the VAE's scaler updates once, after the VAE's step
+
+    def step(self, bad: torch.Tensor, step_optimizer) -> None:
+        step_optimizer(self.optimizer, self.no_scaler, bad)
+        self.scheduler.step()
+
+    def state_dict(self) -> dict:
+        return {"vf_projection": {k: v.detach().cpu() for k, v in self.projection.state_dict().items()},
+                "optimizer_vf": self.optimizer.state_dict(), "scheduler_vf": self.scheduler.state_dict()}
+
+    def load_state_dict(self, ckpt: dict, path: str = "", log=print) -> None:
+        if ckpt.get("vf_projection") is None:
+            log(f"note: {path} has no alignment projection (written without --vf_weight): it starts afresh")
+            return
+        self.projection.load_state_dict(ckpt["vf_projection"])
+        self.optimizer.load_state_dict(ckpt["optimizer_vf"])
+        self.scheduler.load_state_dict(ckpt["scheduler_vf"])
 
 
 class NonFiniteGuard:
@@ -322,14 +386,15 @@ class Trainer:
         self.init_source = resume[1].get("init_source") if resume is not None else None
         self.vae, source_described = build_vae(cfg, self.device, self.memory_format, resume is None, source, self.log)
         self.init_source = source_described or self.init_source
-        self.objective = build_objective(cfg, info, self.device, self.memory_format, self.eval_on, self.log)
+        self.objective = build_objective(cfg, info, self.device, self.memory_format, self.eval_on, self.log,
+                                         self.vae.params.z_channels)
         self.adversary = self.objective.adversary  # the critic's owner; None without --do_ganloss
         self.validator = (evaluate_lib.Validator(cfg, self.lpips, self.device, info.rank, info.world_size,
                                                  info.local_rank, info.ctrl_group, self.memory_format, self.log)
                           if self.eval_on else None)
         if cfg.compile and self.adversary is not None:
             self.adversary.critic.compile()
-        self.training = VAETraining(self.vae, cfg, self._adamw, self.wrap_ddp, self.device)
+        self.training = VAETraining(self.vae, cfg, self._adamw, self.wrap_ddp, self.device, self.objective.alignment)
         if cfg.memory_check:  # before the critic's DDP wrapper (the probes run its forward without a backward)
             warning = memory.check_every_rank(self.vae, self.objective, memory.StepShape.of(cfg), self.device,
                                               self.ema is not None, info.ctrl_group)
@@ -341,7 +406,7 @@ class Trainer:
         # every piece of state a checkpoint holds, each saved and restored by its owner
         self.state = checkpoint.Registry(
             training=self.training, adversary=self.adversary or checkpoint.ABSENT_ADVERSARY, guard=self.guard,
-            run=self)
+            run=self, **({"vf_projection": self.training.projection} if self.training.projection else {}))
 
         data_state, self.resumed_from = None, None
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank posterior noise
@@ -359,6 +424,7 @@ class Trainer:
             equivariance_sizes=scale_equivariance_sizes(cfg), equivariance_rotate=cfg.scale_equivariance_rotate,
             noise_prob=cfg.latent_noise_prob, noise_max=cfg.latent_noise_max,
             downsample_factor=self.vae.downsample_factor)
+        self.in_loop_probe = probe_lib.InLoopProbe(cfg, self.device) if cfg.probe_every_n_steps else None
         self.metrics = Metrics()
         self.report = run_log.Reporter(cfg, info, self.run_dir)  # reads the grids' images: a bad set refuses here
         if info.is_main:
@@ -440,6 +506,8 @@ class Trainer:
         self.report.run_start(self.vae)
         if self.eval_on and self.step == 0:
             self.evaluate()  # the untrained baseline, and a sanity check of the test set before hours of training
+        if cfg.probe_every_n_steps and self.step == 0:
+            self.report.probe(self.step, *self.in_loop_probe(self.vae, self.ema))  # the curve's first point
         t_start, steps_since = time.time(), 0
         last_saved = self.step if self.resumed_from else -1
         while self.step < cfg.max_steps:
@@ -469,6 +537,8 @@ class Trainer:
                 return 0
             if self.eval_on and (self.step % cfg.evaluate_every_n_steps == 0 or final):
                 self.evaluate()
+            if cfg.probe_every_n_steps and (self.step % cfg.probe_every_n_steps == 0 or final):
+                self.report.probe(self.step, *self.in_loop_probe(self.vae, self.ema))  # every rank takes part
         self.log(f"done: {cfg.max_steps} steps; checkpoints in {self.ckpt_dir}, samples in {self.sample_dir}")
         return 0
 
@@ -479,7 +549,7 @@ class Trainer:
         step_loss = torch.zeros((), device=self.device)  # this step's losses, for the guard
         for micro in range(accum):
             sync = micro == accum - 1  # DDP all-reduces gradients on the last micro-batch only
-            x = data_lib.to_model_input(next(self.loader), self.device, self.cfg.channels_last)
+            x = images = data_lib.to_model_input(next(self.loader), self.device, self.cfg.channels_last)
             with no_sync_unless(self.training.ddp, sync):
                 # latents.py's regularisers: the losses below see the transformed image (x unchanged when off)
                 target, to_decoder = self.regularisers.draw(x, self.step, micro)
@@ -495,7 +565,8 @@ class Trainer:
                     loss, logs = self.objective(x, recon, mean, logvar, self.step, real_logits, fake_logits, accum,
                                                 loss_scale=self.training.scaler.scale(
                                                     torch.ones((), device=self.device)),
-                                                last_layer=self.vae.decoder.conv_out.weight)
+                                                last_layer=self.vae.decoder.conv_out.weight, latent=mean,
+                                                images=images)
                     step_loss = step_loss + loss.detach()
                     loss.backward()
             self.metrics.add(**{k: v / accum for k, v in logs.items()})
@@ -516,7 +587,7 @@ class Trainer:
         """Guarded optimizer steps: a non-finite loss or gradient on any rank skips the step on every rank
         (device flags, no host sync); EMA and LeCam's anchors move only with a step taken."""
         guard, adversary, training = self.guard, self.adversary, self.training
-        bad_vae = guard.nonfinite(self.vae, training.optimizer, training.scaler, "vae", self.metrics)
+        bad_vae = training.nonfinite(guard, self.metrics)
         bad_loss = ~torch.isfinite(step_loss)
         bad_vae = bad_vae | bad_loss
         bad_disc = (guard.nonfinite(adversary.critic, adversary.optimizer, adversary.scaler, "disc", self.metrics)
@@ -565,7 +636,7 @@ class Trainer:
         return True
 
     def save(self) -> str | None:
-        in_sync = checkpoint.ranks_in_sync(self.vae, self.info)
+        in_sync = checkpoint.ranks_in_sync(self.training.replicated(), self.info)
         state = self.state.state_dict()  # every rank takes part in the gather
         state["ranks_in_sync"] = in_sync
         if not self.info.is_main:

@@ -89,3 +89,106 @@ def test_weights_random_is_announced_a_path_loads_exactly_and_a_bad_one_is_one_l
         alignment.FoundationEncoder("dinov2_vitb14", str(path), 28)
     with pytest.raises(WeightsUnavailable, match="--vf_model vit_h: not one of"):
         alignment.FoundationEncoder("vit_h", "random", 28)
+
+
+# ------------------------------------------------------------------------------------------ wired into the trainer
+VF_FLAGS = ["--vf_weight", "0.5", "--vf_model", "dinov2_vits14", "--vf_weights", "random", "--vf_image_size", "28"]
+
+
+def test_alignment_term_through_the_objective():
+    """The objective's vf Term: loss/vf is VA-VAE's two terms on the projected latent, loss/total counts it with
+    its weight, and its gradient at the latent has GradNorm's norm vf_weight (a branch, like the pixel one)."""
+    import objective
+    import vae_trainer
+    from conftest import TINY
+    cfg = vae_trainer.parse_config(["--dataset_url", "x", *TINY, *VF_FLAGS, "--perceptual_weight", "0",
+                                    "--kl_weight", "0"])
+    torch.manual_seed(0)
+    obj = objective.VAEObjective(cfg, None, with_lpips=False, z_channels=4)
+    vf = obj.alignment
+    assert vf.foundation.feature_dim == 384  # ViT-S/14, as --vf_model says
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(2, 3, 64, 64, generator=gen) * 2 - 1
+    recon = (torch.rand(2, 3, 64, 64, generator=gen) * 2 - 1).requires_grad_()
+    latent = torch.randn(2, 4, 16, 16, generator=gen).requires_grad_()
+    loss, logs = obj(x, recon, latent, None, 0, latent=latent, images=x)
+    cosine, distmat = alignment.vf_loss_terms(vf.projection(latent), vf.foundation(x, (16, 16)))
+    assert logs["loss/vf"].item() == pytest.approx((cosine + distmat).item(), rel=1e-6) and logs["loss/vf"] > 0
+    assert logs["loss/vf_cosine"].item() == pytest.approx(cosine.item(), rel=1e-6)
+    pixel = logs["loss/pooled_mse"] + logs["loss/lowpass_mse"]
+    assert logs["loss/total"].item() == pytest.approx((pixel + 0.5 * logs["loss/vf"]).item(), rel=1e-6)
+    loss.backward()
+    assert latent.grad.norm().item() == pytest.approx(0.5, rel=1e-4)  # kl_weight 0: the vf branch alone
+    assert vf.projection.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in vf.foundation.parameters())
+
+
+def test_decoder_only_says_the_alignment_is_off_and_other_balances_are_refused():
+    import vae_trainer
+    from conftest import TINY
+    cfg, given = vae_trainer.parse_flags(["--dataset_url", "x", *TINY, *VF_FLAGS, "--train_parts", "decoder",
+                                          "--load_path", "w.pt"])
+    lines = [line for line in vae_trainer.config_warnings(cfg, given) if "vf_weight" in line]
+    assert lines == ["warning: --vf_weight, --vf_model, --vf_weights, --vf_image_size have no effect with "
+                     "--train_parts decoder (the encoder is frozen: there is no latent to align)"]
+    with pytest.raises(vae_trainer.ConfigError, match="--loss_balance gradnorm"):
+        vae_trainer.validate(vae_trainer.parse_config(["--dataset_url", "x", *TINY, *VF_FLAGS,
+                                                       "--loss_balance", "none"]))
+
+
+def _run_args(url, out, run, steps, save, *extra):
+    from conftest import TINY
+    return ["--dataset_url", url, "--output_dir", str(out), "--run_name", run, "--max_steps", str(steps),
+            "--save_every_n_steps", str(save), "--log_every_n_steps", "2", "--evaluate_every_n_steps", "0",
+            "--keep_last_k", "20", *TINY, "--perceptual_weight", "0", *VF_FLAGS, "--probe_every_n_steps", "3",
+            "--probe_images", "6", "--probe_heldout", "2", "--probe_steps", "2", "--probe_batch_size", "4", *extra]
+
+
+@pytest.mark.timeout(300)
+def test_resume_with_alignment_and_probe_on_is_bitwise(shard_url, tmp_path):
+    """Stopped at step 3 (before that step's probe, which the uninterrupted run does) and resumed: the VAE, the
+    projection and both optimizers end bitwise equal, and the probe curve is the same numbers."""
+    import json
+    from conftest import FAULTY, cli_env, run_cli
+    ref = run_cli("vae_trainer.py", _run_args(shard_url, tmp_path, "ref", 6, 6))
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    assert any("loss/vf" in json.loads(line) for line in open(tmp_path / "ref" / "metrics.jsonl"))
+    first = run_cli(FAULTY, _run_args(shard_url, tmp_path, "cut", 6, 100), env=cli_env(VAE_TRAINER_SIGTERM_AT="2"))
+    assert first.returncode == 0 and "checkpoint written at step 3" in first.stdout, first.stderr[-2000:]
+    again = run_cli("vae_trainer.py", _run_args(shard_url, tmp_path, "cut", 6, 6))
+    assert again.returncode == 0 and "at step 3" in again.stdout, again.stderr[-2000:]
+    a, b = (torch.load(tmp_path / run / "checkpoints" / "step_00000006.pt", weights_only=True) for run in ("ref", "cut"))
+    for key in ("vae", "vf_projection"):
+        for name in a[key]:
+            assert torch.equal(a[key][name], b[key][name]), (key, name)
+    for key in ("optimizer_vae", "optimizer_vf"):
+        for pid, state in a[key]["state"].items():
+            for name, value in state.items():
+                assert torch.equal(value, b[key]["state"][pid][name]), (key, pid, name)
+
+    def curve(run):
+        rows = [json.loads(line) for line in open(tmp_path / run / "metrics.jsonl")]
+        return {r["step"]: r["eval/probe_loss"] for r in rows if "eval/probe_loss" in r}
+    ref_curve, cut_curve = curve("ref"), curve("cut")
+    assert sorted(ref_curve) == [0, 3, 6] and cut_curve == {0: ref_curve[0], 6: ref_curve[6]}
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_train_the_projection_in_sync_and_probe_like_one(shard_url, tmp_path):
+    """2 gloo ranks with the alignment (accumulation, bf16, checkpointing): the VAE and the projection stay equal on
+    every rank (checked at the save), every rank takes part in the probe (no hang), and its first point, the same
+    initial VAE, is the number one rank gets."""
+    import json
+    from conftest import run_cli
+    extra = ["--grad_accum", "2", "--precision", "bf16", "--grad_checkpointing", "decoder"]
+    two = run_cli("vae_trainer.py", _run_args(shard_url, tmp_path, "two", 2, 2, *extra), nproc=2)
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
+    assert "(weights identical on all ranks)" in two.stdout
+    one = run_cli("vae_trainer.py", _run_args(shard_url, tmp_path, "one", 1, 1, *extra))
+    assert one.returncode == 0, one.stderr[-2000:]
+
+    def first_probe(run):
+        rows = [json.loads(line) for line in open(tmp_path / run / "metrics.jsonl")]
+        return next(r["eval/probe_loss"] for r in rows if "eval/probe_loss" in r and r["step"] == 0)
+    assert first_probe("two") == pytest.approx(first_probe("one"), rel=1e-5)
+    assert "probe step 0 | eval/probe_loss" in two.stdout
