@@ -117,12 +117,17 @@ class StopFlag:
         self.signum = signum
 
     def agreed(self, info: DistInfo) -> bool:
-        """Whether any rank was signalled; over the gloo control group, so no device sync."""
-        if not info.distributed:
-            return self.signum is not None
-        flag = torch.tensor([1 if self.signum is not None else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=info.ctrl_group)
-        return bool(flag.item())
+        """Whether any rank was signalled."""
+        return any_rank(self.signum is not None, info)
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """Whether `flag` is true on any rank; over the gloo control group, so no device sync."""
+    if not info.distributed:
+        return flag
+    flags = torch.tensor([int(flag)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=info.ctrl_group)
+    return bool(flags.item())
 
 
 def build_vae(cfg: Config, device: torch.device, memory_format, init_weights: bool,
@@ -312,6 +317,7 @@ class Trainer:
             run=self)
 
         data_state, self.resumed_from = None, None
+        self.data_position = None  # set when a checkpoint must record the stream before the current step's reads
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank posterior noise
         if resume is not None:
             data_state = self.state.load_state_dict(*resume, log=self.log)["run"]
@@ -382,7 +388,8 @@ class Trainer:
         """The run's own checkpoint entry: its step, config and architecture, where it started from, and per
         rank the RNG and the data stream's position (every rank takes part in the gather)."""
         ranks = [None] * self.info.world_size
-        mine = {"rng": capture_rng(self.device), "data": self.loader.state_dict()}
+        data = self.data_position if self.data_position is not None else self.loader.state_dict()
+        mine = {"rng": capture_rng(self.device), "data": data}
         if self.info.distributed:
             dist.all_gather_object(ranks, mine, group=self.info.ctrl_group)
         else:
@@ -420,6 +427,7 @@ class Trainer:
     def train(self) -> int:
         cfg, info = self.cfg, self.info
         stop = StopFlag()
+        self.loader.should_stop = lambda: stop.signum is not None  # a signal ends a wait through an outage
         if self.resumed_from and info.is_main:
             run_log.truncate_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
         self.report.run_start(self.vae)
@@ -428,7 +436,12 @@ class Trainer:
         t_start, steps_since = time.time(), 0
         last_saved = self.step if self.resumed_from else -1
         while self.step < cfg.max_steps:
-            self.train_step()
+            position = self.loader.state_dict()  # the stream as a checkpoint at this step records it
+            batches, data_error = self.read_step_batches()
+            # every rank agrees before the step: a rank inside the step's collectives while another saves would hang
+            if any_rank(batches is None, info):
+                return self.stop_without_batches(position, data_error, last_saved)
+            self.train_step(batches)
             self.step += 1
             steps_since += 1
             final = self.step == cfg.max_steps
@@ -453,14 +466,46 @@ class Trainer:
         self.log(f"done: {cfg.max_steps} steps; checkpoints in {self.ckpt_dir}, samples in {self.sample_dir}")
         return 0
 
-    def train_step(self) -> None:
-        """One optimizer step over --grad_accum micro-batches: per micro-batch the critic's backward, then the
-        VAE's; then both optimizer steps, which the non-finite guard skips on every rank if anything blew up."""
+    def read_step_batches(self) -> tuple[list[torch.Tensor] | None, str | None]:
+        """This step's --grad_accum batches; (None, its one-line error) when the data stream gave up
+        (--shard_retry_minutes spent), (None, None) when a stop request came while it waited through an outage."""
+        try:
+            return [next(self.loader) for _ in range(self.cfg.grad_accum)], None
+        except data_lib.DatasetError as e:
+            return None, str(e)
+        except data_lib.WaitInterrupted:
+            return None, None
+
+    def stop_without_batches(self, position: dict, data_error: str | None, last_saved: int) -> int:
+        """Some rank has no batches for this step. Every rank is here, before the step, so the checkpoint's
+        collectives line up: it is written at the last completed step, with each stream's position before this
+        step's reads (an exact resume). A data error ends the run with that error (exit 1), a stop request with 0."""
+        errors = [data_error]
+        if self.info.distributed:
+            errors = [None] * self.info.world_size
+            dist.all_gather_object(errors, data_error, group=self.info.ctrl_group)
+        error = next((e for e in errors if e), None)
+        self.data_position = position
+        if self.step > 0 and self.step != last_saved:
+            self.save_unless_in_bad_streak(stopping=True)
+            outcome = f"checkpoint written at step {self.step}"
+        else:
+            outcome = f"no new checkpoint (step {self.step} " + ("is saved)" if self.step else "learned nothing)")
+        if error is not None:
+            raise data_lib.DatasetError(f"{error} ({outcome})")
+        self.log(f"stop request received while waiting for data: {outcome}, exiting")
+        return 0
+
+    def train_step(self, batches: list[torch.Tensor] | None = None) -> None:
+        """One optimizer step over --grad_accum micro-batches (`batches`, or read from the loader): per micro-batch
+        the critic's backward, then the VAE's; then both optimizer steps, which the non-finite guard skips on
+        every rank if anything blew up."""
         accum, adversary = self.cfg.grad_accum, self.adversary
         step_loss = torch.zeros((), device=self.device)  # this step's losses, for the guard
         for micro in range(accum):
             sync = micro == accum - 1  # DDP all-reduces gradients on the last micro-batch only
-            x = data_lib.to_model_input(next(self.loader), self.device, self.cfg.channels_last)
+            batch = batches[micro] if batches is not None else next(self.loader)
+            x = data_lib.to_model_input(batch, self.device, self.cfg.channels_last)
             with no_sync_unless(self.training.ddp, sync):
                 # latents.py's regularisers: the losses below see the transformed image (x unchanged when off)
                 target, to_decoder = self.regularisers.draw(x, self.step, micro)
