@@ -184,8 +184,9 @@ def equivariance_sizes(latent_size: int, factor: int, mode: str, pool: int, min_
 class LatentRegularisers:
     """Scale equivariance and latent noise. `draw` returns the loss target and the transform the model
     applies to the latent before decoding ((x, None) when neither applies: the step is bitwise the one
-    without the flags); `draw_added` the additive form's extra decode. The equivariance decision, size and rotation come from a CPU generator seeded by
-    (seed, step, micro) only, so every rank takes the same branch; the noise is drawn per rank on the device."""
+    without the flags); `draw_added` the additive form's extra decode. The equivariance decision, size and
+    rotation come from a CPU generator seeded by (seed, step, micro) only, so every rank takes the same branch;
+    the noise is drawn per rank on the device."""
 
     def __init__(self, seed: int, rank: int, *, equivariance_prob: float = 0.0, equivariance_sizes: list[int] = (),
                  equivariance_rotate: bool = False, noise_prob: float = 0.0, noise_max: float = 0.0,
