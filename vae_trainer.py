@@ -597,9 +597,10 @@ def stop_without_batches(trainer: Trainer, position: dict, data_error: str | Non
     the step's reads (an exact resume). A data error ends the run with that error (exit 1), a stop request with 0."""
     error, trainer.data_position = first_error(data_error, trainer.info), position
     saved = trainer.step > 0 and trainer.step != last_saved and trainer.save_unless_in_bad_streak(stopping=True)
-    outcome = f"checkpoint written at step {trainer.step}" if saved else f"no new checkpoint at step {trainer.step}"
+    outcome = (f"checkpoint written at step {trainer.step}" if saved else f"checkpoint of step {trainer.step} kept"
+               if trainer.step > 0 else "nothing trained, nothing saved")
     if error is not None:
-        raise data_lib.DatasetError(f"{error} ({outcome})")
+        raise data_lib.DatasetError(error + (f" ({outcome})" if trainer.step > 0 else ""))
     trainer.log(f"stop request received while waiting for data: {outcome}, exiting")
     return 0
 
