@@ -315,12 +315,20 @@ class AutoEncoder(nn.Module):
             z = self.post_quant_conv(z)
         return self.decoder(z)
 
-    def forward(self, x: Tensor, sample: bool = True,
-                latent_transform: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-        """`latent_transform` acts on the latent between encoder and decoder (the training regularisers of
-        latents.py); passing it through forward keeps the whole pass inside DDP's forward."""
+    def forward(self, x: Tensor, sample: bool = True, latent_transform: Callable[[Tensor], Tensor] | None = None,
+                also_decode: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, ...]:
+        """(reconstruction, mean, logvar). `latent_transform` acts on the latent between encoder and decoder (the
+        training regularisers of latents.py); with `also_decode`, the decode of also_decode(latent) comes fourth
+        (the additive scale-equivariance term). Passed through forward, the whole pass stays inside DDP's."""
         mean, logvar = self.encode_moments(x)
-        z = self.sample(mean, logvar) if sample else mean
-        if latent_transform is not None:
-            z = latent_transform(z)
-        return self.decode(z), mean, logvar
+        return decode_latents(self, self.sample(mean, logvar) if sample else mean, mean, logvar, latent_transform,
+                              also_decode)
+
+
+def decode_latents(vae: AutoEncoder, z: Tensor, mean: Tensor, logvar: Tensor | None, latent_transform=None,
+                   also_decode=None) -> tuple[Tensor, ...]:
+    """The decoding half of AutoEncoder.forward (shared with a decoder-only fine-tune's forward)."""
+    added = (vae.decode(also_decode(z)),) if also_decode is not None else ()
+    if latent_transform is not None:
+        z = latent_transform(z)
+    return (vae.decode(z), mean, logvar, *added)

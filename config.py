@@ -194,9 +194,19 @@ class LatentsConfig:
     TITLE: ClassVar[str] = "Latents for diffusion"  # the README table's heading
 
     scale_equivariance_prob: float = opt(0.0, "probability per micro-batch that the latent is downsampled (and "
-                                              "rotated/flipped with --scale_equivariance_rotate) before decoding, "
-                                              "and the losses compare with the equally downsampled image "
-                                              "(EQ-VAE; a smoother, more diffusable latent). 0: off")
+                                              "rotated/flipped with --scale_equivariance_rotate) and decoded, and "
+                                              "the losses compare with the equally downsampled image (a smoother, "
+                                              "more diffusable latent; --scale_equivariance_form). 0: off")
+    scale_equivariance_form: str = opt("replace", "replace: that decode replaces the full-resolution reconstruction "
+                                                  "on those micro-batches (EQ-VAE, Kouzelis et al. 2025); add: the "
+                                                  "full-resolution losses stay and the decode adds a term (LPIPS and "
+                                                  "pixel losses, no critic) of weight --scale_equivariance_weight "
+                                                  "(Skorokhodov et al. 2025, Improving the Diffusability of "
+                                                  "Autoencoders)", ("replace", "add"))
+    scale_equivariance_weight: float = opt(0.25, "--scale_equivariance_form add: alpha, the added term's weight "
+                                                 "relative to the reconstruction's (each of its branches weighs "
+                                                 "alpha x the full-resolution branch's weight); our default, to be "
+                                                 "measured")
     scale_equivariance_mode: str = opt("half", "half: x0.5; random: a latent size drawn from a quarter up to one "
                                                "less than the full one", ("half", "random"))
     scale_equivariance_rotate: bool = opt(False, "also rotate by 0/90/180/270 degrees and flip (both the latent "
@@ -502,6 +512,8 @@ def validate(cfg: Config) -> None:
             or cfg.probe_images <= cfg.probe_heldout:
         raise ConfigError(f"the probe needs --probe_images ({cfg.probe_images}) > --probe_heldout "
                           f"({cfg.probe_heldout}) >= 1 and non-negative --probe_every_n_steps/steps/batch_size")
+    if cfg.scale_equivariance_weight < 0:
+        raise ConfigError(f"--scale_equivariance_weight must be >= 0, got {cfg.scale_equivariance_weight}")
     if cfg.latent_noise_max < 0:
         raise ConfigError(f"--latent_noise_max must be >= 0, got {cfg.latent_noise_max}")
     if cfg.scale_equivariance_prob > 0 and not scale_equivariance_sizes(cfg):
@@ -587,8 +599,10 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
          not cfg.test_dataset_url, "without --test_dataset_url"),
         (("eval_max_images", "inception_weights"), cfg.evaluate_every_n_steps == 0, "with --evaluate_every_n_steps 0"),
         (("project_name",), cfg.wandb_mode == "disabled", "with --wandb_mode disabled"),
-        (("scale_equivariance_mode", "scale_equivariance_rotate"), cfg.scale_equivariance_prob == 0,
-         "with --scale_equivariance_prob 0"),
+        (("scale_equivariance_mode", "scale_equivariance_rotate", "scale_equivariance_form",
+          "scale_equivariance_weight"), cfg.scale_equivariance_prob == 0, "with --scale_equivariance_prob 0"),
+        (("scale_equivariance_weight",), cfg.scale_equivariance_form != "add", "with --scale_equivariance_form "
+                                                                              "replace"),
         (("latent_noise_max",), cfg.latent_noise_prob == 0, "with --latent_noise_prob 0"),
         (("vf_weight", "vf_model", "vf_weights", "vf_image_size"), cfg.train_parts == "decoder",
          "with --train_parts decoder (the encoder is frozen: there is no latent to align)"),

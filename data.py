@@ -37,7 +37,7 @@ import tarfile
 import time
 import warnings
 from collections import Counter
-from typing import Iterator
+from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 import numpy as np
@@ -52,6 +52,10 @@ SKIP_REASONS = ("corrupt", "non_image", "too_large", "shard_errors")  # events: 
 # MAX_BAD_TRACKED per data worker), and "outage_waits": the back-off waits while no shard could be read
 DATA_COUNTS = SKIP_REASONS + ("files", "outage_waits")
 MAX_BAD_TRACKED = 1000
+
+
+class WaitInterrupted(Exception):
+    """A stop request (the trainer's SIGTERM/SIGINT) came while the training stream was waiting for a batch."""
 
 
 class DatasetError(RuntimeError):
@@ -399,6 +403,7 @@ def _rng(*parts) -> random.Random:
 
 RETRY_FIRST_WAIT_S = 1.0  # the back-off while no shard can be fetched: 1, 2, 4, ... s
 RETRY_MAX_WAIT_S = 60.0
+WAIT_POLL_S = 1.0  # how often the trainer's wait for a batch checks for a stop request
 
 
 class Outage:
@@ -627,7 +632,11 @@ class TrainLoader:
         dataset = TrainStream(shards, resolution, batch_size, stream_seed, rank, world_size, logical_workers,
                               shuffle_buffer, resize_prob, max_pixels, self.worker_states,
                               self.batches % logical_workers, retry_s=60.0 * shard_retry_minutes)
-        kwargs = dict(prefetch_factor=4, persistent_workers=True) if self.num_workers > 0 else {}
+        # with workers, the wait for a batch is cut into WAIT_POLL_S slices (DataLoader's timeout), so that a stop
+        # request is seen while the workers back off through an outage (should_stop, set by the trainer)
+        kwargs = (dict(prefetch_factor=4, persistent_workers=True, timeout=WAIT_POLL_S) if self.num_workers > 0
+                  else {})
+        self.should_stop: Callable[[], bool] = lambda: False
         # its own generator: creating the iterator must not draw from the global torch RNG, or a resumed
         # run's posterior noise would be shifted by one draw
         self.loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=pin_memory,
@@ -642,12 +651,23 @@ class TrainLoader:
     def __next__(self) -> torch.Tensor:
         if self._iter is None:
             self._iter = iter(self.loader)
-        item = next(self._iter)
+        item = self._next_item()
         if "error" in item:
             raise DatasetError(item["error"])
         self.worker_states[item["worker"]] = item["state"]
         self.batches += 1
         return item["images"]
+
+    def _next_item(self) -> dict:
+        """The next item, waiting in WAIT_POLL_S slices; WaitInterrupted when should_stop() says so meanwhile."""
+        while True:
+            try:
+                return next(self._iter)
+            except RuntimeError as e:  # the DataLoader's timeout leaves its iterator as it was: wait again
+                if not str(e).startswith("DataLoader timed out"):
+                    raise
+            if self.should_stop():
+                raise WaitInterrupted("a stop request came while waiting for data")
 
     def close(self) -> None:
         """Stop the worker processes. They ignore SIGTERM, so the DataLoader's own fallback (terminate)

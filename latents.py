@@ -6,8 +6,13 @@ Diagnostics (cheap, on evaluation steps and in evaluate.py / export.py):
   - SpectrumStats: the radially averaged power spectrum of a latent (and of the image area-downsampled to the
     latent's size) and the fraction of its energy in the upper half of the frequencies.
 Regularisers (training flags, off by default), applied between the encoder and the decoder:
-  - scale equivariance: the latent is downsampled (and optionally rotated/flipped) before decoding; the losses
-    then compare the result with the equally transformed image (EQ-VAE; Skorokhodov et al. 2025);
+  - scale equivariance: the latent is downsampled (and optionally rotated/flipped) and decoded, and the losses
+    compare the result with the equally transformed image. Two forms: `replace` (the default) decodes the
+    transformed latent in place of the full one on the micro-batches it picks, as EQ-VAE does (Kouzelis et al.
+    2025, "EQ-VAE: Equivariance Regularized Latent Space for Improved Generative Image Modeling", which applies
+    its transform with a probability); `add` keeps the full-resolution reconstruction and adds the downsampled
+    decode's loss as an extra term, L_rec(x, D(E(x))) + alpha * L_rec(down(x), D(down(E(x)))), as Skorokhodov et
+    al. 2025 ("Improving the Diffusability of Autoencoders") define their scale-equivariance regulariser;
   - latent noise: the decoder sees z + Gaussian noise of a random level, like the imperfect latents a diffusion
     model produces.
 Their randomness comes from generators seeded by (seed, step, micro-batch): the same on every rank where a
@@ -179,13 +184,14 @@ def equivariance_sizes(latent_size: int, factor: int, mode: str, pool: int, min_
 class LatentRegularisers:
     """Scale equivariance and latent noise. `draw` returns the loss target and the transform the model
     applies to the latent before decoding ((x, None) when neither applies: the step is bitwise the one
-    without the flags). The equivariance decision, size and rotation come from a CPU generator seeded by
-    (seed, step, micro) only, so every rank takes the same branch; the noise is drawn per rank on the device."""
+    without the flags); `draw_added` the additive form's extra decode. The equivariance decision, size and
+    rotation come from a CPU generator seeded by (seed, step, micro) only, so every rank takes the same branch;
+    the noise is drawn per rank on the device."""
 
     def __init__(self, seed: int, rank: int, *, equivariance_prob: float = 0.0, equivariance_sizes: list[int] = (),
                  equivariance_rotate: bool = False, noise_prob: float = 0.0, noise_max: float = 0.0,
-                 downsample_factor: int = 8):
-        self.seed, self.rank = seed, rank
+                 downsample_factor: int = 8, equivariance_form: str = "replace"):
+        self.seed, self.rank, self.eq_form = seed, rank, equivariance_form
         self.eq_prob, self.eq_sizes, self.eq_rotate = equivariance_prob, list(equivariance_sizes), equivariance_rotate
         self.noise_prob, self.noise_max = noise_prob, noise_max
         self.factor = downsample_factor
@@ -209,7 +215,7 @@ class LatentRegularisers:
     def draw(self, x: Tensor, step: int, micro: int) -> tuple[Tensor, Callable[[Tensor], Tensor] | None]:
         if not self.active:
             return x, None
-        eq = self.equivariance(step, micro)
+        eq = self.equivariance(step, micro) if self.eq_form == "replace" else None
         noise = self.noise_prob > 0 and self.noise_max > 0
         if eq is None and not noise:
             return x, None
@@ -224,6 +230,18 @@ class LatentRegularisers:
                 z = add_latent_noise(z, self.noise_prob, self.noise_max, _generator(z.device, *keys))
             return z
         return x, to_decoder
+
+
+    def draw_added(self, x: Tensor, step: int, micro: int) -> tuple[Tensor, Callable[[Tensor], Tensor]] | None:
+        """The additive form (`equivariance_form` "add"): on the micro-batches the draw picks (the same draw as
+        the replace form's), the downsampled (rotated/flipped) image and the same transform of the latent, whose
+        decode is the extra term's reconstruction; None otherwise. The latent noise is not applied to it."""
+        eq = self.equivariance(step, micro) if self.eq_form == "add" else None
+        if eq is None:
+            return None
+        size, turns, flip = eq
+        return (dihedral(F.interpolate(x, size=(size * self.factor,) * 2, mode="area"), turns, flip),
+                lambda z: dihedral(F.interpolate(z, size=(size,) * 2, mode="area"), turns, flip))
 
 
 def dihedral(t: Tensor, quarter_turns: int, flip: bool) -> Tensor:

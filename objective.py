@@ -145,29 +145,32 @@ class VAEObjective(nn.Module):
     def forward(self, x: Tensor, recon: Tensor, mean: Tensor, logvar: Tensor | None, step: int,
                 real_logits: Tensor | None = None, critic_fake_logits: Tensor | None = None, accum: int = 1,
                 loss_scale: Tensor | None = None, last_layer: Tensor | None = None,
-                latent: Tensor | None = None, images: Tensor | None = None) -> tuple[Tensor, dict]:
+                latent: Tensor | None = None, images: Tensor | None = None,
+                added: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, dict]:
         """(the tensor to backpropagate, {metric name: value} for logging, per micro-batch). `recon` in fp32; `mean`,
         `logvar` the posterior; `real_logits`, `critic_fake_logits` the critic's logits on this micro-batch's
         images and detached reconstructions (Adversary.backward), needed from disc_start on; `accum` micro-batches
         per step; `loss_scale` the fp16 GradScaler's scale (None: 1); `last_layer` the decoder's last weight
         (for --loss_balance adaptive); `latent`, `images` the encoder's output with its graph and its input, for
-        the alignment term (as they were before any latent regulariser transformed them)."""
+        the alignment term (as they were before any latent regulariser transformed them); `added` (downsampled
+        image, its reconstruction in fp32) for the additive scale-equivariance term (--scale_equivariance_form add)."""
         scale = loss_scale if loss_scale is not None else torch.ones((), device=self.device)
-        terms = self.terms(x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent, images)
+        terms = self.terms(x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent, images,
+                           added)
         return compose(terms, self.loss_cfg.loss_balance, scale, accum, last_layer, self.gan_cfg.adaptive_weight_max)
 
     def terms(self, x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent=None,
-              images=None) -> list[Term]:
+              images=None, added=None) -> list[Term]:
         """The loss terms, one block each. Their order is the order of the sums (a fixed-seed run reproduces
         bitwise only with the same order)."""
         loss, gan = self.loss_cfg, self.gan_cfg
         if loss.loss_balance == "gradnorm":
             # GradNorm fixes each branch's gradient norm, so a loss scale and 1/accum enter as weights
-            def branch(weight):
-                return gradnorm(recon, scale * (weight / accum))
+            def branch(weight, out=recon):
+                return gradnorm(out, scale * (weight / accum))
         else:
-            def branch(weight):
-                return recon
+            def branch(weight, out=recon):
+                return out
         kl = kl_divergence(mean, logvar)  # per latent element, over the micro-batch's mean.numel() elements
         terms = []
 
@@ -183,6 +186,23 @@ class VAEObjective(nn.Module):
         terms.append(Term("pixel", loss.pooled_mse_weight * pooled + loss.lowpass_mse_weight * lowpass,
                           loss.mse_weight, balanced=True, logged=False,
                           logs={"loss/pooled_mse": pooled, "loss/lowpass_mse": lowpass}))
+
+        if added is not None:
+            # Skorokhodov et al.'s alpha * L_rec(down(x), D(down(z))): the reconstruction losses (LPIPS and pixel)
+            # of the downsampled latent's decode, each a branch of alpha x its full-resolution weight; the critic
+            # judges full-resolution images only
+            small_x, small_recon = added
+            alpha = section(self.cfg, LatentsConfig).scale_equivariance_weight
+            if loss.perceptual_weight > 0:
+                with self.autocast():
+                    perceptual = self.lpips(branch(alpha * loss.perceptual_weight, small_recon).contiguous(
+                        memory_format=self.memory_format), small_x).float().mean()
+                terms.append(Term("se_perceptual", perceptual, alpha * loss.perceptual_weight, balanced=True))
+            small_in = branch(alpha * loss.mse_weight, small_recon)
+            pooled, lowpass = pooled_mse(small_in, small_x, loss.mse_pool_factor), self.lowpass_mse(small_in, small_x)
+            terms.append(Term("se_pixel", loss.pooled_mse_weight * pooled + loss.lowpass_mse_weight * lowpass,
+                              alpha * loss.mse_weight, balanced=True, logged=False,
+                              logs={"loss/se_pooled_mse": pooled, "loss/se_lowpass_mse": lowpass}))
 
         if self.gan_active(step):
             # GradNorm would give the GAN branch norm gan_weight however few patches the thresholded loss still

@@ -32,7 +32,7 @@ import memory
 import pretrained
 import probe as probe_lib
 import run_log
-from ae import AutoEncoder
+from ae import AutoEncoder, decode_latents
 from checkpoint import checkpoint_files
 from common import ConfigError, DistInfo, atomic_write, capture_rng, init_distributed, restore_rng
 from config import (DEMO, Config, OptimConfig, build_parser, ch_mult_of, config_warnings, demo_summary,  # noqa: F401
@@ -92,16 +92,13 @@ class DecoderOnly(torch.nn.Module):
         for module in self.frozen:
             module.requires_grad_(False).eval()
 
-    def forward(self, x: torch.Tensor, latent_transform=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """As AutoEncoder.forward (the same `latent_transform` between encoder and decoder)."""
+    def forward(self, x: torch.Tensor, latent_transform=None, also_decode=None) -> tuple[torch.Tensor, ...]:
+        """As AutoEncoder.forward (the same `latent_transform` and `also_decode` between encoder and decoder)."""
         for module in self.frozen:
             module.eval()  # evaluation calls vae.train() on its way out
         with torch.no_grad():
             mean, logvar = self.vae.encode_moments(x)
-        z = self.vae.sample(mean, logvar)
-        if latent_transform is not None:
-            z = latent_transform(z)
-        return self.vae.decode(z), mean, logvar
+        return decode_latents(self.vae, self.vae.sample(mean, logvar), mean, logvar, latent_transform, also_decode)
 
 
 class StopFlag:
@@ -118,13 +115,44 @@ class StopFlag:
             raise KeyboardInterrupt
         self.signum = signum
 
+    def __call__(self) -> bool:
+        """Whether this rank was signalled."""
+        return self.signum is not None
+
     def agreed(self, info: DistInfo) -> bool:
-        """Whether any rank was signalled; over the gloo control group, so no device sync."""
-        if not info.distributed:
-            return self.signum is not None
-        flag = torch.tensor([1 if self.signum is not None else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=info.ctrl_group)
-        return bool(flag.item())
+        """Whether any rank was signalled."""
+        return any_rank(self.signum is not None, info)
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """Whether `flag` is true on any rank; over the gloo control group, so no device sync."""
+    if not info.distributed:
+        return flag
+    flags = torch.tensor([int(flag)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=info.ctrl_group)
+    return bool(flags.item())
+
+
+def read_step_batches(loader, count: int) -> tuple[dict, list[torch.Tensor] | None, str | None]:
+    """The stream's position before the step (what a checkpoint at this step records) and the step's `count`
+    batches; those are None with a one-line error when the data stream gave up (--shard_retry_minutes spent),
+    None and None when a stop request came while it waited through an outage."""
+    position = loader.state_dict()
+    try:
+        return position, [next(loader) for _ in range(count)], None
+    except data_lib.DatasetError as e:
+        return position, None, str(e)
+    except data_lib.WaitInterrupted:
+        return position, None, None
+
+
+def first_error(error: str | None, info: DistInfo) -> str | None:
+    """The first rank's error, on every rank (all take part)."""
+    errors = [error]
+    if info.distributed:
+        errors = [None] * info.world_size
+        dist.all_gather_object(errors, error, group=info.ctrl_group)
+    return next((e for e in errors if e), None)
 
 
 def build_vae(cfg: Config, device: torch.device, memory_format, init_weights: bool,
@@ -408,7 +436,7 @@ class Trainer:
             training=self.training, adversary=self.adversary or checkpoint.ABSENT_ADVERSARY, guard=self.guard,
             run=self, **({"vf_projection": self.training.projection} if self.training.projection else {}))
 
-        data_state, self.resumed_from = None, None
+        data_state, self.resumed_from, self.data_position = None, None, None  # data_position: stop_without_batches
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank posterior noise
         if resume is not None:
             data_state = self.state.load_state_dict(*resume, log=self.log)["run"]
@@ -423,7 +451,7 @@ class Trainer:
             cfg.seed, info.rank, equivariance_prob=cfg.scale_equivariance_prob,
             equivariance_sizes=scale_equivariance_sizes(cfg), equivariance_rotate=cfg.scale_equivariance_rotate,
             noise_prob=cfg.latent_noise_prob, noise_max=cfg.latent_noise_max,
-            downsample_factor=self.vae.downsample_factor)
+            downsample_factor=self.vae.downsample_factor, equivariance_form=cfg.scale_equivariance_form)
         self.in_loop_probe = probe_lib.InLoopProbe(cfg, self.device) if cfg.probe_every_n_steps else None
         self.metrics = Metrics()
         self.report = run_log.Reporter(cfg, info, self.run_dir)  # reads the grids' images: a bad set refuses here
@@ -463,7 +491,7 @@ class Trainer:
         """The run's own checkpoint entry: its step, config and architecture, where it started from, and per
         rank the RNG and the data stream's position (every rank takes part in the gather)."""
         ranks = [None] * self.info.world_size
-        mine = {"rng": capture_rng(self.device), "data": self.loader.state_dict()}
+        mine = {"rng": capture_rng(self.device), "data": self.data_position or self.loader.state_dict()}
         if self.info.distributed:
             dist.all_gather_object(ranks, mine, group=self.info.ctrl_group)
         else:
@@ -500,7 +528,7 @@ class Trainer:
     # ----------------------------------------------------------------------------- the loop
     def train(self) -> int:
         cfg, info = self.cfg, self.info
-        stop = StopFlag()
+        stop = self.loader.should_stop = StopFlag()  # a signal also ends the loader's wait through an outage
         if self.resumed_from and info.is_main:
             run_log.truncate_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
         self.report.run_start(self.vae)
@@ -511,8 +539,11 @@ class Trainer:
         t_start, steps_since = time.time(), 0
         last_saved = self.step if self.resumed_from else -1
         while self.step < cfg.max_steps:
+            position, batches, data_error = read_step_batches(self.loader, cfg.grad_accum)
+            if any_rank(batches is None, info):  # agreed before the step, whose collectives a save would cross
+                return stop_without_batches(self, position, data_error, last_saved)
             try:
-                self.train_step()
+                self.train_step(batches)
             except torch.OutOfMemoryError as e:
                 return self.out_of_memory(e, last_saved)
             self.step += 1
@@ -542,19 +573,22 @@ class Trainer:
         self.log(f"done: {cfg.max_steps} steps; checkpoints in {self.ckpt_dir}, samples in {self.sample_dir}")
         return 0
 
-    def train_step(self) -> None:
-        """One optimizer step over --grad_accum micro-batches: per micro-batch the critic's backward, then the
-        VAE's; then both optimizer steps, which the non-finite guard skips on every rank if anything blew up."""
+    def train_step(self, batches: list[torch.Tensor] | None = None) -> None:
+        """One optimizer step over --grad_accum micro-batches (`batches`, or the loader's): per micro-batch the
+        critic's backward, then the VAE's; then both optimizer steps, which the guard skips if anything blew up."""
         accum, adversary = self.cfg.grad_accum, self.adversary
         step_loss = torch.zeros((), device=self.device)  # this step's losses, for the guard
         for micro in range(accum):
             sync = micro == accum - 1  # DDP all-reduces gradients on the last micro-batch only
-            x = images = data_lib.to_model_input(next(self.loader), self.device, self.cfg.channels_last)
+            batch = batches[micro] if batches is not None else next(self.loader)
+            x = images = data_lib.to_model_input(batch, self.device, self.cfg.channels_last)
             with no_sync_unless(self.training.ddp, sync):
                 # latents.py's regularisers: the losses below see the transformed image (x unchanged when off)
                 target, to_decoder = self.regularisers.draw(x, self.step, micro)
+                added = self.regularisers.draw_added(x, self.step, micro)  # (small image, latent transform) or None
                 with self.autocast():
-                    recon, mean, logvar = self.training.ddp(x, latent_transform=to_decoder)
+                    recon, mean, logvar, *small = self.training.ddp(x, latent_transform=to_decoder,
+                                                                     also_decode=added and added[1])
                 x, recon = target, recon.float()  # every loss reduces in fp32
                 real_logits = fake_logits = None
                 if adversary is not None:  # the critic learns real vs detached fakes, every step
@@ -566,7 +600,7 @@ class Trainer:
                                                 loss_scale=self.training.scaler.scale(
                                                     torch.ones((), device=self.device)),
                                                 last_layer=self.vae.decoder.conv_out.weight, latent=mean,
-                                                images=images)
+                                                images=images, added=(added[0], small[0].float()) if added else None)
                     step_loss = step_loss + loss.detach()
                     loss.backward()
             self.metrics.add(**{k: v / accum for k, v in logs.items()})
@@ -656,6 +690,20 @@ class Trainer:
     def close(self) -> None:
         self.loader.close()
         self.report.close()
+
+
+def stop_without_batches(trainer: Trainer, position: dict, data_error: str | None, last_saved: int) -> int:
+    """Some rank has no batches for the trainer's next step. Every rank is here, before that step, so the
+    checkpoint's collectives line up: it is written at the last completed step, with each stream's position before
+    the step's reads (an exact resume). A data error ends the run with that error (exit 1), a stop request with 0."""
+    error, trainer.data_position = first_error(data_error, trainer.info), position
+    saved = trainer.step > 0 and trainer.step != last_saved and trainer.save_unless_in_bad_streak(stopping=True)
+    outcome = (f"checkpoint written at step {trainer.step}" if saved else f"checkpoint of step {trainer.step} kept"
+               if trainer.step > 0 else "nothing trained, nothing saved")
+    if error is not None:
+        raise data_lib.DatasetError(error + (f" ({outcome})" if trainer.step > 0 else ""))
+    trainer.log(f"stop request received while waiting for data: {outcome}, exiting")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

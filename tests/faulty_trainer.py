@@ -35,14 +35,14 @@ current_step = [None]  # the step train_step is running, None outside it
 train_step = vae_trainer.Trainer.train_step
 
 
-def faulty_train_step(self):
+def faulty_train_step(self, *args):
     if self.step in KILL_AT:
         os.kill(os.getpid(), signal.SIGKILL)
     if self.step in SIGTERM_AT:
         os.kill(os.getpid(), signal.SIGTERM)
     current_step[0] = self.step
     try:
-        train_step(self)
+        train_step(self, *args)
     finally:
         current_step[0] = None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
+import json
 import os
 import random
 import re
@@ -653,43 +654,94 @@ def test_outage_backs_off_exponentially_up_to_a_cap_within_the_budget(monkeypatc
     assert waits == [1, 2, 4, 8, 16, 32, 60, 60, 60, 60, 60, 60, 60, 60, 600 - 543], waits
 
 
-@pytest.mark.timeout(150)
-def test_a_run_whose_shard_server_stays_down_stops_in_one_line_keeping_its_checkpoints(solid_shards, tmp_path):
-    """The trainer's side: the server goes away after a checkpoint and stays away past --shard_retry_minutes.
-    The run ends with exit code 1 and one `error:` line (no traceback), its checkpoints whole, to resume from."""
+def logged_steps(run_dir) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+@contextlib.contextmanager
+def trainer_through_an_outage(solid_shards, tmp_path, retry_minutes: float):
+    """A trainer (CLI, one data worker) reading 3 shards over HTTP, logging every step, no periodic checkpoint; the
+    server goes away once 2 steps are logged. Yields (process, run directory, paths of its stdout and stderr)."""
     import subprocess
-    from checkpoint import checkpoint_files, load_checkpoint
     from conftest import TINY, cli_command, cli_env
-    port = free_port()
-    ckpt_dir = tmp_path / "runs" / "outage" / "checkpoints"
+    port, run_dir = free_port(), tmp_path / "runs" / "outage"
     args = ["--dataset_url", f"http://127.0.0.1:{port}/{{00000..00002}}.tar", "--output_dir", str(tmp_path / "runs"),
-            "--run_name", "outage", "--max_steps", "100000", "--save_every_n_steps", "2",
-            "--evaluate_every_n_steps", "0", "--shard_retry_minutes", "0.05", *TINY]
+            "--run_name", "outage", "--max_steps", "100000", "--save_every_n_steps", "100000",
+            "--log_every_n_steps", "1", "--evaluate_every_n_steps", "0", "--shard_retry_minutes", str(retry_minutes),
+            *TINY]
     # stdout and stderr to files: a pipe nobody reads while the run goes on could fill up and stall it
-    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
-        trainer = subprocess.Popen(cli_command("vae_trainer.py", args), stdout=out, stderr=err, text=True,
-                                   env=cli_env())
-        try:
-            with shard_server_process(os.path.dirname(solid_shards), port):
-                end = time.monotonic() + 100
-                while not checkpoint_files(str(ckpt_dir)) and trainer.poll() is None and time.monotonic() < end:
-                    time.sleep(0.2)
-                assert checkpoint_files(str(ckpt_dir)), trainer.poll()
-            trainer.wait(timeout=100)
-        finally:
-            trainer.kill()
-            trainer.wait()
-        out.seek(0)
-        err.seek(0)
-        out, err = out.read(), err.read()
+    out_path, err_path = tmp_path / "out", tmp_path / "err"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        trainer = subprocess.Popen(cli_command("vae_trainer.py", args), stdout=out, stderr=err, env=cli_env())
+    try:
+        with shard_server_process(os.path.dirname(solid_shards), port):
+            end = time.monotonic() + 100
+            while len(logged_steps(run_dir)) < 2 and trainer.poll() is None and time.monotonic() < end:
+                time.sleep(0.2)
+            assert len(logged_steps(run_dir)) >= 2, (trainer.poll(), err_path.read_text()[-3000:])
+        yield trainer, run_dir, out_path, err_path
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+def newest_checkpoint_step(run_dir) -> int | None:
+    from checkpoint import checkpoint_files, load_checkpoint
+    files = checkpoint_files(str(run_dir / "checkpoints"))
+    return load_checkpoint(files[0])["step"] if files else None
+
+
+@pytest.mark.timeout(150)
+def test_a_run_whose_shard_server_stays_down_stops_in_one_line_with_a_checkpoint_of_its_last_step(solid_shards,
+                                                                                                   tmp_path):
+    """The trainer's side: the server goes away and stays away past --shard_retry_minutes. The run ends with exit
+    code 1 and one `error:` line (no traceback), after writing a checkpoint at its last completed step (no
+    periodic one was due), whose data position is that of the end of that step: the work is not lost."""
+    from checkpoint import checkpoint_files, load_checkpoint
+    with trainer_through_an_outage(solid_shards, tmp_path, retry_minutes=0.05) as (trainer, run_dir, out, err):
+        trainer.wait(timeout=100)
+        out, err = out.read_text(), err.read_text()
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert trainer.returncode == 1 and "Traceback" not in err, err[-3000:]
     assert len(errors) == 1 and err.strip().splitlines()[-1] == errors[0], out[-2000:] + err[-3000:]
     assert errors[0].startswith("error: no shard of the dataset could be read for ") and "--shard_retry_minutes" \
         in errors[0], errors
     assert "no shard could be read" in err and "retrying for up to 0.05 min" in err, err[-3000:]
-    for path in checkpoint_files(str(ckpt_dir)):
-        assert load_checkpoint(path)["step"] >= 2
+    last_step = logged_steps(run_dir)[-1]
+    assert errors[0].endswith(f"(checkpoint written at step {last_step})"), errors
+    assert newest_checkpoint_step(run_dir) == last_step
+    ckpt = load_checkpoint(checkpoint_files(str(run_dir / "checkpoints"))[0])
+    assert ckpt["ranks"][0]["data"]["batches"] == last_step  # the stream's position at the end of that step
+
+
+@pytest.mark.timeout(150)
+def test_a_stop_signal_during_an_outage_is_honoured_at_once_with_a_checkpoint(solid_shards, tmp_path):
+    """SIGTERM while the trainer waits for data through an outage (its data worker backing off, the main process
+    in its wait for the next batch) stops the run within seconds, not after --shard_retry_minutes: exit 0 and a
+    checkpoint at the last completed step."""
+    with trainer_through_an_outage(solid_shards, tmp_path, retry_minutes=10) as (trainer, run_dir, out, err):
+        end = time.monotonic() + 100
+        while "no shard could be read" not in err.read_text() and time.monotonic() < end:
+            time.sleep(0.2)
+        steps = None
+        while steps != logged_steps(run_dir) and time.monotonic() < end:  # the prefetched batches are used up
+            steps = logged_steps(run_dir)
+            time.sleep(3)
+        assert trainer.poll() is None, err.read_text()[-3000:]
+        trainer.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        trainer.wait(timeout=60)  # the old wait lasted the whole budget (10 min)
+        stopped_in = time.monotonic() - start
+        out, err = out.read_text(), err.read_text()
+    assert trainer.returncode == 0 and "Traceback" not in err and "error:" not in err, err[-3000:]
+    last_step = logged_steps(run_dir)[-1]
+    assert f"stop request received while waiting for data: checkpoint written at step {last_step}, exiting" in out, \
+        out[-2000:]
+    assert newest_checkpoint_step(run_dir) == last_step
+    assert stopped_in < 45, stopped_in  # ~1 s to see the flag, then the save and the workers' shutdown (5 s)
 
 
 def test_unreadable_local_shards_are_not_waited_for(tmp_path):

@@ -111,6 +111,9 @@ class NoRegularisers:
     def draw(self, x, step, micro):
         return x, None
 
+    def draw_added(self, x, step, micro):
+        return None
+
 
 def weights_after_steps(shard_url, tmp_path, batches, steps, *flags) -> dict:
     """The VAE's weights after `steps` real train_steps from the same init on the same photos; no flags: the
@@ -185,6 +188,94 @@ def test_equivariance_transform_matches_the_image_side():
         torch.testing.assert_close(z, torch.nn.functional.avg_pool2d(target, 4))
         seen.add(regs.equivariance(step, 0))
     assert {s[0] for s in seen} == {2, 4} and len({s[1:] for s in seen}) > 2
+
+
+class HalfSizeInPlace(NoRegularisers):
+    """EQ-VAE's form written out by hand: the latent area-downsampled x0.5 is decoded in place of the full one, and
+    every loss compares with the image downsampled the same way; nothing else."""
+
+    def draw(self, x, step, micro):
+        half = x.shape[-1] // 2
+        return (torch.nn.functional.interpolate(x, size=(half, half), mode="area"),
+                lambda z: torch.nn.functional.interpolate(z, size=(z.shape[-1] // 2,) * 2, mode="area"))
+
+
+@pytest.mark.timeout(60)
+def test_the_replace_form_is_the_latent_decoded_in_place_and_is_the_default(shard_url, tmp_path, batches):
+    """--scale_equivariance_form replace (and the default) is bitwise the step of HalfSizeInPlace: no added term,
+    no full-resolution loss on the micro-batches it picks."""
+    def one_step(*flags, regularisers=None):
+        cfg = vae_trainer.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+                                        "--num_workers", "0", "--ema_decay", "0", "--max_steps", "10", *flags])
+        trainer = vae_trainer.Trainer(cfg, vae_trainer.DistInfo())
+        trainer.loader.close()
+        trainer.regularisers = regularisers or trainer.regularisers
+        trainer.train_step(batches[:1])
+        state = {k: v.clone() for k, v in trainer.vae.state_dict().items()}
+        trainer.close()
+        return state
+
+    by_hand = one_step(regularisers=HalfSizeInPlace())
+    assert same(by_hand, one_step("--scale_equivariance_prob", "1"))
+    assert same(by_hand, one_step("--scale_equivariance_prob", "1", "--scale_equivariance_form", "replace"))
+    assert not same(by_hand, one_step("--scale_equivariance_prob", "1", "--scale_equivariance_form", "add"))
+
+
+def test_the_added_scale_equivariance_term_on_a_constructed_case():
+    """--scale_equivariance_form add: the extra decode's pixel losses against the downsampled image, weighted by
+    alpha x --mse_weight, added to the full-resolution terms, which stay as they are. A reconstruction off by a
+    constant c has pooled and low-pass MSE c^2; LPIPS of an image against itself is 0."""
+    from objective import VAEObjective
+    alpha, c = 0.5, 0.1
+    args = ["--dataset_url", "x", *TINY, "--scale_equivariance_prob", "1", "--scale_equivariance_form", "add",
+            "--scale_equivariance_weight", str(alpha), "--loss_balance", "none"]
+    torch.manual_seed(0)
+    x, recon = torch.rand(2, 3, 64, 64) * 2 - 1, torch.rand(2, 3, 64, 64) * 2 - 1
+    small_x = torch.nn.functional.interpolate(x, size=(32, 32), mode="area")
+    mean = torch.randn(2, 4, 16, 16)
+    cfg = vae_trainer.parse_config(args + ["--perceptual_weight", "0"])
+    objective = VAEObjective(cfg, None, with_lpips=False)
+    _, plain = objective(x, recon, mean, None, 0)
+    _, logs = objective(x, recon, mean, None, 0, added=(small_x, small_x + c))
+    assert logs["loss/se_pooled_mse"].item() == pytest.approx(c ** 2, rel=1e-5)
+    assert logs["loss/se_lowpass_mse"].item() == pytest.approx(c ** 2, rel=1e-5)
+    for name in ("loss/pooled_mse", "loss/lowpass_mse", "loss/kl"):  # the full-resolution terms, unchanged
+        assert torch.equal(logs[name], plain[name]), name
+    added = alpha * cfg.mse_weight * (cfg.pooled_mse_weight + cfg.lowpass_mse_weight) * c ** 2
+    assert (logs["loss/total"] - plain["loss/total"]).item() == pytest.approx(added, rel=1e-4)
+
+    cfg = vae_trainer.parse_config(args + ["--perceptual_weight", "1"])
+    objective = VAEObjective(cfg, None)  # random LPIPS: 0 for identical images whatever its weights
+    _, same_image = objective(x, recon, mean, None, 0, added=(small_x, small_x.clone()))
+    _, off = objective(x, recon, mean, None, 0, added=(small_x, small_x + c))
+    assert same_image["loss/se_perceptual"].item() == 0 and off["loss/se_perceptual"].item() > 0
+    assert torch.equal(same_image["loss/perceptual"], off["loss/perceptual"])
+
+
+@pytest.mark.timeout(60)
+def test_the_added_form_keeps_the_full_resolution_losses_on_the_micro_batch_it_picks(shard_url, tmp_path, batches):
+    """In a real train_step with --scale_equivariance_form add at probability 1, the objective gets the
+    full-resolution image and reconstruction and, beside them, the downsampled image and the decode of the
+    downsampled latent; the step's logs hold both the full-resolution and the added terms."""
+    cfg = vae_trainer.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+                                    "--num_workers", "0", "--ema_decay", "0", "--max_steps", "10",
+                                    "--scale_equivariance_prob", "1", "--scale_equivariance_form", "add"])
+    trainer = vae_trainer.Trainer(cfg, vae_trainer.DistInfo())
+    trainer.loader.close()
+    seen, forward = [], trainer.objective.forward
+
+    def spy(x, recon, *args, added=None, **kwargs):
+        loss, logs = forward(x, recon, *args, added=added, **kwargs)
+        seen.append((x.shape, recon.shape, added[0].shape, added[1].shape, set(logs)))
+        return loss, logs
+
+    trainer.objective.forward = spy
+    trainer.train_step(batches[:1])
+    trainer.close()
+    [(x_shape, recon_shape, small_x_shape, small_recon_shape, logged)] = seen
+    assert x_shape == recon_shape == (2, 3, 64, 64) and small_x_shape == small_recon_shape == (2, 3, 32, 32)
+    assert {"loss/perceptual", "loss/pooled_mse", "loss/lowpass_mse", "loss/se_perceptual", "loss/se_pooled_mse",
+            "loss/se_lowpass_mse"} <= logged, logged
 
 
 def test_scale_equivariance_flags_are_checked():
