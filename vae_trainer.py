@@ -468,15 +468,18 @@ class Trainer:
                     recon, mean, logvar = self.training.ddp(x, latent_transform=to_decoder)
                 x, recon = target, recon.float()  # every loss reduces in fp32
                 real_logits = fake_logits = None
+                shared = self.objective.shared_trunk_pass(x, recon, self.step)  # --critic_trunk frozen: one pass
                 if adversary is not None:  # the critic learns real vs detached fakes, every step
-                    d_loss, real_logits, fake_logits, d_logs = self.critic_backward(x, recon, sync, accum)
+                    critic_x, critic_recon = (shared.x_features, shared.recon_features) if shared else (x, recon)
+                    d_loss, real_logits, fake_logits, d_logs = self.critic_backward(critic_x, critic_recon, sync,
+                                                                                    accum)
                     self.metrics.add(**{k: v / accum for k, v in d_logs.items()})
                     step_loss = step_loss + d_loss.detach()
                 with self.objective.critic_frozen():
                     loss, logs = self.objective(x, recon, mean, logvar, self.step, real_logits, fake_logits, accum,
                                                 loss_scale=self.training.scaler.scale(
                                                     torch.ones((), device=self.device)),
-                                                last_layer=self.vae.decoder.conv_out.weight)
+                                                last_layer=self.vae.decoder.conv_out.weight, shared=shared)
                     step_loss = step_loss + loss.detach()
                     loss.backward()
             self.metrics.add(**{k: v / accum for k, v in logs.items()})
