@@ -135,16 +135,29 @@ def test_stabiliser_flags_reach_the_step():
 
 @pytest.mark.timeout(480)
 def test_frozen_critic_two_ranks_stopped_and_resumed_equals_uninterrupted(shard_url, tmp_path):
-    """2 gloo ranks, frozen critic, R1 and the ramp on: SIGTERM before step 3, the same command resumes; the final
-    checkpoint (VAE, EMA, heads, optimizers, LeCam) equals the uninterrupted run's bitwise."""
+    """2 gloo ranks, frozen critic, R1 and the ramp on: SIGTERM at step 2 (saved after step 3), the same command
+    resumes; the final checkpoint (VAE, EMA, heads, optimizers, LeCam) equals the uninterrupted run's bitwise."""
     from test_fault_tolerance import _args, _assert_same_state, _ckpt
     frozen = ["--do_ganloss", "--critic_trunk", "frozen", "--disc_start", "1", "--lecam_weight", "0.1",
-              "--r1_weight", "1", "--gan_ramp_steps", "2"]
+              "--r1_weight", "1", "--gan_ramp_steps", "4"]
     ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 4, 2, *frozen), nproc=2)
     assert ref.returncode == 0, ref.stderr[-2000:]
     cut = run_cli(FAULTY, _args(shard_url, tmp_path, "cut", 4, 100, *frozen), nproc=2,
-                  env=cli_env(VAE_TRAINER_SIGTERM_AT="3"))
-    assert "checkpoint written at step 2" in cut.stdout, cut.stdout[-2000:] + cut.stderr[-2000:]
+                  env=cli_env(VAE_TRAINER_SIGTERM_AT="2"))
+    assert "checkpoint written at step 3" in cut.stdout, cut.stdout[-2000:] + cut.stderr[-2000:]
     again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 4, 100, *frozen), nproc=2)
     assert again.returncode == 0, again.stderr[-2000:]
     _assert_same_state(_ckpt(tmp_path, "ref", 4), _ckpt(tmp_path, "cut", 4))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(discriminator="patchgan"), "--critic_trunk frozen needs --discriminator vgg16"),
+    (dict(diffaug="color"), "--diffaug needs --critic_trunk trainable"),
+    (dict(critic_trunk="trainable", diffaug="color,flip"), "--diffaug color,flip: unknown flip"),
+])
+def test_critic_flags_a_user_can_get_wrong_are_refused_in_one_line(changes, message):
+    from common import ConfigError
+    from config import validate
+    with pytest.raises(ConfigError, match=message) as error:
+        validate(config(**changes))
+    assert "\n" not in str(error.value)
