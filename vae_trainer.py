@@ -540,6 +540,8 @@ class Trainer:
         in_sync = checkpoint.ranks_in_sync(self.vae, self.info)
         state = self.state.state_dict()  # every rank takes part in the gather
         state["ranks_in_sync"] = in_sync
+        # the critic's replicas too (the frozen critic's heads: only they are in its DDP buckets)
+        state["critic_in_sync"] = self.adversary is None or checkpoint.ranks_in_sync(self.adversary.critic, self.info)
         if not self.info.is_main:
             return None
         if not in_sync:
