@@ -24,7 +24,7 @@ import latents as latents_lib
 import pretrained
 from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoderParams
 from common import ConfigError, OneLineParser, parse_bool
-from utils import DISC_NORMS, DISC_TYPES, vgg16_cache_path
+from utils import DIFFAUG_POLICIES, DISC_NORMS, DISC_TYPES, vgg16_cache_path
 
 
 def opt(default, help: str, choices=None, arch: bool = False):
@@ -142,6 +142,16 @@ class CriticConfig:
                                          "pretrained trunk, as the reference), --learning_rate_vae for patchgan "
                                          "(as LDM)")
     lecam_weight: float = opt(0.0, "LeCam regularisation weight for the discriminator (0: off)")
+    critic_trunk: str = opt("trainable", "the vgg16 critic's trunk. trainable: its own VGG16, trained (the "
+                                         "reference); frozen: LPIPS' VGG16, run once per micro-batch for LPIPS and "
+                                         "the critic, heads train (Projected GAN; docs/recipe.md)",
+                            ("trainable", "frozen"))
+    diffaug: str = opt("", "DiffAugment policy of the critic's real and fake images, e.g. "
+                           "color,translation,cutout ('': off; trainable trunk only)")
+    r1_weight: float = opt(0.0, "R1 gamma: gamma/2 * E|grad D(real)|^2 on the critic's inputs (the features when "
+                                "frozen; 0: off)")
+    gan_ramp_steps: int = opt(0, "steps over which the generator term ramps linearly from 0 after --disc_start "
+                                 "(0: a step function, the reference)")
     adaptive_weight_max: float = opt(1e4, "clamp of LDM's adaptive weight")
     vgg16_weights: str = opt("torchvision", "VGG16 for LPIPS and the discriminator: torchvision (its download "
                                             "cache), a local state-dict PATH, or random (tests/demo only)")
@@ -370,7 +380,8 @@ def resolve_auto(cfg: Config) -> Config:
         lr_vae = LR_TIMES_WIDTH / cfg.vae_ch / (10 if cfg.init_from else 1)
     changes = dict(
         learning_rate_vae=lr_vae,
-        learning_rate_disc=cfg.learning_rate_disc or (1e-5 if cfg.discriminator == "vgg16" else lr_vae),
+        learning_rate_disc=cfg.learning_rate_disc or (1e-5 if cfg.discriminator == "vgg16" and
+                                                       cfg.critic_trunk == "trainable" else lr_vae),
         warmup_steps=min(1000, cfg.max_steps // 10) if cfg.warmup_steps == -1 else cfg.warmup_steps,
         disc_start=cfg.max_steps // 5 if cfg.disc_start == -1 else cfg.disc_start,
         vae_norm_groups=cfg.vae_norm_groups or (auto_norm_groups(cfg.vae_ch) if cfg.vae_ch > 0 else 0))
@@ -472,7 +483,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
     non_negative = ["num_workers", "num_threads", "warmup_steps", "weight_decay", "grad_clip", "perceptual_weight", "mse_weight",
                     "pooled_mse_weight", "lowpass_mse_weight", "kl_weight", "gan_weight", "gan_margin",
-                    "disc_start", "lecam_weight", "evaluate_every_n_steps", "min_lr_ratio",
+                    "disc_start", "lecam_weight", "r1_weight", "gan_ramp_steps", "evaluate_every_n_steps",
+                    "min_lr_ratio",
                     "shard_retry_minutes"]
     for name in non_negative:
         if getattr(cfg, name) < 0:
@@ -524,6 +536,15 @@ def validate(cfg: Config) -> None:
                           f"{cfg.mse_pool_factor}{critic}")
     if cfg.do_ganloss and cfg.discriminator == "vgg16" and cfg.vae_resolution < CRITIC_MIN_SIZE:
         raise ConfigError(f"--vae_resolution must be at least {CRITIC_MIN_SIZE} for the VGG16 discriminator")
+    if cfg.critic_trunk == "frozen" and cfg.discriminator != "vgg16":
+        raise ConfigError("--critic_trunk frozen needs --discriminator vgg16 (its heads read LPIPS' VGG16 features)")
+    if cfg.diffaug and cfg.critic_trunk == "frozen":
+        raise ConfigError("--diffaug needs --critic_trunk trainable: augmented images would need their own pass "
+                          "through the frozen trunk, the pass it shares with LPIPS")
+    unknown = sorted(set(filter(None, cfg.diffaug.split(","))) - set(DIFFAUG_POLICIES))
+    if unknown:
+        raise ConfigError(f"--diffaug {cfg.diffaug}: unknown {','.join(unknown)} (choose from "
+                          f"{','.join(DIFFAUG_POLICIES)})")
     if cfg.perceptual_weight > 0 and cfg.vae_resolution < LPIPS_MIN_SIZE:
         raise ConfigError(f"--vae_resolution must be at least {LPIPS_MIN_SIZE} for LPIPS (--perceptual_weight 0 "
                           "turns it off)")

@@ -26,9 +26,10 @@ from torch import Tensor, nn
 from ae import kl_divergence
 from alignment import AlignmentLoss
 from config import CriticConfig, LatentsConfig, LossConfig, OptimConfig, section
-from utils import (LeCam, LowpassMSE, NLayerDiscriminator, VGG16Discriminator, adaptive_gan_weight, build_lpips,
-                   cosine_with_warmup, discriminator_accuracy, discriminator_loss, generator_active_fraction,
-                   generator_loss, gradnorm, pooled_mse)
+from utils import (FeatureCriticHeads, LeCam, LowpassMSE, NLayerDiscriminator, VGG16Discriminator, adaptive_gan_weight,
+                   build_lpips, cosine_with_warmup, diff_augment, discriminator_accuracy, discriminator_loss, gan_ramp,
+                   generator_active_fraction, generator_loss, gradnorm, gradnorm_branches_through_one_pass,
+                   lpips_from_features, pooled_mse, r1_penalty, vgg16_features)
 
 
 # ------------------------------------------------------------------------------------------ composing the terms
@@ -41,7 +42,9 @@ class Term:
     unweighted; under adaptive/none it is weighted like any term. Unbalanced terms (the KL) are always weighted;
     under gradnorm also multiplied by `gradnorm_factor` (what makes them scale like the branches).
     adversarial: the generator's GAN term, which LDM's adaptive weight multiplies (--loss_balance adaptive).
-    logs: further metrics of the term (its parts); `logged` False: only those are logged, not the value."""
+    logs: further metrics of the term (its parts); `logged` False: only those are logged, not the value.
+    shared_pass: under gradnorm its gradient reaches the VAE through the shared trunk's surrogate term
+    (gradnorm_branches_through_one_pass), so the value itself stays out of the backward sum."""
     name: str  # logged as loss/<name>
     value: Tensor
     weight: float
@@ -50,6 +53,7 @@ class Term:
     gradnorm_factor: float = 1.0
     logged: bool = True
     logs: dict[str, Tensor] = field(default_factory=dict)
+    shared_pass: bool = False
 
 
 def _sum(tensors) -> Tensor:
@@ -77,7 +81,7 @@ def compose(terms: list[Term], balance: str, scale: Tensor, accum: int, last_lay
         # (unscaled, their small gradients underflow). Each GradNorm renormalises what reaches it to its
         # weight, which carries the scale once: the VAE's gradient does not depend on this factor.
         backward = scale * _sum(t.value if t.balanced else t.weight * t.value * t.gradnorm_factor / accum
-                                for t in terms)
+                                for t in terms if not t.shared_pass)
     else:
         rec = _sum(t.weight * t.value for t in terms if t.balanced and not t.adversarial)
         parts = [rec]
@@ -94,6 +98,17 @@ def compose(terms: list[Term], balance: str, scale: Tensor, accum: int, last_lay
         backward = scale * (_sum(parts) / accum)
     logs["loss/total"] = _sum(t.weight * t.value for t in terms).detach()
     return backward, logs
+
+
+@dataclass
+class SharedTrunkPass:
+    """--critic_trunk frozen: LPIPS' VGG16 run once on the images (no grad) and once on the reconstruction; LPIPS,
+    the critic's step (detached) and the generator term all read these features. `leaf`: what recon_features
+    were computed from: the reconstruction itself, or under gradnorm its detached copy, from which each branch's
+    gradient is taken on its own (gradnorm_branches_through_one_pass)."""
+    x_features: list[Tensor]
+    recon_features: list[Tensor]
+    leaf: Tensor
 
 
 # ------------------------------------------------------------------------------------------ the VAE's objective
@@ -142,25 +157,46 @@ class VAEObjective(nn.Module):
         """Whether the generator gets the adversarial term at `step` (the critic itself trains from step 0)."""
         return self.adversary is not None and step >= self.gan_cfg.disc_start
 
+    def shared_trunk_pass(self, x: Tensor, recon: Tensor, step: int) -> SharedTrunkPass | None:
+        """The one VGG16 pass per image of the frozen-trunk critic (None with any other critic). The trainer hands
+        its features to the critic's step (Adversary.backward) and to this objective (forward's `shared`)."""
+        if self.adversary is None or not self.adversary.on_features:
+            return None
+        needs_grad = self.loss_cfg.perceptual_weight > 0 or self.gan_active(step)
+        if self.loss_cfg.loss_balance == "gradnorm":
+            leaf = recon.detach().requires_grad_(needs_grad)
+        else:
+            leaf = recon if needs_grad else recon.detach()
+        with self.autocast():
+            with torch.no_grad():
+                x_features = vgg16_features(self.lpips, x.contiguous(memory_format=self.memory_format))
+            with contextlib.nullcontext() if needs_grad else torch.no_grad():
+                recon_features = vgg16_features(self.lpips, leaf.contiguous(memory_format=self.memory_format))
+        return SharedTrunkPass(x_features, recon_features, leaf)
+
     def forward(self, x: Tensor, recon: Tensor, mean: Tensor, logvar: Tensor | None, step: int,
                 real_logits: Tensor | None = None, critic_fake_logits: Tensor | None = None, accum: int = 1,
                 loss_scale: Tensor | None = None, last_layer: Tensor | None = None,
                 latent: Tensor | None = None, images: Tensor | None = None,
-                added: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, dict]:
+                added: tuple[Tensor, Tensor] | None = None,
+                shared: SharedTrunkPass | None = None) -> tuple[Tensor, dict]:
         """(the tensor to backpropagate, {metric name: value} for logging, per micro-batch). `recon` in fp32; `mean`,
         `logvar` the posterior; `real_logits`, `critic_fake_logits` the critic's logits on this micro-batch's
         images and detached reconstructions (Adversary.backward), needed from disc_start on; `accum` micro-batches
         per step; `loss_scale` the fp16 GradScaler's scale (None: 1); `last_layer` the decoder's last weight
         (for --loss_balance adaptive); `latent`, `images` the encoder's output with its graph and its input, for
         the alignment term (as they were before any latent regulariser transformed them); `added` (downsampled
-        image, its reconstruction in fp32) for the additive scale-equivariance term (--scale_equivariance_form add)."""
+        image, its reconstruction in fp32) for the additive scale-equivariance term (--scale_equivariance_form add);
+        `shared` the frozen trunk's features of this micro-batch (shared_trunk_pass; with --critic_trunk frozen)."""
         scale = loss_scale if loss_scale is not None else torch.ones((), device=self.device)
+        if self.adversary is not None and self.adversary.on_features and shared is None:
+            shared = self.shared_trunk_pass(x, recon, step)
         terms = self.terms(x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent, images,
-                           added)
+                           added, shared)
         return compose(terms, self.loss_cfg.loss_balance, scale, accum, last_layer, self.gan_cfg.adaptive_weight_max)
 
     def terms(self, x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent=None,
-              images=None, added=None) -> list[Term]:
+              images=None, added=None, shared: SharedTrunkPass | None = None) -> list[Term]:
         """The loss terms, one block each. Their order is the order of the sums (a fixed-seed run reproduces
         bitwise only with the same order)."""
         loss, gan = self.loss_cfg, self.gan_cfg
@@ -173,12 +209,22 @@ class VAEObjective(nn.Module):
                 return out
         kl = kl_divergence(mean, logvar)  # per latent element, over the micro-batch's mean.numel() elements
         terms = []
+        # the frozen trunk's features serve LPIPS and the generator term: under gradnorm each branch's gradient
+        # is normalised on its own below, the others backpropagate through the one pass like any loss
+        through_shared = shared is not None and loss.loss_balance == "gradnorm"
+        shared_branches = []  # (loss, GradNorm weight) of the branches computed on shared.leaf
 
         if loss.perceptual_weight > 0:  # weight 0: no VGG16 pass at all (pixel-only steps are ~6x cheaper)
             with self.autocast():
-                perceptual = self.lpips(branch(loss.perceptual_weight).contiguous(memory_format=self.memory_format),
-                                        x).float().mean()
-            terms.append(Term("perceptual", perceptual, loss.perceptual_weight, balanced=True))
+                if shared is not None:
+                    perceptual = lpips_from_features(self.lpips, shared.recon_features,
+                                                     shared.x_features).float().mean()
+                else:
+                    perceptual = self.lpips(
+                        branch(loss.perceptual_weight).contiguous(memory_format=self.memory_format), x).float().mean()
+            terms.append(Term("perceptual", perceptual, loss.perceptual_weight, balanced=True,
+                              shared_pass=through_shared))
+            shared_branches.append((perceptual, loss.perceptual_weight))
 
         pixel_in = branch(loss.mse_weight)
         pooled = pooled_mse(pixel_in, x, loss.mse_pool_factor)
@@ -210,11 +256,22 @@ class VAEObjective(nn.Module):
             # gives each active patch the push it gets when all are active (patch gradients are near-orthogonal).
             # Measured on the critic's pass over the detached reconstructions: the same critic, the same images.
             active = generator_active_fraction(real_logits, critic_fake_logits, gan.gen_loss, gan.gan_margin)
+            # --gan_ramp_steps: the weight grows linearly after disc_start (1.0 with the reference's step function)
+            gan_weight = gan.gan_weight * gan_ramp(step, gan.disc_start, gan.gan_ramp_steps)
             with self.autocast():  # the objective's precision, like every loss network's pass here
-                fake_logits = self.adversary.generator_logits(branch(gan.gan_weight * active.sqrt()))
+                fake = shared.recon_features if shared is not None else branch(gan_weight * active.sqrt())
+                fake_logits = self.adversary.generator_logits(fake)
             g_loss = generator_loss(fake_logits, real_logits, gan.gen_loss, gan.gan_margin)
-            terms.append(Term("gan_g", g_loss, gan.gan_weight, balanced=True, adversarial=True,
+            terms.append(Term("gan_g", g_loss, gan_weight, balanced=True, adversarial=True, shared_pass=through_shared,
                               logs={"gan/active_fraction": active}))
+            shared_branches.append((g_loss, gan_weight * active.sqrt()))
+
+        if through_shared and shared_branches:
+            # the scaled losses keep fp16's trunk backward above underflow; GradNorm removes the scale again
+            surrogate = gradnorm_branches_through_one_pass(
+                recon, shared.leaf, [(scale * value, scale * (weight / accum)) for value, weight in shared_branches])
+            # value 0 (the total stays the sum of the real terms), gradient: the normalised branches
+            terms.append(Term("vgg16_branches", surrogate - surrogate.detach(), 1.0, balanced=True, logged=False))
 
         if self.alignment is not None:
             # a GradNorm branch at the latent (AlignmentLoss applies it; --vf_weight requires gradnorm): its
@@ -240,7 +297,9 @@ class VAEObjective(nn.Module):
 
 # ------------------------------------------------------------------------------------------ the critic's owner
 CRITICS = {  # --discriminator -> its network, from the CriticConfig and the VGG16 `features` weights
-    "vgg16": lambda cfg, vgg_features: VGG16Discriminator(vgg_features),
+    # frozen: only the heads; their trunk is LPIPS' (VAEObjective.shared_trunk_pass)
+    "vgg16": lambda cfg, vgg_features: (FeatureCriticHeads() if cfg.critic_trunk == "frozen"
+                                        else VGG16Discriminator(vgg_features)),
     "patchgan": lambda cfg, vgg_features: NLayerDiscriminator(norm=cfg.disc_norm),
 }
 
@@ -259,6 +318,8 @@ class Adversary:
         self.cfg, self.device, self.memory_format = cfg, torch.device(device), memory_format
         self.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         self.precision = precision
+        # --critic_trunk frozen: the critic reads the shared trunk's feature lists instead of images
+        self.on_features = cfg.discriminator == "vgg16" and cfg.critic_trunk == "frozen"
         self.critic = critic.to(device, memory_format=memory_format)
         self.critic_ddp = self.critic  # the module the critic's pass runs (its DDP wrapper under torchrun)
         self.lecam = LeCam().to(device) if cfg.lecam_weight > 0 else None
@@ -275,11 +336,29 @@ class Adversary:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
 
-    def loss(self, x: Tensor, recon: Tensor):
-        """The critic's loss on real `x` vs the detached `recon` (LeCam included), its logits (detached, for the
-        generator term) and logs."""
+    def critic_input(self, images_or_features):
+        """What the critic reads: the images (DiffAugment applied with --diffaug), or the frozen trunk's features."""
+        if self.on_features:
+            return images_or_features
+        if self.cfg.diffaug:
+            images_or_features = diff_augment(images_or_features, self.cfg.diffaug)
+        return images_or_features.contiguous(memory_format=self.memory_format)
+
+    def loss(self, x, recon):
+        """The critic's loss on real `x` vs the detached `recon` (LeCam and R1 included), its logits (detached, for
+        the generator term) and logs. `x`, `recon`: images, or with the frozen trunk their feature lists."""
+        if self.on_features:
+            real, fake = [f.detach() for f in x], [f.detach() for f in recon]
+            if self.cfg.r1_weight > 0:  # R1 on the features: its double backward only crosses the heads
+                real = [f.requires_grad_(True) for f in real]
+            both = [torch.cat(pair) for pair in zip(real, fake)]
+        else:
+            real, fake = x, recon.detach()
+            if self.cfg.r1_weight > 0:
+                real = real.detach().requires_grad_(True)
+            both = torch.cat([real, fake])
         with self.autocast():
-            logits = self.critic_ddp(torch.cat([x, recon.detach()]).contiguous(memory_format=self.memory_format))
+            logits = self.critic_ddp(self.critic_input(both))
         real_logits, fake_logits = logits.float().chunk(2)
         d_loss = discriminator_loss(real_logits, fake_logits, self.cfg.disc_type)
         if self.lecam is not None:
@@ -287,6 +366,10 @@ class Adversary:
             d_loss = d_loss + self.cfg.lecam_weight * self.lecam.penalty(real_logits, fake_logits)
         logs = {"loss/disc": d_loss, "gan/disc_acc": discriminator_accuracy(real_logits, fake_logits),
                 "gan/real_logits": real_logits.mean(), "gan/fake_logits": fake_logits.mean()}
+        if self.cfg.r1_weight > 0:
+            r1 = r1_penalty(real_logits, real)
+            d_loss = d_loss + self.cfg.r1_weight / 2 * r1
+            logs["gan/r1"] = r1.detach()
         return d_loss, real_logits.detach(), fake_logits.detach(), logs
 
     def backward(self, x: Tensor, recon: Tensor, sync: bool, accum: int):
@@ -297,10 +380,10 @@ class Adversary:
             self.scaler.scale(d_loss / accum).backward()
         return d_loss, real_logits, fake_logits, logs
 
-    def generator_logits(self, fake: Tensor) -> Tensor:
-        """The critic's logits on reconstructions that keep their graph (the generator's term), in fp32; under the
-        caller's autocast (the objective's)."""
-        return self.critic(fake.contiguous(memory_format=self.memory_format)).float()
+    def generator_logits(self, fake) -> Tensor:
+        """The critic's logits on reconstructions (or, frozen trunk, their features) that keep their graph (the
+        generator's term), in fp32; under the caller's autocast (the objective's)."""
+        return self.critic(self.critic_input(fake)).float()
 
     @contextlib.contextmanager
     def frozen(self):
@@ -327,7 +410,8 @@ class Adversary:
     def load_state_dict(self, ckpt: dict, path: str = "", log=print) -> None:
         """The critic resumes only from a checkpoint of the same kind; LeCam's anchors whenever saved."""
         saved_cfg = ckpt.get("config", {})
-        same_kind = all(saved_cfg.get(k) == getattr(self.cfg, k) for k in ("discriminator", "disc_norm"))
+        same_kind = (all(saved_cfg.get(k) == getattr(self.cfg, k) for k in ("discriminator", "disc_norm"))
+                     and saved_cfg.get("critic_trunk", "trainable") == self.cfg.critic_trunk)
         if ckpt.get("discriminator") is not None and not same_kind:
             log("warning: the checkpoint's discriminator is of another kind; the critic starts from scratch")
         if ckpt.get("discriminator") is not None and same_kind:

@@ -591,8 +591,11 @@ class Trainer:
                                                                      also_decode=added and added[1])
                 x, recon = target, recon.float()  # every loss reduces in fp32
                 real_logits = fake_logits = None
+                shared = self.objective.shared_trunk_pass(x, recon, self.step)  # --critic_trunk frozen: one pass
                 if adversary is not None:  # the critic learns real vs detached fakes, every step
-                    d_loss, real_logits, fake_logits, d_logs = self.critic_backward(x, recon, sync, accum)
+                    critic_x, critic_recon = (shared.x_features, shared.recon_features) if shared else (x, recon)
+                    d_loss, real_logits, fake_logits, d_logs = self.critic_backward(critic_x, critic_recon, sync,
+                                                                                    accum)
                     self.metrics.add(**{k: v / accum for k, v in d_logs.items()})
                     step_loss = step_loss + d_loss.detach()
                 with self.objective.critic_frozen():
@@ -600,7 +603,8 @@ class Trainer:
                                                 loss_scale=self.training.scaler.scale(
                                                     torch.ones((), device=self.device)),
                                                 last_layer=self.vae.decoder.conv_out.weight, latent=mean,
-                                                images=images, added=(added[0], small[0].float()) if added else None)
+                                                images=images, added=(added[0], small[0].float()) if added else None,
+                                                shared=shared)
                     step_loss = step_loss + loss.detach()
                     loss.backward()
             self.metrics.add(**{k: v / accum for k, v in logs.items()})
@@ -673,6 +677,8 @@ class Trainer:
         in_sync = checkpoint.ranks_in_sync(self.training.replicated(), self.info)
         state = self.state.state_dict()  # every rank takes part in the gather
         state["ranks_in_sync"] = in_sync
+        # the critic's replicas too (the frozen critic's heads: only they are in its DDP buckets)
+        state["critic_in_sync"] = self.adversary is None or checkpoint.ranks_in_sync(self.adversary.critic, self.info)
         if not self.info.is_main:
             return None
         if not in_sync:

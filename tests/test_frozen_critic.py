@@ -1,0 +1,165 @@
+"""Issue 19 wired in: --critic_trunk frozen through the objective and the trainer (one LPIPS VGG16 pass per image
+serves LPIPS, the critic's step and the generator term; each GradNorm branch still normalised on its own), and
+the stabiliser flags reaching the step. The pieces themselves: tests/test_critic.py."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from config import Config, resolve_auto
+from conftest import FAULTY, TINY, cli_env, run_cli
+from objective import VAEObjective
+from utils import FeatureCriticHeads, generator_active_fraction, generator_loss, gradnorm, vgg16_features
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def config(**changes):
+    cfg = Config(dataset_url="unused", vae_resolution=32, mse_pool_factor=4, vgg16_weights="random", do_ganloss=True,
+                 critic_trunk="frozen", disc_start=2)
+    return resolve_auto(dataclasses.replace(cfg, **changes))
+
+
+def inputs(seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(2, 3, 32, 32, generator=gen) * 2 - 1
+    recon = (x + 0.3 * torch.randn(x.shape, generator=gen)).clamp(-1, 1).requires_grad_()
+    mean = torch.randn(2, 4, 8, 8, generator=gen).requires_grad_()
+    return x, recon, mean
+
+
+def past_neutral_start(heads: FeatureCriticHeads) -> None:
+    torch.manual_seed(5)
+    for head in heads.heads:
+        torch.nn.init.normal_(head[-1].weight)
+
+
+def test_shared_pass_gives_the_vae_the_gradient_of_separate_passes():
+    """The objective with one shared trunk pass: the gradient at the reconstruction equals pixel + KL plus LPIPS
+    and the generator term on their own trunk passes, each through its own GradNorm (loss scale 8, grad_accum 2,
+    the thresholded target's sqrt(active fraction) with half the patches active)."""
+    torch.manual_seed(0)
+    objective = VAEObjective(config(), vgg_features=None)
+    heads = objective.critic
+    assert isinstance(heads, FeatureCriticHeads)
+    past_neutral_start(heads)
+    heads.eval().requires_grad_(False)  # eval: spectral norm's power iteration would move between the two passes
+    x, recon, mean = inputs()
+    scale, accum, step = torch.tensor(8.0), 2, 5
+    with torch.no_grad():
+        real_logits = heads(vgg16_features(objective.lpips, x))
+        fake_logits = real_logits - torch.tensor([1.0, -1.0]).repeat(4).view_as(real_logits)  # half above margin
+    cfg = objective.cfg
+    active = generator_active_fraction(real_logits, fake_logits, cfg.gen_loss, cfg.gan_margin)
+    assert 0 < active.item() < 1
+
+    loss, logs = objective(x, recon, mean, None, step, real_logits, fake_logits, accum, loss_scale=scale)
+    shared = torch.autograd.grad(loss, recon)[0]
+
+    objective.cfg = dataclasses.replace(cfg, perceptual_weight=0.0, disc_start=10**6)  # pixel + KL only
+    rest, _ = objective(x, recon, mean, None, step, real_logits, fake_logits, accum, loss_scale=scale)
+    objective.cfg = cfg
+    perceptual = objective.lpips(gradnorm(recon, scale * cfg.perceptual_weight / accum), x).mean()
+    g_in = gradnorm(recon, scale * cfg.gan_weight * active.sqrt() / accum)
+    g_loss = generator_loss(heads(vgg16_features(objective.lpips, g_in)), real_logits, cfg.gen_loss, cfg.gan_margin)
+    separate = torch.autograd.grad(rest + scale * (perceptual + g_loss), recon)[0]
+    torch.testing.assert_close(shared, separate, rtol=1e-5, atol=1e-8)
+    # the logged values are the separate passes' values
+    torch.testing.assert_close(logs["loss/perceptual"], perceptual.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(logs["loss/gan_g"], g_loss.detach(), rtol=1e-6, atol=0)
+
+
+def test_frozen_critic_in_the_trainer_one_trunk_pass_each_heads_train(shard_url, tmp_path, monkeypatch):
+    """Through the real Trainer: two trunk passes per micro-batch (images, reconstructions), also with LPIPS off;
+    the critic's optimizer holds the heads only; the heads move; a checkpoint holds them."""
+    from test_trainer import in_process_trainer
+    for extra in ([], ["--perceptual_weight", "0"]):
+        trainer = in_process_trainer(shard_url, tmp_path / str(len(extra)), "--do_ganloss", "--critic_trunk",
+                                     "frozen", "--disc_start", "1", "--max_steps", "2", "--grad_accum", "2",
+                                     "--save_every_n_steps", "2", "--log_every_n_steps", "1", *extra)
+        try:
+            heads = trainer.adversary.critic
+            assert isinstance(heads, FeatureCriticHeads)
+            optimized = {id(p) for group in trainer.adversary.optimizer.param_groups for p in group["params"]}
+            assert optimized == {id(p) for p in heads.parameters()}
+            before = {n: p.detach().clone() for n, p in heads.named_parameters()}
+            passes = []
+            trainer.objective.lpips.net.register_forward_hook(lambda *a: passes.append(1))
+            assert trainer.train() == 0
+            assert len(passes) == 2 * 2 * 2  # 2 steps x 2 micro-batches x (images, reconstructions)
+            assert all(not torch.equal(before[n], p) for n, p in heads.named_parameters() if n.endswith("weight_orig"))
+        finally:
+            trainer.close()
+    ckpt = torch.load(next((tmp_path / "0").rglob("step_00000002.pt")), weights_only=True)
+    assert ckpt["config"]["critic_trunk"] == "frozen" and "heads.0.0.weight_orig" in ckpt["discriminator"]
+
+
+def test_stabiliser_flags_reach_the_step():
+    """--gan_ramp_steps scales the generator term's weight; --r1_weight adds gamma/2 * R1 to the critic's loss (on
+    the features when frozen); --diffaug changes what the trainable critic sees."""
+    torch.manual_seed(0)
+    objective = VAEObjective(config(), vgg_features=None)
+    past_neutral_start(objective.critic)
+    objective.critic.eval()  # spectral norm's power iteration would change the critic between the calls compared
+    x, recon, mean = inputs()
+    with torch.no_grad():
+        real_logits = objective.critic(vgg16_features(objective.lpips, x))
+    fake_logits = real_logits - 1
+
+    def gan_logs(**changes):
+        objective.cfg = dataclasses.replace(config(), **changes)
+        return objective(x, recon, mean, None, 3, real_logits, fake_logits)[1]
+    full, ramped = gan_logs(), gan_logs(gan_ramp_steps=8)  # step 3 = disc_start + 1: 2/8 of the weight
+    torch.testing.assert_close(ramped["loss/gan_g"], full["loss/gan_g"])
+    torch.testing.assert_close(ramped["loss/total"] - full["loss/total"],
+                               (0.25 - 1) * config().gan_weight * full["loss/gan_g"], rtol=1e-5, atol=1e-7)
+
+    adversary = objective.adversary
+    shared = objective.shared_trunk_pass(x, recon, 3)
+    d_plain = adversary.loss(shared.x_features, shared.recon_features)
+    adversary.cfg = dataclasses.replace(adversary.cfg, r1_weight=10.0)
+    d_r1 = adversary.loss(shared.x_features, shared.recon_features)
+    assert d_r1[3]["gan/r1"] > 0
+    torch.testing.assert_close(d_r1[0], d_plain[0] + 5.0 * d_r1[3]["gan/r1"])
+
+    trainable = VAEObjective(config(critic_trunk="trainable", diffaug="translation,cutout"), vgg_features=None)
+    for head in trainable.critic.heads:  # past the neutral start
+        torch.nn.init.normal_(head[-1].weight)
+    plain_logits = trainable.critic(x)
+    torch.manual_seed(1)
+    augmented_logits = trainable.adversary.generator_logits(x)
+    assert not torch.allclose(augmented_logits, plain_logits)
+
+
+@pytest.mark.timeout(480)
+def test_frozen_critic_two_ranks_stopped_and_resumed_equals_uninterrupted(shard_url, tmp_path):
+    """2 gloo ranks, frozen critic, R1 and the ramp on: the heads stay equal on both ranks (the critic's DDP);
+    SIGTERM at step 2 (saved after step 3), the same command resumes; the final checkpoint (VAE, EMA, heads,
+    optimizers, LeCam) equals the uninterrupted run's bitwise."""
+    from test_fault_tolerance import _args, _assert_same_state, _ckpt
+    frozen = ["--do_ganloss", "--critic_trunk", "frozen", "--disc_start", "1", "--lecam_weight", "0.1",
+              "--r1_weight", "1", "--gan_ramp_steps", "4"]
+    ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 4, 2, *frozen), nproc=2)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    cut = run_cli(FAULTY, _args(shard_url, tmp_path, "cut", 4, 100, *frozen), nproc=2,
+                  env=cli_env(VAE_TRAINER_SIGTERM_AT="2"))
+    assert "checkpoint written at step 3" in cut.stdout, cut.stdout[-2000:] + cut.stderr[-2000:]
+    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 4, 100, *frozen), nproc=2)
+    assert again.returncode == 0, again.stderr[-2000:]
+    _assert_same_state(_ckpt(tmp_path, "ref", 4), _ckpt(tmp_path, "cut", 4))
+    assert _ckpt(tmp_path, "ref", 4)["critic_in_sync"] is True  # DDP kept the heads equal on both ranks
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(discriminator="patchgan"), "--critic_trunk frozen needs --discriminator vgg16"),
+    (dict(diffaug="color"), "--diffaug needs --critic_trunk trainable"),
+    (dict(critic_trunk="trainable", diffaug="color,flip"), "--diffaug color,flip: unknown flip"),
+])
+def test_critic_flags_a_user_can_get_wrong_are_refused_in_one_line(changes, message):
+    from common import ConfigError
+    from config import validate
+    with pytest.raises(ConfigError, match=message) as error:
+        validate(config(**changes))
+    assert "\n" not in str(error.value)
