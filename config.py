@@ -338,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
         group = parser.add_argument_group(kind.GROUP)
         for f in dataclasses.fields(kind):
             meta = f.metadata
-            kwargs: dict[str, Any] = dict(help=f"{meta['help']} (default: {f.default})")
+            # argparse formats help with %: a literal one (e.g. "25%") must be doubled
+            kwargs: dict[str, Any] = dict(help=f"{meta['help']} (default: {f.default})".replace("%", "%%"))
             if f.type in ("bool", bool):
                 kwargs.update(nargs="?", const=True, type=parse_bool, metavar="BOOL")
             else:

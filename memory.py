@@ -109,12 +109,16 @@ def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_si
         out["recon"] = out["recon"].float()
 
     def critic_loss():
+        # --critic_trunk frozen: the trainer's one VGG16 pass per image, whose features the critic reads
+        shared = out["shared"] = objective.shared_trunk_pass(x, out["recon"], step)
         if objective.critic is not None:
-            _, out["real"], out["fake"], _ = objective.adversary.loss(x, out["recon"])
+            inputs = (shared.x_features, shared.recon_features) if shared is not None else (x, out["recon"])
+            _, out["real"], out["fake"], _ = objective.adversary.loss(*inputs)
 
     def vae_loss():
         with objective.critic_frozen():
-            objective(x, out["recon"], out["mean"], out["logvar"], step, out.get("real"), out.get("fake"))
+            objective(x, out["recon"], out["mean"], out["logvar"], step, out.get("real"), out.get("fake"),
+                      shared=out.get("shared"))
 
     with _probe_settings(vae, objective, shape):
         vae_bytes, vae_largest = _saved_bytes(vae_forward, exclude)

@@ -189,6 +189,8 @@ class VAEObjective(nn.Module):
         image, its reconstruction in fp32) for the additive scale-equivariance term (--scale_equivariance_form add);
         `shared` the frozen trunk's features of this micro-batch (shared_trunk_pass; with --critic_trunk frozen)."""
         scale = loss_scale if loss_scale is not None else torch.ones((), device=self.device)
+        # without a regulariser in between, the latent is the posterior mean and the images are x
+        latent, images = (mean if latent is None else latent), (x if images is None else images)
         if self.adversary is not None and self.adversary.on_features and shared is None:
             shared = self.shared_trunk_pass(x, recon, step)
         terms = self.terms(x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent, images,

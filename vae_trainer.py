@@ -13,16 +13,14 @@ and the registry of stateful entries, run_log.py everything the user sees (Repor
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import data as data_lib
@@ -32,75 +30,22 @@ import memory
 import pretrained
 import probe as probe_lib
 import run_log
-from ae import AutoEncoder, decode_latents
+from ae import AutoEncoder
 from checkpoint import checkpoint_files
-from common import ConfigError, DistInfo, atomic_write, capture_rng, init_distributed, restore_rng
+from common import ConfigError, DistInfo, capture_rng, init_distributed, restore_rng
 from config import (DEMO, Config, OptimConfig, build_parser, ch_mult_of, config_warnings, demo_summary,  # noqa: F401
                     cpu_use_line, finish_config, model_params, parse_config, parse_flags, prepare_demo, public_config,
                     read_init_source, resolve_auto, scale_equivariance_sizes, section, uses_vgg16, validate)
 from objective import VAEObjective, no_sync_unless
 from run_log import Metrics
-from utils import (WeightsUnavailable, cosine_with_warmup, ensure_vgg16_weights, fetch_weights, load_vgg16_features,
+from utils import (WeightsUnavailable, ensure_vgg16_weights, fetch_weights, load_vgg16_features,
                    vgg16_cache_path, warn_random_vgg)  # noqa: F401
-
-
+from train_state import EMA, DecoderOnly, NonFiniteGuard, VAETraining, adamw, wrap_ddp  # noqa: F401  (tests and bench use these names)
 
 
 # ============================================================================================
-# Training-side state: EMA of the weights, the stop flag, the VAE's training state, the non-finite guard
+# The stop flag, and what the loop decides with every rank
 # ============================================================================================
-class EMA:
-    """fp32 exponential moving average of the VAE parameters that train (frozen ones, --train_parts decoder, never
-    change: their average is themselves), decay warmed up as min(decay, (1+t)/(10+t)). The update is skipped (on
-    the device, no host sync) on steps the guard rejected."""
-
-    def __init__(self, model: torch.nn.Module, decay: float):
-        self.decay = decay
-        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.names = [n for n, _ in trained]
-        self.shadow = [p.detach().float().clone() for _, p in trained]
-
-    @torch.no_grad()
-    def update(self, model: torch.nn.Module, step: int, skip: torch.Tensor) -> None:
-        decay = min(self.decay, (1 + step) / (10 + step))
-        params = [p.detach().float() for p in model.parameters() if p.requires_grad]
-        delta = torch._foreach_sub(params, self.shadow)
-        torch._foreach_mul_(delta, (1.0 - decay) * (1.0 - skip))
-        torch._foreach_add_(self.shadow, delta)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(zip(self.names, self.shadow))
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for name, tensor in zip(self.names, self.shadow):
-            tensor.copy_(state[name])
-
-    def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """A whole state dict of `model` with the averaged weights (the frozen ones as they are)."""
-        return {**model.state_dict(), **self.state_dict()}
-
-
-class DecoderOnly(torch.nn.Module):
-    """--train_parts decoder: the encoder, quant_conv and the posterior are frozen (no requires_grad, eval mode)
-    and run under no_grad; only post_quant_conv and the decoder train. Wrapped in DDP in place of the VAE, so DDP's
-    buckets hold the decoder's gradients only (DDP skips parameters that do not require grad)."""
-
-    def __init__(self, vae: AutoEncoder):
-        super().__init__()
-        self.vae = vae
-        self.frozen = [vae.encoder] + ([vae.quant_conv] if vae.params.quant_conv else [])
-        for module in self.frozen:
-            module.requires_grad_(False).eval()
-
-    def forward(self, x: torch.Tensor, latent_transform=None, also_decode=None) -> tuple[torch.Tensor, ...]:
-        """As AutoEncoder.forward (the same `latent_transform` and `also_decode` between encoder and decoder)."""
-        for module in self.frozen:
-            module.eval()  # evaluation calls vae.train() on its way out
-        with torch.no_grad():
-            mean, logvar = self.vae.encode_moments(x)
-        return decode_latents(self.vae, self.vae.sample(mean, logvar), mean, logvar, latent_transform, also_decode)
-
-
 class StopFlag:
     """SIGTERM/SIGINT ask for a checkpoint and a clean exit at the end of the current step; a second
     SIGINT aborts."""
@@ -188,193 +133,18 @@ def build_objective(cfg: Config, info: DistInfo, device: torch.device, memory_fo
         path = fetch_weights(ensure_vgg16_weights, cfg.vgg16_weights, info.local_rank, info.ctrl_group)
         return load_vgg16_features(path)
 
-    vgg_features = None
-    if uses_vgg16(cfg):
+    vgg_features, with_lpips = None, uses_vgg16(cfg)  # (features None with --vgg16_weights random: random init)
+    if with_lpips:
         vgg_features = vgg16_features()
     elif eval_on and cfg.vgg16_weights != "random":
         try:
-            vgg_features = vgg16_features()
+            vgg_features, with_lpips = vgg16_features(), True
         except WeightsUnavailable as e:
             if cfg.vgg16_weights != "torchvision":
                 raise  # the user named a file: an error, not a missing metric
             log(f"note: evaluation's LPIPS will not be computed: {e}")
-    return VAEObjective(cfg, vgg_features, with_lpips=vgg_features is not None, device=device,
+    return VAEObjective(cfg, vgg_features, with_lpips=with_lpips, device=device,
                         memory_format=memory_format, z_channels=z_channels)
-
-
-class VAETraining:
-    """The VAE and everything that trains it: the module DDP wraps (the VAE, or its decoder behind a frozen
-    encoder: --train_parts decoder), AdamW, the schedule, the (fp16) GradScaler and the EMA. A checkpoint entry
-    under today's keys (vae, ema, optimizer_vae, scheduler_vae, scaler_vae)."""
-
-    def __init__(self, vae: AutoEncoder, cfg: Config, make_optimizer, wrap_ddp, device: torch.device,
-                 alignment: torch.nn.Module | None = None):
-        self.vae, self.cfg = vae, cfg
-        self.trained = DecoderOnly(vae) if cfg.train_parts == "decoder" else vae
-        # --vf_weight: the alignment's projection trains beside the VAE (its own checkpoint entry)
-        self.projection = ProjectionTraining(alignment.projection, cfg, make_optimizer) if alignment else None
-        if self.projection is not None:
-            self.trained = WithProjection(self.trained, alignment.projection)
-        self.ema = EMA(vae, cfg.ema_decay) if cfg.ema_decay > 0 else None
-        if cfg.compile:
-            vae.encoder.compile()  # the inner modules, never the DDP wrapper
-            vae.decoder.compile()
-        self.ddp = wrap_ddp(self.trained)
-        # the VAE's frozen parts (--train_parts decoder) stay out: no state, and weight decay never moves them
-        self.optimizer = make_optimizer([p for p in vae.parameters() if p.requires_grad], cfg.learning_rate_vae)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
-        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-
-    def replicated(self) -> torch.nn.Module:
-        """What DDP must keep equal on every rank: the VAE and the --vf_weight projection (checked at each save)."""
-        return torch.nn.ModuleList([self.vae] + ([self.projection.projection] if self.projection else []))
-
-    def nonfinite(self, guard, metrics: Metrics) -> torch.Tensor:
-        """The guard's check of the VAE's gradient, and of the projection's (unscaled by the same fp16 scaler)."""
-        bad = guard.nonfinite(self.vae, self.optimizer, self.scaler, "vae", metrics)
-        if self.projection is not None:
-            bad = bad | guard.nonfinite(self.projection.projection, self.projection.optimizer, self.scaler,
-                                        "vf_projection", metrics)
-        return bad
-
-    def step(self, bad: torch.Tensor, step: int, step_optimizer) -> None:
-        step_optimizer(self.optimizer, self.scaler, bad)
-        if self.projection is not None:  # skipped with the VAE; after the scaler's update (it has none of its own)
-            self.projection.step(bad, step_optimizer)
-        if self.ema is not None:
-            self.ema.update(self.vae, step, bad)
-        self.scheduler.step()
-
-    def state_dict(self) -> dict:
-        return {"vae": {k: v.detach().cpu() for k, v in self.vae.state_dict().items()},
-                "ema": ({k: v.detach().cpu() for k, v in self.ema.model_state_dict(self.vae).items()}
-                        if self.ema else None),
-                "optimizer_vae": self.optimizer.state_dict(), "scheduler_vae": self.scheduler.state_dict(),
-                "scaler_vae": self.scaler.state_dict()}
-
-    def load_state_dict(self, ckpt: dict, path: str, log=print) -> None:
-        saved_parts = ckpt.get("config", {}).get("train_parts", "all")
-        if saved_parts != self.cfg.train_parts:
-            raise ConfigError(f"{path} was trained with --train_parts {saved_parts}: resume with the same (its "
-                              "optimizer holds those parameters), or start a new --run_name from it with --load_path")
-        self.vae.load_state_dict(ckpt["vae"])
-        if self.ema is not None:
-            if ckpt.get("ema"):
-                self.ema.load_state_dict(ckpt["ema"])
-            else:
-                self.ema = EMA(self.vae, self.cfg.ema_decay)
-        self.optimizer.load_state_dict(ckpt["optimizer_vae"])
-        self.scheduler.load_state_dict(ckpt["scheduler_vae"])
-        checkpoint.restore_scaler(self.scaler, ckpt.get("scaler_vae"))
-
-
-class WithProjection(torch.nn.Module):
-    """The module DDP wraps when the alignment trains: the VAE (or DecoderOnly) and the alignment's projection, so
-    one DDP all-reduces both (in the same buckets, skipped together under no_sync) and broadcasts both at start.
-    The projection is used by the objective after the forward; DDP only needs its gradient in the same backward."""
-
-    def __init__(self, trained: torch.nn.Module, projection: torch.nn.Module):
-        super().__init__()
-        self.trained, self.projection = trained, projection
-
-    def forward(self, *args, **kwargs):
-        return self.trained(*args, **kwargs)
-
-
-class ProjectionTraining:
-    """--vf_weight: the alignment's 1x1 projection trains with the VAE (in its DDP wrapper, WithProjection) under
-    its own AdamW and schedule with the VAE's settings, unscaled by the VAE's fp16 scaler and skipped with the VAE's
-    step. Its own optimizer, so a checkpoint written without it still resumes (the projection then starts afresh).
-    No EMA: the EMA is of the VAE, what is evaluated and exported; the projection is never exported. A checkpoint
-    entry (keys vf_projection, optimizer_vf, scheduler_vf)."""
-
-    def __init__(self, projection: torch.nn.Module, cfg: Config, make_optimizer):
-        self.projection = projection
-        self.optimizer = make_optimizer(projection.parameters(), cfg.learning_rate_vae)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
-        self.no_scaler = torch.amp.GradScaler(enabled=False)  # the VAE's scaler updates once, after the VAE's step
-
-    def step(self, bad: torch.Tensor, step_optimizer) -> None:
-        step_optimizer(self.optimizer, self.no_scaler, bad)
-        self.scheduler.step()
-
-    def state_dict(self) -> dict:
-        return {"vf_projection": {k: v.detach().cpu() for k, v in self.projection.state_dict().items()},
-                "optimizer_vf": self.optimizer.state_dict(), "scheduler_vf": self.scheduler.state_dict()}
-
-    def load_state_dict(self, ckpt: dict, path: str = "", log=print) -> None:
-        if ckpt.get("vf_projection") is None:
-            log(f"note: {path} has no alignment projection (written without --vf_weight): it starts afresh")
-            return
-        self.projection.load_state_dict(ckpt["vf_projection"])
-        self.optimizer.load_state_dict(ckpt["optimizer_vf"])
-        self.scheduler.load_state_dict(ckpt["scheduler_vf"])
-
-
-class NonFiniteGuard:
-    """A step whose loss or gradient is not finite on any rank is skipped on every rank (device flags, no host
-    sync); the skipped steps are counted, and a streak of --max_bad_steps stops the run. Checked every step: on
-    CUDA the streak is read one step late from a pinned copy (waiting only for the previous step's copy, which has
-    normally landed: no sync on this step's work); elsewhere exactly. A checkpoint entry (key "guard")."""
-
-    def __init__(self, device: torch.device, grad_clip: float):
-        self.device, self.grad_clip = device, grad_clip
-        self.total = torch.zeros((), device=device)
-        self.streak = torch.zeros((), device=device)
-        self.cuda = device.type == "cuda"
-        self._copies = [torch.zeros((), pin_memory=True) for _ in range(2)] if self.cuda else []
-        self._events: list = [None, None]
-        self._latest = 0  # which copy the last step wrote
-
-    def nonfinite(self, module, optimizer, scaler, name: str, metrics: Metrics) -> torch.Tensor:
-        """Unscale (fp16), clip, log the norm; True (a device bool) if the gradient is not finite."""
-        if scaler.is_enabled():
-            scaler.unscale_(optimizer)
-        params = [p for p in module.parameters() if p.grad is not None]
-        if self.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        metrics.add(**{f"grad_norm/{name}": norm})
-        return ~torch.isfinite(norm)
-
-    @staticmethod
-    def step_optimizer(optimizer, scaler, bad: torch.Tensor) -> None:
-        optimizer.grad_scale, optimizer.found_inf = None, bad  # grads are already unscaled
-        optimizer.step()
-        del optimizer.grad_scale, optimizer.found_inf
-        if scaler.is_enabled():
-            scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-
-    def record(self, bad: torch.Tensor) -> None:
-        self.total += bad
-        self.streak = (self.streak + 1) * bad
-        if self.cuda:
-            self._latest = 1 - self._latest
-            self._copies[self._latest].copy_(self.streak, non_blocking=True)
-            self._events[self._latest] = torch.cuda.Event()
-            self._events[self._latest].record()
-
-    def checked_streak(self) -> int:
-        """The streak of skipped steps for the every-step check (CUDA: as of the previous step)."""
-        if not self.cuda:
-            return int(self.streak.item())
-        previous = 1 - self._latest
-        if self._events[previous] is None:
-            return 0
-        self._events[previous].synchronize()
-        return int(self._copies[previous].item())
-
-    def state_dict(self) -> dict:
-        return {"guard": {"bad_steps_total": int(self.total.item()), "bad_streak": int(self.streak.item())}}
-
-    def load_state_dict(self, ckpt: dict, **_) -> None:
-        guard = ckpt.get("guard", {})
-        self.total.fill_(guard.get("bad_steps_total", 0))
-        self.streak.fill_(guard.get("bad_streak", 0))
 
 
 # ============================================================================================
@@ -422,14 +192,14 @@ class Trainer:
                           if self.eval_on else None)
         if cfg.compile and self.adversary is not None:
             self.adversary.critic.compile()
-        self.training = VAETraining(self.vae, cfg, self._adamw, self.wrap_ddp, self.device, self.objective.alignment)
+        self.training = VAETraining(self.vae, cfg, partial(adamw, cfg), self.wrap_ddp, self.device, self.objective.alignment)
         if cfg.memory_check:  # before the critic's DDP wrapper (the probes run its forward without a backward)
             warning = memory.check_every_rank(self.vae, self.objective, memory.StepShape.of(cfg), self.device,
                                               self.ema is not None, info.ctrl_group)
             if warning:
                 self.log(warning)
         if self.adversary is not None:
-            self.adversary.prepare_training(section(cfg, OptimConfig), self._adamw, self.wrap_ddp)
+            self.adversary.prepare_training(section(cfg, OptimConfig), partial(adamw, cfg), self.wrap_ddp)
         self.guard = NonFiniteGuard(self.device, cfg.grad_clip)
         # every piece of state a checkpoint holds, each saved and restored by its owner
         self.state = checkpoint.Registry(
@@ -463,15 +233,7 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- building the parts
     def wrap_ddp(self, module):
-        if not self.info.distributed:
-            return module
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return DDP(module, device_ids=ids, gradient_as_bucket_view=True)
-
-    def _adamw(self, params, lr):
-        kwargs = dict(lr=lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), weight_decay=self.cfg.weight_decay)
-        # fused AdamW reads `found_inf` on the device: a rejected step is skipped without a host sync
-        return torch.optim.AdamW(params, fused=True, **kwargs)
+        return wrap_ddp(module, self.info)
 
     # the parts under the names callers (bench.py, tests) reach them by; settable, as attributes were
     disc = property(lambda self: self.adversary.critic if self.adversary is not None else None)
@@ -545,7 +307,7 @@ class Trainer:
             try:
                 self.train_step(batches)
             except torch.OutOfMemoryError as e:
-                return self.out_of_memory(e, last_saved)
+                return stop_out_of_memory(self, e, last_saved)
             self.step += 1
             steps_since += 1
             self.report.step_done(self.step)
@@ -650,18 +412,6 @@ class Trainer:
         self.report.metrics(metrics, self.step, time.time() - t_start, steps_done,
                             self.training.scheduler.get_last_lr()[0], run_log.skipped_counts(self.loader, self.info))
 
-    def out_of_memory(self, error: torch.OutOfMemoryError, last_saved: int) -> int:
-        """A GPU out-of-memory error in a step: one line with the flags that help, and (one process) a checkpoint
-        of the last completed step if none holds it. Under torchrun the other ranks wait in a collective:
-        torchrun ends them when this one exits."""
-        self.training.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
-        torch.cuda.empty_cache()  # a no-op without CUDA
-        print(f"error: {memory.out_of_memory_message(error, memory.StepShape.of(self.cfg), self.step + 1)}",
-              file=sys.stderr, flush=True)
-        if not self.info.distributed and self.step > 0 and self.step != last_saved:
-            self.save_unless_in_bad_streak(stopping=True)
-        return 1
-
     def save_unless_in_bad_streak(self, stopping: bool) -> bool:
         """Inside a streak of skipped steps the weights are the last good ones, but periodic saves would rotate
         good checkpoints out; a stop request is still honoured (resuming needs it). True if saved."""
@@ -710,6 +460,19 @@ def stop_without_batches(trainer: Trainer, position: dict, data_error: str | Non
         raise data_lib.DatasetError(error + (f" ({outcome})" if trainer.step > 0 else ""))
     trainer.log(f"stop request received while waiting for data: {outcome}, exiting")
     return 0
+
+
+def stop_out_of_memory(trainer: Trainer, error: torch.OutOfMemoryError, last_saved: int) -> int:
+    """A GPU out-of-memory error in a step: one line with the flags that help, and (one process) a checkpoint
+    of the last completed step if none holds it. Under torchrun the other ranks wait in a collective:
+    torchrun ends them when this one exits."""
+    trainer.training.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
+    torch.cuda.empty_cache()  # a no-op without CUDA
+    print(f"error: {memory.out_of_memory_message(error, memory.StepShape.of(trainer.cfg), trainer.step + 1)}",
+          file=sys.stderr, flush=True)
+    if not trainer.info.distributed and trainer.step > 0 and trainer.step != last_saved:
+        trainer.save_unless_in_bad_streak(stopping=True)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

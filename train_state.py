@@ -1,0 +1,257 @@
+"""The training-side state the trainer steps and checkpoints, each piece its own owner (state_dict /
+load_state_dict, registered with checkpoint.Registry): the VAE's training (what DDP wraps, AdamW, the schedule,
+the fp16 scaler, the EMA), the decoder-only wrapper of a fine-tune, the alignment projection's training, and the
+non-finite guard. No loop here: vae_trainer.py's Trainer drives them."""
+from __future__ import annotations
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import checkpoint
+from ae import AutoEncoder, decode_latents
+from common import ConfigError, DistInfo
+from config import Config
+from run_log import Metrics
+from utils import cosine_with_warmup
+
+
+class EMA:
+    """fp32 exponential moving average of the VAE parameters that train (frozen ones, --train_parts decoder, never
+    change: their average is themselves), decay warmed up as min(decay, (1+t)/(10+t)). The update is skipped (on
+    the device, no host sync) on steps the guard rejected."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in trained]
+        self.shadow = [p.detach().float().clone() for _, p in trained]
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module, step: int, skip: torch.Tensor) -> None:
+        decay = min(self.decay, (1 + step) / (10 + step))
+        params = [p.detach().float() for p in model.parameters() if p.requires_grad]
+        delta = torch._foreach_sub(params, self.shadow)
+        torch._foreach_mul_(delta, (1.0 - decay) * (1.0 - skip))
+        torch._foreach_add_(self.shadow, delta)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.shadow))
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, tensor in zip(self.names, self.shadow):
+            tensor.copy_(state[name])
+
+    def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """A whole state dict of `model` with the averaged weights (the frozen ones as they are)."""
+        return {**model.state_dict(), **self.state_dict()}
+
+
+class DecoderOnly(torch.nn.Module):
+    """--train_parts decoder: the encoder, quant_conv and the posterior are frozen (no requires_grad, eval mode)
+    and run under no_grad; only post_quant_conv and the decoder train. Wrapped in DDP in place of the VAE, so DDP's
+    buckets hold the decoder's gradients only (DDP skips parameters that do not require grad)."""
+
+    def __init__(self, vae: AutoEncoder):
+        super().__init__()
+        self.vae = vae
+        self.frozen = [vae.encoder] + ([vae.quant_conv] if vae.params.quant_conv else [])
+        for module in self.frozen:
+            module.requires_grad_(False).eval()
+
+    def forward(self, x: torch.Tensor, latent_transform=None, also_decode=None) -> tuple[torch.Tensor, ...]:
+        """As AutoEncoder.forward (the same `latent_transform` and `also_decode` between encoder and decoder)."""
+        for module in self.frozen:
+            module.eval()  # evaluation calls vae.train() on its way out
+        with torch.no_grad():
+            mean, logvar = self.vae.encode_moments(x)
+        return decode_latents(self.vae, self.vae.sample(mean, logvar), mean, logvar, latent_transform, also_decode)
+
+
+class VAETraining:
+    """The VAE and everything that trains it: the module DDP wraps (the VAE, or its decoder behind a frozen
+    encoder: --train_parts decoder), AdamW, the schedule, the (fp16) GradScaler and the EMA. A checkpoint entry
+    under today's keys (vae, ema, optimizer_vae, scheduler_vae, scaler_vae)."""
+
+    def __init__(self, vae: AutoEncoder, cfg: Config, make_optimizer, wrap_ddp, device: torch.device,
+                 alignment: torch.nn.Module | None = None):
+        self.vae, self.cfg = vae, cfg
+        self.trained = DecoderOnly(vae) if cfg.train_parts == "decoder" else vae
+        # --vf_weight: the alignment's projection trains beside the VAE (its own checkpoint entry)
+        self.projection = ProjectionTraining(alignment.projection, cfg, make_optimizer) if alignment else None
+        if self.projection is not None:
+            self.trained = WithProjection(self.trained, alignment.projection)
+        self.ema = EMA(vae, cfg.ema_decay) if cfg.ema_decay > 0 else None
+        if cfg.compile:
+            vae.encoder.compile()  # the inner modules, never the DDP wrapper
+            vae.decoder.compile()
+        self.ddp = wrap_ddp(self.trained)
+        # the VAE's frozen parts (--train_parts decoder) stay out: no state, and weight decay never moves them
+        self.optimizer = make_optimizer([p for p in vae.parameters() if p.requires_grad], cfg.learning_rate_vae)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
+        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+
+    def replicated(self) -> torch.nn.Module:
+        """What DDP must keep equal on every rank: the VAE and the --vf_weight projection (checked at each save)."""
+        return torch.nn.ModuleList([self.vae] + ([self.projection.projection] if self.projection else []))
+
+    def nonfinite(self, guard, metrics: Metrics) -> torch.Tensor:
+        """The guard's check of the VAE's gradient, and of the projection's (unscaled by the same fp16 scaler)."""
+        bad = guard.nonfinite(self.vae, self.optimizer, self.scaler, "vae", metrics)
+        if self.projection is not None:
+            bad = bad | guard.nonfinite(self.projection.projection, self.projection.optimizer, self.scaler,
+                                        "vf_projection", metrics)
+        return bad
+
+    def step(self, bad: torch.Tensor, step: int, step_optimizer) -> None:
+        step_optimizer(self.optimizer, self.scaler, bad)
+        if self.projection is not None:  # skipped with the VAE; after the scaler's update (it has none of its own)
+            self.projection.step(bad, step_optimizer)
+        if self.ema is not None:
+            self.ema.update(self.vae, step, bad)
+        self.scheduler.step()
+
+    def state_dict(self) -> dict:
+        return {"vae": {k: v.detach().cpu() for k, v in self.vae.state_dict().items()},
+                "ema": ({k: v.detach().cpu() for k, v in self.ema.model_state_dict(self.vae).items()}
+                        if self.ema else None),
+                "optimizer_vae": self.optimizer.state_dict(), "scheduler_vae": self.scheduler.state_dict(),
+                "scaler_vae": self.scaler.state_dict()}
+
+    def load_state_dict(self, ckpt: dict, path: str, log=print) -> None:
+        saved_parts = ckpt.get("config", {}).get("train_parts", "all")
+        if saved_parts != self.cfg.train_parts:
+            raise ConfigError(f"{path} was trained with --train_parts {saved_parts}: resume with the same (its "
+                              "optimizer holds those parameters), or start a new --run_name from it with --load_path")
+        self.vae.load_state_dict(ckpt["vae"])
+        if self.ema is not None:
+            if ckpt.get("ema"):
+                self.ema.load_state_dict(ckpt["ema"])
+            else:
+                self.ema = EMA(self.vae, self.cfg.ema_decay)
+        self.optimizer.load_state_dict(ckpt["optimizer_vae"])
+        self.scheduler.load_state_dict(ckpt["scheduler_vae"])
+        checkpoint.restore_scaler(self.scaler, ckpt.get("scaler_vae"))
+
+
+class WithProjection(torch.nn.Module):
+    """The module DDP wraps when the alignment trains: the VAE (or DecoderOnly) and the alignment's projection, so
+    one DDP all-reduces both (in the same buckets, skipped together under no_sync) and broadcasts both at start.
+    The projection is used by the objective after the forward; DDP only needs its gradient in the same backward."""
+
+    def __init__(self, trained: torch.nn.Module, projection: torch.nn.Module):
+        super().__init__()
+        self.trained, self.projection = trained, projection
+
+    def forward(self, *args, **kwargs):
+        return self.trained(*args, **kwargs)
+
+
+class ProjectionTraining:
+    """--vf_weight: the alignment's 1x1 projection trains with the VAE (in its DDP wrapper, WithProjection) under
+    its own AdamW and schedule with the VAE's settings, unscaled by the VAE's fp16 scaler and skipped with the VAE's
+    step. Its own optimizer, so a checkpoint written without it still resumes (the projection then starts afresh).
+    No EMA: the EMA is of the VAE, what is evaluated and exported; the projection is never exported. A checkpoint
+    entry (keys vf_projection, optimizer_vf, scheduler_vf)."""
+
+    def __init__(self, projection: torch.nn.Module, cfg: Config, make_optimizer):
+        self.projection = projection
+        self.optimizer = make_optimizer(projection.parameters(), cfg.learning_rate_vae)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
+        self.no_scaler = torch.amp.GradScaler(enabled=False)  # the VAE's scaler updates once, after the VAE's step
+
+    def step(self, bad: torch.Tensor, step_optimizer) -> None:
+        step_optimizer(self.optimizer, self.no_scaler, bad)
+        self.scheduler.step()
+
+    def state_dict(self) -> dict:
+        return {"vf_projection": {k: v.detach().cpu() for k, v in self.projection.state_dict().items()},
+                "optimizer_vf": self.optimizer.state_dict(), "scheduler_vf": self.scheduler.state_dict()}
+
+    def load_state_dict(self, ckpt: dict, path: str = "", log=print) -> None:
+        if ckpt.get("vf_projection") is None:
+            log(f"note: {path} has no alignment projection (written without --vf_weight): it starts afresh")
+            return
+        self.projection.load_state_dict(ckpt["vf_projection"])
+        self.optimizer.load_state_dict(ckpt["optimizer_vf"])
+        self.scheduler.load_state_dict(ckpt["scheduler_vf"])
+
+
+class NonFiniteGuard:
+    """A step whose loss or gradient is not finite on any rank is skipped on every rank (device flags, no host
+    sync); the skipped steps are counted, and a streak of --max_bad_steps stops the run. Checked every step: on
+    CUDA the streak is read one step late from a pinned copy (waiting only for the previous step's copy, which has
+    normally landed: no sync on this step's work); elsewhere exactly. A checkpoint entry (key "guard")."""
+
+    def __init__(self, device: torch.device, grad_clip: float):
+        self.device, self.grad_clip = device, grad_clip
+        self.total = torch.zeros((), device=device)
+        self.streak = torch.zeros((), device=device)
+        self.cuda = device.type == "cuda"
+        self._copies = [torch.zeros((), pin_memory=True) for _ in range(2)] if self.cuda else []
+        self._events: list = [None, None]
+        self._latest = 0  # which copy the last step wrote
+
+    def nonfinite(self, module, optimizer, scaler, name: str, metrics: Metrics) -> torch.Tensor:
+        """Unscale (fp16), clip, log the norm; True (a device bool) if the gradient is not finite."""
+        if scaler.is_enabled():
+            scaler.unscale_(optimizer)
+        params = [p for p in module.parameters() if p.grad is not None]
+        if self.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        metrics.add(**{f"grad_norm/{name}": norm})
+        return ~torch.isfinite(norm)
+
+    @staticmethod
+    def step_optimizer(optimizer, scaler, bad: torch.Tensor) -> None:
+        optimizer.grad_scale, optimizer.found_inf = None, bad  # grads are already unscaled
+        optimizer.step()
+        del optimizer.grad_scale, optimizer.found_inf
+        if scaler.is_enabled():
+            scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    def record(self, bad: torch.Tensor) -> None:
+        self.total += bad
+        self.streak = (self.streak + 1) * bad
+        if self.cuda:
+            self._latest = 1 - self._latest
+            self._copies[self._latest].copy_(self.streak, non_blocking=True)
+            self._events[self._latest] = torch.cuda.Event()
+            self._events[self._latest].record()
+
+    def checked_streak(self) -> int:
+        """The streak of skipped steps for the every-step check (CUDA: as of the previous step)."""
+        if not self.cuda:
+            return int(self.streak.item())
+        previous = 1 - self._latest
+        if self._events[previous] is None:
+            return 0
+        self._events[previous].synchronize()
+        return int(self._copies[previous].item())
+
+    def state_dict(self) -> dict:
+        return {"guard": {"bad_steps_total": int(self.total.item()), "bad_streak": int(self.streak.item())}}
+
+    def load_state_dict(self, ckpt: dict, **_) -> None:
+        guard = ckpt.get("guard", {})
+        self.total.fill_(guard.get("bad_steps_total", 0))
+        self.streak.fill_(guard.get("bad_streak", 0))
+
+
+def wrap_ddp(module: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
+    """DDP around `module` under torchrun (the gradients' buckets as views: no copy); the module itself otherwise."""
+    if not info.distributed:
+        return module
+    ids = [info.device.index] if info.device.type == "cuda" else None
+    return DDP(module, device_ids=ids, gradient_as_bucket_view=True)
+
+
+def adamw(cfg: Config, params, lr: float) -> torch.optim.AdamW:
+    """AdamW with the run's betas and weight decay. Fused: it reads `found_inf` on the device, so a step the guard
+    rejected is skipped without a host sync."""
+    return torch.optim.AdamW(params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
+                             fused=True)
