@@ -118,7 +118,8 @@ def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_si
     def vae_loss():
         with objective.critic_frozen():
             objective(x, out["recon"], out["mean"], out["logvar"], step, out.get("real"), out.get("fake"),
-                      shared=out.get("shared"))
+                      shared=out.get("shared"),  # the decoder's last weight: --loss_balance adaptive's reference
+                      last_layer=getattr(vae, "vae", vae).decoder.conv_out.weight)
 
     with _probe_settings(vae, objective, shape):
         vae_bytes, vae_largest = _saved_bytes(vae_forward, exclude)

@@ -25,7 +25,8 @@ WIDTH_32 = dict(vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_chan
 def build(**changes):
     cfg = vae_trainer.resolve_auto(vae_trainer.Config(dataset_url="unused", **{**WIDTH_32, **changes}))
     torch.manual_seed(0)
-    return AutoEncoder(vae_trainer.model_params(cfg)), VAEObjective(cfg, None, with_lpips=cfg.perceptual_weight > 0)
+    return AutoEncoder(vae_trainer.model_params(cfg)), VAEObjective(cfg, None, with_lpips=cfg.perceptual_weight > 0,
+                                                                    z_channels=cfg.vae_z_channels)
 
 
 # The estimate against the measured growth of a real step's peak RSS (LPIPS on). Measured: ratios 0.84-1.09 at
@@ -141,3 +142,17 @@ def test_refuse_only_beyond_the_estimates_error(monkeypatch):
         else:
             warning = memory.check_every_rank(vae, objective, shape, "cpu", ema=True)
             assert warning is None if expected is None else warning.startswith("warning: a training step at batch 2")
+
+
+@pytest.mark.parametrize("changes", [dict(loss_balance="adaptive", do_ganloss=True, discriminator="patchgan"),
+                                     dict(do_ganloss=True, critic_trunk="frozen"),
+                                     dict(vf_weight=0.5, vf_model="dinov2_vits14", vf_weights="random",
+                                          vf_image_size=28)],
+                         ids=["adaptive", "frozen_critic", "alignment"])
+def test_every_objective_is_estimated(changes):
+    """The estimate runs the objective as the trainer's step does: --loss_balance adaptive needs the decoder's
+    last weight, the frozen critic reads the shared trunk pass, the alignment term the latent. (Each crashed the
+    start of such a run before the step's memory was ever estimated.)"""
+    vae, objective = build(**changes)
+    needed = memory.estimate_step_memory(vae, objective, memory.StepShape(batch_size=2, resolution=64))
+    assert needed.activations > 0 and needed.total > needed.activations
