@@ -1,10 +1,11 @@
 """One real training step (VAE forward, LPIPS + pixel losses, backward, AdamW step) in a fresh process; prints
 memory.py's estimate and the growth of the process's peak resident memory over the step, in bytes, as JSON.
-A fresh process because ru_maxrss is the peak over a process's whole life. Args: BATCH RESOLUTION CHECKPOINTING."""
+A fresh process, so the allocator holds nothing of other tests. The peak is VmHWM reset just before the step
+(/proc/self/clear_refs), not getrusage's ru_maxrss: a child's ru_maxrss starts at its parent's peak, which under
+a pytest worker that has run many tests is gigabytes above this step's. Args: BATCH RESOLUTION CHECKPOINTING."""
 import gc
 import json
 import os
-import resource
 import sys
 
 import torch
@@ -30,10 +31,13 @@ estimate = memory.estimate_step_memory(vae, objective, memory.StepShape(batch, r
 x = torch.rand(batch, 3, resolution, resolution) * 2 - 1
 gc.collect()
 base = memory.rss_bytes()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets the peak (VmHWM) to the resident memory now
 optimizer = torch.optim.AdamW(vae.parameters())
 recon, mean, logvar = vae(x)
 loss, _ = objective(x, recon.float(), mean, logvar, 0)
 loss.backward()
 optimizer.step()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+with open("/proc/self/status") as f:
+    peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 print(json.dumps({"estimate_without_weights": estimate.total - estimate.weights, "measured_growth": peak - base}))
