@@ -137,8 +137,9 @@ def estimate_step_memory(vae: nn.Module, objective, shape: StepShape, ema: bool 
     leaves the encoder) saves nothing for backward and holds no gradient or optimizer state, so it is estimated
     as the trainer will run it."""
     r1, r2 = probe_resolutions or (min(64, shape.resolution), min(128, shape.resolution))
-    a1, _ = probe_activation_bytes(vae, objective, shape, 1, r1)
-    a2, largest = probe_activation_bytes(vae, objective, shape, 1, r2)
+    a1, largest = probe_activation_bytes(vae, objective, shape, 1, r1)
+    if r2 != r1:  # (a step at most 64 px is probed once, at its own size)
+        a2, largest = probe_activation_bytes(vae, objective, shape, 1, r2)
     slope = (a2 - a1) / (r2 ** 2 - r1 ** 2) if r2 != r1 else a1 / r1 ** 2  # bytes per pixel of an image
     per_image = a1 + slope * (shape.resolution ** 2 - r1 ** 2)
     # Backward holds, beside what was saved, the gradients of the tensors it is working through (and, under

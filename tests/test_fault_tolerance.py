@@ -114,15 +114,27 @@ def test_two_nodes_one_killed_worker_re_form_resume_and_match_uninterrupted(shar
             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes", "--max-restarts=3",
             "--local-addr=127.0.0.1", os.path.join(ROOT, FAULTY), *_args(shard_url, tmp_path, "nodes", 8, 2, *GAN)]
     env = cli_env(VAE_TRAINER_KILL_AT="5@1")
-    nodes = [subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-             for _ in range(2)]
+    # each agent writes to files, not pipes: waiting on one agent while the other's unread pipe fills (the
+    # agents' tracebacks of the killed attempt) would block that agent and with it the rendezvous of both
+    logs = [(open(tmp_path / f"node{i}.out", "w+"), open(tmp_path / f"node{i}.err", "w+")) for i in range(2)]
+    nodes = [subprocess.Popen(node, stdout=o, stderr=e, text=True, env=env, cwd=ROOT) for o, e in logs]
+    deadline, timed_out = time.monotonic() + 240, False
     try:
-        outputs = [proc.communicate(timeout=240) for proc in nodes]
+        for proc in nodes:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        timed_out = True
     finally:
         for proc in nodes:
             if proc.poll() is None:
                 kill_tree(proc)
+    outputs = []
+    for o, e in logs:
+        o.seek(0), e.seek(0)
+        outputs.append((o.read(), e.read()))
+        o.close(), e.close()
     out, err = "".join(o for o, _ in outputs), "".join(e for _, e in outputs)
+    assert not timed_out, "the agents were still running after 240 s:\n" + out[-2000:] + err[-4000:]
     assert [proc.returncode for proc in nodes] == [0, 0], out[-2000:] + err[-4000:]
     assert "exitcode: -9" in err  # an agent saw its worker killed
     assert "resumed from" in out and "at step 4" in out
