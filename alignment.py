@@ -32,6 +32,23 @@ VF_MODELS = {"dinov2_vitl14": "vit_large_patch14_dinov2.lvd142m",  # VA-VAE's ch
              "dinov2_vits14": "vit_small_patch14_dinov2.lvd142m"}
 
 
+def fetch_foundation_weights(model: str, weights: str, download: bool = True) -> None:
+    """--vf_weights timm: bring timm's pretrained weights of `model` into the Hugging Face cache, where
+    build_foundation_net's timm.create_model(pretrained=True) finds them. The trainer calls it through
+    utils.fetch_weights: local rank 0 downloads while the other ranks wait, so eight ranks of a node never write the
+    same cache entry at once. Other --vf_weights values, and the waiting ranks (download False), need nothing."""
+    if weights != "timm" or not download or model not in VF_MODELS:
+        return
+    from huggingface_hub import hf_hub_download
+    repo = timm.models.get_pretrained_cfg(VF_MODELS[model]).hf_hub_id
+    try:
+        hf_hub_download(repo, "model.safetensors")
+    except Exception as e:  # offline clusters land here
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise WeightsUnavailable(f"{model} weights unavailable from {repo} ({reason}): fill the Hugging Face cache, "
+                                 f"or pass --vf_weights PATH; --vf_weights random is for tests only") from None
+
+
 def build_foundation_net(model: str, weights: str, image_size: int) -> nn.Module:
     """The timm network of `model` with `weights`: "timm" (timm's pretrained weights from its Hugging Face cache,
     downloaded once where a network exists), a local PATH (a timm state dict, .safetensors or torch), or "random"

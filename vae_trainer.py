@@ -31,6 +31,7 @@ import pretrained
 import probe as probe_lib
 import run_log
 from ae import AutoEncoder
+from alignment import fetch_foundation_weights
 from checkpoint import checkpoint_files
 from common import ConfigError, DistInfo, capture_rng, init_distributed, restore_rng
 from config import (DEMO, Config, OptimConfig, build_parser, ch_mult_of, config_warnings, demo_summary,  # noqa: F401
@@ -133,6 +134,8 @@ def build_objective(cfg: Config, info: DistInfo, device: torch.device, memory_fo
         path = fetch_weights(ensure_vgg16_weights, cfg.vgg16_weights, info.local_rank, info.ctrl_group)
         return load_vgg16_features(path)
 
+    if cfg.vf_weight > 0 and cfg.train_parts != "decoder":  # the alignment's encoder: local rank 0 downloads first
+        fetch_weights(partial(fetch_foundation_weights, cfg.vf_model), cfg.vf_weights, info.local_rank, info.ctrl_group)
     vgg_features, with_lpips = None, uses_vgg16(cfg)  # (features None with --vgg16_weights random: random init)
     if with_lpips:
         vgg_features = vgg16_features()
@@ -420,7 +423,8 @@ class Trainer:
             return False
         path = self.save()
         if path:
-            self.log(f"saved {path}" + (" (weights identical on all ranks)" if self.info.distributed else ""))
+            same = " (weights identical on all ranks)" if self.replicas_equal else " (rank 0's weights: ranks differ)"
+            self.log(f"saved {path}" + (same if self.info.distributed else ""))
         return True
 
     def save(self) -> str | None:
@@ -429,6 +433,7 @@ class Trainer:
         state["ranks_in_sync"] = in_sync
         # the critic's replicas too (the frozen critic's heads: only they are in its DDP buckets)
         state["critic_in_sync"] = self.adversary is None or checkpoint.ranks_in_sync(self.adversary.critic, self.info)
+        self.replicas_equal = in_sync and state["critic_in_sync"]
         if not self.info.is_main:
             return None
         if not in_sync:

@@ -123,6 +123,39 @@ def test_alignment_term_through_the_objective():
     assert all(p.grad is None for p in vf.foundation.parameters())
 
 
+def test_timm_weights_are_fetched_by_local_rank_0_before_the_others_build(monkeypatch):
+    """--vf_weights timm: the trainer brings DINOv2's weights into the Hugging Face cache through fetch_weights
+    (local rank 0 downloads, the other ranks wait at a barrier and then build from the cache), so a node's ranks
+    never write one cache entry at once; a failed download is one line naming the way out."""
+    import huggingface_hub
+    import vae_trainer
+    from common import DistInfo
+    from conftest import TINY
+    downloads, fetches = [], []
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name: downloads.append((repo, name)))
+    alignment.fetch_foundation_weights("dinov2_vits14", "timm", download=True)
+    assert downloads == [("timm/vit_small_patch14_dinov2.lvd142m", "model.safetensors")]
+    alignment.fetch_foundation_weights("dinov2_vits14", "timm", download=False)  # a waiting rank
+    alignment.fetch_foundation_weights("dinov2_vits14", "random", download=True)
+    assert len(downloads) == 1
+
+    def offline(repo, name):
+        raise OSError("We couldn't connect to 'https://huggingface.co'\nmore")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(WeightsUnavailable, match=r"^dinov2_vits14 weights unavailable .*--vf_weights PATH") as e:
+        alignment.fetch_foundation_weights("dinov2_vits14", "timm")
+    assert "\n" not in str(e.value)
+
+    def fetch_weights(ensure, spec, local_rank, group):
+        fetches.append((spec, local_rank))
+        return ensure(spec, download=local_rank == 0)
+    monkeypatch.setattr(vae_trainer, "fetch_weights", fetch_weights)
+    cfg = vae_trainer.parse_config(["--dataset_url", "x", *TINY, *VF_FLAGS, "--perceptual_weight", "0"])
+    vae_trainer.build_objective(cfg, DistInfo(local_rank=1), torch.device("cpu"), torch.contiguous_format,
+                                False, print, 4)
+    assert fetches == [("random", 1)]  # the alignment's weights went through the rank-ordered fetch
+
+
 def test_decoder_only_says_the_alignment_is_off_and_other_balances_are_refused():
     import vae_trainer
     from conftest import TINY
@@ -184,6 +217,8 @@ def test_two_ranks_train_the_projection_in_sync_and_probe_like_one(shard_url, tm
     two = run_cli("vae_trainer.py", _run_args(shard_url, tmp_path, "two", 2, 2, *extra), nproc=2)
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
     assert "(weights identical on all ranks)" in two.stdout
+    saved = torch.load(tmp_path / "two" / "checkpoints" / "step_00000002.pt", weights_only=True)
+    assert saved["ranks_in_sync"] is True  # the VAE and the projection: each tensor's fingerprint on both ranks
     one = run_cli("vae_trainer.py", _run_args(shard_url, tmp_path, "one", 1, 1, *extra))
     assert one.returncode == 0, one.stderr[-2000:]
 
