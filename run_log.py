@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -218,6 +219,9 @@ def latent_metrics(metrics: Metrics, mean: torch.Tensor, logvar: torch.Tensor | 
         metrics.add(**{"latent/logvar_mean": logvar.float().mean() / accum})
 
 
+CURVES_EVERY_S = 60.0
+
+
 class Reporter:
     """Everything a run shows its user, behind one object (torchtitan's metrics processor): the start-up lines,
     the stdout lines, metrics.jsonl, wandb, the sample grids and the evaluation's printout and grids. Rank 0
@@ -231,6 +235,7 @@ class Reporter:
         self.tracker = CollapseTracker(self.log)
         self.sample_images = self._fixed_sample_images() if info.is_main else None
         self.curves_failed = False  # said once; the run goes on without curves.png
+        self.curves_drawn_at, self.curves_due = -math.inf, False
         self.timed_images, self.timed_seconds = 0, 0.0  # every logged window of this process, for img_per_s_avg
         self.progress = None  # tqdm's bar on an interactive terminal (rank 0); plain lines otherwise
 
@@ -259,11 +264,20 @@ class Reporter:
         grid = plots.enlarge_for_viewing(grid, self.cfg.vae_resolution)
         atomic_write(path, lambda f: torchvision.utils.save_image(grid, f, format="png"))
 
-    def plot_curves(self) -> None:
-        """curves.png in the run directory, from metrics.jsonl (at each checkpoint and evaluation). A plot that
-        fails (matplotlib missing or broken) is said once and never stops the run."""
+    def plot_curves(self, final: bool = False) -> None:
+        """curves.png in the run directory, from metrics.jsonl: at a checkpoint or an evaluation, at most once
+        every CURVES_EVERY_S (matplotlib takes about a second, which every rank waits for), and at the run's end
+        (`final`, from close) if a plot was skipped since. A plot that fails (matplotlib missing or broken) is said
+        once and never stops the run."""
         if not self.is_main or self.curves_failed:
             return
+        now = time.monotonic()
+        if not final and now - self.curves_drawn_at < CURVES_EVERY_S:
+            self.curves_due = True
+            return
+        if final and not self.curves_due:
+            return
+        self.curves_drawn_at, self.curves_due = now, False
         try:
             plots.plot_metrics(self.run_dir)
         except Exception as e:
@@ -393,6 +407,7 @@ class Reporter:
             self.wandb.log({**{k: v for k, v in results.items() if not isinstance(v, list)}, **plots}, step=step)
 
     def close(self) -> None:
+        self.plot_curves(final=True)
         if self.progress is not None:
             self.progress.close()
         if self.wandb is not None:

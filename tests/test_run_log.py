@@ -120,3 +120,23 @@ def test_a_run_that_logs_rarely_says_something_at_steps_1_and_10(tmp_path, shard
         return [step for step in range(1, 121) if reporter.log_due(step)]
     assert due(50) == [1, 10, 50, 100]
     assert due(2) == list(range(2, 121, 2))  # frequent logs need no early line (and keep their records' steps)
+
+
+def test_curves_are_drawn_at_most_once_a_minute_and_at_the_end(tmp_path, shard_url, monkeypatch):
+    """curves.png costs matplotlib about a second that every rank waits for: checkpoints and evaluations closer
+    than run_log.CURVES_EVERY_S draw it once, and the run's end draws what was skipped (once, and only then)."""
+    cfg = config.parse_config(["--dataset_url", shard_url, "--wandb_mode", "disabled"])
+    drawn = []
+    monkeypatch.setattr(run_log.plots, "plot_metrics", lambda run_dir: drawn.append(run_dir))
+    reporter = run_log.Reporter(cfg, DistInfo(), str(tmp_path))
+    for _ in range(3):
+        reporter.plot_curves()  # three checkpoints within a second
+    assert drawn == [str(tmp_path)]
+    reporter.close()  # the end: the skipped ones are drawn
+    assert len(drawn) == 2
+    reporter.close()
+    assert len(drawn) == 2  # nothing skipped since: not drawn again
+    quiet = run_log.Reporter(cfg, DistInfo(), str(tmp_path))
+    quiet.plot_curves()
+    quiet.close()
+    assert len(drawn) == 3  # a run whose one plot is current draws nothing more at its end
