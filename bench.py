@@ -25,6 +25,12 @@ Sections
           under no_grad) vs training the whole VAE, at 512 px, FLUX layout at --memory_ch, each case in a fresh
           process: full, decoder, decoder + --grad_checkpointing decoder_hr, and that in bf16.
   gpu     CUDA only: the FLUX-size VAE in fp32 and bf16, img/s and peak memory at 256 and 512 px.
+  latents (only when named in --sections) What each latent feature of issue 20 costs per step, on the demo's
+          model (ch 32 x 1,2,2, z 4, 64 px, batch 4; LPIPS on, no critic, fp32): the real Trainer's step with
+          nothing, --scale_equivariance_prob 0.5, --latent_noise_prob 0.5, --vf_weight with DINOv2 ViT-S/14 at
+          112 px and with VA-VAE's ViT-L/14 at 224 px (random weights: the cost does not depend on them),
+          FLOPs per step and interleaved wall clock; and one in-loop probe call (--probe_* defaults, 64
+          images of the bench's shards, the EMA copy included), in seconds and per step at every 1000 steps.
   quality (--quality; not in the default run) Three real `vae_trainer.py` trainings, run concurrently (one
           --threads each), of the same small f8 VAE
           (ch 32 x 1,2,4,4, z 16, 128 px, batch 4, with the GAN), on the same photos (the demo's 12 bundled
@@ -42,8 +48,10 @@ Headline keys of --json (the target each is checked against)
                                interleaved in one process, fastest steps               (<= 0.30)
   gpu_bf16_speedup_flux_256    CUDA only: FLUX VAE img/s in bf16 / in fp32 at 256 px      (>= 1.7)
   gan_step_flop_speedup        --gan: FLOPs of the reference's step / ours (issue 9's step target: >= 1.5)
-  gan_step_flop_speedup_frozen --gan: FLOPs of the reference's step / the frozen-trunk step (issue 19:
-                               the trainer's VAE part + utils' frozen critic blocks counted)  (>= 2.0)
+  gan_step_flop_speedup_frozen --gan: FLOPs of the reference's step / the trainer's own step with
+                               --critic_trunk frozen (issue 19)                           (>= 2.0)
+  gan_step_wall_speedup_frozen --gan: img/s of that frozen-trunk step (no host syncs, NCHW, fp32) /
+                               the reference step's img/s, interleaved in the same rounds  (>= 1.6)
   quality_psnr_over_reference  held-out PSNR, defaults - reference hyperparameters, dB      (>= 3)
   quality_psnr_over_floor      held-out PSNR, defaults - plain MSE, dB                      (>= -1)
   quality_ssim_over_reference, quality_ssim_over_floor  the same for SSIM           (>= 0.03, >= -0.03)
@@ -110,6 +118,7 @@ TARGETS = {  # key: (comparison, threshold)
     "gpu_bf16_speedup_flux_256": (">=", 1.7),
     "gan_step_flop_speedup": (">=", 1.5),
     "gan_step_flop_speedup_frozen": (">=", 2.0),
+    "gan_step_wall_speedup_frozen": (">=", 1.6),
     "quality_psnr_over_reference": (">=", 3.0),
     "quality_psnr_over_floor": (">=", -1.0),
     "quality_ssim_over_reference": (">=", 0.03),
@@ -150,6 +159,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--no_compile", action="store_true",
                    help="skip the torch.compile variant (on CPU inductor needs minutes to compile)")
     g.add_argument("--train_rounds", type=int, default=0, help="interleaved rounds (default 8; 5 with --quick)")
+    g.add_argument("--gan_flops_only", action="store_true",
+                   help="with --gan: only count the GAN step's FLOPs (ours, the reference's way, the frozen trunk), "
+                        "no timed rounds: for models whose CPU steps take minutes (--config flux)")
     g.add_argument("--steps_per_round", type=int, default=0,
                    help="timed steps per variant per round (default 1 on CPU, 10 on CUDA)")
     g = p.add_argument_group("memory")
@@ -194,7 +206,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quality:
         args.sections = "quality"
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(args.sections) - {"data", "train", "memory", "gpu", "quality", "finetune"}
+    unknown = set(args.sections) - {"data", "train", "memory", "gpu", "quality", "finetune", "latents"}
     if unknown:
         p.error(f"unknown section(s): {', '.join(sorted(unknown))}")
     try:
@@ -565,6 +577,10 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
                 "bf16": dict(channels_last=True, precision="bf16")}
     if not args.no_compile:
         settings["compiled"] = dict(channels_last=True, compile=True)
+    if args.gan:  # issue 19: the same step with the critic's trunk frozen and shared with LPIPS
+        settings["frozen"] = dict(channels_last=False, critic_trunk="frozen")
+    if args.gan and args.gan_flops_only:
+        return gan_flops_only(url, tmp, device, config, report)
     trainers, warmup_s = {}, {}
     for key, extra in settings.items():
         report.line(f"  building and warming up the {key} trainer ...")
@@ -580,15 +596,19 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
     if "compiled" in trainers:
         variants["compile"] = (trainers["compiled"], False)
     variants["bf16"] = (trainers["bf16"], False)
+    if "frozen" in trainers:
+        variants["frozen_trunk"] = (trainers["frozen"], False)
     times = interleave_steps(variants, args.train_rounds, args.steps_per_round)
     if args.gan:
         flops = gan_step_flops(trainers["nchw"])
+        flops["frozen_trainer"] = train_step_flops(trainers["frozen"])
         report.line(f"  GFLOP per step (FlopCounterMode): ours {flops['ours'] / 1e9:.1f}, the reference's way "
                     f"{flops['reference'] / 1e9:.1f} ({flops['reference'] / flops['ours']:.3f}x); critic "
                     f"{flops['ours_critic'] / 1e9:.1f} / {flops['reference_critic'] / 1e9:.1f}, LPIPS "
                     f"{flops['ours_lpips'] / 1e9:.1f}, VAE {flops['ours_vae'] / 1e9:.1f}")
-        report.line(f"  frozen trunk (issue 19): {flops['frozen'] / 1e9:.1f} GFLOP "
-                    f"({flops['reference'] / flops['frozen']:.3f}x the reference's way): trunk forwards "
+        report.line(f"  frozen trunk (issue 19), the trainer's own step (--critic_trunk frozen): "
+                    f"{flops['frozen_trainer'] / 1e9:.1f} GFLOP ({flops['reference'] / flops['frozen_trainer']:.3f}x "
+                    f"the reference's way); composed from its parts {flops['frozen'] / 1e9:.1f}: trunk forwards "
                     f"{flops['frozen_trunk_forward'] / 1e9:.1f}, LPIPS heads {flops['frozen_lpips_heads'] / 1e9:.2f}, "
                     f"critic heads' step {flops['frozen_critic_heads_step'] / 1e9:.1f}, generator term + both "
                     f"branches' backward {flops['frozen_generator_and_backward'] / 1e9:.1f}, VAE "
@@ -613,6 +633,7 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
         "channels_last": "no host syncs, channels_last, eager, fp32",
         "compile": "no host syncs, channels_last, torch.compile, fp32",
         "bf16": "no host syncs, channels_last, eager, bf16 autocast",
+        "frozen_trunk": "no host syncs, NCHW, eager, fp32, --critic_trunk frozen",
     }
     rows = [[name, described[name], rate[name], f"{rate[name] / rate['reference']:.2f}x", median(t),
              f"{min(t):.2f}-{max(t):.2f}"] for name, t in times.items()]
@@ -633,6 +654,7 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
         "speedup_channels_last": rate["channels_last"] / rate["sync_free"],
         "speedup_compile": rate["compile"] / rate["channels_last"] if "compile" in rate else None,
         "bf16_speedup": rate["bf16"] / rate["channels_last"],
+        "frozen_trunk_speedup": rate["frozen_trunk"] / rate["reference"] if "frozen_trunk" in rate else None,
         "gan_step_flops": flops if args.gan else None,
         "gan_saved_mib": gan_memory if args.gan else None,
         "gan_part_wall_s": gan_wall if args.gan else None,
@@ -640,8 +662,85 @@ def bench_train(args, url, tmp, device, report: Report) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Section: what the latent features cost (issue 20)
+# ----------------------------------------------------------------------------------------------------
+LATENTS_CONFIG = dict(vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_channels=4, vae_norm_groups=8,
+                      do_attn=False, vae_resolution=64, batch_size=4, mse_pool_factor=1)  # the demo's model
+LATENT_FEATURES = {
+    "base": ("nothing", {}),
+    "equivariance": ("--scale_equivariance_prob 0.5", dict(scale_equivariance_prob=0.5)),
+    "latent_noise": ("--latent_noise_prob 0.5", dict(latent_noise_prob=0.5)),
+    "vf_vits14_112": ("--vf_weight 0.5, DINOv2 ViT-S/14 at 112 px",
+                      dict(vf_weight=0.5, vf_model="dinov2_vits14", vf_weights="random", vf_image_size=112)),
+    "vf_vitl14_224": ("--vf_weight 0.5, DINOv2 ViT-L/14 at 224 px (VA-VAE's)",
+                      dict(vf_weight=0.5, vf_model="dinov2_vitl14", vf_weights="random", vf_image_size=224)),
+}
+
+
+def bench_latents(args, url, tmp, device, report: Report) -> dict:
+    import probe as probe_lib
+    trainers, flops = {}, {}
+    for name, (_, flags) in LATENT_FEATURES.items():
+        report.line(f"  building and warming up the {name} trainer ...")
+        with contextlib.redirect_stderr(io.StringIO()):  # the random-weights banners
+            trainers[name] = build_trainer(url, tmp, f"latents_{name}", device, **LATENTS_CONFIG, **flags)
+        add_reference_habits(trainers[name])
+        for _ in range(2):
+            timed_step(trainers[name])
+        flops[name] = train_step_flops(trainers[name])
+    times = interleave_steps({name: (t, False) for name, t in trainers.items()}, args.train_rounds,
+                             max(args.steps_per_round, 5))
+    base = median(times["base"])
+    rows = [[name, LATENT_FEATURES[name][0], flops[name] / 1e9, f"{flops[name] / flops['base']:.2f}x",
+             median(t) * 1e3, f"{median(t) / base:.2f}x"] for name, t in times.items()]
+    report.table(f"Latent features (issue 20): the demo's model, batch {LATENTS_CONFIG['batch_size']}, "
+                 f"{LATENTS_CONFIG['vae_resolution']} px, LPIPS on, fp32; {args.train_rounds} rounds x "
+                 f"{max(args.steps_per_round, 5)} steps",
+                 ["feature", "flags", "GFLOP/step", "x base", "median ms/step", "x base (wall)"], rows)
+    cfg = trainers["base"].cfg
+    cfg.probe_images = min(cfg.probe_images, args.images)
+    cfg.probe_heldout = min(cfg.probe_heldout, cfg.probe_images // 4)
+    in_loop = probe_lib.InLoopProbe(cfg, device)
+    trainer = trainers["base"]
+    calls = [in_loop(trainer.vae, trainer.ema)[1] for _ in range(2)]
+    per_call = min(calls)
+    report.line(f"  one in-loop probe call (--probe_steps {cfg.probe_steps}, --probe_batch_size "
+                f"{cfg.probe_batch_size}, {cfg.probe_images} images, {cfg.probe_heldout} held out): {per_call:.1f} s "
+                f"(calls {', '.join(f'{c:.1f}' for c in calls)}); at --probe_every_n_steps 1000 that is "
+                f"{per_call / 1000 * 1e3:.1f} ms per step, {per_call / 1000 / base:.1%} of the base step")
+    for t in trainers.values():
+        t.close()
+    return {"config": LATENTS_CONFIG, "rounds": args.train_rounds,
+            "features": {name: {"flags": LATENT_FEATURES[name][0], "gflop_per_step": flops[name] / 1e9,
+                                "flop_ratio": flops[name] / flops["base"], "median_step_s": median(t),
+                                "wall_ratio": median(t) / base, "step_s": [round(v, 4) for v in t]}
+                         for name, t in times.items()},
+            "probe_call_s": calls, "probe": {"steps": cfg.probe_steps, "batch_size": cfg.probe_batch_size,
+                                             "images": cfg.probe_images, "heldout": cfg.probe_heldout}}
+
+
+# ----------------------------------------------------------------------------------------------------
 # Section: quality per step
 # ----------------------------------------------------------------------------------------------------
+def gan_flops_only(url, tmp, device, config: dict, report: Report) -> dict:
+    """--gan_flops_only: the GAN step's FLOPs ours / the reference's way (one trainable-critic trainer) and the
+    trainer's own step with --critic_trunk frozen, without warm-up or timed rounds."""
+    # NCHW as the timed variants' FLOP counts (FLOPs do not depend on the layout; and FlopCounterMode's module
+    # tracker cannot follow the frozen trunk's autograd.grad on a channels_last leaf)
+    trainer = build_trainer(url, tmp, "flops_trainable", device, **config, channels_last=False)
+    add_reference_habits(trainer)
+    flops = gan_step_flops(trainer)
+    del trainer
+    frozen = build_trainer(url, tmp, "flops_frozen", device, **config, critic_trunk="frozen", channels_last=False)
+    flops["frozen_trainer"] = train_step_flops(frozen)
+    report.line(f"  GFLOP per step: the reference's way {flops['reference'] / 1e9:.1f}, ours {flops['ours'] / 1e9:.1f} "
+                f"(critic {flops['ours_critic'] / 1e9:.1f}, LPIPS {flops['ours_lpips'] / 1e9:.1f}, VAE "
+                f"{flops['ours_vae'] / 1e9:.1f}), --critic_trunk frozen {flops['frozen_trainer'] / 1e9:.1f} "
+                f"({flops['reference'] / flops['frozen_trainer']:.3f}x the reference's way; composed from its parts "
+                f"{flops['frozen'] / 1e9:.1f})")
+    return {"config": {"name": "flops_only", **config}, "gan_step_flops": flops}
+
+
 def reference_flags(cfg: dict, steps: int = 400) -> dict:
     """The reference trainer's hyperparameters (cloneofsimo/vqgan-training at HEAD and its launcher.sh),
     written with our flags. Not reproducible with our flags: its conv_in learning rate of 1e-4 (ours is one
@@ -976,6 +1075,15 @@ def frozen_gan_step_flops(trainer, vae_flops: float) -> dict[str, float]:
             **{f"frozen_{k}": float(v) for k, v in counts.items()}}
 
 
+def train_step_flops(trainer) -> float:
+    """FLOPs of one step of the trainer as it is (host syncs off)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    trainer.metrics.host_sync = False
+    with FlopCounterMode(display=False) as counter:
+        trainer.train_step()
+    return float(counter.get_total_flops())
+
+
 def step_flops(trainer, levels) -> dict[str, float]:
     """FLOPs (convolutions, matmuls, attention) of one training step at each checkpointing level, counted
     by torch's FlopCounterMode: the recomputation's cost on hardware where FLOPs set the step time."""
@@ -1154,16 +1262,20 @@ def summarize(results: dict) -> dict:
         keys["naive_fraction_of_decode"] = d["png"]["naive"]["fraction_of_decode"]
         keys["naive_fraction_of_decode_jpeg"] = d["jpeg"]["naive"]["fraction_of_decode"]
     t = results.get("train")
-    if t:
+    if t and "speedup_all_on" in t:
         keys["train_step_speedup"] = t["speedup_all_on"]
         keys["train_step_speedup_sync_free"] = t["speedup_sync_free"]
         keys["train_step_speedup_channels_last"] = t["speedup_channels_last"]
         keys["train_step_speedup_compile"] = t["speedup_compile"]
         keys[f"{results['device']}_bf16_speedup_{t['config']['name']}"] = t["bf16_speedup"]
+    if t:
         if t.get("gan_step_flops"):
             keys["gan_step_flop_speedup"] = t["gan_step_flops"]["reference"] / t["gan_step_flops"]["ours"]
-            if "frozen" in t["gan_step_flops"]:
-                keys["gan_step_flop_speedup_frozen"] = t["gan_step_flops"]["reference"] / t["gan_step_flops"]["frozen"]
+            frozen = t["gan_step_flops"].get("frozen_trainer", t["gan_step_flops"].get("frozen"))
+            if frozen:
+                keys["gan_step_flop_speedup_frozen"] = t["gan_step_flops"]["reference"] / frozen
+        if t.get("frozen_trunk_speedup"):
+            keys["gan_step_wall_speedup_frozen"] = t["frozen_trunk_speedup"]
     m = results.get("memory", {}).get("cases", {})
     for res in (256, 512):
         hr = m.get(f"decoder_hr@{res}")
@@ -1252,6 +1364,8 @@ def main(argv=None) -> int:
             results["finetune"] = bench_finetune(args, train_url, tmp, device, report)
         if "quality" in args.sections:
             results["quality"] = bench_quality(args, tmp, report)
+        if "latents" in args.sections:
+            results["latents"] = bench_latents(args, train_url, tmp, device, report)
         if "gpu" in args.sections and device.type == "cuda":
             results["gpu"] = bench_gpu(args, train_url, tmp, device, report)
         elif "gpu" in args.sections:
