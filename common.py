@@ -7,6 +7,8 @@ import argparse
 import difflib
 import os
 import random
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,10 +80,8 @@ def init_distributed() -> DistInfo:
         return DistInfo(device=torch.device("cuda", 0) if cuda else torch.device("cpu"))
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    # torchrun's agent keeps one store across restarts: without a per-attempt namespace the restarted
-    # workers read the dead attempt's peer addresses and hang in the connect (seen with gloo).
     store, _, _ = next(dist.rendezvous("env://"))
-    store = dist.PrefixStore(f"vae_trainer/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    store = dist.PrefixStore(f"vae_trainer/attempt_{agree_on_attempt(store, rank, world)}", store)
     if cuda:
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
@@ -90,6 +90,34 @@ def init_distributed() -> DistInfo:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         ctrl = dist.group.WORLD
     return DistInfo(rank, local, world, device, ctrl)
+
+
+def agree_on_attempt(store: Any, rank: int, world: int, poll_s: float = 0.5) -> str:
+    """A name for this attempt of the job that all its ranks agree on, for the namespace of its process group.
+
+    torchrun's agents keep one store across restarts: without a namespace per attempt, restarted workers read the
+    dead attempt's peer addresses and hang in the connect (seen with gloo). TORCHELASTIC_RESTART_COUNT is not that
+    name on several nodes: an agent whose worker was still healthy when a failed node came back to the rendezvous
+    restarts it without counting (a membership change), so the nodes' counts differ by one from then on and every
+    later attempt hangs in init until its timeout. Instead rank 0 draws a fresh token and welcomes each rank by a
+    nonce of that rank's own: a rank that read a token left by an earlier attempt (rank 0 had not yet written
+    its own) gets no welcome for its new nonce within poll_s and reads the token again."""
+    if rank == 0:
+        token = uuid.uuid4().hex
+        store.set("vae_trainer/token", token)
+        for r in range(1, world):
+            nonce = store.get(f"vae_trainer/{token}/hello/{r}").decode()  # waits (store timeout) for rank r
+            store.set(f"vae_trainer/{token}/welcome/{nonce}", "1")
+        return token
+    nonce = uuid.uuid4().hex
+    while True:
+        token = store.get("vae_trainer/token").decode()
+        store.set(f"vae_trainer/{token}/hello/{rank}", nonce)
+        deadline = time.monotonic() + poll_s
+        while time.monotonic() < deadline:
+            if store.check([f"vae_trainer/{token}/welcome/{nonce}"]):
+                return token
+            time.sleep(0.01)
 
 
 def atomic_write(path: str, write) -> None:
