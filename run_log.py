@@ -235,7 +235,9 @@ class Reporter:
         self.tracker = CollapseTracker(self.log)
         self.sample_images = self._fixed_sample_images() if info.is_main else None
         self.curves_failed = False  # said once; the run goes on without curves.png
-        self.curves_drawn_at, self.curves_due = -math.inf, False
+        # the first plot a minute into the run, not at its first checkpoint: a short run (a test, a smoke run)
+        # draws once, at its end
+        self.curves_drawn_at, self.curves_due = time.monotonic(), False
         self.timed_images, self.timed_seconds = 0, 0.0  # every logged window of this process, for img_per_s_avg
         self.progress = None  # tqdm's bar on an interactive terminal (rank 0); plain lines otherwise
 
@@ -266,7 +268,8 @@ class Reporter:
 
     def plot_curves(self, final: bool = False) -> None:
         """curves.png in the run directory, from metrics.jsonl: at a checkpoint or an evaluation, at most once
-        every CURVES_EVERY_S (matplotlib takes about a second, which every rank waits for), and at the run's end
+        every CURVES_EVERY_S from the run's start (matplotlib takes about a second, which every rank waits for),
+        and at the run's end
         (`final`, from close) if a plot was skipped since. A plot that fails (matplotlib missing or broken) is said
         once and never stops the run."""
         if not self.is_main or self.curves_failed:

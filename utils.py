@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import warnings
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -176,7 +177,9 @@ def build_lpips(vgg_features: dict[str, Tensor] | None) -> nn.Module:
     VGG16 backbone comes from `vgg_features` (None: random init, tests only). Frozen, eval mode;
     inputs in [-1, 1]."""
     import lpips
-    with warnings.catch_warnings(), torch.random.fork_rng():
+    # lpips builds a whole torchvision VGG16 and keeps its convolutions: drawing the 120M classifier weights it
+    # drops (nn.init.normal_, VGG's only use of it; drawn after the convolutions') is half of the build's second
+    with warnings.catch_warnings(), torch.random.fork_rng(), mock.patch("torch.nn.init.normal_", lambda t, *a, **k: t):
         warnings.simplefilter("ignore")  # lpips calls torchvision's deprecated `pretrained=` API
         torch.manual_seed(0)  # a random backbone (tests) is then the same in every process
         model = lpips.LPIPS(net="vgg", pnet_rand=True, verbose=False)

@@ -4,8 +4,8 @@ Run it like vae_trainer.py (plain python or under torchrun). Each variable names
 
     VAE_TRAINER_INJECT_NAN        the VAE's loss is NaN at these steps
     VAE_TRAINER_INJECT_NAN_RECON  the reconstruction is NaN (what an fp16 decoder overflow gives): the critic sees it
-    VAE_TRAINER_KILL_AT           SIGKILL before the step (first torchrun attempt only)
-    VAE_TRAINER_SIGTERM_AT        SIGTERM before the step (first torchrun attempt only)
+    VAE_TRAINER_KILL_AT           SIGKILL before the step (once per run directory: not again after a restart)
+    VAE_TRAINER_SIGTERM_AT        SIGTERM before the step (once per run directory)
 """
 import os
 import signal
@@ -26,19 +26,32 @@ def steps_from_env(name: str) -> set[int]:
     return {int(s) for s in steps.split(",") if s}
 
 
-first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 NAN_LOSS, NAN_RECON = steps_from_env("INJECT_NAN"), steps_from_env("INJECT_NAN_RECON")
-KILL_AT = steps_from_env("KILL_AT") if first_attempt else set()
-SIGTERM_AT = steps_from_env("SIGTERM_AT") if first_attempt else set()
+KILL_AT, SIGTERM_AT = steps_from_env("KILL_AT"), steps_from_env("SIGTERM_AT")
+
+
+def flag(name: str) -> str:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else ""
+
+
+def first_time(fault: str) -> bool:
+    """True once per run directory and fault: a restarted worker must not fault again. Not by
+    TORCHELASTIC_RESTART_COUNT: on two nodes the ranks can move between agents whose counts differ."""
+    marker = os.path.join(flag("--output_dir"), flag("--run_name"), f".fault_{fault}_rank{os.environ.get('RANK', '0')}")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
 current_step = [None]  # the step train_step is running, None outside it
 
 train_step = vae_trainer.Trainer.train_step
 
 
 def faulty_train_step(self, *args):
-    if self.step in KILL_AT:
+    if self.step in KILL_AT and first_time(f"kill{self.step}"):
         os.kill(os.getpid(), signal.SIGKILL)
-    if self.step in SIGTERM_AT:
+    if self.step in SIGTERM_AT and first_time(f"sigterm{self.step}"):
         os.kill(os.getpid(), signal.SIGTERM)
     current_step[0] = self.step
     try:

@@ -60,7 +60,7 @@ def _metrics(out, run) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------ exact resume
 def test_sigterm_then_resume_equals_uninterrupted_single_process(shard_url, tmp_path):
-    ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 6, 2, *GAN))
+    ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 6, 6, *GAN))
     assert ref.returncode == 0, ref.stderr[-2000:]
 
     # SIGTERM arrives during step 3: the step finishes, a checkpoint is written, exit 0
@@ -78,10 +78,10 @@ def test_sigterm_then_resume_equals_uninterrupted_single_process(shard_url, tmp_
     assert [r["step"] for r in _metrics(tmp_path, "cut")] == [2, 4, 6]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not per module: xdist interleaves modules, which rebuilt it 3 times
 def two_rank_reference(shard_url, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref2")
-    proc = run_cli("vae_trainer.py", _args(shard_url, out, "ref", 8, 2, *GAN), nproc=2)
+    proc = run_cli("vae_trainer.py", _args(shard_url, out, "ref", 8, 8, *GAN), nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 

@@ -266,7 +266,7 @@ def test_decoder_only_under_torchrun_keeps_the_encoder_and_exports_the_source_la
 @pytest.mark.timeout(150)
 def test_decoder_only_resume_equals_uninterrupted(shard_url, tmp_path):
     source_dir = tiny_sd_source(tmp_path / "sd")
-    ref = run_cli("vae_trainer.py", finetune_args(shard_url, source_dir, tmp_path, "ref", 4, 2))
+    ref = run_cli("vae_trainer.py", finetune_args(shard_url, source_dir, tmp_path, "ref", 4, 4))
     assert ref.returncode == 0, ref.stderr[-2000:]
     cut = run_cli(FAULTY, finetune_args(shard_url, source_dir, tmp_path, "cut", 4, 100),
                   env=cli_env(VAE_TRAINER_SIGTERM_AT="1"))

@@ -141,7 +141,7 @@ def test_frozen_critic_two_ranks_stopped_and_resumed_equals_uninterrupted(shard_
     from test_fault_tolerance import _args, _assert_same_state, _ckpt
     frozen = ["--do_ganloss", "--critic_trunk", "frozen", "--disc_start", "1", "--lecam_weight", "0.1",
               "--r1_weight", "1", "--gan_ramp_steps", "4"]
-    ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 4, 2, *frozen), nproc=2)
+    ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 4, 4, *frozen), nproc=2)
     assert ref.returncode == 0, ref.stderr[-2000:]
     cut = run_cli(FAULTY, _args(shard_url, tmp_path, "cut", 4, 100, *frozen), nproc=2,
                   env=cli_env(VAE_TRAINER_SIGTERM_AT="2"))

@@ -124,11 +124,16 @@ def test_a_run_that_logs_rarely_says_something_at_steps_1_and_10(tmp_path, shard
 
 def test_curves_are_drawn_at_most_once_a_minute_and_at_the_end(tmp_path, shard_url, monkeypatch):
     """curves.png costs matplotlib about a second that every rank waits for: checkpoints and evaluations closer
-    than run_log.CURVES_EVERY_S draw it once, and the run's end draws what was skipped (once, and only then)."""
+    than run_log.CURVES_EVERY_S draw it once, the first a minute into the run, and the run's end draws what was
+    skipped (once, and only then): a run shorter than a minute draws once, at its end."""
     cfg = config.parse_config(["--dataset_url", shard_url, "--wandb_mode", "disabled"])
     drawn = []
     monkeypatch.setattr(run_log.plots, "plot_metrics", lambda run_dir: drawn.append(run_dir))
     reporter = run_log.Reporter(cfg, DistInfo(), str(tmp_path))
+    for _ in range(3):
+        reporter.plot_curves()  # three checkpoints in the run's first second
+    assert drawn == []
+    reporter.curves_drawn_at -= run_log.CURVES_EVERY_S  # a minute later
     for _ in range(3):
         reporter.plot_curves()  # three checkpoints within a second
     assert drawn == [str(tmp_path)]
@@ -136,7 +141,12 @@ def test_curves_are_drawn_at_most_once_a_minute_and_at_the_end(tmp_path, shard_u
     assert len(drawn) == 2
     reporter.close()
     assert len(drawn) == 2  # nothing skipped since: not drawn again
+    short = run_log.Reporter(cfg, DistInfo(), str(tmp_path))
+    short.plot_curves()
+    short.close()
+    assert len(drawn) == 3  # a run of less than a minute: drawn once, at its end
     quiet = run_log.Reporter(cfg, DistInfo(), str(tmp_path))
+    quiet.curves_drawn_at -= run_log.CURVES_EVERY_S
     quiet.plot_curves()
     quiet.close()
-    assert len(drawn) == 3  # a run whose one plot is current draws nothing more at its end
+    assert len(drawn) == 4  # a run whose one plot is current draws nothing more at its end

@@ -605,6 +605,22 @@ def test_build_lpips_loads_backbone(lpips_with_features):
     assert torch.equal(state["slice5.28.weight"], feats["28.weight"])
 
 
+def test_random_lpips_backbone_is_torchvisions_vgg16_at_seed_0():
+    """--vgg16_weights random: LPIPS' trunk is torchvision's VGG16 drawn at seed 0 in every process (build_lpips
+    skips drawing the classifier it drops; the convolutions' draws come first and must not change), and the
+    caller's random stream is left where it was."""
+    torch.manual_seed(0)
+    reference = torchvision.models.vgg16(weights=None).features.state_dict()
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    state = build_lpips(None).net.state_dict()
+    assert torch.equal(torch.random.get_rng_state(), before)
+    for key, value in reference.items():
+        idx = int(key.split(".")[0])
+        slice_no = next(s for s, (a, b) in enumerate(utils.VGG16_SLICES) if a <= idx < b) + 1
+        assert torch.equal(state[f"slice{slice_no}.{key}"], value), key
+
+
 def test_lpips_frozen_eval_and_zero_on_identical(lpips_with_features):
     model, _ = lpips_with_features
     assert not model.training and not any(m.training for m in model.modules())
