@@ -32,7 +32,11 @@ def parse_bool(s: str) -> bool:
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one ConfigError line, with a hint for the two typos people make: a misspelt
     flag ("did you mean --max_steps?") and a brace or glob pattern the shell expanded into extra paths.
-    Build it with allow_abbrev=False: an abbreviation silently taken for a flag is a typo that passes."""
+    Abbreviations are off: an abbreviation silently taken for a flag is a typo that passes."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         prefix = "unrecognized arguments: "

@@ -871,9 +871,10 @@ def wait_for_demo_shards(root: str, timeout_s: float = 300) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="data.py", description="Dataset tools for the VAE trainer.")
+    parser = argparse.ArgumentParser(prog="data.py", description="Dataset tools for the VAE trainer.",
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    ms = sub.add_parser("make-shards", help="pack a folder of images into webdataset tar shards")
+    ms = sub.add_parser("make-shards", help="pack a folder of images into webdataset tar shards", allow_abbrev=False)
     ms.add_argument("src", help="folder of images (searched recursively)")
     ms.add_argument("dst", help="output folder for NNNNN.tar shards")
     ms.add_argument("--shard_size", type=int, default=1000, help="images per shard (default 1000)")

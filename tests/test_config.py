@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+import common
 import config
 import vae_trainer
 from conftest import ROOT, TINY
@@ -104,6 +105,25 @@ def test_typos_get_one_line_that_says_what_to_do(tmp_path, capsys, argv, message
     assert code == 2 and len(err) == 1 and message in err[0], err
     assert "did you mean" not in err[0] or "--max_st" in err[0]
     assert "quote it" not in err[0] or "00001" in err[0]
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("evaluate", ["--ckpt", "run", "--max_im", "4"]),  # --max_images
+    ("export", ["--ckpt", "run", "--out", "x", "--shift", "0.1"]),  # --shift_factor
+    ("probe", ["--vae", "a", "--dataset_url", "x", "--test_dataset_url", "y", "--out", "o", "--ste", "3"]),  # --steps
+    ("data", ["make-shards", "src", "dst", "--shard", "5"]),  # --shard_size
+])
+def test_every_command_refuses_abbreviated_flags(module, argv, capsys):
+    """Not only the trainer: evaluate.py, export.py, probe.py and data.py took an abbreviation for the flag it
+    begins, so a typo ran with a value the user did not mean."""
+    import importlib
+    parser = importlib.import_module(module).build_parser()
+    with pytest.raises((common.ConfigError, SystemExit)) as refused:
+        parser.parse_args(argv)
+    assert f"unrecognized arguments: {argv[-2]}" in str(refused.value) + capsys.readouterr().err
+    long_flag = {"evaluate": "--max_images", "export": "--shift_factor", "probe": "--steps", "data": "--shard_size"}
+    full = [long_flag[module] if a == argv[-2] else a for a in argv]
+    parser.parse_args(full)  # the whole flag is taken
 
 
 @pytest.mark.parametrize("workers, threads, cores, expected", [
