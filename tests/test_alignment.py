@@ -205,6 +205,14 @@ def test_resume_with_alignment_and_probe_on_is_bitwise(shard_url, tmp_path):
     ref_curve, cut_curve = curve("ref"), curve("cut")
     assert sorted(ref_curve) == [0, 3, 6] and cut_curve == {0: ref_curve[0], 6: ref_curve[6]}
 
+    # the export is the VAE alone: the projection is a training aid, not part of the autoencoder
+    import export
+    from safetensors.torch import load_file
+    assert export.main(["--ckpt", str(tmp_path / "ref"), "--out", str(tmp_path / "st"), "--format", "safetensors"]) == 0
+    exported = load_file(next(str(p) for p in (tmp_path / "st").glob("*.safetensors")))
+    assert exported.keys() == a["vae"].keys()
+    assert all(torch.equal(exported[k], a["vae"][k]) for k in exported)
+
 
 @pytest.mark.timeout(300)
 def test_two_ranks_train_the_projection_in_sync_and_probe_like_one(shard_url, tmp_path):

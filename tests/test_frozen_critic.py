@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -95,6 +96,33 @@ def test_frozen_critic_in_the_trainer_one_trunk_pass_each_heads_train(shard_url,
             trainer.close()
     ckpt = torch.load(next((tmp_path / "0").rglob("step_00000002.pt")), weights_only=True)
     assert ckpt["config"]["critic_trunk"] == "frozen" and "heads.0.0.weight_orig" in ckpt["discriminator"]
+
+
+def test_frozen_critic_with_autocast_checkpointing_and_latent_regularisers(shard_url, tmp_path, one_torch_thread):
+    """Issue 19 item 2: the frozen critic beside the rest of the step: bf16 autocast, gradient checkpointing of
+    every level, accumulation, the additive scale-equivariance term, latent noise, R1 on the features and the GAN
+    ramp. Both steps finite, the heads train, no step skipped. (fp16 passes too but takes a minute: CPU fp16
+    convolutions through VGG16 are slow.)"""
+    precision = "bf16"
+    from test_trainer import in_process_trainer
+    trainer = in_process_trainer(shard_url, tmp_path, "--do_ganloss", "--critic_trunk", "frozen", "--disc_start", "1",
+                                 "--max_steps", "2", "--grad_accum", "2", "--save_every_n_steps", "100",
+                                 "--log_every_n_steps", "1", "--precision", precision, "--grad_checkpointing", "all",
+                                 "--scale_equivariance_prob", "1", "--scale_equivariance_form", "add",
+                                 "--latent_noise_prob", "0.5", "--r1_weight", "1", "--gan_ramp_steps", "4")
+    try:
+        heads = trainer.adversary.critic
+        before = {n: p.detach().clone() for n, p in heads.named_parameters()}
+        assert trainer.train() == 0
+        assert all(not torch.equal(before[n], p) for n, p in heads.named_parameters() if n.endswith("weight_orig"))
+        assert all(torch.isfinite(p).all() for p in trainer.vae.parameters())
+        records = [json.loads(line) for line in (tmp_path / "vae" / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in records if "loss/total" in r]
+        assert [r["step"] for r in steps] == [1, 2]
+        assert all(math.isfinite(r["loss/total"]) and math.isfinite(r["loss/disc"]) for r in steps), steps
+        assert not any(r.get("guard/skipped_steps", 0) for r in steps), steps
+    finally:
+        trainer.close()
 
 
 def test_stabiliser_flags_reach_the_step():
