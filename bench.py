@@ -29,8 +29,9 @@ Sections
           model (ch 32 x 1,2,2, z 4, 64 px, batch 4; LPIPS on, no critic, fp32): the real Trainer's step with
           nothing, --scale_equivariance_prob 0.5, --latent_noise_prob 0.5, --vf_weight with DINOv2 ViT-S/14 at
           112 px and with VA-VAE's ViT-L/14 at 224 px (random weights: the cost does not depend on them),
-          FLOPs per step and interleaved wall clock; and one in-loop probe call (--probe_* defaults, 64
-          images of the bench's shards, the EMA copy included), in seconds and per step at every 1000 steps.
+          FLOPs per step and interleaved wall clock; and one in-loop probe call (--probe_steps and
+          --probe_batch_size at their defaults, on --images of the bench's shards (32: a quarter held out) instead of
+          the default 64, the EMA copy included), in seconds and per step at every 1000 steps.
   quality (--quality; not in the default run) Three real `vae_trainer.py` trainings, run concurrently (one
           --threads each), of the same small f8 VAE
           (ch 32 x 1,2,4,4, z 16, 128 px, batch 4, with the GAN), on the same photos (the demo's 12 bundled
