@@ -4,10 +4,10 @@ file writes, and capturing/restoring the RNG states a checkpoint carries."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import difflib
 import os
 import random
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -96,7 +96,7 @@ def init_distributed() -> DistInfo:
     return DistInfo(rank, local, world, device, ctrl)
 
 
-def agree_on_attempt(store: Any, rank: int, world: int, poll_s: float = 0.5) -> str:
+def agree_on_attempt(store: Any, rank: int, world: int, poll_s: float = 5.0) -> str:
     """A name for this attempt of the job that all its ranks agree on, for the namespace of its process group.
 
     torchrun's agents keep one store across restarts: without a namespace per attempt, restarted workers read the
@@ -117,11 +117,11 @@ def agree_on_attempt(store: Any, rank: int, world: int, poll_s: float = 0.5) -> 
     while True:
         token = store.get("vae_trainer/token").decode()
         store.set(f"vae_trainer/{token}/hello/{rank}", nonce)
-        deadline = time.monotonic() + poll_s
-        while time.monotonic() < deadline:
-            if store.check([f"vae_trainer/{token}/welcome/{nonce}"]):
-                return token
-            time.sleep(0.01)
+        try:  # the store server answers when the key appears: no polling load on it from thousands of ranks
+            store.wait([f"vae_trainer/{token}/welcome/{nonce}"], datetime.timedelta(seconds=poll_s))
+            return token
+        except dist.DistStoreError:  # not welcomed in time: the token was a dead attempt's, or rank 0 is slow
+            continue
 
 
 def atomic_write(path: str, write) -> None:
