@@ -1,11 +1,11 @@
 """The configuration: one dataclass per concern (torchtitan's job_config), their union `Config` with the flat flag
 names, and `finish_config`, the one function from argv to a finished, validated config.
 
-    cfg, given, source = finish_config(sys.argv[1:])   # demo, --init_from, automatic values, resumed values, checks
+    cfg, given, source, notes = finish_config(sys.argv[1:])   # demo, --init_from, automatic and resumed values, checks
     loss = section(cfg, LossConfig)                    # a component takes its own section, typed
 
 Every field is a flag (`--<name>`, its help from the field); `flag_tables()` writes the README's flag tables from
-the same fields, and tests/test_readme.py checks that the README holds them. A run records its finished config in
+the same fields, and tests/test_config.py checks that the README holds them. A run records its finished config in
 config.json and in every checkpoint; a resumed run reads the automatic values back from there instead of deriving
 them again (a flag given again wins, and one line says what changed).
 """
@@ -482,11 +482,11 @@ def validate(cfg: Config) -> None:
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
-    non_negative = ["num_workers", "num_threads", "warmup_steps", "weight_decay", "grad_clip", "perceptual_weight", "mse_weight",
-                    "pooled_mse_weight", "lowpass_mse_weight", "kl_weight", "gan_weight", "gan_margin",
-                    "disc_start", "lecam_weight", "r1_weight", "gan_ramp_steps", "evaluate_every_n_steps",
-                    "min_lr_ratio",
-                    "shard_retry_minutes"]
+    # every weight of a loss term, whatever its section: a new term's weight is checked without an edit here
+    weights = [f.name for f in dataclasses.fields(cfg) if f.name.endswith("_weight") and f.type in (float, "float")]
+    non_negative = ["num_workers", "num_threads", "warmup_steps", "weight_decay", "grad_clip", "gan_margin",
+                    "disc_start", "gan_ramp_steps", "evaluate_every_n_steps", "min_lr_ratio", "shard_retry_minutes",
+                    *weights]
     for name in non_negative:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")

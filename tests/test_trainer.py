@@ -441,6 +441,9 @@ def test_a_new_loss_term_is_a_field_and_one_block(shard_url, tmp_path, monkeypat
         + 50.0 * records[-1]["loss/toy"], rel=1e-5)
     assert "| toy " in out
     assert not torch.equal(finals[0.0], finals[50.0])
+    # the checks need no edit either: a weight is refused below 0 like every other *_weight
+    with pytest.raises(config.ConfigError, match="--toy_weight must be >= 0"):
+        in_process_trainer(shard_url, tmp_path / "negative", cfg_class=lambda **kw: ConfigWithToyTerm(**kw, toy_weight=-1.0))
 
 
 # The top-level keys of a checkpoint (format_version 1): runs resume from files written by earlier code.
