@@ -31,9 +31,11 @@ import os
 import random
 import re
 import signal
+import select
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import warnings
 from collections import Counter
@@ -408,10 +410,12 @@ WAIT_POLL_S = 1.0  # how often the trainer's wait for a batch checks for a stop 
 
 class Outage:
     """A time when none of a worker's remote shards could be read: waits with exponential back-off (capped)
-    between passes over the shards, and gives up with one line once `budget_s` has gone by."""
+    between passes over the shards, and gives up with one line once `budget_s` has gone by. `should_stop`: asked
+    through the waits when the stream runs in the trainer's own process (--num_workers 0), where no DataLoader
+    timeout returns to the trainer while it waits: a stop request raises WaitInterrupted at once."""
 
-    def __init__(self, worker: int, budget_s: float, first_error: str):
-        self.worker, self.budget_s = worker, budget_s
+    def __init__(self, worker: int, budget_s: float, first_error: str, should_stop: Callable[[], bool] | None = None):
+        self.worker, self.budget_s, self.should_stop = worker, budget_s, should_stop
         self.start, self.next_wait = time.monotonic(), RETRY_FIRST_WAIT_S
         warn(f"data worker {worker}: no shard could be read ({first_error}); retrying for up to "
              f"{budget_s / 60:g} min (--shard_retry_minutes)")
@@ -425,7 +429,7 @@ class Outage:
             raise DatasetError(f"no shard of the dataset could be read for {self.elapsed():.0f} s (last: "
                                f"{redact(last_error)}): stopping; the run resumes from its last checkpoint, and "
                                f"--shard_retry_minutes sets how long to wait")
-        sleep_unless_orphaned(min(self.next_wait, left))
+        sleep_unless_stopped(min(self.next_wait, left), self.should_stop)
         self.next_wait = min(2 * self.next_wait, RETRY_MAX_WAIT_S)
 
 
@@ -435,8 +439,9 @@ class _WorkerStream:
 
     def __init__(self, shards: list, stream_id: int, n_streams: int, seed, resolution: int,
                  buffer_size: int, resize_prob: float, max_pixels: int, state: dict | None = None,
-                 retry_s: float = 1800.0):
+                 retry_s: float = 1800.0, should_stop: Callable[[], bool] | None = None):
         self.shards, self.stream_id, self.seed, self.retry_s = shards, stream_id, seed, retry_s
+        self.should_stop = should_stop
         self.resolution, self.buffer_size = resolution, max(1, buffer_size)
         self.resize_prob, self.max_pixels = resize_prob, max_pixels
         if len(shards) >= n_streams:
@@ -487,7 +492,7 @@ class _WorkerStream:
                     warn(f"data worker {self.stream_id}: shards readable again after {outage.elapsed():.0f} s")
                 empty_epochs, outage = 0, None
             elif remote and (fetch_errors := [reason for kind, reason in errors if kind == "shard"]):
-                outage = outage or Outage(self.stream_id, self.retry_s, fetch_errors[-1])
+                outage = outage or Outage(self.stream_id, self.retry_s, fetch_errors[-1], self.should_stop)
                 outage.wait(fetch_errors[-1])
                 self.counters["outage_waits"] += 1
             else:
@@ -544,6 +549,9 @@ class TrainStream(IterableDataset):
                  worker_states: dict | None = None, worker_offset: int = 0, retry_s: float = 1800.0):
         super().__init__()
         self.retry_s = retry_s
+        # the trainer's stop check, set on the copy the trainer's own process iterates (--num_workers 0); None in
+        # data workers, whose waits the trainer interrupts from outside (TrainLoader._next_item)
+        self.should_stop: Callable[[], bool] | None = None
         self.shards, self.resolution, self.batch_size, self.seed = shards, resolution, batch_size, seed
         self.rank, self.world_size, self.num_workers = rank, world_size, max(1, num_workers)
         self.shuffle_buffer, self.resize_prob, self.max_pixels = shuffle_buffer, resize_prob, max_pixels
@@ -559,7 +567,8 @@ class TrainStream(IterableDataset):
         stream = _WorkerStream(self.shards, self.rank * self.num_workers + logical,
                                self.world_size * self.num_workers, self.seed, self.resolution,
                                self.shuffle_buffer, self.resize_prob, self.max_pixels,
-                               self.worker_states.get(logical), self.retry_s)
+                               self.worker_states.get(logical), self.retry_s,
+                               self.should_stop if info is None else None)
         while True:
             try:
                 images = np.stack([stream.next_image() for _ in range(self.batch_size)])
@@ -570,34 +579,77 @@ class TrainStream(IterableDataset):
                    "state": stream.state_dict()}
 
 
-_parent_pid: int | None = None  # in a data worker: the process that started it
+class TrainerWatch:
+    """In a data worker: the trainer that started it, watched by its pid. The trainer is what counts, not the
+    worker's parent: under the forkserver start method (Python 3.14's default on Linux) a worker's parent is the
+    fork server, which lives as long as any worker does (each holds its 'alive' pipe), so neither the parent-death
+    signal nor a parent check ever fires there. On Linux a pidfd names that one process (it turns readable when the
+    process ends, also while it is an unreaped zombie, and never names a later process that reuses the pid);
+    elsewhere os.kill(pid, 0) is asked once a second."""
+
+    def __init__(self, trainer_pid: int):
+        self.pid, self.pidfd = trainer_pid, None
+        if hasattr(os, "pidfd_open"):
+            try:
+                self.pidfd = os.pidfd_open(trainer_pid)
+            except ProcessLookupError:  # gone before the worker started watching
+                self.pid = None
+            except OSError:  # a kernel without pidfds (before 5.3): the pid is asked instead
+                pass
+
+    def alive(self) -> bool:
+        if self.pid is None:
+            return False
+        if self.pidfd is not None:
+            return not select.select([self.pidfd], [], [], 0)[0]
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # a process of another user holds the pid: it exists
+            return True
+        return True
+
+    def wait(self) -> None:
+        """Return once the trainer has ended."""
+        if self.pidfd is not None:
+            select.select([self.pidfd], [], [])
+        while self.alive():
+            time.sleep(WAIT_POLL_S)
 
 
-def exit_with_parent(parent_pid: int) -> None:
+def exit_with_trainer(trainer_pid: int) -> None:
     """A data worker whose trainer died (OOM killer, kill -9) must not live on: orphaned, it can block for good
-    writing to a pipe that its siblings still hold open, holding its memory. Linux kills it when its parent
-    dies (prctl PR_SET_PDEATHSIG); elsewhere the waits of our own code check the parent (sleep_unless_orphaned),
-    and PyTorch's worker loop checks it between batches."""
-    global _parent_pid
-    _parent_pid = parent_pid
+    writing to a pipe that its siblings still hold open, holding its memory. A daemon thread waits for the trainer
+    to end and ends the worker then, whatever the worker's main thread is blocked in; on Linux the kernel also kills
+    it when its parent dies (prctl PR_SET_PDEATHSIG: the trainer itself under fork and spawn)."""
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before the line above
+    watch = TrainerWatch(trainer_pid)
+    if not watch.alive():  # the trainer died before this worker started watching it
         os._exit(1)
+    threading.Thread(target=exit_when_ended, args=(watch,), name="trainer-watch", daemon=True).start()
 
 
-def sleep_unless_orphaned(seconds: float) -> None:
+def exit_when_ended(watch: TrainerWatch) -> None:
+    watch.wait()
+    os._exit(1)  # no one is left to read what this worker would produce
+
+
+def sleep_unless_stopped(seconds: float, should_stop: Callable[[], bool] | None = None) -> None:
+    """Sleep in slices of at most WAIT_POLL_S; in the trainer's own process a stop request (`should_stop`) ends
+    the wait with WaitInterrupted."""
     end = time.monotonic() + seconds
     while (left := end - time.monotonic()) > 0:
-        if _parent_pid is not None and os.getppid() != _parent_pid:
-            os._exit(1)  # no one is left to read what this worker would produce
-        time.sleep(min(left, 1.0))
+        if should_stop is not None and should_stop():
+            raise WaitInterrupted("a stop request came while waiting for data")
+        time.sleep(min(left, WAIT_POLL_S))
 
 
-def init_data_worker(worker_id: int, parent_pid: int) -> None:
+def init_data_worker(worker_id: int, trainer_pid: int) -> None:
     """DataLoader worker_init_fn."""
-    exit_with_parent(parent_pid)
+    exit_with_trainer(trainer_pid)
     ignore_stop_signals()
 
 
@@ -637,11 +689,13 @@ class TrainLoader:
         kwargs = (dict(prefetch_factor=4, persistent_workers=True, timeout=WAIT_POLL_S) if self.num_workers > 0
                   else {})
         self.should_stop: Callable[[], bool] = lambda: False
+        if self.num_workers == 0:  # the stream runs in this process: its outage waits ask the trainer themselves
+            dataset.should_stop = lambda: self.should_stop()
         # its own generator: creating the iterator must not draw from the global torch RNG, or a resumed
         # run's posterior noise would be shifted by one draw
         self.loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=pin_memory,
                                  generator=torch.Generator().manual_seed(0),
-                                 worker_init_fn=functools.partial(init_data_worker, parent_pid=os.getpid()),
+                                 worker_init_fn=functools.partial(init_data_worker, trainer_pid=os.getpid()),
                                  **kwargs)
         self._iter = None
 

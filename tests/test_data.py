@@ -12,6 +12,7 @@ import random
 import re
 import signal
 import struct
+import sys
 import tarfile
 import time
 import zlib
@@ -641,12 +642,12 @@ def test_outage_backs_off_exponentially_up_to_a_cap_within_the_budget(monkeypatc
     budget, and the next gives up. (The clock and the sleep are replaced: ten minutes of waits in no time.)"""
     clock, waits = [1000.0], []
 
-    def fake_sleep(seconds):
+    def fake_sleep(seconds, should_stop=None):
         waits.append(seconds)
         clock[0] += seconds
 
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(data, "sleep_unless_orphaned", fake_sleep)
+    monkeypatch.setattr(data, "sleep_unless_stopped", fake_sleep)
     outage = data.Outage(worker=0, budget_s=600, first_error="x: refused")
     with pytest.raises(data.DatasetError, match="could be read for 600 s"):
         for _ in range(100):
@@ -662,8 +663,8 @@ def logged_steps(run_dir) -> list[int]:
 
 
 @contextlib.contextmanager
-def trainer_through_an_outage(solid_shards, tmp_path, retry_minutes: float):
-    """A trainer (CLI, one data worker) reading 3 shards over HTTP, logging every step, no periodic checkpoint; the
+def trainer_through_an_outage(solid_shards, tmp_path, retry_minutes: float, num_workers: int = 1):
+    """A trainer (CLI, `num_workers` data workers: 0 reads in the trainer's own process) reading 3 shards over HTTP, logging every step, no periodic checkpoint; the
     server goes away once 2 steps are logged. Yields (process, run directory, paths of its stdout and stderr)."""
     import subprocess
     from conftest import TINY, cli_command, cli_env
@@ -671,7 +672,7 @@ def trainer_through_an_outage(solid_shards, tmp_path, retry_minutes: float):
     args = ["--dataset_url", f"http://127.0.0.1:{port}/{{00000..00002}}.tar", "--output_dir", str(tmp_path / "runs"),
             "--run_name", "outage", "--max_steps", "100000", "--save_every_n_steps", "100000",
             "--log_every_n_steps", "1", "--evaluate_every_n_steps", "0", "--shard_retry_minutes", str(retry_minutes),
-            *TINY]
+            *TINY, "--num_workers", str(num_workers)]
     # stdout and stderr to files: a pipe nobody reads while the run goes on could fill up and stall it
     out_path, err_path = tmp_path / "out", tmp_path / "err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
@@ -718,11 +719,13 @@ def test_a_run_whose_shard_server_stays_down_stops_in_one_line_with_a_checkpoint
 
 
 @pytest.mark.timeout(150)
-def test_a_stop_signal_during_an_outage_is_honoured_at_once_with_a_checkpoint(solid_shards, tmp_path):
+@pytest.mark.parametrize("num_workers", [1, 0])
+def test_a_stop_signal_during_an_outage_is_honoured_at_once_with_a_checkpoint(solid_shards, tmp_path, num_workers):
     """SIGTERM while the trainer waits for data through an outage (its data worker backing off, the main process
-    in its wait for the next batch) stops the run within seconds, not after --shard_retry_minutes: exit 0 and a
-    checkpoint at the last completed step."""
-    with trainer_through_an_outage(solid_shards, tmp_path, retry_minutes=10) as (trainer, run_dir, out, err):
+    in its wait for the next batch; or, --num_workers 0, the trainer's own process backing off) stops the run
+    within seconds, not after --shard_retry_minutes: exit 0 and a checkpoint at the last completed step."""
+    with trainer_through_an_outage(solid_shards, tmp_path, retry_minutes=10, num_workers=num_workers) as (
+            trainer, run_dir, out, err):
         end = time.monotonic() + 100
         while "no shard could be read" not in err.read_text() and time.monotonic() < end:
             time.sleep(0.2)
@@ -778,30 +781,88 @@ def is_running(pid: int) -> bool:
         return False
 
 
+START_METHODS = ("fork", "forkserver", "spawn")  # Linux's default before Python 3.14, its default since, macOS's
+
+
+def trainer_command(args: list[str], start_method: str) -> list[str]:
+    """The trainer's CLI run with `start_method` as multiprocessing's default (what a Python whose default it is
+    gives the DataLoader)."""
+    from conftest import ROOT
+    path = os.path.join(ROOT, "vae_trainer.py")
+    code = (f"import multiprocessing, runpy, sys; multiprocessing.set_start_method({start_method!r}); "
+            f"sys.argv = [{path!r}] + sys.argv[1:]; sys.path.insert(0, {ROOT!r}); runpy.run_path({path!r}, run_name='__main__')")
+    return [sys.executable, "-c", code, *args]
+
+
+def data_workers(trainer_pid: int) -> list[int]:
+    """The trainer's data workers: its python descendants but the multiprocessing helpers (the fork server, a
+    direct child under forkserver whose children the workers are, and the resource tracker)."""
+    tree, workers = process_tree(), []
+
+    def python_cmdline(pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            return None
+        return argv if os.path.basename(argv[0]).startswith(b"python") else None
+
+    for child in tree.get(trainer_pid, []):
+        argv = python_cmdline(child)
+        if argv is None or any(b"resource_tracker" in a for a in argv):
+            continue
+        if any(b"forkserver" in a for a in argv):
+            workers += [w for w in tree.get(child, []) if python_cmdline(w) is not None]
+        else:
+            workers.append(child)
+    return workers
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_train_loader_reads_under_every_start_method(solid_shards, start_method):
+    """Python 3.14 made forkserver Linux's default start method, and spawn is macOS's: the workers must live as long
+    as the trainer under each (they watch the trainer's pid: under forkserver their parent is the fork server, and
+    a worker that checked its parent died at once, 'DataLoader worker exited unexpectedly')."""
+    import multiprocessing
+    default = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(start_method, force=True)
+    try:
+        with train_loader(solid_shards, num_workers=2, shuffle_buffer=2) as loader:
+            assert loader.loader.multiprocessing_context is None  # the default context, whichever it is
+            batches = take(loader, 6)
+    finally:
+        multiprocessing.set_start_method(default, force=True)
+    assert len(batches) == 6 and all(b.shape == (2, 3, 32, 32) for b in batches)
+
+
 @pytest.mark.timeout(150)
-def test_data_workers_die_with_a_killed_trainer(solid_shards, tmp_path):
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_data_workers_die_with_a_killed_trainer(solid_shards, tmp_path, start_method):
     """kill -9 of a training run's main process (what the OOM killer does) while its data workers are blocked
-    reading from a shard server that stopped answering: no worker may stay behind, orphaned. Without the
-    parent-death signal a worker waits out curl's 30 s stall timeout, and one blocked writing to a full pipe
-    stays for good."""
+    reading from a shard server that stopped answering: no worker may stay behind, orphaned, whatever the start
+    method. Without the parent-death signal a worker waits out curl's 30 s stall timeout, and one blocked writing
+    to a full pipe stays for good."""
     import subprocess
-    from conftest import TINY, cli_command, cli_env
+    from conftest import TINY, cli_env
     port = free_port()
     url = f"http://127.0.0.1:{port}/{{00000..00002}}.tar"
     args = ["--dataset_url", url, "--output_dir", str(tmp_path / "runs"), "--max_steps", "100000", *TINY,
             "--num_workers", "2"]
     leftovers: list[int] = []
     with shard_server_process(os.path.dirname(solid_shards), port) as server, \
-            subprocess.Popen(cli_command("vae_trainer.py", args), stdout=subprocess.DEVNULL,
+            subprocess.Popen(trainer_command(args, start_method), stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, env=cli_env()) as trainer:
         try:
             workers: list[int] = []
             end = time.monotonic() + 100
             while len(workers) < 2 and trainer.poll() is None and time.monotonic() < end:
                 time.sleep(0.2)
-                workers = process_tree().get(trainer.pid, [])
+                workers = data_workers(trainer.pid)
             assert len(workers) == 2, (workers, trainer.poll())
+            while not logged_steps(tmp_path / "runs" / "vae") and trainer.poll() is None and time.monotonic() < end:
+                time.sleep(0.2)  # a first step trained: the workers have started (spawn imports torch first)
             time.sleep(2)  # the workers read shards and fill their prefetch queue
+            assert trainer.poll() is None and all(map(is_running, workers)), "a data worker died, or its trainer"
             os.kill(server.pid, signal.SIGSTOP)  # connections are accepted by the kernel and never answered
             time.sleep(3)  # the workers are now blocked in reads that will not end
             tree = process_tree()
@@ -821,25 +882,30 @@ def test_data_workers_die_with_a_killed_trainer(solid_shards, tmp_path):
                         os.kill(pid, signal.SIGKILL)
 
 
-def test_an_orphaned_worker_stops_waiting_for_the_shard_server(monkeypatch):
-    """The portable check (besides Linux's parent-death signal): a back-off wait ends the worker as soon as its
-    parent is not the one that started it. (os._exit replaced, so that this test process survives.)"""
-    class Exited(BaseException):
-        pass
-
-    def fake_exit(code):
-        raise Exited(code)
-
-    monkeypatch.setattr(os, "_exit", fake_exit)
-    monkeypatch.setattr(data, "_parent_pid", os.getppid())
-    start = time.monotonic()
-    data.sleep_unless_orphaned(0.3)  # its parent is alive: it waits the whole time
-    assert time.monotonic() - start >= 0.3
-    monkeypatch.setattr(data, "_parent_pid", os.getppid() + 1)  # as if the parent had died and left it to init
-    start = time.monotonic()
-    with pytest.raises(Exited):
-        data.sleep_unless_orphaned(30)
-    assert time.monotonic() - start < 5
+def test_a_worker_sees_its_trainer_end_also_as_an_unreaped_zombie():
+    """The check behind every start method: the watch on the trainer's pid returns as soon as the trainer has
+    ended, also while it is an unreaped zombie (it has died; its parent has not waited for it yet), and a worker
+    starting after its trainer has gone sees it gone."""
+    import subprocess
+    import threading
+    trainer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        watch = data.TrainerWatch(trainer.pid)
+        waiter = threading.Thread(target=watch.wait, daemon=True)
+        waiter.start()
+        waiter.join(0.5)
+        assert watch.alive() and waiter.is_alive()  # its trainer is alive: it waits
+        trainer.stdin.close()
+        end = time.monotonic() + 30
+        while is_running(trainer.pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert os.path.exists(f"/proc/{trainer.pid}")  # ended, not reaped
+        waiter.join(5)
+        assert not waiter.is_alive() and not watch.alive()
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert not data.TrainerWatch(trainer.pid).alive()  # reaped: exit_with_trainer then exits at once
 
 
 @pytest.mark.timeout(60)
