@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import sys
 import time
 
@@ -18,15 +19,12 @@ import torch.distributed as dist
 
 from ae import AutoEncoder, AutoEncoderParams
 from common import ConfigError, DistInfo, atomic_write
-from config import ARCH_FIELDS, ModelConfig, section
+from config import ARCH_FIELDS, LEGACY_ARCH, ModelConfig, section
 from pretrained import DIFFUSERS_WEIGHTS, from_diffusers_state_dict
 
 # A run directory written with other values of config.ARCH_FIELDS (the ModelConfig fields marked `arch`) cannot
 # be resumed: the VAE's weights would not fit. The GAN settings are not among them: switching the critic on after
 # a reconstruction-only warm-up is normal.
-# What runs written before a field existed used (config.json without it): 32 groups before --vae_norm_groups,
-# no quant convs before --vae_quant_conv.
-LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False}
 
 
 def checkpoint_files(ckpt_dir: str) -> list[str]:
@@ -194,16 +192,20 @@ def decide_resume(cfg, run_dir: str, log=print) -> tuple[tuple[str, dict] | None
     return found, set_aside
 
 
-def find_resume(cfg, info: DistInfo, run_dir: str, log=print) -> tuple[tuple[str, dict] | None, bool]:
+def find_resume(cfg, info: DistInfo, run_dir: str, log=print, lock: RunLock | None = None
+                ) -> tuple[tuple[str, dict] | None, bool]:
     """Rank 0 alone reads the run directory and decides (decide_resume): resume from which checkpoint, start
     anew, set the checkpoints of another architecture aside, or refuse. The decision is broadcast over the
     control group; the other ranks read the chosen checkpoint only after it. (When every rank listed the
     directory itself, a rank listing it after rank 0's set-aside skipped a barrier, the collectives paired up
-    wrongly and the run hung.) Returns ((path, checkpoint) or None, set_aside)."""
+    wrongly and the run hung.) `lock`: rank 0 takes it first (a second job is refused on every rank). Returns
+    ((path, checkpoint) or None, set_aside)."""
     decision, found = {"error": "rank 0 could not read the run directory"}, None
     try:
         if info.is_main:
             try:
+                if lock is not None:
+                    lock.acquire()
                 found, set_aside = decide_resume(cfg, run_dir, log)
                 decision = {"path": found[0] if found else None, "set_aside": set_aside}
             except ConfigError as e:
@@ -281,6 +283,66 @@ def ranks_in_sync(model: torch.nn.Module, info: DistInfo) -> bool:
 
 
 # ------------------------------------------------------------------------------------- the run directory
+class RunLock:
+    """A run directory belongs to one job at a time: rank 0 holds an exclusive flock on `<output_dir>/.<run_name>.lock`
+    (beside the run directory, so that taking it writes nothing into a run that may still be refused) for the whole
+    run. The kernel releases it when the process ends, however it ends (a crash, kill -9), so an elastic restart's
+    new rank 0 takes it again, and nothing stale is left to clean up. A second job is refused in one line naming the
+    holder. Re-entrant within a process (a process is one job)."""
+
+    _held: dict[str, tuple[object, int]] = {}  # lock path -> (open file, holders in this process)
+
+    def __init__(self, run_dir: str):
+        run_dir = os.path.abspath(run_dir)
+        self.run_dir = run_dir
+        self.path = os.path.join(os.path.dirname(run_dir), f".{os.path.basename(run_dir)}.lock")
+        self.holding = False
+
+    def acquire(self, wait_s: float = 5.0) -> None:
+        """Take the lock, trying for `wait_s` (an elastic restart's previous rank 0 may be exiting); ConfigError
+        if another job holds it."""
+        import fcntl
+        if self.holding:
+            return
+        if self.path in RunLock._held:
+            file, count = RunLock._held[self.path]
+            RunLock._held[self.path] = (file, count + 1)
+            self.holding = True
+            return
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        file = open(self.path, "a+")
+        end = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= end:
+                    file.seek(0)
+                    holder = file.read().strip() or "another process"
+                    file.close()
+                    raise ConfigError(f"{self.run_dir} is in use by another job ({holder}): wait for it to end, or "
+                                      "choose another --run_name") from None
+                time.sleep(0.2)
+        file.seek(0)
+        file.truncate()
+        file.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        file.flush()
+        RunLock._held[self.path] = (file, 1)
+        self.holding = True
+
+    def release(self) -> None:
+        if not self.holding:
+            return
+        self.holding = False
+        file, count = RunLock._held[self.path]
+        if count > 1:
+            RunLock._held[self.path] = (file, count - 1)
+            return
+        del RunLock._held[self.path]
+        file.close()  # closing the last descriptor releases the flock
+
+
 def start_run_dir(run_dir: str, config: dict, set_aside: bool, log=print) -> bool:
     """Rank 0, once every check that can refuse the run has passed (flags, weights, --load_path, data): set
     incompatible checkpoints aside (--force), create the directories, write config.json. Returns whether this

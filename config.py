@@ -690,52 +690,139 @@ def demo_summary(cfg: Config) -> str:
 # --------------------------------------------------------------------------------------------------------------
 # One pass from argv to the run's config
 # --------------------------------------------------------------------------------------------------------------
-# The flags whose 0 / -1 means "automatic" (resolve_auto): a continued run keeps the values its start resolved.
-# num_workers too: the data stream's position is saved per worker, so an exact resume needs the same count
-# (num_threads changes no result: a continued run chooses it for the machine it runs on).
-AUTO_FIELDS = ("learning_rate_vae", "learning_rate_disc", "warmup_steps", "disc_start", "vae_norm_groups",
-               "num_workers")
+# The flags whose 0 / -1 means "automatic" (resolve_auto), with that sentinel. A continued run keeps the values its
+# start resolved: a warm-up or a disc_start already in effect must not move when --max_steps grows (re-derived from
+# a larger budget, the GAN term would switch off again), the VAE's learning rate is the schedule's history, the
+# group count its architecture, and the data stream's position is saved per worker (an exact resume needs the same
+# count). A value whose basis changed in kind is derived again (auto_basis): the critic's learning rate when the
+# critic changes, the worker and thread counts on a machine with other cores.
+AUTO_FIELDS = {"learning_rate_vae": 0.0, "learning_rate_disc": 0.0, "warmup_steps": -1, "disc_start": -1,
+               "vae_norm_groups": 0, "num_workers": -1, "num_threads": 0}
+# Never carried over from the run being continued: they say how to start this invocation, not what the run is.
+PER_INVOCATION_FIELDS = ("resume", "force")
+# What runs written before a field existed used (config.json without it): 32 groups before --vae_norm_groups,
+# no quant convs before --vae_quant_conv.
+LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False}
 
 
-def finish_config(argv: list[str] | None = None, builds_demo_data: bool = True
-                  ) -> tuple[Config, set[str], pretrained.Source | None, list[str]]:
-    """argv -> (the run's finished, validated config, the flags the user gave, the --init_from source read on the
-    way (None if none), notes for the user). In order: the flags (and --demo's values), the demo's data and
-    VGG16 choice (`builds_demo_data`: this process builds the demo shards; the others wait for them), the
-    architecture of an --init_from source, the values a continued run resolved at its start, the remaining
-    automatic values, and the checks. Raises ConfigError (one line) for anything the user can fix."""
+def critic_kind(cfg) -> str:
+    """The critic in words: what its automatic learning rate is derived from."""
+    if cfg.discriminator != "vgg16":
+        return f"the {cfg.discriminator} critic"
+    return f"the vgg16 critic with a {cfg.critic_trunk} trunk"
+
+
+def auto_basis(cfg) -> dict[str, str | None]:
+    """What each automatic value is derived from, in words; None: the run's history, never derived again."""
+    cores = f"{cores_per_rank()} cores per rank"
+    return {"learning_rate_vae": None, "learning_rate_disc": critic_kind(cfg), "warmup_steps": None,
+            "disc_start": None, "vae_norm_groups": None, "num_workers": cores, "num_threads": cores}
+
+
+def automatic_values(cfg, given: set[str]) -> dict[str, str | None]:
+    """{field: its basis} of the values left automatic in `cfg` (before resolve_auto), for config.json's
+    "derived" record."""
+    basis = auto_basis(cfg)
+    return {k: basis[k] for k, sentinel in AUTO_FIELDS.items() if k not in given and getattr(cfg, k) == sentinel}
+
+
+def continue_run(cfg: Config, given: set[str], saved: dict) -> tuple[Config, dict, list[tuple[str, Any, str, str]]]:
+    """The config of a run that continues `saved` (the finished config its start recorded): every value not given
+    again is the saved one (the whole recipe, not only the automatic values), and an automatic value whose basis
+    changed in kind is set back to automatic. Returns (cfg, the "derived" record of the values kept automatic,
+    [(name, value then, basis then, basis now)] of those derived again)."""
+    saved = {**LEGACY_ARCH, **saved}
+    names = {f.name for f in dataclasses.fields(Config)}
+    carried = {k: saved[k] for k in names if k in saved and k not in given and k not in PER_INVOCATION_FIELDS}
+    cfg = dataclasses.replace(cfg, **carried)
+    record = saved.get("derived")
+    if not isinstance(record, dict):  # written before the record existed: what that code kept, and the thread
+        # count it derived anew on every start (basis unknown); the critic's rate was automatic if it is the one
+        # its critic derives
+        record = {k: None for k in ("learning_rate_vae", "warmup_steps", "disc_start", "vae_norm_groups",
+                                    "num_workers")}
+        record["num_threads"] = "an earlier machine"
+        then = dataclasses.replace(cfg, **{k: saved[k] for k in ("discriminator", "critic_trunk", "learning_rate_vae")
+                                          if k in saved}, learning_rate_disc=0.0)
+        if saved.get("learning_rate_disc") == resolve_auto(then).learning_rate_disc:
+            record["learning_rate_disc"] = critic_kind(then)
+    now, kept, again = auto_basis(cfg), {}, []
+    for name, basis in record.items():
+        if name in given or name not in AUTO_FIELDS:
+            continue
+        if basis is not None and now[name] != basis:
+            cfg = dataclasses.replace(cfg, **{name: AUTO_FIELDS[name]})
+            again.append((name, saved.get(name), basis, now[name]))
+        else:
+            kept[name] = basis
+    return cfg, kept, again
+
+
+def continuing_note(run_dir: str, given: set[str], saved: dict, cfg: Config,
+                    again: list[tuple[str, Any, str, str]]) -> str | None:
+    """The one line that names every value a continued run changes: the flags given again with another value, and
+    the automatic values derived again (with why)."""
+    changed = [f"--{k} {saved[k]} -> {getattr(cfg, k)}" for k in sorted(given)
+               if k in saved and saved[k] != getattr(cfg, k) and k not in PER_INVOCATION_FIELDS]
+    derived = [f"--{k} {then} -> {getattr(cfg, k)} ({basis_now}, not {basis_then})"
+               for k, then, basis_then, basis_now in again if then != getattr(cfg, k)]
+    parts = ([f"flags changed since its start: {', '.join(changed)}"] if changed else []) + \
+        ([f"derived again: {', '.join(derived)}"] if derived else [])
+    return f"note: continuing {run_dir} with {'; '.join(parts)}" if parts else None
+
+
+@dataclass
+class FinishedConfig:
+    """finish_config's result: the run's config, the flags the user gave, the --init_from source read on the way
+    (None if none), notes for the user, and `derived`: {automatic field: what it was derived from} (config.json)."""
+    cfg: Config
+    given: set[str]
+    source: pretrained.Source | None
+    notes: list[str]
+    derived: dict[str, str | None]
+
+    def __iter__(self):  # cfg, given, source, notes = finish_config(...)
+        return iter((self.cfg, self.given, self.source, self.notes))
+
+
+def finish_config(argv: list[str] | None = None, builds_demo_data: bool = True) -> FinishedConfig:
+    """argv -> the run's finished, validated config (FinishedConfig). In order: the flags (and --demo's values),
+    the demo's data and VGG16 choice (`builds_demo_data`: this process builds the demo shards; the others wait for
+    them), the architecture of an --init_from source, the recipe of the run this one continues (every value not
+    given again, automatic values derived again where their basis changed), the remaining automatic values, and the
+    checks. Raises ConfigError (one line) for anything the user can fix."""
     cfg, given = parse_flags(argv)
     if cfg.demo:
         if not builds_demo_data:
             data_lib.wait_for_demo_shards(os.path.join(cfg.output_dir, "demo_data"))
         cfg = prepare_demo(cfg)
     cfg, source = apply_init_source(cfg)
-    saved = saved_run_config(cfg)
+    saved = saved_run_config(cfg, given | (set(SOURCE_FIELDS) if source is not None else set()))
+    derived, again = {}, []
     if saved is not None:
-        cfg = dataclasses.replace(cfg, **{k: saved[k] for k in AUTO_FIELDS if k not in given and k in saved})
+        cfg, derived, again = continue_run(cfg, given, saved)
+    derived.update(automatic_values(cfg, given))
     cfg = resolve_auto(cfg)
     validate(cfg)
     notes = [demo_summary(cfg)] if cfg.demo else []
     if saved is not None:
-        changed = [f"--{k} {saved[k]} -> {getattr(cfg, k)}" for k in sorted(given)
-                   if k in saved and saved[k] != getattr(cfg, k) and k not in ("resume", "force")]
-        if changed:
-            notes.append(f"note: continuing {os.path.join(cfg.output_dir, cfg.run_name)} with flags changed since "
-                         f"its start: {', '.join(changed)}")
-    return cfg, given, source, notes
+        note = continuing_note(os.path.join(cfg.output_dir, cfg.run_name), given, saved, cfg, again)
+        notes += [note] if note else []
+    return FinishedConfig(cfg, given, source, notes, derived)
 
 
-def saved_run_config(cfg: Config) -> dict | None:
+def saved_run_config(cfg: Config, explicit: set[str]) -> dict | None:
     """The finished config of the run this one continues (config.json of a run directory holding checkpoints, or
-    --resume's checkpoint), or None: a new run, --resume never, or another architecture (refused or, with
-    --force, started from scratch by the trainer)."""
+    --resume's checkpoint), or None: a new run, --resume never, or another architecture given (`explicit`: the
+    fields the user or the --init_from source set; the trainer refuses it or, with --force, starts from scratch)."""
     if cfg.resume == "never":
         return None
     run_dir = os.path.join(cfg.output_dir, cfg.run_name)
     try:
         if cfg.resume != "auto":
             import torch
-            saved = torch.load(cfg.resume, map_location="cpu", weights_only=True).get("config")
+            ckpt = torch.load(cfg.resume, map_location="cpu", weights_only=True)
+            saved = {**ckpt.get("config", {}), **({"derived": ckpt["derived"]} if "derived" in ckpt else {})}
         elif any(re.fullmatch(r"step_\d+\.pt", f) for f in os.listdir(os.path.join(run_dir, "checkpoints"))):
             with open(os.path.join(run_dir, "config.json")) as f:
                 saved = json.load(f)
@@ -743,8 +830,12 @@ def saved_run_config(cfg: Config) -> dict | None:
             return None
     except Exception:  # no run directory, or an unreadable file: the trainer's resume logic says which
         return None
-    same_arch = all(saved.get(k) == getattr(cfg, k) for k in ARCH_FIELDS if k != "vae_norm_groups")
-    return saved if isinstance(saved, dict) and same_arch else None
+    if not isinstance(saved, dict):
+        return None
+    saved = {**LEGACY_ARCH, **saved}
+    same_arch = all(saved.get(k) == getattr(cfg, k) for k in ARCH_FIELDS
+                    if k in explicit and getattr(cfg, k) != AUTO_FIELDS.get(k))  # (0 groups: automatic)
+    return saved if same_arch else None
 
 
 def flag_tables() -> str:

@@ -47,6 +47,10 @@ from train_state import EMA, DecoderOnly, NonFiniteGuard, VAETraining, adamw, wr
 # ============================================================================================
 # The stop flag, and what the loop decides with every rank
 # ============================================================================================
+class RunComplete(Exception):
+    """The run directory's run has reached --max_steps already: the message says so, and nothing is written."""
+
+
 class StopFlag:
     """SIGTERM/SIGINT ask for a checkpoint and a clean exit at the end of the current step; a second
     SIGINT aborts."""
@@ -158,8 +162,10 @@ class Trainer:
     the reporter from the config, resumes from the run directory, and `train()`s. `source`: the --init_from
     source main() already read (None: read here if needed). `cfg` is finished (config.finish_config)."""
 
-    def __init__(self, cfg: Config, info: DistInfo, source: pretrained.Source | None = None):
+    def __init__(self, cfg: Config, info: DistInfo, source: pretrained.Source | None = None,
+                 derived: dict[str, str | None] | None = None):
         self.cfg, self.info = cfg, info
+        self.derived = derived  # {automatic field: its basis} (config.finish_config), recorded for a continued run
         self.device = info.device
         self.run_dir = os.path.join(cfg.output_dir, cfg.run_name)
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
@@ -177,7 +183,14 @@ class Trainer:
 
         # (path, checkpoint) or None; refuses incompatible run dirs. Nothing is written to the run directory
         # before every check that can refuse the run has passed (checkpoint.start_run_dir, below).
-        resume, set_aside = checkpoint.find_resume(cfg, info, self.run_dir, self.log)
+        # The run directory is this job's (rank 0 holds its lock until the run ends): a second job is refused here
+        self.run_lock = checkpoint.RunLock(self.run_dir) if info.is_main else None
+        resume, set_aside = checkpoint.find_resume(cfg, info, self.run_dir, self.log, self.run_lock)
+        if resume is not None and int(resume[1].get("step", 0)) >= cfg.max_steps:
+            if self.run_lock is not None:
+                self.run_lock.release()
+            raise RunComplete(f"{self.run_dir} is at step {resume[1]['step']} and --max_steps is {cfg.max_steps}: "
+                              "nothing to train, nothing changed (a larger --max_steps continues it)")
 
         # networks: built from the same seed on every rank (DDP also broadcasts rank 0's weights), in this
         # order (random initialisations draw from the global RNG)
@@ -229,7 +242,8 @@ class Trainer:
         self.metrics = Metrics()
         self.report = run_log.Reporter(cfg, info, self.run_dir)  # reads the grids' images: a bad set refuses here
         if info.is_main:
-            config = {**public_config(cfg), **({"init_source": self.init_source} if self.init_source else {})}
+            config = {**public_config(cfg), **({"init_source": self.init_source} if self.init_source else {}),
+                      **({"derived": self.derived} if self.derived is not None else {})}
             self.created_run_dir = checkpoint.start_run_dir(self.run_dir, config, set_aside, self.log)
             self.report.wandb = run_log.init_wandb(cfg.wandb_mode, cfg.project_name, cfg.run_name, self.run_dir,
                                                    public_config(cfg), self.log)
@@ -263,7 +277,8 @@ class Trainer:
             ranks = [mine]
         return {"format_version": 1, "step": self.step, "config": public_config(self.cfg),
                 "model_params": model_params(self.cfg).to_dict(), "init_source": self.init_source,
-                "ranks": ranks, "world_size": self.info.world_size}
+                "ranks": ranks, "world_size": self.info.world_size,
+                **({"derived": self.derived} if self.derived is not None else {})}
 
     def load_state_dict(self, ckpt: dict, path: str, log=print) -> dict | None:
         """The step, a precision change's note, and this rank's RNG; returns this rank's data-stream state."""
@@ -451,6 +466,8 @@ class Trainer:
     def close(self) -> None:
         self.loader.close()
         self.report.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
 
 def stop_without_batches(trainer: Trainer, position: dict, data_error: str | None, last_saved: int) -> int:
@@ -483,7 +500,8 @@ def stop_out_of_memory(trainer: Trainer, error: torch.OutOfMemoryError, last_sav
 def main(argv: list[str] | None = None) -> int:
     is_rank0 = os.environ.get("RANK", "0") == "0"
     try:
-        cfg, given, source, notes = finish_config(argv, builds_demo_data=os.environ.get("LOCAL_RANK", "0") == "0")
+        finished = finish_config(argv, builds_demo_data=os.environ.get("LOCAL_RANK", "0") == "0")
+        cfg, given, source, notes = finished
     except ConfigError as e:
         if is_rank0:
             print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
@@ -496,9 +514,13 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed()
     trainer, failed = None, False
     try:
-        trainer = Trainer(cfg, info, source)
+        trainer = Trainer(cfg, info, source, finished.derived)
         source = None  # the source's weights are in the model now: do not hold a second copy for the whole run
         return trainer.train()
+    except RunComplete as e:
+        if info.is_main:
+            print(str(e), flush=True)
+        return 0
     except memory.WontFit as e:  # like a refused flag: exit 2, nothing written
         if info.is_main:
             print(f"error: {e}", file=sys.stderr)

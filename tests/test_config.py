@@ -33,9 +33,13 @@ def test_readme_flag_tables_are_the_generated_ones():
     assert config.flag_tables() in readme
 
 
+# the tiny model without its warm-up and worker count: these tests follow the automatic values
+TINY_AUTO = [f for i, f in enumerate(TINY[:-2]) if "--num_workers" not in TINY[i - 1:i + 1]]
+
+
 def finished(tmp_path, shard_url, *flags):
     return config.finish_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), "--run_name", "r",
-                                 *TINY[:-2], *flags])
+                                 *TINY_AUTO, *flags])
 
 
 def test_a_continued_run_keeps_the_automatic_values_of_its_start(tmp_path, shard_url):
@@ -56,6 +60,88 @@ def test_a_continued_run_keeps_the_automatic_values_of_its_start(tmp_path, shard
     cfg, _, _, _ = finished(tmp_path, shard_url, "--max_steps", "50000", "--do_ganloss", "--resume", "never",
                             "--run_name", "r")
     assert cfg.disc_start == 10000  # --resume never: a new run, its own automatic values
+
+
+def started(tmp_path, shard_url, *flags):
+    """A run of these flags that has saved (the config.json and the derivation record the trainer writes)."""
+    first = finished(tmp_path, shard_url, *flags)
+    run_dir = tmp_path / "r"
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps({**config.public_config(first.cfg), "derived": first.derived}))
+    (run_dir / "checkpoints" / "step_00000150.pt").write_bytes(b"")
+    return first
+
+
+def test_a_continued_run_keeps_its_whole_recipe_and_names_every_change(tmp_path, shard_url, photos_dir):
+    """Issue 23 item 9: a finished run continued with only --dataset_url and --max_steps keeps every other value it
+    was started with (it used to put do_ganloss, critic_trunk and save_every_n_steps back to their defaults, and
+    name only the typed flags), and one line names each value that changes."""
+    first = started(tmp_path, shard_url, "--do_ganloss", "--critic_trunk", "frozen", "--save_every_n_steps", "50",
+                    "--max_steps", "150", "--kl_weight", "0.01")
+    cfg, given, _, notes = finished(tmp_path, shard_url, "--max_steps", "300", "--dataset_url", photos_dir)
+    kept = ("do_ganloss", "critic_trunk", "save_every_n_steps", "kl_weight", "learning_rate_vae",
+            "learning_rate_disc", "warmup_steps", "disc_start", "num_workers", "num_threads")
+    assert {k: getattr(cfg, k) for k in kept} == {k: getattr(first.cfg, k) for k in kept}
+    assert (cfg.do_ganloss, cfg.critic_trunk, cfg.save_every_n_steps) == (True, "frozen", 50)
+    assert notes == [f"note: continuing {tmp_path / 'r'} with flags changed since its start: --dataset_url "
+                     f"{shard_url} -> {photos_dir}, --max_steps 150 -> 300"]
+    cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300", "--critic_trunk", "trainable")
+    assert cfg.critic_trunk == "trainable" and "--critic_trunk frozen -> trainable" in notes[0]
+
+
+@pytest.mark.parametrize("critic_flags", [["--critic_trunk", "frozen"], ["--discriminator", "patchgan"]])
+def test_an_automatic_value_is_derived_again_when_its_basis_changes(tmp_path, shard_url, critic_flags):
+    """Issue 23 item 3: a pixel-only start resolves the critic's learning rate for the trainable VGG16 critic (1e-5);
+    continued with --do_ganloss and another critic it is the rate a new run of those flags gets (the VAE's), and the
+    line says why. A rate the user gives wins; values that are history (warm-up, disc_start) stay."""
+    first = started(tmp_path, shard_url, "--max_steps", "150")
+    assert first.cfg.learning_rate_disc == 1e-5 and first.derived["learning_rate_disc"] == \
+        "the vgg16 critic with a trainable trunk"
+    fresh = config.finish_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path / "new"), *TINY_AUTO,
+                                  "--max_steps", "300", "--do_ganloss", *critic_flags]).cfg
+    cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300", "--do_ganloss", *critic_flags)
+    assert cfg.learning_rate_disc == fresh.learning_rate_disc == cfg.learning_rate_vae != 1e-5
+    assert f"derived again: --learning_rate_disc 1e-05 -> {cfg.learning_rate_vae} ({config.critic_kind(cfg)}, not " \
+           "the vgg16 critic with a trainable trunk)" in notes[0], notes
+    assert (cfg.warmup_steps, cfg.disc_start) == (first.cfg.warmup_steps, first.cfg.disc_start) != \
+           (fresh.warmup_steps, fresh.disc_start)
+    cfg, _, _, _ = finished(tmp_path, shard_url, "--max_steps", "300", "--do_ganloss", *critic_flags,
+                            "--learning_rate_disc", "3e-5")
+    assert cfg.learning_rate_disc == 3e-5
+    same_critic, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300", "--do_ganloss")
+    assert same_critic.learning_rate_disc == 1e-5 and "derived again" not in notes[0]
+
+
+def test_worker_and_thread_counts_are_derived_again_on_a_machine_with_other_cores(tmp_path, shard_url, monkeypatch):
+    """Issue 23 item 3: the data stream's position is saved per worker, so the same machine keeps the worker count
+    (an exact resume); a machine with other cores derives both counts again and says so."""
+    monkeypatch.setattr(config, "cores_per_rank", lambda: 16)
+    first = started(tmp_path, shard_url, "--max_steps", "150")
+    assert (first.cfg.num_workers, first.cfg.num_threads) == (4, 12)
+    cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300")
+    assert (cfg.num_workers, cfg.num_threads) == (4, 12) and "derived again" not in notes[0]
+    monkeypatch.setattr(config, "cores_per_rank", lambda: 2)
+    cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300")
+    assert (cfg.num_workers, cfg.num_threads) == (1, 1)
+    assert "derived again: --num_workers 4 -> 1 (2 cores per rank, not 16 cores per rank), --num_threads 12 -> 1 " \
+           "(2 cores per rank, not 16 cores per rank)" in notes[0], notes
+    cfg, _, _, _ = finished(tmp_path, shard_url, "--max_steps", "300", "--num_workers", "3")
+    assert cfg.num_workers == 3  # given: kept as given
+
+
+def test_a_run_recorded_before_the_derivation_record_continues_as_it_did(tmp_path, shard_url, monkeypatch):
+    """config.json without "derived" (written by earlier code): the values that code kept stay, the thread count is
+    chosen for this machine, and the critic's rate is derived again for a new critic when it was the automatic one."""
+    monkeypatch.setattr(config, "cores_per_rank", lambda: 16)
+    first = started(tmp_path, shard_url, "--max_steps", "150")
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())
+    del saved["derived"]
+    (tmp_path / "r" / "config.json").write_text(json.dumps(saved))
+    monkeypatch.setattr(config, "cores_per_rank", lambda: 2)
+    cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300", "--do_ganloss", "--critic_trunk", "frozen")
+    assert (cfg.num_workers, cfg.num_threads) == (first.cfg.num_workers, 1) == (4, 1)
+    assert (cfg.warmup_steps, cfg.disc_start) == (first.cfg.warmup_steps, first.cfg.disc_start)
+    assert cfg.learning_rate_disc == cfg.learning_rate_vae and "--learning_rate_disc 1e-05 -> " in notes[0]
 
 
 def test_lpips_smallest_input_restricts_the_scale_equivariance_sizes(shard_url):

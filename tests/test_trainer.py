@@ -543,3 +543,60 @@ def test_the_run_directory_holds_curves_and_grids_enlarged_for_viewing(shard_url
     assert torch.equal(pixels[::4, ::4].repeat_interleave(4, 0).repeat_interleave(4, 1), pixels)
     with Image.open(run_dir / "curves.png") as curves:
         assert curves.size[0] >= 400
+
+
+def run_files(run_dir) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_continued_run_keeps_its_recipe_and_one_asked_to_stop_before_its_step_changes_nothing(
+        shard_url, photos_dir, tmp_path, capsys, one_torch_thread):
+    """Issue 23 item 9, one command after another in one run directory: continued with only --max_steps (no
+    architecture flag typed again) it trains on with every value of its start; asked for fewer steps than it has
+    reached, it says so and changes nothing (it used to overwrite config.json with defaults and print 'done: 40
+    steps' after training none)."""
+    base = ["--output_dir", str(tmp_path), "--run_name", "walls"]
+    flags = [*base, "--dataset_url", shard_url, *TINY, "--perceptual_weight", "0", "--kl_weight", "0.01",
+             "--save_every_n_steps", "2", "--evaluate_every_n_steps", "0", "--max_steps", "2"]
+    assert vae_trainer.main(flags) == 0
+    run = tmp_path / "walls"
+    recorded = json.loads((run / "config.json").read_text())
+    assert recorded["derived"]["learning_rate_vae"] is None and "num_workers" not in recorded["derived"]  # given
+    capsys.readouterr()
+    assert vae_trainer.main([*base, "--max_steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"note: continuing {run} with flags changed since its start: --max_steps 2 -> 4" in out, out
+    assert "resumed from" in out and "done: 4 steps" in out
+    now = json.loads((run / "config.json").read_text())
+    assert {k: v for k, v in now.items() if k != "max_steps"} == {k: v for k, v in recorded.items() if k != "max_steps"}
+    assert checkpoint.checkpoint_files(str(run / "checkpoints"))[0].endswith("step_00000004.pt")
+    before = run_files(run)
+    assert vae_trainer.main([*base, "--dataset_url", photos_dir, "--max_steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"{run} is at step 4 and --max_steps is 3: nothing to train, nothing changed" in out, out
+    assert "done:" not in out and run_files(run) == before
+
+
+def test_a_run_directory_belongs_to_one_job_at_a_time(shard_url, tmp_path, capsys, one_torch_thread):
+    """Issue 23 item 9, two jobs at once in one run directory: the second is refused in one line naming the
+    holder, before it writes anything; the lock does not outlive a job killed with SIGKILL."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    run_dir = tmp_path / "shared"
+    code = (f"import sys; sys.path.insert(0, {ROOT!r}); import checkpoint, time; "
+            f"checkpoint.RunLock({str(run_dir)!r}).acquire(); print('held', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    flags = ["--dataset_url", shard_url, "--output_dir", str(tmp_path), "--run_name", "shared", *TINY,
+             "--perceptual_weight", "0", "--evaluate_every_n_steps", "0", "--max_steps", "2"]
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert vae_trainer.main(flags) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {run_dir} is in use by another job (pid {holder.pid} on ")
+        assert "choose another --run_name" in err[0] and not run_dir.exists()
+    finally:
+        holder.kill()  # SIGKILL: no clean-up of its own
+        holder.wait()
+    assert vae_trainer.main(flags) == 0
+    assert checkpoint.checkpoint_files(str(run_dir / "checkpoints"))
