@@ -222,7 +222,9 @@ class Trainer:
             training=self.training, adversary=self.adversary or checkpoint.ABSENT_ADVERSARY, guard=self.guard,
             run=self, **({"vf_projection": self.training.projection} if self.training.projection else {}))
 
-        data_state, self.resumed_from, self.data_position = None, None, None  # data_position: stop_without_batches
+        data_state, self.resumed_from = None, None
+        # a stop between steps saves the stream's position and the RNG from before the step it abandons (None: now)
+        self.data_position, self.rng_position = None, None
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank posterior noise
         if resume is not None:
             data_state = self.state.load_state_dict(*resume, log=self.log)["run"]
@@ -270,7 +272,8 @@ class Trainer:
         """The run's own checkpoint entry: its step, config and architecture, where it started from, and per
         rank the RNG and the data stream's position (every rank takes part in the gather)."""
         ranks = [None] * self.info.world_size
-        mine = {"rng": capture_rng(self.device), "data": self.data_position or self.loader.state_dict()}
+        mine = {"rng": self.rng_position or capture_rng(self.device),
+                "data": self.data_position or self.loader.state_dict()}
         if self.info.distributed:
             dist.all_gather_object(ranks, mine, group=self.info.ctrl_group)
         else:
@@ -322,9 +325,11 @@ class Trainer:
             position, batches, data_error = read_step_batches(self.loader, cfg.grad_accum)
             if any_rank(batches is None, info):  # agreed before the step, whose collectives a save would cross
                 return stop_without_batches(self, position, data_error, last_saved)
+            rng = capture_rng(self.device)  # (microseconds) what a checkpoint of an abandoned step must hold
             try:
                 self.train_step(batches)
             except torch.OutOfMemoryError as e:
+                self.data_position, self.rng_position = position, rng
                 return stop_out_of_memory(self, e, last_saved)
             self.step += 1
             steps_since += 1
@@ -486,8 +491,11 @@ def stop_without_batches(trainer: Trainer, position: dict, data_error: str | Non
 
 def stop_out_of_memory(trainer: Trainer, error: torch.OutOfMemoryError, last_saved: int) -> int:
     """A GPU out-of-memory error in a step: one line with the flags that help, and (one process) a checkpoint
-    of the last completed step if none holds it. Under torchrun the other ranks wait in a collective:
-    torchrun ends them when this one exits."""
+    of the last completed step if none holds it, with the data stream's position and the RNG from before the
+    abandoned step (the trainer set them): a resume runs that step as an uninterrupted run would. Under torchrun no
+    checkpoint: only this rank may have run out, and the others are blocked inside the step's collectives (DDP's
+    gradient all-reduce), which no agreement can reach; torchrun ends them when this one exits, and the run resumes
+    from its last periodic checkpoint (README, fault tolerance)."""
     trainer.training.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
     torch.cuda.empty_cache()  # a no-op without CUDA
     print(f"error: {memory.out_of_memory_message(error, memory.StepShape.of(trainer.cfg), trainer.step + 1)}",

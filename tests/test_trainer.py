@@ -500,17 +500,19 @@ def test_a_step_that_clearly_will_not_fit_stops_before_training(shard_url, tmp_p
 
 def test_a_gpu_out_of_memory_error_becomes_one_line_and_a_checkpoint(shard_url, tmp_path, capsys, monkeypatch,
                                                                    one_torch_thread):
-    """torch.OutOfMemoryError in step 3 (as CUDA raises it): the one line with the flags that help, exit 1, and
-    the two completed steps in a checkpoint (none was due before)."""
-    trainer = in_process_trainer(shard_url, tmp_path, "--max_steps", "5", "--save_every_n_steps", "100",
-                                 "--perceptual_weight", "0")
-    step = trainer.train_step
+    """torch.OutOfMemoryError in step 3, in its loss after the VAE's forward drew its noise (as CUDA raises it):
+    the one line with the flags that help, exit 1, and the two completed steps in a checkpoint (none was due
+    before) that is the one an uninterrupted run writes at step 2: the data stream's position and the RNG from
+    before the abandoned step (it recorded step 3's batches and moved RNG: a resume skipped a batch)."""
+    flags = ("--save_every_n_steps", "100", "--perceptual_weight", "0")
+    trainer = in_process_trainer(shard_url, tmp_path, "--max_steps", "5", *flags)
+    loss = trainer.objective.forward
 
-    def out_of_memory_at_step_3(*args):
+    def out_of_memory_in_step_3(*args, **kwargs):
         if trainer.step == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        step(*args)
-    monkeypatch.setattr(trainer, "train_step", out_of_memory_at_step_3)
+        return loss(*args, **kwargs)
+    monkeypatch.setattr(trainer.objective, "forward", out_of_memory_in_step_3)
     try:
         assert trainer.train() == 1
     finally:
@@ -518,7 +520,20 @@ def test_a_gpu_out_of_memory_error_becomes_one_line_and_a_checkpoint(shard_url, 
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: out of GPU memory at step 3 with batch 2 x 64 px: CUDA out of memory. Tried to allocate "
                    f"2.00 GiB; these help: --grad_checkpointing hr, --batch_size 1 --grad_accum 2, --precision bf16"]
-    assert checkpoint.checkpoint_files(str(tmp_path / "vae" / "checkpoints"))[0].endswith("step_00000002.pt")
+    written = checkpoint.checkpoint_files(str(tmp_path / "vae" / "checkpoints"))
+    assert written[0].endswith("step_00000002.pt")
+    reference = in_process_trainer(shard_url, tmp_path / "ref", "--max_steps", "2", *flags)
+    try:
+        assert reference.train() == 0
+    finally:
+        reference.close()
+    ckpt, uninterrupted = (checkpoint.load_checkpoint(p) for p in (
+        written[0], checkpoint.checkpoint_files(str(tmp_path / "ref" / "vae" / "checkpoints"))[0]))
+    assert ckpt["ranks"][0]["data"] == uninterrupted["ranks"][0]["data"]
+    assert ckpt["ranks"][0]["data"]["batches"] == 2
+    mine, theirs = ckpt["ranks"][0]["rng"], uninterrupted["ranks"][0]["rng"]
+    assert torch.equal(mine["torch"], theirs["torch"]) and mine["python"] == theirs["python"]
+    assert all(torch.equal(ckpt["vae"][k], v) for k, v in uninterrupted["vae"].items())
 
 
 def test_the_run_directory_holds_curves_and_grids_enlarged_for_viewing(shard_url, tmp_path, one_torch_thread):
