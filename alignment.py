@@ -127,6 +127,14 @@ def vf_loss_terms(z_projected: Tensor, features: Tensor, cos_margin: float = 0.5
     return cosine, F.relu(distance - distmat_margin).mean()
 
 
+def latent_projection(z_channels: int, feature_dim: int) -> nn.Conv2d:
+    """The trainable 1x1 projection of the latent to the feature width, without a bias as in VA-VAE (LightningDiT's
+    `Conv2d(embed_dim, vf_feature_dim, kernel_size=1, bias=False)`): with a bias the cosine term is met by a constant
+    vector whatever the latent holds (features sharing a component, a latent carrying nothing about them: the term
+    reaches 0 and the encoder gets no gradient)."""
+    return nn.Conv2d(z_channels, feature_dim, kernel_size=1, bias=False)
+
+
 class AlignmentLoss(nn.Module):
     """The VF branch: the frozen foundation encoder, the trainable projection (saved with the run, never exported)
     and VA-VAE's two terms. Only `projection` has trainable parameters: give them to the VAE's optimizer and save
@@ -136,7 +144,7 @@ class AlignmentLoss(nn.Module):
                  cos_margin: float = 0.5, distmat_margin: float = 0.25):
         super().__init__()
         self.foundation = FoundationEncoder(model, weights, image_size)
-        self.projection = nn.Conv2d(z_channels, self.foundation.feature_dim, kernel_size=1)
+        self.projection = latent_projection(z_channels, self.foundation.feature_dim)
         self.cos_margin, self.distmat_margin = cos_margin, distmat_margin
 
     def forward(self, z: Tensor, images: Tensor, weight: float | Tensor) -> tuple[Tensor, dict[str, Tensor]]:

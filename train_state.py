@@ -173,8 +173,14 @@ class ProjectionTraining:
         if ckpt.get("vf_projection") is None:
             log(f"note: {path} has no alignment projection (written without --vf_weight): it starts afresh")
             return
-        self.projection.load_state_dict(ckpt["vf_projection"])
-        self.optimizer.load_state_dict(ckpt["optimizer_vf"])
+        saved = ckpt["vf_projection"]
+        if "bias" in saved:  # written before the projection lost its bias (alignment.latent_projection)
+            log(f"note: {path}'s alignment projection has a bias, which VA-VAE's has not (it lets a constant vector "
+                "meet the cosine term): it continues with its weight and without the bias, its optimizer afresh")
+            self.projection.load_state_dict({k: v for k, v in saved.items() if k != "bias"})
+        else:
+            self.projection.load_state_dict(saved)
+            self.optimizer.load_state_dict(ckpt["optimizer_vf"])
         self.scheduler.load_state_dict(ckpt["scheduler_vf"])
 
 

@@ -52,6 +52,64 @@ def test_gradient_reaches_only_the_latent_and_the_projection(vf):
     assert torch.linalg.vector_norm(z.grad).item() == pytest.approx(0.3, rel=1e-5)  # GradNorm: the weight
 
 
+def test_the_projection_has_no_bias_so_a_shared_feature_component_still_pulls_the_latent(vf):
+    """Issue 23 item 5, VA-VAE's projection has no bias. Features whose tokens share one strong component and a latent
+    that carries nothing about them: a projection with a bias (the old one, built beside ours) learns the shared
+    vector as its bias, the term reaches ~0 and the latent gets next to no gradient; ours cannot, so the term stays
+    and keeps pulling the latent."""
+    assert vf.projection.bias is None
+    gen = torch.Generator().manual_seed(0)
+    features = 5 * torch.randn(32, 1, 1, generator=gen) + 0.1 * torch.randn(4, 32, 8, 8, generator=gen)
+    latent = torch.randn(4, 4, 8, 8, generator=gen)
+
+    def fitted(projection):
+        optimizer = torch.optim.Adam(projection.parameters(), lr=0.05)
+        for _ in range(300):
+            optimizer.zero_grad()
+            sum(alignment.vf_loss_terms(projection(latent), features)).backward()
+            optimizer.step()
+        z = latent.clone().requires_grad_(True)
+        loss = sum(alignment.vf_loss_terms(projection(z), features))
+        loss.backward()
+        return loss.item(), torch.linalg.vector_norm(z.grad).item()
+
+    torch.manual_seed(0)
+    with_bias = torch.nn.Conv2d(4, 32, kernel_size=1)
+    torch.manual_seed(0)
+    ours = alignment.latent_projection(4, 32)
+    assert torch.equal(ours.weight, with_bias.weight)  # the same start, but for the bias
+    biased_loss, biased_grad = fitted(with_bias)
+    loss, grad = fitted(ours)
+    assert biased_loss < 0.01 and loss > 0.1, (biased_loss, loss)
+    assert grad > 10 * biased_grad, (grad, biased_grad)
+
+
+def test_a_checkpoint_whose_projection_has_a_bias_resumes_without_it(capsys):
+    """Runs saved before the bias went keep their projection's weight; the bias is dropped with a note, and the
+    projection's optimizer (whose state holds the bias) starts afresh."""
+    from train_state import ProjectionTraining
+    old = torch.nn.Conv2d(4, 8, kernel_size=1)
+    old_training = ProjectionTraining(old, _optim_cfg(), _adamw)
+    old(torch.randn(1, 4, 2, 2)).square().sum().backward()
+    old_training.optimizer.step()  # AdamW's moments for the weight and the bias
+    ckpt = old_training.state_dict()
+    assert len(ckpt["optimizer_vf"]["state"]) == 2
+    new = ProjectionTraining(alignment.latent_projection(4, 8), _optim_cfg(), _adamw)
+    new.load_state_dict(ckpt, path="old.pt", log=print)
+    assert torch.equal(new.projection.weight, old.weight) and new.projection.bias is None
+    assert "old.pt's alignment projection has a bias" in capsys.readouterr().out
+    assert new.optimizer.state_dict()["state"] == {}
+
+
+def _optim_cfg():
+    import config
+    return config.parse_config(["--dataset_url", "x"])
+
+
+def _adamw(params, lr):
+    return torch.optim.AdamW(params, lr=lr)
+
+
 def test_foundation_encoder_is_frozen_and_stays_in_eval_mode(vf):
     vf.train()
     assert not vf.foundation.training and not vf.foundation.net.training
