@@ -17,7 +17,10 @@ model sees have zero mean and unit variance:
       else 1.0 / 0.0.
   per_channel (SDXL-style pipelines, which decode with latents * latents_std / scaling_factor + latents_mean):
       latents_mean / latents_std per channel from --dataset_url, scaling_factor 1.0, shift_factor 0.0.
-Both at once would compound: an SDXL-style pipeline applies scaling_factor on top of latents_std.
+Both at once would compound: an SDXL-style pipeline applies scaling_factor on top of latents_std. Which pipeline
+families a written config serves depends on the channel count (SDXL-family pipelines read exactly 4 values of
+latents_mean; FLUX and SD3 ignore them; SD 1.x/2.x and SDXL ignore shift_factor): a diffusers export names them in
+one line and in its summary's "serves".
 A decoder-only fine-tune (--train_parts decoder) keeps its --init_from source's factors unless given others.
 quant_conv / post_quant_conv are exported where the model has them (SD 1.x/2.x/SDXL). A constant-variance encoder becomes
 AutoencoderKL's (mean, log-variance) output by extra conv_out channels with zero weights and
@@ -42,6 +45,22 @@ from common import ConfigError, OneLineParser
 from pretrained import DIFFUSERS_WEIGHTS, diffusers_config, to_diffusers_state_dict
 
 SINGLE_FILE_WEIGHTS = "ae.safetensors"
+
+
+def pipelines_served(latent_norm: str, channels: int, shift_factor: float) -> str:
+    """Which diffusers pipeline families normalise latents with the config an AutoencoderKL export writes, for this
+    channel count (each claim is tested through that family's own code path: tests/test_export.py)."""
+    if latent_norm == "scalar":
+        scale_only = ("SD 1.x/2.x and SDXL-family pipelines apply scaling_factor only and ignore shift_factor "
+                      f"({shift_factor}): their latents would be off by it" if shift_factor else
+                      "SD 1.x/2.x and SDXL-family pipelines too (scaling_factor, shift 0)")
+        return f"FLUX and SD3 pipelines ((z - shift_factor) * scaling_factor); {scale_only}"
+    if channels == 4:
+        return ("SDXL-family pipelines (latents * latents_std / scaling_factor + latents_mean) and GLM-Image's (which "
+                "reads latent_channels values); FLUX and SD3 pipelines ignore latents_mean/latents_std")
+    return (f"pipelines that read latent_channels ({channels}) values of latents_mean/latents_std, as diffusers' "
+            "GLM-Image does; NOT SDXL-family pipelines (they read 4 values and fail on this config) nor FLUX and "
+            "SD3 pipelines (they ignore latents_mean/latents_std: use --latent_norm scalar for them)")
 
 
 def honour_umask(path: str) -> None:
@@ -199,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     summary.update(latent_norm=args.latent_norm, scaling_factor=scale, shift_factor=shift)
+    if args.format == "diffusers":  # the single file carries no normalisation; safetensors is read by our code
+        summary["serves"] = pipelines_served("per_channel" if latents_mean is not None else "scalar",
+                                             vae.params.z_channels, shift)
+        print(f"note: the latent normalisation written serves {summary['serves']}", file=sys.stderr)
     print(json.dumps(summary))
     return 0
 

@@ -286,6 +286,45 @@ def test_exported_latents_have_unit_variance_in_the_pipeline_family_they_are_for
         assert vae.config.latents_mean is None and vae.config.latents_std is None
 
 
+def test_each_pipeline_family_the_export_names_reads_its_config_and_the_others_do_not(tmp_path, photos_dir,
+                                                                                      capsys):
+    """Issue 23 item 6, each claim of export.pipelines_served through that family's own code: a 16-channel
+    per_channel config fails in SDXL's path (it reads 4 values) and is ignored by FLUX's; a scalar config with a
+    shift is applied by FLUX's path and not by SDXL's scale-only one (SD 1.x/2.x's rule: latents * scaling_factor);
+    and GLM-Image's pipeline reads latent_channels values."""
+    import inspect
+
+    import data as data_lib
+    from diffusers import GlmImagePipeline
+    images = torch.cat([data_lib.to_model_input(batch, torch.device("cpu"), channels_last=False)
+                        for _, batch in data_lib.iter_eval_batches(photos_dir, 32, 4)])
+    params = AutoEncoderParams(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=16, use_attn=False,
+                               posterior_var=1e-8)
+    save_checkpoint(tmp_path / "ckpt.pt", params)
+    common = ["--ckpt", str(tmp_path / "ckpt.pt"), "--dataset_url", photos_dir, "--latent_stats_images", "8",
+              "--batch_size", "4"]
+    assert export.main([*common, "--out", str(tmp_path / "pc"), "--latent_norm", "per_channel"]) == 0
+    served = json.loads(capsys.readouterr().out)["serves"]
+    assert "GLM-Image" in served and "NOT SDXL-family pipelines" in served
+    vae = load_diffusers(str(tmp_path / "pc"))
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"shape '\[1, 4, 1, 1\]' is invalid"):
+        pipeline_latents("sdxl", vae, images)
+    with torch.no_grad():
+        flux = pipeline_latents("flux", vae, images).double()
+    assert flux.std(dim=(0, 2, 3), unbiased=False).sub(1).abs().max() > 0.1  # the statistics are not applied
+    glm = inspect.getsource(GlmImagePipeline.__call__)
+    assert ".view(1, self.vae.config.latent_channels, 1, 1)" in glm and "latents * latents_std + latents_mean" in glm
+
+    assert export.main([*common, "--out", str(tmp_path / "sc")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["shift_factor"] != 0 and "ignore shift_factor" in summary["serves"]
+    vae = load_diffusers(str(tmp_path / "sc"))
+    with torch.no_grad():
+        flux, scale_only = (pipeline_latents(f, vae, images).double() for f in ("flux", "sdxl"))
+    assert abs(flux.mean().item()) < 1e-3  # (z - shift) * scale: zero mean
+    assert scale_only.mean().item() == pytest.approx(summary["shift_factor"] * summary["scaling_factor"], rel=1e-3)
+
+
 def test_per_channel_normalisation_needs_the_statistics_and_a_config(tmp_path, capsys, photos_dir):
     save_checkpoint(tmp_path / "ckpt.pt", CONFIGS["constant_no_attn_2_levels"])
     for extra, message in ((["--latent_norm", "per_channel"], "--latent_norm per_channel needs --dataset_url"),
