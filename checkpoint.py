@@ -287,8 +287,9 @@ class RunLock:
     """A run directory belongs to one job at a time: rank 0 holds an exclusive flock on `<output_dir>/.<run_name>.lock`
     (beside the run directory, so that taking it writes nothing into a run that may still be refused) for the whole
     run. The kernel releases it when the process ends, however it ends (a crash, kill -9), so an elastic restart's
-    new rank 0 takes it again, and nothing stale is left to clean up. A second job is refused in one line naming the
-    holder. Re-entrant within a process (a process is one job)."""
+    new rank 0 takes it again; a second job is refused in one line naming the holder. Released, the file is removed
+    (a run that failed to start leaves nothing behind); a taker that locked a file since removed tries again, so two
+    jobs never hold two files of one name. Re-entrant within a process (a process is one job)."""
 
     _held: dict[str, tuple[object, int]] = {}  # lock path -> (open file, holders in this process)
 
@@ -310,20 +311,27 @@ class RunLock:
             self.holding = True
             return
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        file = open(self.path, "a+")
         end = time.monotonic() + wait_s
         while True:
+            file = open(self.path, "a+")
             try:
                 fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
+                file.seek(0)
+                holder = file.read().strip() or "another process"
+                file.close()
                 if time.monotonic() >= end:
-                    file.seek(0)
-                    holder = file.read().strip() or "another process"
-                    file.close()
                     raise ConfigError(f"{self.run_dir} is in use by another job ({holder}): wait for it to end, or "
                                       "choose another --run_name") from None
                 time.sleep(0.2)
+                continue
+            try:
+                current = os.stat(self.path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(file.fileno()).st_ino:
+                break
+            file.close()  # locked a file its holder removed on release: take the one at the path now
         file.seek(0)
         file.truncate()
         file.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
@@ -340,6 +348,10 @@ class RunLock:
             RunLock._held[self.path] = (file, count - 1)
             return
         del RunLock._held[self.path]
+        try:
+            os.unlink(self.path)  # while still holding it: a waiting taker sees the inode change and tries again
+        except FileNotFoundError:
+            pass
         file.close()  # closing the last descriptor releases the flock
 
 

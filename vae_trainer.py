@@ -163,7 +163,7 @@ class Trainer:
     source main() already read (None: read here if needed). `cfg` is finished (config.finish_config)."""
 
     def __init__(self, cfg: Config, info: DistInfo, source: pretrained.Source | None = None,
-                 derived: dict[str, str | None] | None = None):
+                 derived: dict[str, str | None] | None = None, run_lock: checkpoint.RunLock | None = None):
         self.cfg, self.info = cfg, info
         self.derived = derived  # {automatic field: its basis} (config.finish_config), recorded for a continued run
         self.device = info.device
@@ -183,8 +183,9 @@ class Trainer:
 
         # (path, checkpoint) or None; refuses incompatible run dirs. Nothing is written to the run directory
         # before every check that can refuse the run has passed (checkpoint.start_run_dir, below).
-        # The run directory is this job's (rank 0 holds its lock until the run ends): a second job is refused here
-        self.run_lock = checkpoint.RunLock(self.run_dir) if info.is_main else None
+        # The run directory is this job's (rank 0 holds its lock until the run ends): a second job is refused here.
+        # `run_lock`: main's, which it releases also when this constructor fails
+        self.run_lock = run_lock or (checkpoint.RunLock(self.run_dir) if info.is_main else None)
         resume, set_aside = checkpoint.find_resume(cfg, info, self.run_dir, self.log, self.run_lock)
         if resume is not None and int(resume[1].get("step", 0)) >= cfg.max_steps:
             if self.run_lock is not None:
@@ -521,8 +522,9 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
     info = init_distributed()
     trainer, failed = None, False
+    run_lock = checkpoint.RunLock(os.path.join(cfg.output_dir, cfg.run_name)) if info.is_main else None
     try:
-        trainer = Trainer(cfg, info, source, finished.derived)
+        trainer = Trainer(cfg, info, source, finished.derived, run_lock)
         source = None  # the source's weights are in the model now: do not hold a second copy for the whole run
         return trainer.train()
     except RunComplete as e:
@@ -543,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer.close()
             if failed and info.is_main and trainer.created_run_dir:
                 checkpoint.remove_run_dir_if_unused(trainer.run_dir)
+        if run_lock is not None:
+            run_lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 

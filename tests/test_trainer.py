@@ -615,3 +615,4 @@ def test_a_run_directory_belongs_to_one_job_at_a_time(shard_url, tmp_path, capsy
         holder.wait()
     assert vae_trainer.main(flags) == 0
     assert checkpoint.checkpoint_files(str(run_dir / "checkpoints"))
+    assert sorted(os.listdir(tmp_path)) == ["shared"]  # the killed holder's lock file taken over, then removed
