@@ -175,15 +175,22 @@ def _one_step_at(shard_url, tmp_path, batch, step, *flags) -> dict:
     return state
 
 
-def test_equivariance_transform_matches_the_image_side():
-    """The decoder input is the latent downsampled and rotated like the target image: for a 'VAE' that is
-    area pooling by f, transform(encode(x)) == encode(transform(x)) (exactly so for whole factors)."""
+@pytest.mark.parametrize("form", ["replace", "add"])
+def test_equivariance_transform_matches_the_image_side(form):
+    """The decoder input is the latent downsampled and rotated like the target image, in both forms (the added
+    term's small image included: issue 23, its rotation/flip dropped from the image side left this file green):
+    for a 'VAE' that is area pooling by f, transform(encode(x)) == encode(transform(x)) (exactly so for whole
+    factors)."""
     regs = latents.LatentRegularisers(0, 0, equivariance_prob=1.0, equivariance_sizes=[2, 4],
-                                      equivariance_rotate=True, downsample_factor=4)
+                                      equivariance_rotate=True, downsample_factor=4, equivariance_form=form)
     x = torch.randn(2, 3, 32, 32)
     seen = set()
     for step in range(12):
-        target, to_decoder = regs.draw(x, step, 0)
+        if form == "replace":
+            target, to_decoder = regs.draw(x, step, 0)
+        else:
+            assert regs.draw(x, step, 0) == (x, None)  # the full-resolution pass is untouched
+            target, to_decoder = regs.draw_added(x, step, 0)
         z = to_decoder(torch.nn.functional.avg_pool2d(x, 4))
         torch.testing.assert_close(z, torch.nn.functional.avg_pool2d(target, 4))
         seen.add(regs.equivariance(step, 0))
