@@ -18,6 +18,7 @@ VA-VAE's 0.1 ratio: choose it by measurement.
 from __future__ import annotations
 
 import os
+import socket
 
 import timm
 import torch
@@ -39,14 +40,40 @@ def fetch_foundation_weights(model: str, weights: str, download: bool = True) ->
     same cache entry at once. Other --vf_weights values, and the waiting ranks (download False), need nothing."""
     if weights != "timm" or not download or model not in VF_MODELS:
         return
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
     repo = timm.models.get_pretrained_cfg(VF_MODELS[model]).hf_hub_id
+    if isinstance(try_to_load_from_cache(repo, "model.safetensors"), str):
+        return  # cached: no network at all
+    unreachable = hub_unreachable()
+    if unreachable:  # the hub's client would retry for ~30 s before giving up: one attempt says as much
+        raise WeightsUnavailable(f"{model} weights unavailable from {repo} ({unreachable}): fill the Hugging Face "
+                                 "cache, or pass --vf_weights PATH; --vf_weights random is for tests only")
     try:
         hf_hub_download(repo, "model.safetensors")
     except Exception as e:  # offline clusters land here
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise WeightsUnavailable(f"{model} weights unavailable from {repo} ({reason}): fill the Hugging Face cache, "
                                  f"or pass --vf_weights PATH; --vf_weights random is for tests only") from None
+
+
+def hub_unreachable(timeout_s: float = 5.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached, from one connection attempt to its host; None if it takes the
+    connection, or when a proxy is set (the proxy then decides, and the client's own error says so)."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                                        "all_proxy")):
+        return None
+    endpoint = urlparse(constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        return f"{endpoint.hostname}:{port} unreachable: {e.strerror or type(e).__name__}"
+    return None
 
 
 def build_foundation_net(model: str, weights: str, image_size: int) -> nn.Module:

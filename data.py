@@ -96,6 +96,10 @@ def list_shards(url: str) -> list:
     if os.path.isdir(url):
         files = image_files(url)
         if not files:
+            tars = sorted(os.path.join(url, f) for f in os.listdir(url) if f.endswith(".tar"))
+            if tars:  # a folder of shards: webdataset reads them by their names, not by their folder
+                raise DatasetError(f"{url}: directory holds {len(tars)} .tar shards and no image files: give the shards "
+                                   f"themselves, e.g. '{brace_url(tars)}' (quoted)")
             raise DatasetError(f"{url}: directory holds no image files ({', '.join(IMAGE_EXTS[:4])}, ...)")
         return [tuple(files[i:i + DIR_SHARD_SIZE]) for i in range(0, len(files), DIR_SHARD_SIZE)]
     try:
@@ -980,7 +984,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {len(files) - len(skipped)} images into {len(paths)} shards ({len(skipped)} unreadable skipped"
           + (f": {name_a_few(names)})" if skipped else ")"))
-    print(f"--dataset_url '{brace_url(paths)}'")
+    url = brace_url(paths)  # training data or a held-out set: the same shards, another flag
+    print(f"--dataset_url '{url}' to train on them, or --test_dataset_url '{url}' to evaluate on them")
     return 0
 
 

@@ -155,6 +155,19 @@ def append_jsonl(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def logged_keys(path: str, step: int) -> set[str]:
+    """The keys metrics.jsonl holds for `step` (every record of that step together)."""
+    if not os.path.isfile(path):
+        return set()
+    keys = set()
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line) if line.strip() else {}
+            if record.get("step") == step:
+                keys.update(record)
+    return keys
+
+
 def truncate_jsonl(path: str, step: int) -> None:
     """After a resume, drop log lines of steps the crashed run did after its last checkpoint."""
     if not os.path.isfile(path):
@@ -314,12 +327,12 @@ class Reporter:
         if self.is_main:
             self.print(msg)
 
-    def print(self, line: str) -> None:
-        """A line to stdout, above the progress bar when there is one."""
+    def print(self, line: str, file=None) -> None:
+        """A line to stdout (or `file`), above the progress bar when there is one."""
         if self.progress is not None:
-            self.progress.write(line)
+            self.progress.write(line, file=file or sys.stdout)
         else:
-            print(line, flush=True)
+            print(line, file=file or sys.stdout, flush=True)
 
     def metrics(self, metrics: dict, step: int, elapsed: float, steps_done: int, lr_vae: float,
                 skipped: dict[str, int]) -> None:

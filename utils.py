@@ -79,10 +79,11 @@ def hub_cache_path(url: str) -> str:
 
 
 def ensure_weights(spec: str, *, flag: str, url: str, what: str, download: bool = True,
-                   hash_prefix: str | None = None) -> str | None:
+                   hash_prefix: str | None = None, without: str = "") -> str | None:
     """Resolve a weights flag to a local file: `random` -> None (random init), a PATH -> itself,
     `torchvision` -> torch hub's download cache, downloading `url` once if `download` (the other local
-    ranks pass download=False after local rank 0 is done). WeightsUnavailable says how to supply them."""
+    ranks pass download=False after local rank 0 is done). WeightsUnavailable says how to supply them, and
+    `without`: how to run without them."""
     if spec == "random":
         return None
     if spec != "torchvision":
@@ -92,7 +93,8 @@ def ensure_weights(spec: str, *, flag: str, url: str, what: str, download: bool 
     path = hub_cache_path(url)
     if os.path.isfile(path):
         return path
-    how = f"put {os.path.basename(path)} at {path}, or pass {flag} PATH; {flag} random is for tests only"
+    how = (f"put {os.path.basename(path)} at {path}, or pass {flag} PATH" + (f", or {without}" if without else "")
+           + f"; {flag} random is for tests only")
     if not download:
         raise WeightsUnavailable(f"{what} weights not found at {path}: {how}")
     try:
@@ -115,7 +117,9 @@ def vgg16_cache_path() -> str:
 def ensure_vgg16_weights(spec: str, download: bool = True) -> str | None:
     """`--vgg16_weights`: torchvision's pretrained VGG16 (its cache), a local state dict, or random."""
     return ensure_weights(spec, flag="--vgg16_weights", url=VGG16_URL, what="pretrained VGG16", download=download,
-                          hash_prefix="397923af")  # torchvision names its files by their sha256 prefix
+                          hash_prefix="397923af",  # torchvision names its files by their sha256 prefix
+                          without="train offline on the pixel losses alone (--perceptual_weight 0 and no VGG16 "
+                                  "critic, as --demo does without them)")
 
 
 def fetch_weights(ensure, spec: str, local_rank: int = 0, group=None) -> str | None:

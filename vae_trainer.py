@@ -187,7 +187,10 @@ class Trainer:
         # `run_lock`: main's, which it releases also when this constructor fails
         self.run_lock = run_lock or (checkpoint.RunLock(self.run_dir) if info.is_main else None)
         resume, set_aside = checkpoint.find_resume(cfg, info, self.run_dir, self.log, self.run_lock)
-        if resume is not None and int(resume[1].get("step", 0)) >= cfg.max_steps:
+        # an evaluation or probe due at the resumed step that a stop interrupted (its record missing) is redone
+        reached = int(resume[1].get("step", 0)) if resume is not None else 0
+        self.owed = self.owed_at(reached) if resume is not None else (False, False)
+        if resume is not None and (reached > cfg.max_steps or reached == cfg.max_steps and not any(self.owed)):
             if self.run_lock is not None:
                 self.run_lock.release()
             raise RunComplete(f"{self.run_dir} is at step {resume[1]['step']} and --max_steps is {cfg.max_steps}: "
@@ -265,7 +268,14 @@ class Trainer:
     scaler_disc = property(lambda self: self.adversary.scaler, lambda self, v: setattr(self.adversary, "scaler", v))
 
     def log(self, msg: str) -> None:
-        if self.info.is_main:
+        """A line on rank 0: through the reporter once it exists (above the progress bar on a terminal, which a
+        plain print would overwrite from its first character), plain before."""
+        if not self.info.is_main:
+            return
+        report = getattr(self, "report", None)
+        if report is not None:
+            report.print(msg)
+        else:
             print(msg, flush=True)
 
     # ----------------------------------------------------------------------------- the run directory, resuming
@@ -306,6 +316,17 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.step}")
         return data_state
 
+    def owed_at(self, step: int) -> tuple[bool, bool]:
+        """(evaluation, probe): whether one was due at `step` and metrics.jsonl lacks its record (a stop in the middle
+        of it: a second Ctrl-C, kill -9). Rank 0 reads the file; every rank follows (all take part in both)."""
+        cfg, owed = self.cfg, (False, False)
+        if self.info.is_main:
+            keys = run_log.logged_keys(os.path.join(self.run_dir, "metrics.jsonl"), step)
+            due = [step % every == 0 or step == cfg.max_steps if every else False
+                   for every in (cfg.evaluate_every_n_steps if self.eval_on else 0, cfg.probe_every_n_steps)]
+            owed = (due[0] and "eval/psnr" not in keys, due[1] and "eval/probe_loss" not in keys)
+        return any_rank(owed[0], self.info), any_rank(owed[1], self.info)
+
     def checkpoint_state(self) -> dict:
         return self.state.state_dict()
 
@@ -316,9 +337,10 @@ class Trainer:
         if self.resumed_from and info.is_main:
             run_log.truncate_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
         self.report.run_start(self.vae)
-        if self.eval_on and self.step == 0:
+        owed_evaluation, owed_probe = self.owed
+        if self.eval_on and (self.step == 0 or owed_evaluation):
             self.evaluate()  # the untrained baseline, and a sanity check of the test set before hours of training
-        if cfg.probe_every_n_steps and self.step == 0:
+        if cfg.probe_every_n_steps and (self.step == 0 or owed_probe):
             self.report.probe(self.step, *self.in_loop_probe(self.vae, self.ema))  # the curve's first point
         t_start, steps_since = time.time(), 0
         last_saved = self.step if self.resumed_from else -1
@@ -499,8 +521,8 @@ def stop_out_of_memory(trainer: Trainer, error: torch.OutOfMemoryError, last_sav
     from its last periodic checkpoint (README, fault tolerance)."""
     trainer.training.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
     torch.cuda.empty_cache()  # a no-op without CUDA
-    print(f"error: {memory.out_of_memory_message(error, memory.StepShape.of(trainer.cfg), trainer.step + 1)}",
-          file=sys.stderr, flush=True)
+    line = memory.out_of_memory_message(error, memory.StepShape.of(trainer.cfg), trainer.step + 1)
+    trainer.report.print(f"error: {line}", file=sys.stderr)
     if not trainer.info.distributed and trainer.step > 0 and trainer.step != last_saved:
         trainer.save_unless_in_bad_streak(stopping=True)
     return 1

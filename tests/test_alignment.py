@@ -181,6 +181,22 @@ def test_alignment_term_through_the_objective():
     assert all(p.grad is None for p in vf.foundation.parameters())
 
 
+def test_an_unreachable_hub_is_one_line_at_once(monkeypatch, tmp_path):
+    """Issue 23 item 10: --vf_weights timm without a reachable hub spent ~28 s in the hub client's retries before
+    its error; one connection attempt decides (a closed port on this machine stands in for the hub)."""
+    import time
+
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    for proxy in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    start = time.monotonic()
+    with pytest.raises(WeightsUnavailable, match=r"^dinov2_vits14 weights unavailable .*127\.0\.0\.1:9 unreachable"):
+        alignment.fetch_foundation_weights("dinov2_vits14", "timm")
+    assert time.monotonic() - start < 5
+
+
 def test_timm_weights_are_fetched_by_local_rank_0_before_the_others_build(monkeypatch):
     """--vf_weights timm: the trainer brings DINOv2's weights into the Hugging Face cache through fetch_weights
     (local rank 0 downloads, the other ranks wait at a barrier and then build from the cache), so a node's ranks
@@ -190,6 +206,7 @@ def test_timm_weights_are_fetched_by_local_rank_0_before_the_others_build(monkey
     from common import DistInfo
     from conftest import TINY
     downloads, fetches = [], []
+    monkeypatch.setattr(alignment, "hub_unreachable", lambda: None)  # a hub that answers (these tests fake it)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name: downloads.append((repo, name)))
     alignment.fetch_foundation_weights("dinov2_vits14", "timm", download=True)
     assert downloads == [("timm/vit_small_patch14_dinov2.lvd142m", "model.safetensors")]

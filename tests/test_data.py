@@ -978,6 +978,17 @@ def test_list_shards_errors_are_one_line(tmp_path, solid_shards, url_kind):
         assert str(tmp_path) in msg
 
 
+def test_a_folder_of_shards_points_to_the_brace_url(solid_shards):
+    """Issue 23 item 10: the folder that holds the shards is not a dataset url (it was 'holds no image files');
+    the line names the url that reads them."""
+    root = os.path.dirname(solid_shards)
+    with pytest.raises(data.DatasetError) as info:
+        data.list_shards(root)
+    assert str(info.value) == (f"{root}: directory holds 3 .tar shards and no image files: give the shards "
+                               f"themselves, e.g. '{solid_shards}' (quoted)")
+    assert len(data.list_shards(solid_shards)) == 3  # the url it names reads them
+
+
 # --------------------------------------------------------------------------------------------
 # sharding across ranks and workers; the endless stream
 # --------------------------------------------------------------------------------------------
@@ -1170,7 +1181,8 @@ def test_make_shards_in_process(image_folder, tmp_path, capsys):
     src, files = image_folder
     assert data.main(["make-shards", str(src), str(tmp_path / "one"), "--shard_size", "100"]) == 0
     out = capsys.readouterr().out
-    assert f"--dataset_url '{tmp_path / 'one' / '00000.tar'}'" in out
+    assert f"--dataset_url '{tmp_path / 'one' / '00000.tar'}' to train on them, or --test_dataset_url " \
+           f"'{tmp_path / 'one' / '00000.tar'}' to evaluate on them" in out  # a held-out set is read by the second
     assert len(read_tar_members([str(tmp_path / "one" / "00000.tar")])) == 5
     empty = tmp_path / "empty"
     empty.mkdir()

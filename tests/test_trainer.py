@@ -616,3 +616,70 @@ def test_a_run_directory_belongs_to_one_job_at_a_time(shard_url, tmp_path, capsy
     assert vae_trainer.main(flags) == 0
     assert checkpoint.checkpoint_files(str(run_dir / "checkpoints"))
     assert sorted(os.listdir(tmp_path)) == ["shared"]  # the killed holder's lock file taken over, then removed
+
+
+def test_lines_printed_under_the_progress_bar_start_at_their_first_character(shard_url, tmp_path, monkeypatch,
+                                                                              one_torch_thread):
+    """Issue 23 item 10: on a terminal the progress bar (tqdm, on stderr) and the lines share one screen; a line
+    printed past the bar instead of through it started on the bar's line ('aved runs/...', 'one: 150 steps').
+    Here stdout and stderr are one terminal-like stream, rendered as a terminal does with carriage returns."""
+    import io
+    import re
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    monkeypatch.setattr("sys.stdout", screen)
+    monkeypatch.setattr("sys.stderr", screen)
+    trainer = in_process_trainer(shard_url, tmp_path, "--max_steps", "3", "--save_every_n_steps", "1",
+                                 "--perceptual_weight", "0")
+    try:
+        assert trainer.train() == 0
+    finally:
+        trainer.close()
+    rendered = []
+    for line in screen.getvalue().split("\n"):
+        shown = ""
+        for part in re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", line).split("\r"):  # each \r writes from column 0
+            shown = part + shown[len(part):]
+        rendered.append(shown.rstrip())
+    for start in ("saved ", "done: 3 steps"):
+        assert any(line.startswith(start) for line in rendered), (start, rendered)
+    assert not any("saved " in line and not line.startswith("saved ") for line in rendered), rendered
+
+
+def test_an_evaluation_a_stop_interrupted_is_redone_on_resume(shard_url, tmp_path, monkeypatch, one_torch_thread):
+    """Issue 23 item 10: Ctrl-C twice (or kill -9) during the evaluation of step 2, after its checkpoint: the resumed
+    run evaluates step 2 before it trains on, so the curve keeps that point; an evaluation that finished is not
+    redone."""
+    flags = ("--max_steps", "4", "--save_every_n_steps", "2", "--perceptual_weight", "0", "--test_dataset_url",
+             shard_url, "--evaluate_every_n_steps", "2", "--inception_weights", "none", "--eval_max_images", "2")
+    trainer = in_process_trainer(shard_url, tmp_path, *flags)
+    evaluate = trainer.evaluate
+
+    def interrupted_at_step_2():
+        if trainer.step == 2:
+            raise KeyboardInterrupt
+        return evaluate()
+    monkeypatch.setattr(trainer, "evaluate", interrupted_at_step_2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+    finally:
+        trainer.close()
+    run_dir = str(tmp_path / "vae")
+    assert [r["step"] for r in _metrics(run_dir) if "eval/psnr" in r] == [0]
+    assert checkpoint.checkpoint_files(os.path.join(run_dir, "checkpoints"))[0].endswith("step_00000002.pt")
+    resumed = in_process_trainer(shard_url, tmp_path, *flags)
+    try:
+        assert resumed.owed == (True, False) and resumed.train() == 0
+    finally:
+        resumed.close()
+    assert [r["step"] for r in _metrics(run_dir) if "eval/psnr" in r] == [0, 2, 4]
+    again = in_process_trainer(shard_url, tmp_path, *flags[2:], "--max_steps", "6")  # nothing owed at step 4
+    try:
+        assert again.owed == (False, False)
+    finally:
+        again.close()

@@ -520,6 +520,7 @@ def test_ensure_vgg16_weights_torchvision_offline(tmp_path, monkeypatch):
     msg = str(info.value)
     assert "\n" not in msg
     assert str(tmp_path / "torch_home") in msg and "--vgg16_weights" in msg
+    assert "--perceptual_weight 0" in msg  # the offline path that works, as the demo takes it
 
     # downloading fails offline: one line, same advice
     def offline(*args, **kwargs):
