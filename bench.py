@@ -86,8 +86,11 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter
 
+import config as config_lib
 import data as data_lib
 import vae_trainer
+from common import DistInfo
+from utils import vgg16_cache_path
 
 # ----------------------------------------------------------------------------------------------------
 # Configurations
@@ -505,10 +508,10 @@ def trainer_argv(values: dict) -> list[str]:
 def build_trainer(url: str, output_dir: str, run_name: str, device: torch.device, **overrides):
     """vae_trainer.Trainer from its own flag parser, with the benchmark flags, fed from memory."""
     values = {**BENCH_FLAGS, **overrides, "dataset_url": url, "output_dir": output_dir, "run_name": run_name}
-    cfg = vae_trainer.parse_config(trainer_argv(values))
-    vae_trainer.validate(cfg)
+    cfg = config_lib.parse_config(trainer_argv(values))
+    cfg.validate()
     with contextlib.redirect_stderr(io.StringIO()):  # the random-VGG16 banner; the report states it once
-        trainer = vae_trainer.Trainer(cfg, vae_trainer.DistInfo(device=device))
+        trainer = vae_trainer.Trainer(cfg, DistInfo(device=device))
     batches = [next(trainer.loader) for _ in range(2)]
     trainer.loader.close()
     if device.type == "cuda":
@@ -533,7 +536,7 @@ def add_reference_habits(trainer) -> None:
                         value.item()
             _original(**values)
         setattr(metrics, name, wrapped)
-    if trainer.disc is not None:
+    if trainer.adversary is not None:
         # and, with the GAN, the critic's weight gradients in the generator's pass: the reference computes them
         # (and zeroes them after the VAE's step); train_step runs that pass under objective.critic_frozen()
         frozen = trainer.objective.critic_frozen
@@ -699,14 +702,17 @@ def bench_latents(args, url, tmp, device, report: Report) -> dict:
                  f"{max(args.steps_per_round, 5)} steps",
                  ["feature", "flags", "GFLOP/step", "x base", "median ms/step", "x base (wall)"], rows)
     cfg = trainers["base"].cfg
-    cfg.probe_images = min(cfg.probe_images, args.images)
-    cfg.probe_heldout = min(cfg.probe_heldout, cfg.probe_images // 4)
-    in_loop = probe_lib.InLoopProbe(cfg, device)
+    probe_images = min(cfg.latents.probe_images, args.images)
+    cfg = config_lib.with_values(cfg, probe_images=probe_images,
+                                 probe_heldout=min(cfg.latents.probe_heldout, probe_images // 4))
+    in_loop = probe_lib.InLoopProbe(cfg.latents, cfg.data, cfg.optim.seed, device)
     trainer = trainers["base"]
-    calls = [in_loop(trainer.vae, trainer.ema)[1] for _ in range(2)]
+    calls = [in_loop(trainer.vae, trainer.training.ema)[1] for _ in range(2)]
     per_call = min(calls)
-    report.line(f"  one in-loop probe call (--probe_steps {cfg.probe_steps}, --probe_batch_size "
-                f"{cfg.probe_batch_size}, {cfg.probe_images} images, {cfg.probe_heldout} held out): {per_call:.1f} s "
+    latents = cfg.latents
+    report.line(f"  one in-loop probe call (--probe_steps {latents.probe_steps}, --probe_batch_size "
+                f"{latents.probe_batch_size}, {latents.probe_images} images, {latents.probe_heldout} held out): "
+                f"{per_call:.1f} s "
                 f"(calls {', '.join(f'{c:.1f}' for c in calls)}); at --probe_every_n_steps 1000 that is "
                 f"{per_call / 1000 * 1e3:.1f} ms per step, {per_call / 1000 / base:.1%} of the base step")
     for t in trainers.values():
@@ -716,8 +722,8 @@ def bench_latents(args, url, tmp, device, report: Report) -> dict:
                                 "flop_ratio": flops[name] / flops["base"], "median_step_s": median(t),
                                 "wall_ratio": median(t) / base, "step_s": [round(v, 4) for v in t]}
                          for name, t in times.items()},
-            "probe_call_s": calls, "probe": {"steps": cfg.probe_steps, "batch_size": cfg.probe_batch_size,
-                                             "images": cfg.probe_images, "heldout": cfg.probe_heldout}}
+            "probe_call_s": calls, "probe": {"steps": latents.probe_steps, "batch_size": latents.probe_batch_size,
+                                             "images": latents.probe_images, "heldout": latents.probe_heldout}}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -780,7 +786,7 @@ def bench_quality(args, tmp, report: Report) -> dict:
     """Our defaults vs the reference's hyperparameters vs plain MSE: the same model, photos, seed and steps,
     each a real `vae_trainer.py` run; held-out PSNR/SSIM/LPIPS from the trainer's own final evaluation."""
     train_url, test_url = data_lib.ensure_demo_shards(os.path.join(tmp, "quality_data"))
-    vgg = "torchvision" if os.path.isfile(vae_trainer.vgg16_cache_path()) else "random"
+    vgg = "torchvision" if os.path.isfile(vgg16_cache_path()) else "random"
     cfg = dict(QUALITY_CONFIG)
     common = dict(cfg, precision=args.quality_precision, dataset_url=train_url, test_dataset_url=test_url,
                   max_steps=args.quality_steps,
@@ -862,7 +868,8 @@ def spawn_memory_case(case: dict) -> dict:
 def saved_activations(trainer) -> dict[str, float]:
     """MiB of activations each part of the network saves for backward in one training step (unique
     storages, parameters excluded), counted with saved-tensor hooks: exact and free of timing noise."""
-    params = {p.untyped_storage().data_ptr() for m in (trainer.vae, trainer.lpips, trainer.disc) if m is not None
+    critic = trainer.adversary.critic if trainer.adversary is not None else None
+    params = {p.untyped_storage().data_ptr() for m in (trainer.vae, trainer.objective.lpips, critic) if m is not None
               for p in list(m.parameters()) + list(m.buffers())}
     counted: dict[int, str] = {}
     totals: dict[str, int] = {}
@@ -877,7 +884,7 @@ def saved_activations(trainer) -> dict[str, float]:
         return root
 
     handles = []
-    for root, module in (("vae", trainer.vae), ("lpips", trainer.lpips), ("discriminator", trainer.disc)):
+    for root, module in (("vae", trainer.vae), ("lpips", trainer.objective.lpips), ("discriminator", critic)):
         if module is None:
             continue
         for name, sub in module.named_modules():
@@ -1024,7 +1031,7 @@ def gan_step_flops(trainer) -> dict[str, float]:
         per_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
         out[name] = float(counter.get_total_flops())
         objective = type(trainer.objective).__name__  # its own modules are counted under its name
-        out[f"{name}_critic"] = float(per_module.get(type(trainer.disc).__name__, 0)  # the critic's own pass
+        out[f"{name}_critic"] = float(per_module.get(type(trainer.adversary.critic).__name__, 0)  # its own pass
                                       + per_module.get(f"{objective}.critic", 0))   # the generator's pass
         out[f"{name}_lpips"] = float(per_module.get(f"{objective}.lpips", 0))
         out[f"{name}_vae"] = out[name] - out[f"{name}_critic"] - out[f"{name}_lpips"]
@@ -1047,7 +1054,7 @@ def frozen_gan_step_flops(trainer, vae_flops: float) -> dict[str, float]:
     cfg = trainer.cfg
     lpips_model = trainer.objective.lpips
     device = trainer.device
-    size, batch = cfg.vae_resolution, cfg.batch_size
+    size, batch = cfg.data.vae_resolution, cfg.data.batch_size
     heads = FeatureCriticHeads().to(device)
     x = torch.rand(batch, 3, size, size, device=device) * 2 - 1
     recon = (torch.rand(batch, 3, size, size, device=device) * 2 - 1).requires_grad_(True)

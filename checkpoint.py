@@ -1,8 +1,18 @@
 """Everything about checkpoint files (torchtitan's checkpoint.py in spirit): writing them atomically with a
-`latest` pointer and rotation, finding and loading them (falling back past an unreadable one), deciding on
-rank 0 which one a run resumes from (and broadcasting that decision), refusing another architecture's, and
-loading bare VAE weights. What a checkpoint holds is Trainer.checkpoint_state; this module never imports the
-trainer, so evaluate.py, export.py and probe.py use it directly."""
+`latest` pointer and rotation, finding and loading them (falling back past an unreadable one, migrating the flat
+layout of earlier code), deciding on rank 0 which one a run resumes from (and broadcasting that decision),
+refusing another architecture's, the registry of what a checkpoint holds (one namespaced entry per owner), the
+run directory's lock, and loading trained VAEs. This module never imports the trainer, so evaluate.py, export.py
+and probe.py use it directly.
+
+A checkpoint (format_version 2) is {"format_version": 2, <entry>: {...}, ...}, one sub-dict per owner:
+    training   VAETraining: vae, ema, optimizer, scheduler, scaler, train_parts
+    adversary  Adversary (None without --do_ganloss): critic, optimizer, scheduler, scaler, lecam, kind
+    guard      NonFiniteGuard: bad_steps_total, bad_streak
+    run        the Trainer's: step, config (flat), model_params, init_source, derived, ranks (rng, data), world_size,
+               ranks_in_sync, critic_in_sync
+    vf_projection  ProjectionTraining (--vf_weight only): projection, optimizer, scheduler
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +29,7 @@ import torch.distributed as dist
 
 from ae import AutoEncoder, AutoEncoderParams
 from common import ConfigError, DistInfo, atomic_write
-from config import ARCH_FIELDS, LEGACY_ARCH, ModelConfig, section
+from config import ARCH_FIELDS, LEGACY_ARCH, ModelConfig, RunConfig
 from pretrained import DIFFUSERS_WEIGHTS, from_diffusers_state_dict
 
 # A run directory written with other values of config.ARCH_FIELDS (the ModelConfig fields marked `arch`) cannot
@@ -43,9 +53,45 @@ def checkpoint_files(ckpt_dir: str) -> list[str]:
     return files
 
 
+FORMAT_VERSION = 2
+
+
 def load_checkpoint(path: str) -> dict:
-    """weights_only: a checkpoint from elsewhere cannot run code when loaded."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """A checkpoint in today's layout (migrated if written by earlier code). weights_only: a checkpoint from
+    elsewhere cannot run code when loaded."""
+    return migrate(torch.load(path, map_location="cpu", weights_only=True))
+
+
+def migrate(ckpt: dict) -> dict:
+    """A checkpoint of format_version 1 (every owner's keys merged at the top level) in the namespaced layout of
+    FORMAT_VERSION 2; a checkpoint already namespaced, or anything that is not a trainer checkpoint (a bare state
+    dict), as it is. The compatibility facts an owner used to read from the flat config (the VAE's --train_parts,
+    the critic's kind) move into its own entry."""
+    if not isinstance(ckpt, dict) or ckpt.get("format_version", 1) >= 2 or not isinstance(ckpt.get("vae"), dict):
+        return ckpt  # (a bare state dict has parameter names for keys, never "vae")
+    config = ckpt.get("config") or {}
+    adversary = None
+    if ckpt.get("discriminator") is not None:
+        adversary = {"critic": ckpt["discriminator"], "optimizer": ckpt.get("optimizer_disc"),
+                     "scheduler": ckpt.get("scheduler_disc"), "scaler": ckpt.get("scaler_disc") or {},
+                     "lecam": ckpt.get("lecam"), "kind": critic_kind_of(config)}
+    projection = None
+    if ckpt.get("vf_projection") is not None:
+        projection = {"projection": ckpt["vf_projection"], "optimizer": ckpt.get("optimizer_vf"),
+                      "scheduler": ckpt.get("scheduler_vf")}
+    run = {k: ckpt[k] for k in ("step", "config", "model_params", "init_source", "ranks", "world_size", "derived",
+                                "ranks_in_sync", "critic_in_sync") if k in ckpt}
+    return {"format_version": FORMAT_VERSION,
+            "training": {"vae": ckpt["vae"], "ema": ckpt.get("ema"), "optimizer": ckpt.get("optimizer_vae"),
+                         "scheduler": ckpt.get("scheduler_vae"), "scaler": ckpt.get("scaler_vae") or {},
+                         "train_parts": config.get("train_parts", "all")},
+            "adversary": adversary, "guard": ckpt.get("guard") or {}, "run": run, "vf_projection": projection}
+
+
+def critic_kind_of(config: dict) -> dict:
+    """The critic's kind as a (flat) config describes it: a critic resumes only from a checkpoint of its kind."""
+    return {"discriminator": config.get("discriminator", "vgg16"), "disc_norm": config.get("disc_norm"),
+            "critic_trunk": config.get("critic_trunk", "trainable")}
 
 
 def load_latest_checkpoint(ckpt_dir: str, log=print) -> tuple[str, dict] | None:
@@ -78,7 +124,15 @@ def load_vae_weights(path: str) -> dict:
         obj = load_checkpoint(path)
     except Exception as e:
         raise ConfigError(f"{path}: cannot be loaded as weights ({type(e).__name__})") from None
-    return obj["vae"] if isinstance(obj, dict) and "vae" in obj else obj
+    return trained_weights(obj) or obj
+
+
+def trained_weights(ckpt, ema: bool = False) -> dict | None:
+    """The VAE's weights (or their EMA) of a trainer checkpoint (either layout); None for anything else."""
+    ckpt = migrate(ckpt)
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("training"), dict):
+        return None
+    return ckpt["training"]["ema" if ema else "vae"]
 
 
 def load_vae_weights_into(vae: torch.nn.Module, path: str) -> None:
@@ -93,7 +147,7 @@ def load_vae_weights_into(vae: torch.nn.Module, path: str) -> None:
             file = load_checkpoint(path)
         except Exception as e:
             raise ConfigError(f"{path}: cannot be loaded as weights ({type(e).__name__})") from None
-        weights = file["vae"] if isinstance(file, dict) and "vae" in file else file
+        weights = trained_weights(file) or file
     own = vae.state_dict()
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
         raise ConfigError(f"--load_path {path} holds no VAE state dict")
@@ -128,12 +182,13 @@ def recorded_norm_groups(path: str, file) -> int | None:
             return None
         groups = config.get("norm_groups") if isinstance(config, dict) else None
         return groups if isinstance(groups, int) else None
-    if not isinstance(file, dict) or "vae" not in file:
+    run = file.get("run") if isinstance(file, dict) and trained_weights(file) is not None else None
+    if not isinstance(run, dict):
         return None
-    if isinstance(file.get("model_params"), dict) and "norm_groups" in file["model_params"]:
-        return file["model_params"]["norm_groups"]
-    if isinstance(file.get("config"), dict):
-        return {**LEGACY_ARCH, **file["config"]}["vae_norm_groups"]
+    if isinstance(run.get("model_params"), dict) and "norm_groups" in run["model_params"]:
+        return run["model_params"]["norm_groups"]
+    if isinstance(run.get("config"), dict):
+        return {**LEGACY_ARCH, **run["config"]}["vae_norm_groups"]
     return None
 
 
@@ -157,8 +212,9 @@ def check_compatible(model: ModelConfig, force: bool, saved: dict, where: str) -
     return not diff
 
 
-def decide_resume(cfg, run_dir: str, log=print) -> tuple[tuple[str, dict] | None, bool]:
+def decide_resume(run: RunConfig, model: ModelConfig, log=print) -> tuple[tuple[str, dict] | None, bool]:
     """Rank 0: (the checkpoint to resume from or None, whether to set the run's checkpoints aside)."""
+    run_dir = run.run_dir
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     existing = checkpoint_files(ckpt_dir)
     config_path = os.path.join(run_dir, "config.json")
@@ -169,30 +225,30 @@ def decide_resume(cfg, run_dir: str, log=print) -> tuple[tuple[str, dict] | None
                 saved = json.load(f)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{config_path} is unreadable ({type(e).__name__}): fix or remove it") from None
-        if not check_compatible(section(cfg, ModelConfig), cfg.force, saved, config_path) and existing:
+        if not check_compatible(model, run.force, saved, config_path) and existing:
             set_aside, existing = True, []
-    if cfg.resume == "never":
+    if run.resume == "never":
         if existing:
             raise ConfigError(f"{run_dir} already holds checkpoints and --resume never was given: "
                               "choose another --run_name or --output_dir")
         return None, set_aside
-    if cfg.resume == "auto":
+    if run.resume == "auto":
         found = load_latest_checkpoint(ckpt_dir, log) if existing else None
         if existing and found is None:
             raise ConfigError(f"no readable checkpoint in {ckpt_dir}")
     else:
         try:
-            found = (cfg.resume, load_checkpoint(cfg.resume))
+            found = (run.resume, load_checkpoint(run.resume))
         except Exception as e:
-            raise ConfigError(f"--resume {cfg.resume}: unreadable checkpoint ({type(e).__name__}: "
+            raise ConfigError(f"--resume {run.resume}: unreadable checkpoint ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
-    if found is not None and not check_compatible(section(cfg, ModelConfig), cfg.force, found[1]["config"], found[0]):
+    if found is not None and not check_compatible(model, run.force, found[1]["run"]["config"], found[0]):
         # --force with a checkpoint of another architecture: start from scratch (keeping the run's own aside)
-        return None, set_aside or cfg.resume == "auto"
+        return None, set_aside or run.resume == "auto"
     return found, set_aside
 
 
-def find_resume(cfg, info: DistInfo, run_dir: str, log=print, lock: RunLock | None = None
+def find_resume(run: RunConfig, model: ModelConfig, info: DistInfo, log=print, lock: RunLock | None = None
                 ) -> tuple[tuple[str, dict] | None, bool]:
     """Rank 0 alone reads the run directory and decides (decide_resume): resume from which checkpoint, start
     anew, set the checkpoints of another architecture aside, or refuse. The decision is broadcast over the
@@ -206,7 +262,7 @@ def find_resume(cfg, info: DistInfo, run_dir: str, log=print, lock: RunLock | No
             try:
                 if lock is not None:
                     lock.acquire()
-                found, set_aside = decide_resume(cfg, run_dir, log)
+                found, set_aside = decide_resume(run, model, log)
                 decision = {"path": found[0] if found else None, "set_aside": set_aside}
             except ConfigError as e:
                 decision = {"error": str(e)}
@@ -228,43 +284,25 @@ def find_resume(cfg, info: DistInfo, run_dir: str, log=print, lock: RunLock | No
 
 # ------------------------------------------------------------------------------------- what a checkpoint holds
 class Registry:
-    """Every stateful piece of a run, each saved and restored by its owner (torchtitan's CheckpointManager and
-    Stateful in spirit): an entry has state_dict() -> {top-level key: value} and load_state_dict(ckpt, ...),
-    which reads its own keys and applies its own compatibility rules (the VAE refuses another --train_parts,
-    the critic starts afresh when of another kind, a scaler saved disabled is not loaded). The file's keys are
-    the entries' keys together: those of format_version 1, so checkpoints of earlier code load."""
+    """Every stateful piece of a run, each saved and restored by its owner under its own name (torchtitan's
+    CheckpointManager and Stateful): an entry (None: absent from this run) has state_dict() -> dict and
+    load_state_dict(state, path=, log=), which reads its own sub-dict only and applies its own compatibility rules
+    (the VAE refuses another --train_parts, the critic starts afresh when of another kind, a scaler saved disabled
+    is not loaded). A checkpoint of earlier code is migrated first (migrate)."""
 
     def __init__(self, **entries):
         self.entries = entries
 
     def state_dict(self) -> dict:
-        state = {}
-        for entry in self.entries.values():
-            state.update(entry.state_dict())
-        return state
+        """{format_version, entry name: its state}; an entry that is None (a run without that piece) saves None."""
+        return {"format_version": FORMAT_VERSION,
+                **{name: entry.state_dict() if entry is not None else None for name, entry in self.entries.items()}}
 
     def load_state_dict(self, path: str, ckpt: dict, log=print) -> dict:
         """Restore every entry from `ckpt` (read from `path`); returns {entry name: what its load returned}."""
-        loaded = {}
-        for name, entry in self.entries.items():
-            loaded[name] = entry.load_state_dict(ckpt, path=path, log=log)
-        return loaded
-
-
-class _AbsentAdversary:
-    """The critic's entry of a run without --do_ganloss: the keys it writes as empty (format_version 1)."""
-
-    @staticmethod
-    def state_dict() -> dict:
-        return {"discriminator": None, "optimizer_disc": None, "scheduler_disc": None, "scaler_disc": {},
-                "lecam": None}
-
-    @staticmethod
-    def load_state_dict(ckpt: dict, **_) -> None:
-        return None
-
-
-ABSENT_ADVERSARY = _AbsentAdversary()
+        ckpt = migrate(ckpt)
+        return {name: entry.load_state_dict(ckpt.get(name), path=path, log=log)
+                for name, entry in self.entries.items() if entry is not None}
 
 
 @torch.no_grad()
@@ -310,7 +348,9 @@ class RunLock:
             RunLock._held[self.path] = (file, count + 1)
             self.holding = True
             return
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        parent = os.path.dirname(self.path)
+        self.created = [] if os.path.isdir(parent) else [parent]  # removed again on release if left empty
+        os.makedirs(parent, exist_ok=True)
         end = time.monotonic() + wait_s
         while True:
             file = open(self.path, "a+")
@@ -353,6 +393,11 @@ class RunLock:
         except FileNotFoundError:
             pass
         file.close()  # closing the last descriptor releases the flock
+        for directory in getattr(self, "created", []):  # the --output_dir this lock made, if nothing else is in it
+            try:
+                os.rmdir(directory)
+            except OSError:
+                pass
 
 
 def start_run_dir(run_dir: str, config: dict, set_aside: bool, log=print) -> bool:
@@ -443,18 +488,19 @@ def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
             state = load_checkpoint(path)
         except Exception as e:
             raise ConfigError(f"--ckpt {path}: unreadable checkpoint ({type(e).__name__})") from None
-    if not isinstance(state, dict) or "model_params" not in state or "vae" not in state:
+    run = state.get("run") if isinstance(state, dict) else None
+    if trained_weights(state) is None or not isinstance(run, dict) or "model_params" not in run:
         raise ConfigError(f"--ckpt {path}: not a trainer checkpoint (no model_params/vae)")
-    if ema and not state.get("ema"):
+    if ema and not trained_weights(state, ema=True):
         raise ConfigError(f"--ema: {path} holds no EMA weights (trained with --ema_decay 0?)")
     try:
-        vae = AutoEncoder(AutoEncoderParams.from_dict(state["model_params"]))
-        vae.load_state_dict(state["ema"] if ema else state["vae"])
+        vae = AutoEncoder(AutoEncoderParams.from_dict(run["model_params"]))
+        vae.load_state_dict(trained_weights(state, ema))
     except (TypeError, ValueError, RuntimeError) as e:
         reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
         raise ConfigError(f"--ckpt {path}: weights do not fit its model_params ({reason})") from None
-    config = state.get("config") or {}
+    config = run.get("config") or {}
     # where a fine-tune started (pretrained.Source.describe()) and what it trained: export keeps the source's
     # latent factors after a decoder-only fine-tune
-    return vae.eval(), {"checkpoint": path, "step": state.get("step"), "resolution": config.get("vae_resolution"),
-                        "init_source": state.get("init_source"), "train_parts": config.get("train_parts", "all")}
+    return vae.eval(), {"checkpoint": path, "step": run.get("step"), "resolution": config.get("vae_resolution"),
+                        "init_source": run.get("init_source"), "train_parts": state["training"]["train_parts"]}

@@ -1,19 +1,19 @@
-"""The configuration: one dataclass per concern (torchtitan's job_config), their union `Config` with the flat flag
-names, and `finish_config`, the one function from argv to a finished, validated config.
+"""The configuration: one dataclass per concern (torchtitan's job_config), nested in `Config` (cfg.loss.kl_weight,
+cfg.critic.lecam_weight), with flat flag names. Pure values: no disk or network work (run_setup.py does that).
 
-    cfg, given, source, notes = finish_config(sys.argv[1:])   # demo, --init_from, automatic and resumed values, checks
-    loss = section(cfg, LossConfig)                    # a component takes its own section, typed
+    cfg, given = parse_flags(sys.argv[1:])       # the flags as given (automatic values still 0 / -1)
+    cfg = resolve_auto(cfg); cfg.validate()      # the automatic values made concrete; one line for a bad value
+    VAEObjective(cfg.loss, cfg.latents, ...)     # each owner is built from the sections it reads
 
-Every field is a flag (`--<name>`, its help from the field); `flag_tables()` writes the README's flag tables from
-the same fields, and tests/test_config.py checks that the README holds them. A run records its finished config in
-config.json and in every checkpoint; a resumed run reads the automatic values back from there instead of deriving
-them again (a flag given again wins, and one line says what changed).
+Every field is a flag (`--<name>`, its help from the field); `flag_tables()` writes the flag tables of docs/flags.md
+from the same fields, and tests/test_config.py checks that the page holds them. On disk (config.json, a checkpoint's
+"config", wandb) the config is flat, one key per flag (`flatten` / `unflatten`), so every run written before the
+sections were nested still resumes. A continued run keeps its recorded recipe (`continue_run`).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -33,6 +33,22 @@ def opt(default, help: str, choices=None, arch: bool = False):
     return field(default=default, metadata={"help": help, "choices": choices, "arch": arch})
 
 
+def check(section, positive=(), non_negative=(), unit=()) -> None:
+    """One line for the first field of `section` out of its range: > 0, >= 0, or in [0, 1]."""
+    for name in positive:
+        if getattr(section, name) <= 0:
+            raise ConfigError(f"--{name} must be positive, got {getattr(section, name)}")
+    for name in non_negative:
+        if getattr(section, name) < 0:
+            raise ConfigError(f"--{name} must be >= 0, got {getattr(section, name)}")
+    for name in unit:
+        if not 0 <= getattr(section, name) <= 1:
+            raise ConfigError(f"--{name} must be in [0, 1], got {getattr(section, name)}")
+
+
+# ==============================================================================================================
+# The sections: each holds its flags and checks its own values (validate); checks across sections are Config's
+# ==============================================================================================================
 @dataclass
 class DataConfig:
     """The training and held-out data and how it is read (data.py)."""
@@ -52,6 +68,10 @@ class DataConfig:
     max_image_pixels: int = opt(100_000_000, "images with more pixels are skipped (decompression bombs)")
     shard_retry_minutes: float = opt(30.0, "while no remote shard can be read (a server outage), keep retrying with "
                                            "back-off for this long before stopping (0: stop at once)")
+
+    def validate(self) -> None:
+        check(self, positive=("batch_size", "vae_resolution", "shuffle_buffer", "max_image_pixels"),
+              non_negative=("num_workers", "shard_retry_minutes"), unit=("resize_prob",))
 
 
 @dataclass
@@ -77,6 +97,19 @@ class ModelConfig:
     vae_quant_conv: bool = opt(False, "LDM's 1x1 quant_conv/post_quant_conv around the latent (the SD 1.x/2.x/SDXL "
                                       "VAEs; needs --posterior learned). Set by --init_from", arch=True)
 
+    def validate(self) -> None:
+        check(self, positive=("vae_ch", "vae_num_res_blocks", "vae_z_channels", "vae_norm_groups", "posterior_var"))
+        if self.do_clamp and self.clamp_th <= 0:
+            raise ConfigError(f"--clamp_th must be positive with --do_clamp, got {self.clamp_th}")
+        if self.vae_quant_conv and self.posterior != "learned":
+            raise ConfigError("--vae_quant_conv needs --posterior learned (the SD VAEs' 2 x z moments)")
+        params = model_params(self)
+        for mult in (1,) + params.ch_mult:
+            if (self.vae_ch * mult) % params.norm_groups:
+                raise ConfigError(f"channel count {self.vae_ch} x {mult} = {self.vae_ch * mult} is not divisible by "
+                                  f"the {params.norm_groups} GroupNorm groups (--vae_ch / --vae_ch_mult / "
+                                  "--vae_norm_groups)")
+
 
 @dataclass
 class FinetuneConfig:
@@ -94,6 +127,9 @@ class FinetuneConfig:
                                   "posterior (no_grad, eval mode, not in the optimizer, EMA or DDP), train the "
                                   "decoder: the latent space stays the source's, so export keeps its latent factors",
                            ("all", "decoder"))
+
+    def validate(self) -> None:
+        pass  # its values are choices (argparse) and a path (run_setup checks it)
 
 
 @dataclass
@@ -116,6 +152,9 @@ class LossConfig:
                                   "count, so its gradient at the latent has norm kl_weight * rms(mean) at any batch "
                                   "and resolution; adaptive, none: averaged per latent element, like the other "
                                   "losses")
+
+    def validate(self) -> None:
+        check(self, positive=("mse_pool_factor",), unit=("lowpass_threshold",))
 
 
 @dataclass
@@ -156,6 +195,19 @@ class CriticConfig:
     vgg16_weights: str = opt("torchvision", "VGG16 for LPIPS and the discriminator: torchvision (its download "
                                             "cache), a local state-dict PATH, or random (tests/demo only)")
 
+    def validate(self) -> None:
+        check(self, positive=("learning_rate_disc",), non_negative=("gan_margin", "disc_start", "gan_ramp_steps"))
+        if self.critic_trunk == "frozen" and self.discriminator != "vgg16":
+            raise ConfigError("--critic_trunk frozen needs --discriminator vgg16 (its heads read LPIPS' VGG16 "
+                              "features)")
+        if self.diffaug and self.critic_trunk == "frozen":
+            raise ConfigError("--diffaug needs --critic_trunk trainable: augmented images would need their own pass "
+                              "through the frozen trunk, the pass it shares with LPIPS")
+        unknown = sorted(set(filter(None, self.diffaug.split(","))) - set(DIFFAUG_POLICIES))
+        if unknown:
+            raise ConfigError(f"--diffaug {self.diffaug}: unknown {','.join(unknown)} (choose from "
+                              f"{','.join(DIFFAUG_POLICIES)})")
+
 
 @dataclass
 class OptimConfig:
@@ -177,6 +229,13 @@ class OptimConfig:
     ema_decay: float = opt(0.999, "EMA of the VAE weights, in fp32, with warm-up (0: off)")
     seed: int = opt(42, "random seed")
 
+    def validate(self) -> None:
+        check(self, positive=("learning_rate_vae", "max_steps", "grad_accum"),
+              non_negative=("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio"),
+              unit=("adam_beta1", "adam_beta2", "min_lr_ratio"))
+        if not 0 <= self.ema_decay < 1:
+            raise ConfigError(f"--ema_decay must be in [0, 1), got {self.ema_decay}")
+
 
 @dataclass
 class SpeedConfig:
@@ -195,6 +254,9 @@ class SpeedConfig:
     memory_check: bool = opt(True, "before the first step, estimate the step's memory: stop (exit 2) if it exceeds "
                                    "the free memory by more than the estimate's error (25%), warn if it may not fit")
     num_threads: int = opt(0, "torch threads per rank. 0: auto, the rank's CPU cores left to it by its data workers")
+
+    def validate(self) -> None:
+        check(self, non_negative=("num_threads",))
 
 
 @dataclass
@@ -240,15 +302,38 @@ class LatentsConfig:
     probe_steps: int = opt(100, "the probe DiT's training steps at each probe")
     probe_batch_size: int = opt(32, "the probe DiT's batch size")
 
+    def validate(self) -> None:
+        check(self, unit=("scale_equivariance_prob", "latent_noise_prob"), non_negative=("latent_noise_max",))
+        if self.vf_image_size < 14 or self.vf_image_size % 14:
+            raise ConfigError(f"--vf_image_size must be a positive multiple of 14 (the patch size), got "
+                              f"{self.vf_image_size}")
+        if min(self.probe_every_n_steps, self.probe_steps, self.probe_batch_size) < 0 or self.probe_heldout < 1 \
+                or self.probe_images <= self.probe_heldout:
+            raise ConfigError(f"the probe needs --probe_images ({self.probe_images}) > --probe_heldout "
+                              f"({self.probe_heldout}) >= 1 and non-negative --probe_every_n_steps/steps/batch_size")
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation during training (evaluate.py's Validator)."""
+    GROUP: ClassVar[str] = "eval"  # the --help group
+    TITLE: ClassVar[str] = "Evaluation"  # the flag table's heading
+
+    evaluate_every_n_steps: int = opt(1000, "evaluate on --test_dataset_url every N steps (0: off)")
+    eval_max_images: int = opt(256, "images of the test set used by evaluation during training")
+    inception_weights: str = opt("torchvision", "FID Inception-v3 for rFID during evaluation: torchvision (torch "
+                                                "hub's cache), a local PATH, random (tests only) or none")
+
+    def validate(self) -> None:
+        check(self, positive=("eval_max_images",), non_negative=("evaluate_every_n_steps",))
+
 
 @dataclass
 class RunConfig:
-    """The run directory, logging, checkpoints, evaluation, resuming."""
+    """The run directory, logging, checkpoints, resuming."""
     GROUP: ClassVar[str] = "run"  # the --help group
-    TITLE: ClassVar[str] = "Run, logging, checkpoints"  # the README table's heading
+    TITLE: ClassVar[str] = "Run, logging, checkpoints"  # the flag table's heading
 
-    inception_weights: str = opt("torchvision", "FID Inception-v3 for rFID during evaluation: torchvision (torch "
-                                                "hub's cache), a local PATH, random (tests only) or none")
     output_dir: str = opt("runs", "where run directories live")
     run_name: str = opt("vae", "run directory name and wandb run name")
     project_name: str = opt("vae-trainer", "wandb project")
@@ -256,8 +341,6 @@ class RunConfig:
                           ("offline", "online", "disabled"))
     log_every_n_steps: int = opt(50, "log (stdout, metrics.jsonl, wandb) every N steps")
     save_every_n_steps: int = opt(1000, "checkpoint and sample grid every N steps")
-    evaluate_every_n_steps: int = opt(1000, "evaluate on --test_dataset_url every N steps (0: off)")
-    eval_max_images: int = opt(256, "images of the test set used by evaluation during training")
     num_samples: int = opt(8, "images in each sample grid")
     keep_last_k: int = opt(3, "checkpoints kept in <run_dir>/checkpoints")
     resume: str = opt("auto", "auto: continue from the run directory's latest checkpoint; never: refuse a "
@@ -267,44 +350,174 @@ class RunConfig:
     max_bad_steps: int = opt(20, "stop after this many consecutive non-finite (skipped) steps")
     demo: bool = opt(False, "train a tiny model on bundled sample photos (defaults below are overridden)")
 
+    def validate(self) -> None:
+        check(self, positive=("log_every_n_steps", "save_every_n_steps", "num_samples", "keep_last_k",
+                              "max_bad_steps"))
+        if not re.fullmatch(r"[A-Za-z0-9_.=+-]+", self.run_name):
+            raise ConfigError(f"--run_name {self.run_name!r}: use letters, digits and _.=+- only")
 
-SECTIONS = (DataConfig, ModelConfig, FinetuneConfig, LossConfig, CriticConfig, OptimConfig, SpeedConfig,
-            LatentsConfig, RunConfig)
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.output_dir, self.run_name)
 
 
+# ==============================================================================================================
+# The whole config: the sections nested, flat on disk and on the command line
+# ==============================================================================================================
 @dataclass
-class Config(RunConfig, LatentsConfig, SpeedConfig, OptimConfig, CriticConfig, LossConfig, FinetuneConfig,
-             ModelConfig, DataConfig):
-    """Every section in one flat object (fields in SECTIONS' order): the flags, config.json, the checkpoints'
-    "config" and wandb's config all come from it. Components take `section(cfg, TheirSection)`."""
+class Config:
+    """Every section, by name (torchtitan's JobConfig). Owners take their sections: `Reporter(cfg.run, ...)`."""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
+    latents: LatentsConfig = field(default_factory=LatentsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def sections(self) -> list[tuple[str, Any]]:
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+
+    def validate(self) -> None:
+        """Refuse bad values with one line, before any process group or worker starts: each section's own checks,
+        then those across sections. (Paths and remote data are run_setup's: they need the disk and the network.)"""
+        for _, section in self.sections():
+            section.validate()
+        # every weight of a loss term, whatever its section: a new term's weight is checked without an edit here
+        for section_name, section in self.sections():
+            for f in dataclasses.fields(section):
+                if f.name.endswith("_weight") and f.type in (float, "float"):
+                    check(section, non_negative=(f.name,))
+        validate_across_sections(self)
 
 
-def section(cfg: Config, kind: type):
-    """The `kind` section (e.g. LossConfig) of a config, as its own typed object."""
-    return kind(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(kind)})
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # name -> section class, in order
+FIELD_SECTION = {f.name: name for name, kind in SECTIONS.items() for f in dataclasses.fields(kind)}  # flag -> section
 
 
-def section_of(name: str) -> type:
-    """The section that holds the field `name`."""
-    return next(s for s in SECTIONS if name in {f.name for f in dataclasses.fields(s)})
+def flatten(cfg: Config) -> dict[str, Any]:
+    """{flag name: value}, sections in order: what config.json, a checkpoint's "config" and wandb hold."""
+    return {f.name: getattr(section, f.name) for _, section in cfg.sections() for f in dataclasses.fields(section)}
+
+
+def unflatten(flat: dict[str, Any], base: Config | None = None) -> Config:
+    """The Config of `flat` ({flag name: value}; other keys, such as config.json's "derived", are ignored), over
+    `base`'s values (default: the defaults)."""
+    base = base if base is not None else Config()
+    by_section: dict[str, dict[str, Any]] = {}
+    for name, value in flat.items():
+        if name in FIELD_SECTION:
+            by_section.setdefault(FIELD_SECTION[name], {})[name] = value
+    return dataclasses.replace(base, **{name: dataclasses.replace(getattr(base, name), **values)
+                                        for name, values in by_section.items()})
+
+
+def with_values(cfg: Config, **flat) -> Config:
+    """`cfg` with some values changed, by flag name: with_values(cfg, kl_weight=0.01)."""
+    unknown = set(flat) - set(FIELD_SECTION)
+    if unknown:
+        raise TypeError(f"no such config fields: {sorted(unknown)}")
+    return unflatten(flat, cfg)
+
+
+def public_config(cfg: Config) -> dict:
+    """The flat config with credentials in dataset urls redacted: what is written to disk and sent to wandb."""
+    return {k: data_lib.redact(v) if isinstance(v, str) else v for k, v in flatten(cfg).items()}
 
 
 # A run directory written with other values of these cannot be resumed (the VAE's weights would not fit).
 ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata["arch"])
+# The flags --init_from sets from its source (the architecture and the posterior's settings).
+SOURCE_FIELDS = ARCH_FIELDS + ("posterior_var", "do_clamp")
+# What runs written before a field existed used (config.json without it): 32 groups before --vae_norm_groups,
+# no quant convs before --vae_quant_conv.
+LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False}
+
+
+def ch_mult_of(model: ModelConfig) -> tuple[int, ...]:
+    try:
+        mult = tuple(int(m) for m in model.vae_ch_mult.split(","))
+    except ValueError:
+        raise ConfigError(f"--vae_ch_mult must be comma-separated integers, got {model.vae_ch_mult!r}") from None
+    if not mult or min(mult) <= 0:
+        raise ConfigError(f"--vae_ch_mult must be positive integers, got {model.vae_ch_mult!r}")
+    return mult
+
+
+def model_params(model: ModelConfig) -> AutoEncoderParams:
+    """ae.py's architecture of the model section."""
+    return AutoEncoderParams(ch=model.vae_ch, ch_mult=ch_mult_of(model), num_res_blocks=model.vae_num_res_blocks,
+                             z_channels=model.vae_z_channels, norm_groups=model.vae_norm_groups,
+                             use_attn=model.do_attn, posterior=model.posterior, posterior_var=model.posterior_var,
+                             clamp_th=model.clamp_th if model.do_clamp else 0.0, quant_conv=model.vae_quant_conv)
 
 
 def uses_vgg16(cfg: Config) -> bool:
     """Whether a loss trains on VGG16 features: LPIPS with a weight, or the VGG16 critic."""
-    return cfg.perceptual_weight > 0 or (cfg.do_ganloss and cfg.discriminator == "vgg16")
+    return cfg.loss.perceptual_weight > 0 or (cfg.critic.do_ganloss and cfg.critic.discriminator == "vgg16")
 
 
-# The flags --init_from sets from its source (the architecture and the posterior's settings).
-SOURCE_FIELDS = ARCH_FIELDS + ("posterior_var", "do_clamp")
+# The smallest images the loss networks take: the VGG16 critic's and the PatchGAN's, and LPIPS' (VGG16's four
+# max-pools before its last slice: 15 px fails with "Output size is too small").
+CRITIC_MIN_SIZE, LPIPS_MIN_SIZE = 32, 16
 
+
+def min_loss_image_size(cfg: Config) -> int:
+    """The smallest image the losses of this config can take (1: pixel losses only)."""
+    return max(CRITIC_MIN_SIZE if cfg.critic.do_ganloss else 1, LPIPS_MIN_SIZE if cfg.loss.perceptual_weight > 0 else 1)
+
+
+def scale_equivariance_sizes(cfg: Config) -> list[int]:
+    """The latent sizes a scale-equivariance step may decode (latents.equivariance_sizes)."""
+    factor = model_params(cfg.model).downsample_factor
+    return latents_lib.equivariance_sizes(cfg.data.vae_resolution // factor, factor,
+                                          cfg.latents.scale_equivariance_mode, cfg.loss.mse_pool_factor,
+                                          min_loss_image_size(cfg))
+
+
+def validate_across_sections(cfg: Config) -> None:
+    """The checks that read two sections or more."""
+    data, model, loss, critic, latents = cfg.data, cfg.model, cfg.loss, cfg.critic, cfg.latents
+    factor = model_params(model).downsample_factor
+    if data.vae_resolution % factor:
+        raise ConfigError(f"--vae_resolution {data.vae_resolution} is not divisible by the downsample factor "
+                          f"{factor} of --vae_ch_mult {model.vae_ch_mult}")
+    if data.vae_resolution % loss.mse_pool_factor:
+        raise ConfigError(f"--vae_resolution {data.vae_resolution} is not divisible by --mse_pool_factor "
+                          f"{loss.mse_pool_factor}")
+    if latents.vf_weight > 0 and loss.loss_balance != "gradnorm":
+        raise ConfigError("--vf_weight is a GradNorm branch: use it with --loss_balance gradnorm")
+    if latents.scale_equivariance_prob > 0 and not scale_equivariance_sizes(cfg):
+        smallest = min_loss_image_size(cfg)
+        critic_text = (f" and at least {smallest} px (the smallest input of the critic or LPIPS)" if smallest > 1
+                       else "")
+        raise ConfigError(f"--scale_equivariance_mode {latents.scale_equivariance_mode}: no smaller size of the "
+                          f"{data.vae_resolution // factor}-pixel latent gives an image divisible by --mse_pool_factor "
+                          f"{loss.mse_pool_factor}{critic_text}")
+    if critic.do_ganloss and critic.discriminator == "vgg16" and data.vae_resolution < CRITIC_MIN_SIZE:
+        raise ConfigError(f"--vae_resolution must be at least {CRITIC_MIN_SIZE} for the VGG16 discriminator")
+    if loss.perceptual_weight > 0 and data.vae_resolution < LPIPS_MIN_SIZE:
+        raise ConfigError(f"--vae_resolution must be at least {LPIPS_MIN_SIZE} for LPIPS (--perceptual_weight 0 "
+                          "turns it off)")
+    if cfg.run.load_path and cfg.finetune.init_from:
+        raise ConfigError("give --init_from (a released VAE) or --load_path (our weights), not both")
+
+
+def is_plain_local_path(url: str) -> bool:
+    """A url that names one local directory or file: no brace pattern, list, pipe or scheme."""
+    return not any(c in url for c in "{}:*?") and not url.endswith(".tar")
+
+
+# ==============================================================================================================
+# The command line: one flag per field, grouped by section
+# ==============================================================================================================
 # The demo: a tiny f4 model at 64 px that visibly learns in about 5 CPU minutes. Its latent (4 x 4 x 16 x 16
 # = 4096 elements per step) takes kl_weight 1/64 = 1/sqrt(4096): the KL strength it was tuned with.
-# Without pretrained VGG16 (prepare_demo) it trains on pixels only, and a pixel-only step costs about a sixth
-# of one with LPIPS and the VGG16 critic (10.2 vs 1.7 img/s, one CPU thread): 900 steps fit where 300 did.
+# Without pretrained VGG16 (run_setup.prepare_demo) it trains on pixels only, and a pixel-only step costs about a
+# sixth of one with LPIPS and the VGG16 critic (10.2 vs 1.7 img/s, one CPU thread): 900 steps fit where 300 did.
 # With VGG16 weights cached the full recipe runs these 900 steps at that cost (a GPU, or --max_steps 300).
 # Held-out PSNR (the 4 photos at 64 px): the former demo (300 steps, LPIPS and critic on a random VGG16,
 # 32 groups, lr 5e-4, 4x-pooled MSE) 16.4 dB, colours lost; this config 15.9 / 20.1 / 20.7 dB at steps
@@ -331,10 +544,10 @@ checkpoints/ and samples/, and a run started again in it resumes where it stoppe
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """One flag per Config field, grouped by section; no abbreviations (`--max_step` is not `--max_steps`)."""
+    """One flag per field, grouped by section; no abbreviations (`--max_step` is not `--max_steps`)."""
     parser = OneLineParser(description=TRAINER_USAGE, formatter_class=argparse.RawDescriptionHelpFormatter,
                            argument_default=argparse.SUPPRESS, allow_abbrev=False)
-    for kind in SECTIONS:
+    for kind in SECTIONS.values():
         group = parser.add_argument_group(kind.GROUP)
         for f in dataclasses.fields(kind):
             meta = f.metadata
@@ -352,13 +565,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_flags(argv: list[str] | None = None) -> tuple[Config, set[str]]:
     """The config as given (automatic values still 0 / -1) and the names of the flags the user gave (argparse
-    leaves the others out: SUPPRESS). finish_config turns it into the run's config."""
+    leaves the others out: SUPPRESS). run_setup.prepare_run turns it into the run's config."""
     given = vars(build_parser().parse_args(argv))
     values = dict(DEMO) if given.get("demo") else {}
     values.update(given)
-    return Config(**values), set(given)
+    return unflatten(values), set(given)
 
 
+def parse_config(argv: list[str] | None = None) -> Config:
+    """The config of these flags with every automatic value resolved (nothing read from disk: no --init_from
+    source, no run being continued)."""
+    return resolve_auto(parse_flags(argv)[0])
+
+
+def flag_tables() -> str:
+    """The flag tables of docs/flags.md, one per section, from the fields' defaults and help."""
+    out = []
+    for kind in SECTIONS.values():
+        out += [f"#### {kind.TITLE}", "", "| flag | default | what it does |", "| --- | --- | --- |"]
+        for f in dataclasses.fields(kind):
+            default = '""' if f.default == "" else f.default
+            choices = " (" + r" \| ".join(f.metadata["choices"]) + ")" if f.metadata["choices"] else ""
+            out.append(f"| `--{f.name}` | `{default}` | {f.metadata['help']}{choices} |")
+        out.append("")
+    return "\n".join(out)
+
+
+# ==============================================================================================================
+# Automatic values (a flag's 0 / -1)
+# ==============================================================================================================
 # --learning_rate_vae auto = LR_TIMES_WIDTH / --vae_ch. Adam's step is scale-free, so the update of a layer's
 # output grows with its fan-in: a rate inversely proportional to the width keeps it comparable (the
 # reference's rule is 2^-7 / vae_ch). The constant comes from this repo's runs at ch 32 (BENCHMARKS.md,
@@ -375,19 +610,21 @@ def auto_norm_groups(vae_ch: int) -> int:
 def resolve_auto(cfg: Config) -> Config:
     """The automatic defaults (0 or -1, see each flag's help) made concrete; idempotent. config.json records
     the resolved values, so a run shows what it trained with."""
-    lr_vae = cfg.learning_rate_vae
-    if lr_vae == 0 and cfg.vae_ch > 0:  # (a bad --vae_ch is refused by validate)
+    model, critic, optim = cfg.model, cfg.critic, cfg.optim
+    lr_vae = optim.learning_rate_vae
+    if lr_vae == 0 and model.vae_ch > 0:  # (a bad --vae_ch is refused by validate)
         # a fine-tune (--init_from) starts from a trained optimum: a tenth (2.5e-5 at FLUX width)
-        lr_vae = LR_TIMES_WIDTH / cfg.vae_ch / (10 if cfg.init_from else 1)
+        lr_vae = LR_TIMES_WIDTH / model.vae_ch / (10 if cfg.finetune.init_from else 1)
     changes = dict(
         learning_rate_vae=lr_vae,
-        learning_rate_disc=cfg.learning_rate_disc or (1e-5 if cfg.discriminator == "vgg16" and
-                                                       cfg.critic_trunk == "trainable" else lr_vae),
-        warmup_steps=min(1000, cfg.max_steps // 10) if cfg.warmup_steps == -1 else cfg.warmup_steps,
-        disc_start=cfg.max_steps // 5 if cfg.disc_start == -1 else cfg.disc_start,
-        vae_norm_groups=cfg.vae_norm_groups or (auto_norm_groups(cfg.vae_ch) if cfg.vae_ch > 0 else 0))
-    changes.update(zip(("num_workers", "num_threads"), cpu_use(cfg.num_workers, cfg.num_threads, cores_per_rank())))
-    return dataclasses.replace(cfg, **changes)
+        learning_rate_disc=critic.learning_rate_disc or (1e-5 if critic.discriminator == "vgg16" and
+                                                          critic.critic_trunk == "trainable" else lr_vae),
+        warmup_steps=min(1000, optim.max_steps // 10) if optim.warmup_steps == -1 else optim.warmup_steps,
+        disc_start=optim.max_steps // 5 if critic.disc_start == -1 else critic.disc_start,
+        vae_norm_groups=model.vae_norm_groups or (auto_norm_groups(model.vae_ch) if model.vae_ch > 0 else 0))
+    changes.update(zip(("num_workers", "num_threads"), cpu_use(cfg.data.num_workers, cfg.speed.num_threads,
+                                                              cores_per_rank())))
+    return with_values(cfg, **changes)
 
 
 def cores_per_rank() -> int:
@@ -412,284 +649,14 @@ def cpu_use(num_workers: int, num_threads: int, cores: int) -> tuple[int, int]:
 def cpu_use_line(cfg: Config, given: set[str]) -> str:
     """The one line a run starts with: what each rank runs on, and which of it was chosen automatically."""
     chosen = [f"--{k}" for k in ("num_workers", "num_threads") if k not in given]
-    return (f"cpu: {cores_per_rank()} cores per rank: {cfg.num_workers} data workers, {cfg.num_threads} torch "
-            f"threads" + (f" ({' and '.join(chosen)} chosen from the cores; give them to override)" if chosen else ""))
+    return (f"cpu: {cores_per_rank()} cores per rank: {cfg.data.num_workers} data workers, {cfg.speed.num_threads} "
+            f"torch threads" + (f" ({' and '.join(chosen)} chosen from the cores; give them to override)"
+                                if chosen else ""))
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
-    """The config of these flags with every automatic value resolved (no --init_from source is read)."""
-    return resolve_auto(parse_flags(argv)[0])
-
-
-def ch_mult_of(cfg: Config) -> tuple[int, ...]:
-    try:
-        mult = tuple(int(m) for m in cfg.vae_ch_mult.split(","))
-    except ValueError:
-        raise ConfigError(f"--vae_ch_mult must be comma-separated integers, got {cfg.vae_ch_mult!r}") from None
-    if not mult or min(mult) <= 0:
-        raise ConfigError(f"--vae_ch_mult must be positive integers, got {cfg.vae_ch_mult!r}")
-    return mult
-
-
-def model_params(cfg: Config) -> AutoEncoderParams:
-    return AutoEncoderParams(ch=cfg.vae_ch, ch_mult=ch_mult_of(cfg), num_res_blocks=cfg.vae_num_res_blocks,
-                             z_channels=cfg.vae_z_channels, norm_groups=cfg.vae_norm_groups,
-                             use_attn=cfg.do_attn, posterior=cfg.posterior,
-                             posterior_var=cfg.posterior_var, clamp_th=cfg.clamp_th if cfg.do_clamp else 0.0,
-                             quant_conv=cfg.vae_quant_conv)
-
-
-def read_init_source(cfg: Config) -> pretrained.Source:
-    try:
-        return pretrained.load_source(cfg.init_from, cfg.init_family)
-    except pretrained.SourceError as e:
-        raise ConfigError(f"--init_from {e}") from None
-
-
-def apply_init_source(cfg: Config) -> tuple[Config, pretrained.Source | None]:
-    """--init_from: load the source and take the run's architecture from it (one ConfigError line if it does not
-    load). Runs before `validate`, on every rank, before any process group exists."""
-    if not cfg.init_from:
-        return cfg, None
-    run_config = os.path.join(cfg.output_dir, cfg.run_name, "config.json")
-    if not os.path.exists(cfg.init_from) and cfg.resume != "never" and os.path.isfile(run_config):
-        # a run being resumed needs its architecture, not the source's weights: the source may have moved
-        try:
-            with open(run_config) as f:
-                saved = json.load(f)
-        except (OSError, ValueError):
-            saved = {}
-        if saved.get("init_from") == cfg.init_from and all(k in saved for k in SOURCE_FIELDS):
-            return dataclasses.replace(cfg, **{k: saved[k] for k in SOURCE_FIELDS}), None
-    source = read_init_source(cfg)
-    p = source.params
-    if (p.in_channels, p.out_ch) != (3, 3):
-        raise ConfigError(f"--init_from {cfg.init_from}: a VAE of {p.in_channels} input / {p.out_ch} output "
-                          "channels; this trainer reads RGB images")
-    arch = dict(vae_ch=p.ch, vae_ch_mult=",".join(str(m) for m in p.ch_mult), vae_num_res_blocks=p.num_res_blocks,
-                vae_z_channels=p.z_channels, vae_norm_groups=p.norm_groups, do_attn=p.use_attn, posterior=p.posterior,
-                posterior_var=p.posterior_var, vae_quant_conv=p.quant_conv, do_clamp=False)
-    return dataclasses.replace(cfg, **arch), source
-
-
-def validate(cfg: Config) -> None:
-    """Refuse bad flags and paths with one line, before any process group or worker starts."""
-    positive = ["batch_size", "vae_resolution", "vae_ch", "vae_num_res_blocks", "vae_z_channels", "vae_norm_groups",
-                "max_steps",
-                "grad_accum", "learning_rate_vae", "learning_rate_disc", "log_every_n_steps",
-                "save_every_n_steps", "posterior_var", "shuffle_buffer", "mse_pool_factor", "keep_last_k",
-                "max_bad_steps", "num_samples", "max_image_pixels", "eval_max_images"]
-    for name in positive:
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
-    # every weight of a loss term, whatever its section: a new term's weight is checked without an edit here
-    weights = [f.name for f in dataclasses.fields(cfg) if f.name.endswith("_weight") and f.type in (float, "float")]
-    non_negative = ["num_workers", "num_threads", "warmup_steps", "weight_decay", "grad_clip", "gan_margin",
-                    "disc_start", "gan_ramp_steps", "evaluate_every_n_steps", "min_lr_ratio", "shard_retry_minutes",
-                    *weights]
-    for name in non_negative:
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
-    for name in ("resize_prob", "lowpass_threshold", "adam_beta1", "adam_beta2", "min_lr_ratio"):
-        if not 0 <= getattr(cfg, name) <= 1:
-            raise ConfigError(f"--{name} must be in [0, 1], got {getattr(cfg, name)}")
-    if not 0 <= cfg.ema_decay < 1:
-        raise ConfigError(f"--ema_decay must be in [0, 1), got {cfg.ema_decay}")
-    if cfg.do_clamp and cfg.clamp_th <= 0:
-        raise ConfigError(f"--clamp_th must be positive with --do_clamp, got {cfg.clamp_th}")
-    params = model_params(cfg)
-    factor = params.downsample_factor
-    if cfg.vae_resolution % factor:
-        raise ConfigError(f"--vae_resolution {cfg.vae_resolution} is not divisible by the downsample factor "
-                          f"{factor} of --vae_ch_mult {cfg.vae_ch_mult}")
-    if cfg.vae_resolution % cfg.mse_pool_factor:
-        raise ConfigError(f"--vae_resolution {cfg.vae_resolution} is not divisible by --mse_pool_factor "
-                          f"{cfg.mse_pool_factor}")
-    for mult in (1,) + params.ch_mult:
-        if (cfg.vae_ch * mult) % params.norm_groups:
-            raise ConfigError(f"channel count {cfg.vae_ch} x {mult} = {cfg.vae_ch * mult} is not divisible by the "
-                              f"{params.norm_groups} GroupNorm groups (--vae_ch / --vae_ch_mult / --vae_norm_groups)")
-    for name in ("scale_equivariance_prob", "latent_noise_prob"):
-        if not 0 <= getattr(cfg, name) <= 1:
-            raise ConfigError(f"--{name} must be in [0, 1], got {getattr(cfg, name)}")
-    if cfg.vf_weight < 0:
-        raise ConfigError(f"--vf_weight must be >= 0, got {cfg.vf_weight}")
-    if cfg.vf_weight > 0 and cfg.loss_balance != "gradnorm":
-        raise ConfigError("--vf_weight is a GradNorm branch: use it with --loss_balance gradnorm")
-    if cfg.vf_weights not in ("timm", "random") and not os.path.isfile(cfg.vf_weights):
-        raise ConfigError(f"--vf_weights {cfg.vf_weights}: no such file (or use timm / random)")
-    if cfg.vf_image_size < 14 or cfg.vf_image_size % 14:
-        raise ConfigError(f"--vf_image_size must be a positive multiple of 14 (the patch size), got "
-                          f"{cfg.vf_image_size}")
-    if min(cfg.probe_every_n_steps, cfg.probe_steps, cfg.probe_batch_size) < 0 or cfg.probe_heldout < 1 \
-            or cfg.probe_images <= cfg.probe_heldout:
-        raise ConfigError(f"the probe needs --probe_images ({cfg.probe_images}) > --probe_heldout "
-                          f"({cfg.probe_heldout}) >= 1 and non-negative --probe_every_n_steps/steps/batch_size")
-    if cfg.scale_equivariance_weight < 0:
-        raise ConfigError(f"--scale_equivariance_weight must be >= 0, got {cfg.scale_equivariance_weight}")
-    if cfg.latent_noise_max < 0:
-        raise ConfigError(f"--latent_noise_max must be >= 0, got {cfg.latent_noise_max}")
-    if cfg.scale_equivariance_prob > 0 and not scale_equivariance_sizes(cfg):
-        critic = (f" and at least {min_loss_image_size(cfg)} px (the smallest input of the critic or LPIPS)"
-                  if min_loss_image_size(cfg) > 1 else "")
-        raise ConfigError(f"--scale_equivariance_mode {cfg.scale_equivariance_mode}: no smaller size of the "
-                          f"{cfg.vae_resolution // factor}-pixel latent gives an image divisible by --mse_pool_factor "
-                          f"{cfg.mse_pool_factor}{critic}")
-    if cfg.do_ganloss and cfg.discriminator == "vgg16" and cfg.vae_resolution < CRITIC_MIN_SIZE:
-        raise ConfigError(f"--vae_resolution must be at least {CRITIC_MIN_SIZE} for the VGG16 discriminator")
-    if cfg.critic_trunk == "frozen" and cfg.discriminator != "vgg16":
-        raise ConfigError("--critic_trunk frozen needs --discriminator vgg16 (its heads read LPIPS' VGG16 features)")
-    if cfg.diffaug and cfg.critic_trunk == "frozen":
-        raise ConfigError("--diffaug needs --critic_trunk trainable: augmented images would need their own pass "
-                          "through the frozen trunk, the pass it shares with LPIPS")
-    unknown = sorted(set(filter(None, cfg.diffaug.split(","))) - set(DIFFAUG_POLICIES))
-    if unknown:
-        raise ConfigError(f"--diffaug {cfg.diffaug}: unknown {','.join(unknown)} (choose from "
-                          f"{','.join(DIFFAUG_POLICIES)})")
-    if cfg.perceptual_weight > 0 and cfg.vae_resolution < LPIPS_MIN_SIZE:
-        raise ConfigError(f"--vae_resolution must be at least {LPIPS_MIN_SIZE} for LPIPS (--perceptual_weight 0 "
-                          "turns it off)")
-    if cfg.vgg16_weights not in ("torchvision", "random") and not os.path.isfile(cfg.vgg16_weights):
-        raise ConfigError(f"--vgg16_weights {cfg.vgg16_weights}: no such file (or use torchvision / random)")
-    if cfg.inception_weights not in ("torchvision", "random", "none") and not os.path.isfile(cfg.inception_weights):
-        raise ConfigError(f"--inception_weights {cfg.inception_weights}: no such file (or torchvision / random / none)")
-    if cfg.resume not in ("auto", "never") and not os.path.isfile(cfg.resume):
-        raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file (or use auto / never)")
-    if cfg.load_path and not os.path.isfile(cfg.load_path):
-        raise ConfigError(f"--load_path {cfg.load_path}: no such file")
-    if cfg.load_path and cfg.init_from:
-        raise ConfigError("give --init_from (a released VAE) or --load_path (our weights), not both")
-    if cfg.vae_quant_conv and cfg.posterior != "learned":
-        raise ConfigError("--vae_quant_conv needs --posterior learned (the SD VAEs' 2 x z moments)")
-    if not re.fullmatch(r"[A-Za-z0-9_.=+-]+", cfg.run_name):
-        raise ConfigError(f"--run_name {cfg.run_name!r}: use letters, digits and _.=+- only")
-    for name in ("dataset_url", "test_dataset_url"):
-        url = getattr(cfg, name)
-        if url and is_plain_local_path(url) and not os.path.exists(url):
-            raise ConfigError(f"--{name} {url}: no such directory or file")
-        if name == "dataset_url" or url:
-            try:
-                data_lib.probe_remote_shards(data_lib.list_shards(getattr(cfg, name)))
-            except data_lib.DatasetError as e:
-                raise ConfigError(f"--{name}: {e}") from None
-
-
-# The smallest images the loss networks take: the VGG16 critic's and the PatchGAN's, and LPIPS' (VGG16's four
-# max-pools before its last slice: 15 px fails with "Output size is too small").
-CRITIC_MIN_SIZE, LPIPS_MIN_SIZE = 32, 16
-
-
-def min_loss_image_size(cfg: Config) -> int:
-    """The smallest image the losses of this config can take (1: pixel losses only)."""
-    return max(CRITIC_MIN_SIZE if cfg.do_ganloss else 1, LPIPS_MIN_SIZE if cfg.perceptual_weight > 0 else 1)
-
-
-def is_plain_local_path(url: str) -> bool:
-    """A url that names one local directory or file: no brace pattern, list, pipe or scheme."""
-    return not any(c in url for c in "{}:*?") and not url.endswith(".tar")
-
-
-def scale_equivariance_sizes(cfg: Config) -> list[int]:
-    """The latent sizes a scale-equivariance step may decode (latents.equivariance_sizes)."""
-    factor = model_params(cfg).downsample_factor
-    return latents_lib.equivariance_sizes(cfg.vae_resolution // factor, factor, cfg.scale_equivariance_mode,
-                                          cfg.mse_pool_factor, min_loss_image_size(cfg))
-
-
-# Flags that only matter with --do_ganloss.
-GAN_FLAGS = ("discriminator", "disc_type", "disc_norm", "gen_loss", "gan_weight", "gan_margin", "disc_start",
-             "learning_rate_disc", "lecam_weight", "adaptive_weight_max")
-
-
-def config_warnings(cfg: Config, given: set[str]) -> list[str]:
-    """One-line warnings for a valid but probably unintended config: flags the user gave that the chosen
-    configuration ignores (one line per cause; defaults and --demo's values are never named), and schedules
-    that cannot play out within --max_steps."""
-    ignored_when = [  # (flags, ignored in this config, why)
-        (GAN_FLAGS, not cfg.do_ganloss, "without --do_ganloss"),
-        (("disc_norm",), cfg.discriminator != "patchgan", "with --discriminator vgg16 (it normalises the "
-                                                          "PatchGAN only)"),
-        (("gan_margin",), cfg.gen_loss != "thresholded", f"with --gen_loss {cfg.gen_loss} (it is the margin of the "
-                                                          "thresholded loss)"),
-        (("adaptive_weight_max",), cfg.loss_balance != "adaptive", f"with --loss_balance {cfg.loss_balance} (it "
-                                                                   "clamps the adaptive weight)"),
-        (("clamp_th",), not cfg.do_clamp, "without --do_clamp"),
-        (("posterior_var",), cfg.posterior != "constant", f"with --posterior {cfg.posterior} (the encoder predicts "
-                                                          "the variance)"),
-        # --evaluate_every_n_steps 0 is the off switch: consistent with no test set, never "ignored"
-        (("evaluate_every_n_steps",) * (cfg.evaluate_every_n_steps > 0) + ("eval_max_images", "inception_weights"),
-         not cfg.test_dataset_url, "without --test_dataset_url"),
-        (("eval_max_images", "inception_weights"), cfg.evaluate_every_n_steps == 0, "with --evaluate_every_n_steps 0"),
-        (("project_name",), cfg.wandb_mode == "disabled", "with --wandb_mode disabled"),
-        (("scale_equivariance_mode", "scale_equivariance_rotate", "scale_equivariance_form",
-          "scale_equivariance_weight"), cfg.scale_equivariance_prob == 0, "with --scale_equivariance_prob 0"),
-        (("scale_equivariance_weight",), cfg.scale_equivariance_form != "add", "with --scale_equivariance_form "
-                                                                              "replace"),
-        (("latent_noise_max",), cfg.latent_noise_prob == 0, "with --latent_noise_prob 0"),
-        (("vf_weight", "vf_model", "vf_weights", "vf_image_size"), cfg.train_parts == "decoder",
-         "with --train_parts decoder (the encoder is frozen: there is no latent to align)"),
-        (("vf_model", "vf_weights", "vf_image_size"), cfg.vf_weight == 0, "with --vf_weight 0"),
-        (("probe_images", "probe_heldout", "probe_steps", "probe_batch_size"), cfg.probe_every_n_steps == 0,
-         "with --probe_every_n_steps 0"),
-        (SOURCE_FIELDS, bool(cfg.init_from), "with --init_from (the architecture is read from the source)"),
-        (("init_family",), not cfg.init_from, "without --init_from"),
-    ]
-    lines, named = [], set()
-    for flags, ignored, why in ignored_when:
-        hit = [f for f in flags if f in given and f not in named] if ignored else []
-        if hit:
-            named.update(hit)
-            verb = "has" if len(hit) == 1 else "have"
-            lines.append(f"warning: {', '.join('--' + f for f in hit)} {verb} no effect {why}")
-    if cfg.warmup_steps > cfg.max_steps:
-        lines.append(f"warning: --warmup_steps {cfg.warmup_steps} > --max_steps {cfg.max_steps}: the learning rate "
-                     f"peaks at {cfg.max_steps / cfg.warmup_steps:.0%} of its set value and never decays")
-    if cfg.train_parts == "decoder" and not (cfg.init_from or cfg.load_path):
-        lines.append("warning: --train_parts decoder without --init_from or --load_path: the encoder stays random "
-                     "(unless resumed)")
-    if cfg.do_ganloss and cfg.disc_start >= cfg.max_steps:
-        lines.append(f"warning: --disc_start {cfg.disc_start} >= --max_steps {cfg.max_steps}: the generator never "
-                     "gets the adversarial term (the critic still trains)")
-    return lines
-
-
-def public_config(cfg: Config) -> dict:
-    return {k: data_lib.redact(v) if isinstance(v, str) else v for k, v in dataclasses.asdict(cfg).items()}
-
-
-
-def prepare_demo(cfg: Config) -> Config:
-    """Point the demo at its bundled shards (built once) and pick VGG weights it can use offline."""
-    train_url, test_url = data_lib.ensure_demo_shards(os.path.join(cfg.output_dir, "demo_data"))
-    changes = {}
-    if not cfg.dataset_url:
-        changes["dataset_url"] = train_url
-    if not cfg.test_dataset_url:
-        changes["test_dataset_url"] = test_url
-    if cfg.vgg16_weights == "torchvision" and not os.path.isfile(vgg16_cache_path()):
-        # LPIPS and the VGG16 critic on a random VGG16 would train on noise gradients: switch both off
-        # (demo_summary says so); --vgg16_weights random asks for them anyway, with the loud warning
-        changes.update(vgg16_weights="random", perceptual_weight=0.0, do_ganloss=False)
-    return dataclasses.replace(cfg, **changes)
-
-
-def demo_summary(cfg: Config) -> str:
-    """The demo's one start-up line: which loss branches it trains and why."""
-    if cfg.vgg16_weights == "random" and not uses_vgg16(cfg):
-        return (f"demo: no pretrained VGG16 in the torchvision cache ({vgg16_cache_path()}): LPIPS and the VGG16 "
-                "critic are OFF (on random features they would train on noise); pixel losses only")
-    branches = (["LPIPS"] if cfg.perceptual_weight > 0 else []) + ["pixel"]
-    if cfg.do_ganloss:
-        branches.append(f"{cfg.discriminator} critic from step {cfg.disc_start}")
-    weights = "a RANDOM VGG16" if cfg.vgg16_weights == "random" else "pretrained VGG16"
-    return f"demo: {' + '.join(branches)} losses, with {weights}"
-
-
-
-
-# --------------------------------------------------------------------------------------------------------------
-# One pass from argv to the run's config
-# --------------------------------------------------------------------------------------------------------------
+# ==============================================================================================================
+# Continuing a run: its recorded recipe, and the automatic values whose basis changed
+# ==============================================================================================================
 # The flags whose 0 / -1 means "automatic" (resolve_auto), with that sentinel. A continued run keeps the values its
 # start resolved: a warm-up or a disc_start already in effect must not move when --max_steps grows (re-derived from
 # a larger budget, the GAN term would switch off again), the VAE's learning rate is the schedule's history, the
@@ -700,41 +667,41 @@ AUTO_FIELDS = {"learning_rate_vae": 0.0, "learning_rate_disc": 0.0, "warmup_step
                "vae_norm_groups": 0, "num_workers": -1, "num_threads": 0}
 # Never carried over from the run being continued: they say how to start this invocation, not what the run is.
 PER_INVOCATION_FIELDS = ("resume", "force")
-# What runs written before a field existed used (config.json without it): 32 groups before --vae_norm_groups,
-# no quant convs before --vae_quant_conv.
-LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False}
 
 
-def critic_kind(cfg) -> str:
+def critic_kind(critic: CriticConfig) -> str:
     """The critic in words: what its automatic learning rate is derived from."""
-    if cfg.discriminator != "vgg16":
-        return f"the {cfg.discriminator} critic"
-    return f"the vgg16 critic with a {cfg.critic_trunk} trunk"
+    if critic.discriminator != "vgg16":
+        return f"the {critic.discriminator} critic"
+    return f"the vgg16 critic with a {critic.critic_trunk} trunk"
 
 
-def auto_basis(cfg) -> dict[str, str | None]:
+def auto_basis(cfg: Config) -> dict[str, str | None]:
     """What each automatic value is derived from, in words; None: the run's history, never derived again."""
     cores = f"{cores_per_rank()} cores per rank"
-    return {"learning_rate_vae": None, "learning_rate_disc": critic_kind(cfg), "warmup_steps": None,
+    return {"learning_rate_vae": None, "learning_rate_disc": critic_kind(cfg.critic), "warmup_steps": None,
             "disc_start": None, "vae_norm_groups": None, "num_workers": cores, "num_threads": cores}
 
 
-def automatic_values(cfg, given: set[str]) -> dict[str, str | None]:
+def value(cfg: Config, name: str):
+    """A value by flag name."""
+    return getattr(getattr(cfg, FIELD_SECTION[name]), name)
+
+
+def automatic_values(cfg: Config, given: set[str]) -> dict[str, str | None]:
     """{field: its basis} of the values left automatic in `cfg` (before resolve_auto), for config.json's
     "derived" record."""
     basis = auto_basis(cfg)
-    return {k: basis[k] for k, sentinel in AUTO_FIELDS.items() if k not in given and getattr(cfg, k) == sentinel}
+    return {k: basis[k] for k, sentinel in AUTO_FIELDS.items() if k not in given and value(cfg, k) == sentinel}
 
 
 def continue_run(cfg: Config, given: set[str], saved: dict) -> tuple[Config, dict, list[tuple[str, Any, str, str]]]:
-    """The config of a run that continues `saved` (the finished config its start recorded): every value not given
+    """The config of a run that continues `saved` (the flat config its start recorded): every value not given
     again is the saved one (the whole recipe, not only the automatic values), and an automatic value whose basis
     changed in kind is set back to automatic. Returns (cfg, the "derived" record of the values kept automatic,
     [(name, value then, basis then, basis now)] of those derived again)."""
     saved = {**LEGACY_ARCH, **saved}
-    names = {f.name for f in dataclasses.fields(Config)}
-    carried = {k: saved[k] for k in names if k in saved and k not in given and k not in PER_INVOCATION_FIELDS}
-    cfg = dataclasses.replace(cfg, **carried)
+    cfg = unflatten({k: v for k, v in saved.items() if k not in given and k not in PER_INVOCATION_FIELDS}, cfg)
     record = saved.get("derived")
     if not isinstance(record, dict):  # written before the record existed: what that code kept, and the thread
         # count it derived anew on every start (basis unknown); the critic's rate was automatic if it is the one
@@ -742,16 +709,16 @@ def continue_run(cfg: Config, given: set[str], saved: dict) -> tuple[Config, dic
         record = {k: None for k in ("learning_rate_vae", "warmup_steps", "disc_start", "vae_norm_groups",
                                     "num_workers")}
         record["num_threads"] = "an earlier machine"
-        then = dataclasses.replace(cfg, **{k: saved[k] for k in ("discriminator", "critic_trunk", "learning_rate_vae")
-                                          if k in saved}, learning_rate_disc=0.0)
-        if saved.get("learning_rate_disc") == resolve_auto(then).learning_rate_disc:
-            record["learning_rate_disc"] = critic_kind(then)
+        then = unflatten({k: saved[k] for k in ("discriminator", "critic_trunk", "learning_rate_vae")
+                          if k in saved}, with_values(cfg, learning_rate_disc=0.0))
+        if saved.get("learning_rate_disc") == resolve_auto(then).critic.learning_rate_disc:
+            record["learning_rate_disc"] = critic_kind(then.critic)
     now, kept, again = auto_basis(cfg), {}, []
     for name, basis in record.items():
         if name in given or name not in AUTO_FIELDS:
             continue
         if basis is not None and now[name] != basis:
-            cfg = dataclasses.replace(cfg, **{name: AUTO_FIELDS[name]})
+            cfg = with_values(cfg, **{name: AUTO_FIELDS[name]})
             again.append((name, saved.get(name), basis, now[name]))
         else:
             kept[name] = basis
@@ -762,90 +729,83 @@ def continuing_note(run_dir: str, given: set[str], saved: dict, cfg: Config,
                     again: list[tuple[str, Any, str, str]]) -> str | None:
     """The one line that names every value a continued run changes: the flags given again with another value, and
     the automatic values derived again (with why)."""
-    changed = [f"--{k} {saved[k]} -> {getattr(cfg, k)}" for k in sorted(given)
-               if k in saved and saved[k] != getattr(cfg, k) and k not in PER_INVOCATION_FIELDS]
-    derived = [f"--{k} {then} -> {getattr(cfg, k)} ({basis_now}, not {basis_then})"
-               for k, then, basis_then, basis_now in again if then != getattr(cfg, k)]
+    changed = [f"--{k} {saved[k]} -> {value(cfg, k)}" for k in sorted(given)
+               if k in saved and saved[k] != value(cfg, k) and k not in PER_INVOCATION_FIELDS]
+    derived = [f"--{k} {then} -> {value(cfg, k)} ({basis_now}, not {basis_then})"
+               for k, then, basis_then, basis_now in again if then != value(cfg, k)]
     parts = ([f"flags changed since its start: {', '.join(changed)}"] if changed else []) + \
         ([f"derived again: {', '.join(derived)}"] if derived else [])
     return f"note: continuing {run_dir} with {'; '.join(parts)}" if parts else None
 
 
-@dataclass
-class FinishedConfig:
-    """finish_config's result: the run's config, the flags the user gave, the --init_from source read on the way
-    (None if none), notes for the user, and `derived`: {automatic field: what it was derived from} (config.json)."""
-    cfg: Config
-    given: set[str]
-    source: pretrained.Source | None
-    notes: list[str]
-    derived: dict[str, str | None]
-
-    def __iter__(self):  # cfg, given, source, notes = finish_config(...)
-        return iter((self.cfg, self.given, self.source, self.notes))
+# ==============================================================================================================
+# What the user is told about a valid config
+# ==============================================================================================================
+# Flags that only matter with --do_ganloss.
+GAN_FLAGS = ("discriminator", "disc_type", "disc_norm", "gen_loss", "gan_weight", "gan_margin", "disc_start",
+             "learning_rate_disc", "lecam_weight", "adaptive_weight_max")
 
 
-def finish_config(argv: list[str] | None = None, builds_demo_data: bool = True) -> FinishedConfig:
-    """argv -> the run's finished, validated config (FinishedConfig). In order: the flags (and --demo's values),
-    the demo's data and VGG16 choice (`builds_demo_data`: this process builds the demo shards; the others wait for
-    them), the architecture of an --init_from source, the recipe of the run this one continues (every value not
-    given again, automatic values derived again where their basis changed), the remaining automatic values, and the
-    checks. Raises ConfigError (one line) for anything the user can fix."""
-    cfg, given = parse_flags(argv)
-    if cfg.demo:
-        if not builds_demo_data:
-            data_lib.wait_for_demo_shards(os.path.join(cfg.output_dir, "demo_data"))
-        cfg = prepare_demo(cfg)
-    cfg, source = apply_init_source(cfg)
-    saved = saved_run_config(cfg, given | (set(SOURCE_FIELDS) if source is not None else set()))
-    derived, again = {}, []
-    if saved is not None:
-        cfg, derived, again = continue_run(cfg, given, saved)
-    derived.update(automatic_values(cfg, given))
-    cfg = resolve_auto(cfg)
-    validate(cfg)
-    notes = [demo_summary(cfg)] if cfg.demo else []
-    if saved is not None:
-        note = continuing_note(os.path.join(cfg.output_dir, cfg.run_name), given, saved, cfg, again)
-        notes += [note] if note else []
-    return FinishedConfig(cfg, given, source, notes, derived)
+def config_warnings(cfg: Config, given: set[str]) -> list[str]:
+    """One-line warnings for a valid but probably unintended config: flags the user gave that the chosen
+    configuration ignores (one line per cause; defaults and --demo's values are never named), and schedules
+    that cannot play out within --max_steps."""
+    model, loss, critic, optim, latents, ev = cfg.model, cfg.loss, cfg.critic, cfg.optim, cfg.latents, cfg.eval
+    ignored_when = [  # (flags, ignored in this config, why)
+        (GAN_FLAGS, not critic.do_ganloss, "without --do_ganloss"),
+        (("disc_norm",), critic.discriminator != "patchgan", "with --discriminator vgg16 (it normalises the "
+                                                             "PatchGAN only)"),
+        (("gan_margin",), critic.gen_loss != "thresholded", f"with --gen_loss {critic.gen_loss} (it is the margin of "
+                                                            "the thresholded loss)"),
+        (("adaptive_weight_max",), loss.loss_balance != "adaptive", f"with --loss_balance {loss.loss_balance} (it "
+                                                                    "clamps the adaptive weight)"),
+        (("clamp_th",), not model.do_clamp, "without --do_clamp"),
+        (("posterior_var",), model.posterior != "constant", f"with --posterior {model.posterior} (the encoder "
+                                                            "predicts the variance)"),
+        # --evaluate_every_n_steps 0 is the off switch: consistent with no test set, never "ignored"
+        (("evaluate_every_n_steps",) * (ev.evaluate_every_n_steps > 0) + ("eval_max_images", "inception_weights"),
+         not cfg.data.test_dataset_url, "without --test_dataset_url"),
+        (("eval_max_images", "inception_weights"), ev.evaluate_every_n_steps == 0, "with --evaluate_every_n_steps 0"),
+        (("project_name",), cfg.run.wandb_mode == "disabled", "with --wandb_mode disabled"),
+        (("scale_equivariance_mode", "scale_equivariance_rotate", "scale_equivariance_form",
+          "scale_equivariance_weight"), latents.scale_equivariance_prob == 0, "with --scale_equivariance_prob 0"),
+        (("scale_equivariance_weight",), latents.scale_equivariance_form != "add", "with --scale_equivariance_form "
+                                                                                  "replace"),
+        (("latent_noise_max",), latents.latent_noise_prob == 0, "with --latent_noise_prob 0"),
+        (("vf_weight", "vf_model", "vf_weights", "vf_image_size"), cfg.finetune.train_parts == "decoder",
+         "with --train_parts decoder (the encoder is frozen: there is no latent to align)"),
+        (("vf_model", "vf_weights", "vf_image_size"), latents.vf_weight == 0, "with --vf_weight 0"),
+        (("probe_images", "probe_heldout", "probe_steps", "probe_batch_size"), latents.probe_every_n_steps == 0,
+         "with --probe_every_n_steps 0"),
+        (SOURCE_FIELDS, bool(cfg.finetune.init_from), "with --init_from (the architecture is read from the source)"),
+        (("init_family",), not cfg.finetune.init_from, "without --init_from"),
+    ]
+    lines, named = [], set()
+    for flags, ignored, why in ignored_when:
+        hit = [f for f in flags if f in given and f not in named] if ignored else []
+        if hit:
+            named.update(hit)
+            verb = "has" if len(hit) == 1 else "have"
+            lines.append(f"warning: {', '.join('--' + f for f in hit)} {verb} no effect {why}")
+    if optim.warmup_steps > optim.max_steps:
+        lines.append(f"warning: --warmup_steps {optim.warmup_steps} > --max_steps {optim.max_steps}: the learning "
+                     f"rate peaks at {optim.max_steps / optim.warmup_steps:.0%} of its set value and never decays")
+    if cfg.finetune.train_parts == "decoder" and not (cfg.finetune.init_from or cfg.run.load_path):
+        lines.append("warning: --train_parts decoder without --init_from or --load_path: the encoder stays random "
+                     "(unless resumed)")
+    if critic.do_ganloss and critic.disc_start >= optim.max_steps:
+        lines.append(f"warning: --disc_start {critic.disc_start} >= --max_steps {optim.max_steps}: the generator "
+                     "never gets the adversarial term (the critic still trains)")
+    return lines
 
 
-def saved_run_config(cfg: Config, explicit: set[str]) -> dict | None:
-    """The finished config of the run this one continues (config.json of a run directory holding checkpoints, or
-    --resume's checkpoint), or None: a new run, --resume never, or another architecture given (`explicit`: the
-    fields the user or the --init_from source set; the trainer refuses it or, with --force, starts from scratch)."""
-    if cfg.resume == "never":
-        return None
-    run_dir = os.path.join(cfg.output_dir, cfg.run_name)
-    try:
-        if cfg.resume != "auto":
-            import torch
-            ckpt = torch.load(cfg.resume, map_location="cpu", weights_only=True)
-            saved = {**ckpt.get("config", {}), **({"derived": ckpt["derived"]} if "derived" in ckpt else {})}
-        elif any(re.fullmatch(r"step_\d+\.pt", f) for f in os.listdir(os.path.join(run_dir, "checkpoints"))):
-            with open(os.path.join(run_dir, "config.json")) as f:
-                saved = json.load(f)
-        else:
-            return None
-    except Exception:  # no run directory, or an unreadable file: the trainer's resume logic says which
-        return None
-    if not isinstance(saved, dict):
-        return None
-    saved = {**LEGACY_ARCH, **saved}
-    same_arch = all(saved.get(k) == getattr(cfg, k) for k in ARCH_FIELDS
-                    if k in explicit and getattr(cfg, k) != AUTO_FIELDS.get(k))  # (0 groups: automatic)
-    return saved if same_arch else None
-
-
-def flag_tables() -> str:
-    """The README's flag tables, one per section, from the fields' defaults and help."""
-    out = []
-    for kind in SECTIONS:
-        out += [f"#### {kind.TITLE}", "", "| flag | default | what it does |", "| --- | --- | --- |"]
-        for f in dataclasses.fields(kind):
-            default = '""' if f.default == "" else f.default
-            choices = " (" + r" \| ".join(f.metadata["choices"]) + ")" if f.metadata["choices"] else ""
-            out.append(f"| `--{f.name}` | `{default}` | {f.metadata['help']}{choices} |")
-        out.append("")
-    return "\n".join(out)
+def demo_summary(cfg: Config) -> str:
+    """The demo's one start-up line: which loss branches it trains and why."""
+    if cfg.critic.vgg16_weights == "random" and not uses_vgg16(cfg):
+        return (f"demo: no pretrained VGG16 in the torchvision cache ({vgg16_cache_path()}): LPIPS and the VGG16 "
+                "critic are OFF (on random features they would train on noise); pixel losses only")
+    branches = (["LPIPS"] if cfg.loss.perceptual_weight > 0 else []) + ["pixel"]
+    if cfg.critic.do_ganloss:
+        branches.append(f"{cfg.critic.discriminator} critic from step {cfg.critic.disc_start}")
+    weights = "a RANDOM VGG16" if cfg.critic.vgg16_weights == "random" else "pretrained VGG16"
+    return f"demo: {' + '.join(branches)} losses, with {weights}"

@@ -703,6 +703,14 @@ class TrainLoader:
                                  **kwargs)
         self._iter = None
 
+    @classmethod
+    def of(cls, data, seed: int, rank: int, world_size: int, pin_memory: bool = False,
+           state: dict | None = None) -> "TrainLoader":
+        """The loader of a run's data section (config.DataConfig)."""
+        return cls(data.dataset_url, data.vae_resolution, data.batch_size, seed, rank, world_size, data.num_workers,
+                   data.shuffle_buffer, data.resize_prob, data.max_image_pixels, pin_memory=pin_memory, state=state,
+                   shard_retry_minutes=data.shard_retry_minutes)
+
     def __iter__(self):
         return self
 

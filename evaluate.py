@@ -34,7 +34,8 @@ import data as data_lib
 import latents as latents_lib
 from ae import AutoEncoder
 from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
-from common import ConfigError, OneLineParser, init_distributed
+from common import ConfigError, DistInfo, OneLineParser, init_distributed
+from config import DataConfig, EvalConfig
 from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, fetch_weights,
                    hub_cache_path, load_vgg16_features, warn_random_vgg, warn_random_weights)
 
@@ -323,19 +324,23 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
 class Validator:
     """Evaluation during training (torchtitan's validator): PSNR, SSIM, LPIPS and rFID on the fixed test subset,
     for the weights and (given) their EMA, with the FID network loaded once. Every rank takes part (the images are
-    sharded); what it returns is shown by run_log.Reporter.evaluation."""
+    sharded); what it returns is shown by run_log.Reporter.evaluation. From the evaluation section and the data's
+    (the test set, its crop size, the batch)."""
 
-    def __init__(self, cfg, lpips_model: nn.Module | None, device: torch.device, rank: int, world_size: int,
-                 local_rank: int = 0, group=None, memory_format=torch.contiguous_format, log=print):
-        self.cfg, self.lpips, self.device, self.memory_format = cfg, lpips_model, device, memory_format
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, ev: EvalConfig, data: DataConfig, lpips_model: nn.Module | None, device: torch.device,
+                 info: DistInfo, memory_format=torch.contiguous_format, log=print, channels_last: bool = True,
+                 grid_images: int = 8):
+        self.ev, self.data, self.lpips, self.device, self.memory_format = ev, data, lpips_model, device, memory_format
+        self.rank, self.world_size = info.rank, info.world_size
+        self.channels_last, self.grid_images = channels_last, grid_images
         # the FID network, or None (rFID then reported missing, never faked)
-        self.inception = metric_networks("none", cfg.inception_weights, device, local_rank, log=log, group=group)[1]
+        self.inception = metric_networks("none", ev.inception_weights, device, info.local_rank, log=log,
+                                         group=info.ctrl_group)[1]
         self.ema_model: AutoEncoder | None = None  # holds the EMA weights, built at the first evaluation
 
     def run(self, vae: AutoEncoder, ema_state: dict[str, Tensor] | None, autocast) -> tuple[dict, dict]:
         """({eval/<metric>, eval_ema/<metric>: value}, {eval, eval_ema: uint8 grid of inputs over reconstructions})."""
-        cfg, results, grids = self.cfg, {}, {}
+        data, results, grids = self.data, {}, {}
         models = [("eval", vae)]
         if ema_state is not None:
             if self.ema_model is None:
@@ -344,10 +349,10 @@ class Validator:
             models.append(("eval_ema", self.ema_model))
         for prefix, model in models:
             res = evaluate_model(
-                model, cfg.test_dataset_url, cfg.vae_resolution, batch_size=cfg.batch_size, device=self.device,
-                rank=self.rank, world_size=self.world_size, max_images=cfg.eval_max_images,
+                model, data.test_dataset_url, data.vae_resolution, batch_size=data.batch_size, device=self.device,
+                rank=self.rank, world_size=self.world_size, max_images=self.ev.eval_max_images,
                 lpips_model=self.lpips, inception=self.inception, autocast=autocast,
-                channels_last=cfg.channels_last, grid_images=cfg.num_samples, max_pixels=cfg.max_image_pixels,
+                channels_last=self.channels_last, grid_images=self.grid_images, max_pixels=data.max_image_pixels,
                 latent_diagnostics=True)
             grids[prefix] = res.pop("grid")
             results.update({f"{prefix}/{k}": v for k, v in res.items() if not k.endswith("_missing")})

@@ -190,11 +190,29 @@ class LatentRegularisers:
 
     def __init__(self, seed: int, rank: int, *, equivariance_prob: float = 0.0, equivariance_sizes: list[int] = (),
                  equivariance_rotate: bool = False, noise_prob: float = 0.0, noise_max: float = 0.0,
-                 downsample_factor: int = 8, equivariance_form: str = "replace"):
+                 downsample_factor: int = 8, equivariance_form: str = "replace", latent_size: int = 0):
         self.seed, self.rank, self.eq_form = seed, rank, equivariance_form
         self.eq_prob, self.eq_sizes, self.eq_rotate = equivariance_prob, list(equivariance_sizes), equivariance_rotate
         self.noise_prob, self.noise_max = noise_prob, noise_max
         self.factor = downsample_factor
+        self.latent_size = latent_size  # the training latent's side, which equivariance_sizes are sizes of
+
+    def costliest(self, latent_size: int, min_image: int = 1) -> "LatentRegularisers":
+        """These regularisers drawn as their costliest micro-batch would be, for a step whose latent side is
+        `latent_size` (memory.py's estimate at its small probe sizes): the additive form's extra decode on, at
+        its largest size scaled to that latent (its image at least `min_image` px, what the losses take); the
+        replace form off (its decode of a smaller latent replaces the full one, which costs more). The latent
+        noise as it is."""
+        added = self.eq_form == "add" and self.eq_prob > 0 and bool(self.eq_sizes)
+        size = 0
+        if added:
+            fraction = max(self.eq_sizes) / (self.latent_size or 2 * max(self.eq_sizes))
+            size = min(latent_size - 1, max(1, round(latent_size * fraction), -(-min_image // self.factor)))
+        return LatentRegularisers(self.seed, self.rank, equivariance_prob=1.0 if size > 0 else 0.0,
+                                  equivariance_sizes=[size] if size > 0 else [], equivariance_rotate=self.eq_rotate,
+                                  noise_prob=self.noise_prob, noise_max=self.noise_max,
+                                  downsample_factor=self.factor, equivariance_form=self.eq_form,
+                                  latent_size=latent_size)
 
     @property
     def active(self) -> bool:

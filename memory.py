@@ -4,12 +4,14 @@ line that says what will not fit and which flags help (also for a CUDA out-of-me
     needed = estimate_step_memory(vae, objective, StepShape(batch_size=4, resolution=2048))
     line = fit_message(needed, available_memory(device), shape, lambda s: estimate_step_memory(vae, objective, s))
 
-The activations a step keeps for backward are measured, not derived: the real forward of the VAE, the critic's
-loss and the VAE's loss run at two small probe sizes under torch.autograd.graph.saved_tensors_hooks, which sees
-every tensor autograd saves (gradient checkpointing's discarded ones excepted: it installs its own hooks inside).
-Saved bytes grow linearly with the pixels of a micro-batch, so two probes give the slope and the constant, and the
-step at the real batch and resolution is extrapolated from them. To that come the weights, their gradients, the
-AdamW moments and the EMA copy (fp32 each) of every trained parameter.
+The activations a step keeps for backward are measured, not derived: the trainer's own micro-batch dataflow
+(objective.micro_step: the regularisers' draws, the forward, the critic's loss, the VAE's loss) runs at two small
+probe sizes under torch.autograd.graph.saved_tensors_hooks, which sees every tensor autograd saves (gradient
+checkpointing's discarded ones excepted: it installs its own hooks inside), so no loss term or feature the step
+has can be left out here. Saved bytes grow linearly with the pixels of a micro-batch, so two probes give the slope
+and the constant, and the step at the real batch and resolution is extrapolated from them. To that come the
+weights, their gradients, the AdamW moments and the EMA copy (fp32 each) of every trained parameter, the copy of
+the VAE that evaluation keeps for the EMA weights, and the in-loop probe's copy (between steps).
 """
 from __future__ import annotations
 
@@ -37,38 +39,23 @@ class StepShape:
     grad_checkpointing: str = "none"  # ae.GRAD_CHECKPOINTING
 
     @classmethod
-    def of(cls, cfg) -> "StepShape":
-        """The shape of a run's step, from its config."""
-        return cls(cfg.batch_size, cfg.vae_resolution, cfg.grad_accum, cfg.precision, cfg.grad_checkpointing)
+    def of(cls, data, optim, speed) -> "StepShape":
+        """The shape of a run's step, from its data, optimisation and speed sections."""
+        return cls(data.batch_size, data.vae_resolution, optim.grad_accum, speed.precision, speed.grad_checkpointing)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
-    """Bytes of a training step at its peak."""
+    """Bytes of a training run at its peak: a training step's, or the in-loop probe's between steps."""
     activations: int  # saved for backward by one micro-batch (VAE + the larger of critic loss and VAE loss)
     weights: int  # every parameter of the VAE, LPIPS and the critic
     training_state: int  # gradients, AdamW's two moments and the EMA copy of the trained parameters
+    copies: int = 0  # whole-VAE copies kept for the run: evaluation's model for the EMA weights
+    between_steps: int = 0  # held only between steps, when the step's activations are freed: the probe's copy
 
     @property
     def total(self) -> int:
-        return self.activations + self.weights + self.training_state
-
-
-def _saved_bytes(run, exclude: set[int]) -> int:
-    """Bytes of the distinct storages that autograd saves for backward while `run()` builds its graph
-    (parameters, in `exclude` by storage pointer, are counted as weights instead)."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in exclude and t.device.type != "meta":
-            seen[ptr] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(seen.values()), max(seen.values(), default=0)
+        return max(self.activations, self.between_steps) + self.weights + self.training_state + self.copies
 
 
 @contextlib.contextmanager
@@ -92,68 +79,86 @@ def _networks(vae: nn.Module, objective) -> list[nn.Module]:
 
 
 def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_size: int, resolution: int,
-                           step: int | None = None) -> tuple[int, int]:
-    """Peak bytes saved for backward by one real micro-batch of `batch_size` random images at `resolution`:
-    the VAE's graph plus the larger of the critic's loss graph (freed by its backward before the VAE's loss is
-    built, as in the trainer's step) and the VAE loss's graph (LPIPS, pixel losses, generator term); and the
-    largest single tensor among them."""
+                           step: int | None = None, model: nn.Module | None = None, regularisers=None
+                           ) -> tuple[int, int]:
+    """Peak bytes saved for backward by one real micro-batch of `batch_size` random images at `resolution`, run
+    through the trainer's own dataflow (objective.micro_step, without its backward): the forward's graph plus the
+    larger of the critic's loss graph (freed by its backward before the VAE's loss is built) and the VAE loss's
+    graph; and the largest single tensor among them. `model`: what the trainer runs forward (its DDP-wrapped
+    module's inside: a decoder-only wrapper, the alignment's projection; default the VAE); `regularisers`: the
+    run's latent regularisers, drawn at their costliest (latents.LatentRegularisers.costliest)."""
+    import latents as latents_lib
+    from objective import micro_step
     device = next(vae.parameters()).device
     exclude = {p.untyped_storage().data_ptr() for m in _networks(vae, objective) for p in m.parameters()}
-    step = objective.cfg.disc_start if step is None else step  # the generator term on: the costliest step
+    if step is None:  # the generator term on: the costliest step
+        step = objective.adversary.cfg.disc_start if objective.adversary is not None else 0
+    latent = resolution // vae.downsample_factor
+    lpips_on = objective.lpips is not None and objective.loss_cfg.perceptual_weight > 0
+    regularisers = (regularisers or latents_lib.LatentRegularisers(0, 0)).costliest(
+        latent, min_image=16 if lpips_on else 1)  # (LPIPS takes images of 16 px and more: config.LPIPS_MIN_SIZE)
     x = torch.rand(batch_size, 3, resolution, resolution, device=device) * 2 - 1
-    out: dict = {}
+    phases: dict[str, tuple[int, int]] = {}
 
-    def vae_forward():
-        with objective.autocast():  # the trainer's autocast: the same device type and dtype
-            out["recon"], out["mean"], out["logvar"] = vae(x)
-        out["recon"] = out["recon"].float()
+    @contextlib.contextmanager
+    def phase(name: str):
+        seen: dict[int, int] = {}
 
-    def critic_loss():
-        # --critic_trunk frozen: the trainer's one VGG16 pass per image, whose features the critic reads
-        shared = out["shared"] = objective.shared_trunk_pass(x, out["recon"], step)
-        if objective.critic is not None:
-            inputs = (shared.x_features, shared.recon_features) if shared is not None else (x, out["recon"])
-            _, out["real"], out["fake"], _ = objective.adversary.loss(*inputs)
-
-    def vae_loss():
-        with objective.critic_frozen():
-            objective(x, out["recon"], out["mean"], out["logvar"], step, out.get("real"), out.get("fake"),
-                      shared=out.get("shared"),  # the decoder's last weight: --loss_balance adaptive's reference
-                      last_layer=getattr(vae, "vae", vae).decoder.conv_out.weight)
+        def pack(t: torch.Tensor):
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in exclude and t.device.type != "meta":
+                seen[ptr] = storage.nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        phases[name] = (sum(seen.values()), max(seen.values(), default=0))
 
     with _probe_settings(vae, objective, shape):
-        vae_bytes, vae_largest = _saved_bytes(vae_forward, exclude)
-        critic_bytes, critic_largest = _saved_bytes(critic_loss, exclude)
-        loss_bytes, loss_largest = _saved_bytes(vae_loss, exclude)
-    return vae_bytes + max(critic_bytes, loss_bytes), max(vae_largest, critic_largest, loss_largest)
+        micro_step(objective, model or vae, x, step, 0, 1, True, regularisers,
+                   loss_scale=torch.ones((), device=device), last_layer=vae.decoder.conv_out.weight, phase=phase,
+                   backward=False)
+    forward, critic, loss = (phases[name] for name in ("forward", "critic", "loss"))
+    return forward[0] + max(critic[0], loss[0]), max(forward[1], critic[1], loss[1])
+
+
+def model_bytes(vae: nn.Module) -> int:
+    """One copy of the VAE's weights and buffers (evaluation's EMA model, the probe's copy)."""
+    return sum(t.numel() * t.element_size() for t in [*vae.parameters(), *vae.buffers()])
 
 
 def estimate_step_memory(vae: nn.Module, objective, shape: StepShape, ema: bool = True,
-                         probe_resolutions: tuple[int, int] | None = None) -> StepMemory:
-    """A training step's peak memory for `shape`, from two probes of one image each (default: 64 and 128 px,
+                         probe_resolutions: tuple[int, int] | None = None, model: nn.Module | None = None,
+                         regularisers=None, eval_copy: bool = False, probe_copy: bool = False) -> StepMemory:
+    """A training run's peak memory for `shape`, from two probes of one image each (default: 64 and 128 px,
     the smaller of them capped at the real resolution) extrapolated linearly in pixels and batch size.
     `vae`: the AutoEncoder (its trainable parameters are the ones with requires_grad); `objective`: the
-    VAEObjective with the loss networks that are on. A frozen part (requires_grad off, as --train_parts decoder
-    leaves the encoder) saves nothing for backward and holds no gradient or optimizer state, so it is estimated
-    as the trainer will run it."""
+    VAEObjective with the loss networks that are on; `model`, `regularisers`: probe_activation_bytes'. A frozen part
+    (requires_grad off, as --train_parts decoder leaves the encoder) saves nothing for backward and holds no gradient
+    or optimizer state, so it is estimated as the trainer will run it. `eval_copy`: evaluation keeps a copy of the
+    VAE for its EMA weights (evaluation and EMA on); `probe_copy`: the in-loop probe copies the VAE between steps."""
     r1, r2 = probe_resolutions or (min(64, shape.resolution), min(128, shape.resolution))
-    a1, largest = probe_activation_bytes(vae, objective, shape, 1, r1)
+    a1, largest = probe_activation_bytes(vae, objective, shape, 1, r1, model=model, regularisers=regularisers)
     if r2 != r1:  # (a step at most 64 px is probed once, at its own size)
-        a2, largest = probe_activation_bytes(vae, objective, shape, 1, r2)
+        a2, largest = probe_activation_bytes(vae, objective, shape, 1, r2, model=model, regularisers=regularisers)
     slope = (a2 - a1) / (r2 ** 2 - r1 ** 2) if r2 != r1 else a1 / r1 ** 2  # bytes per pixel of an image
     per_image = a1 + slope * (shape.resolution ** 2 - r1 ** 2)
     # Backward holds, beside what was saved, the gradients of the tensors it is working through (and, under
     # checkpointing, one recomputed block): a few tensors of the largest size, BACKWARD_TENSORS of them.
     transient = BACKWARD_TENSORS * largest * (shape.resolution / r2) ** 2
     activations = int((max(0.0, per_image) + transient) * shape.batch_size)
-    params = [p for m in _networks(vae, objective) for p in m.parameters()]
+    networks = _networks(vae, objective)
+    if model is not None:  # the alignment's projection trains with the VAE
+        networks.append(model)
+    params = list({id(p): p for m in networks for p in m.parameters()}.values())
     weights = sum(p.numel() * p.element_size() for p in params)
     trained = [p for p in params if p.requires_grad]  # LPIPS is frozen; the critic trains
     vae_trained = [p for p in vae.parameters() if p.requires_grad]
     training_state = (sum(p.numel() * p.element_size() for p in trained)  # gradients
                       + sum(p.numel() * 4 * 2 for p in trained)  # AdamW's exp_avg and exp_avg_sq, fp32
                       + (sum(p.numel() * 4 for p in vae_trained) if ema else 0))  # the EMA's fp32 shadow
-    return StepMemory(activations, weights, training_state)
+    copy = model_bytes(vae)
+    return StepMemory(activations, weights, training_state, copy if eval_copy else 0, copy if probe_copy else 0)
 
 
 def available_memory(device: torch.device | str) -> tuple[int, str]:
@@ -287,12 +292,13 @@ def _training_state_untouched(vae: nn.Module, objective):
                 torch.cuda.empty_cache()  # the probes' blocks, before the real step allocates its own
 
 
-def check_before_training(vae: nn.Module, objective, shape: StepShape, device, ema: bool = True
+def check_before_training(vae: nn.Module, objective, shape: StepShape, device, ema: bool = True, **features
                           ) -> tuple[str | None, bool]:
     """(line, refuse) before the first step: None if the step fits; else fit_message's line and whether the
-    estimate exceeds the available memory by more than its own error (REFUSE_ABOVE: the run would die)."""
+    estimate exceeds the available memory by more than its own error (REFUSE_ABOVE: the run would die).
+    `features`: estimate_step_memory's model, regularisers, eval_copy and probe_copy."""
     def estimate(s: StepShape) -> StepMemory:
-        return estimate_step_memory(vae, objective, s, ema)
+        return estimate_step_memory(vae, objective, s, ema, **features)
     with _training_state_untouched(vae, objective):
         needed = estimate(shape)
         available = available_memory(device)
@@ -300,11 +306,12 @@ def check_before_training(vae: nn.Module, objective, shape: StepShape, device, e
     return line, line is not None and needed.total > REFUSE_ABOVE * available[0]
 
 
-def check_every_rank(vae: nn.Module, objective, shape: StepShape, device, ema: bool, group=None) -> str | None:
+def check_every_rank(vae: nn.Module, objective, shape: StepShape, device, ema: bool, group=None, **features
+                     ) -> str | None:
     """Before the first step and before anything is written: raises WontFit if the step clearly will not fit
     (REFUSE_ABOVE) on any rank, returns a warning line if it may not, else None. Every rank estimates for its own
     device (the probes' LeCam update all-reduces, so all must run them); under torchrun the verdicts are gathered."""
-    mine = check_before_training(vae, objective, shape, device, ema=ema)
+    mine = check_before_training(vae, objective, shape, device, ema=ema, **features)
     verdicts = [mine]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         verdicts = [None] * torch.distributed.get_world_size()

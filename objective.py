@@ -1,14 +1,12 @@
 """The training objective: everything that turns (images, reconstructions, latent) into the loss the VAE
-backpropagates (`VAEObjective`, like LDM/taming's LPIPSWithDiscriminator), and the critic's owner (`Adversary`:
-the critic network, its DDP wrapper, optimizer, schedule, scaler, LeCam and its own step). The trainer calls them
-and does not know how the loss is composed.
+backpropagates (`VAEObjective`, like LDM/taming's LPIPSWithDiscriminator), the critic's owner (`Adversary`: the
+critic network, its DDP wrapper, optimizer, schedule, scaler, LeCam and its own step), and the dataflow of one
+micro-batch of a training step (`micro_step`: the forward, the critic's step, the VAE's loss and backward), which
+the trainer runs and memory.py's estimate measures. The trainer does not know how the loss is composed.
 
-    adversary = Adversary(section(cfg, CriticConfig), critic_net, ...)       # None without --do_ganloss
-    objective = VAEObjective(cfg, vgg_features, adversary=adversary)
-    d_loss, real_logits, fake_logits, logs = adversary.backward(x, recon, sync, accum)   # the critic's step
-    with adversary.frozen():
-        loss, logs = objective(x, recon, mean, logvar, step, real_logits, fake_logits)  # the VAE's step
-        loss.backward()
+    adversary = Adversary(cfg.critic, build_critic(cfg.critic, vgg_features), precision)  # None without --do_ganloss
+    objective = VAEObjective(cfg.loss, cfg.latents, lpips, adversary)
+    out = micro_step(objective, model, x, step, micro, accum, sync, regularisers, loss_scale, last_layer)
 
 Adding a loss term: a weight field in config.LossConfig (that is the flag), and one block in
 `VAEObjective.terms` that appends a `Term`. `compose` then backpropagates, totals and logs it for every
@@ -25,11 +23,14 @@ from torch import Tensor, nn
 
 from ae import kl_divergence
 from alignment import AlignmentLoss
-from config import CriticConfig, LatentsConfig, LossConfig, OptimConfig, section
+from config import CriticConfig, LatentsConfig, LossConfig, OptimConfig
 from utils import (FeatureCriticHeads, LeCam, LowpassMSE, NLayerDiscriminator, VGG16Discriminator, adaptive_gan_weight,
-                   build_lpips, cosine_with_warmup, diff_augment, discriminator_accuracy, discriminator_loss, gan_ramp,
+                   cosine_with_warmup, diff_augment, discriminator_accuracy, discriminator_loss, gan_ramp,
                    generator_active_fraction, generator_loss, gradnorm, gradnorm_branches_through_one_pass,
                    lpips_from_features, pooled_mse, r1_penalty, vgg16_features)
+
+
+AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --precision -> autocast dtype
 
 
 # ------------------------------------------------------------------------------------------ composing the terms
@@ -114,48 +115,31 @@ class SharedTrunkPass:
 # ------------------------------------------------------------------------------------------ the VAE's objective
 class VAEObjective(nn.Module):
     """LPIPS + pooled MSE + low-pass MSE (each a GradNorm branch by default), the latent penalty, and the generator
-    term against the adversary's critic. Reads its config sections (LossConfig; CriticConfig for the generator
-    term) from `cfg` at every call, so a changed weight takes effect at once.
+    term against the adversary's critic, from the loss and latents sections (the generator term's settings are the
+    adversary's own section, CriticConfig).
 
-    lpips: built when `with_lpips` (a random VGG16 that no loss uses is not built at all). `vgg_features`: VGG16
-    `features` weights (None: random, tests only). `adversary`: the critic's owner (None: no GAN term); without
-    one and with cfg.do_ganloss, one is built here (tests, bench) from the same weights."""
+    lpips: LPIPS on VGG16 (utils.build_lpips), or None when no loss or metric uses it. `adversary`: the critic's
+    owner (None: no GAN term). `alignment`: the VF branch (alignment.AlignmentLoss; None: off)."""
 
-    def __init__(self, cfg, vgg_features: dict[str, Tensor] | None = None, with_lpips: bool = True,
-                 device: torch.device | str = "cpu", memory_format=torch.contiguous_format,
-                 adversary: Adversary | None = None, z_channels: int | None = None):
+    def __init__(self, loss: LossConfig, latents: LatentsConfig, lpips: nn.Module | None = None,
+                 adversary: Adversary | None = None, alignment: AlignmentLoss | None = None, precision: str = "fp32",
+                 device: torch.device | str = "cpu", memory_format=torch.contiguous_format):
         super().__init__()
-        self.cfg = cfg  # read through its sections at every call: a changed weight takes effect at once
+        self.loss_cfg, self.latents_cfg = loss, latents
         self.device = torch.device(device)
         self.memory_format = memory_format
-        self.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
-        # built in this order: with random weights the construction draws from the global RNG
-        self.lpips = build_lpips(vgg_features).to(device, memory_format=memory_format) if with_lpips else None
-        self.lowpass_mse = LowpassMSE(cfg.lowpass_threshold).to(device)  # its filters live on the device
-        if adversary is None and cfg.do_ganloss:
-            adversary = Adversary(self.gan_cfg, build_critic(self.gan_cfg, vgg_features), cfg.precision,
-                                  device=self.device, memory_format=memory_format)
+        self.amp_dtype = AMP_DTYPES[precision]
+        self.lpips = lpips
+        self.lowpass_mse = LowpassMSE(loss.lowpass_threshold).to(device)  # its filters live on the device
         self.adversary = adversary
-        # --vf_weight: alignment.AlignmentLoss, whose projection trains with the VAE (the trainer's VAETraining).
-        # Off with --train_parts decoder: the frozen encoder's latent has no gradient (config_warnings says so)
-        self.alignment = None
-        if cfg.vf_weight > 0 and cfg.train_parts != "decoder":
-            self.alignment = AlignmentLoss(z_channels, cfg.vf_model, cfg.vf_weights, cfg.vf_image_size).to(device)
-
-    @property
-    def loss_cfg(self) -> LossConfig:
-        return section(self.cfg, LossConfig)
-
-    @property
-    def gan_cfg(self) -> CriticConfig:
-        return section(self.cfg, CriticConfig)
+        self.alignment = alignment
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
 
     def gan_active(self, step: int) -> bool:
         """Whether the generator gets the adversarial term at `step` (the critic itself trains from step 0)."""
-        return self.adversary is not None and step >= self.gan_cfg.disc_start
+        return self.adversary is not None and step >= self.adversary.cfg.disc_start
 
     def shared_trunk_pass(self, x: Tensor, recon: Tensor, step: int) -> SharedTrunkPass | None:
         """The one VGG16 pass per image of the frozen-trunk critic (None with any other critic). The trainer hands
@@ -195,13 +179,15 @@ class VAEObjective(nn.Module):
             shared = self.shared_trunk_pass(x, recon, step)
         terms = self.terms(x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent, images,
                            added, shared)
-        return compose(terms, self.loss_cfg.loss_balance, scale, accum, last_layer, self.gan_cfg.adaptive_weight_max)
+        adaptive_weight_max = self.adversary.cfg.adaptive_weight_max if self.adversary is not None else 1e4
+        return compose(terms, self.loss_cfg.loss_balance, scale, accum, last_layer, adaptive_weight_max)
 
     def terms(self, x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent=None,
               images=None, added=None, shared: SharedTrunkPass | None = None) -> list[Term]:
         """The loss terms, one block each. Their order is the order of the sums (a fixed-seed run reproduces
         bitwise only with the same order)."""
-        loss, gan = self.loss_cfg, self.gan_cfg
+        loss = self.loss_cfg
+        gan = self.adversary.cfg if self.adversary is not None else None
         if loss.loss_balance == "gradnorm":
             # GradNorm fixes each branch's gradient norm, so a loss scale and 1/accum enter as weights
             def branch(weight, out=recon):
@@ -240,7 +226,7 @@ class VAEObjective(nn.Module):
             # of the downsampled latent's decode, each a branch of alpha x its full-resolution weight; the critic
             # judges full-resolution images only
             small_x, small_recon = added
-            alpha = section(self.cfg, LatentsConfig).scale_equivariance_weight
+            alpha = self.latents_cfg.scale_equivariance_weight
             if loss.perceptual_weight > 0:
                 with self.autocast():
                     perceptual = self.lpips(branch(alpha * loss.perceptual_weight, small_recon).contiguous(
@@ -278,7 +264,7 @@ class VAEObjective(nn.Module):
         if self.alignment is not None:
             # a GradNorm branch at the latent (AlignmentLoss applies it; --vf_weight requires gradnorm): its
             # gradient into the encoder has norm vf_weight, so it enters the sum unweighted like the others
-            vf_weight = section(self.cfg, LatentsConfig).vf_weight
+            vf_weight = self.latents_cfg.vf_weight
             vf, parts = self.alignment(latent, images, scale * (vf_weight / accum))
             terms.append(Term("vf", vf, vf_weight, balanced=True, logs={f"loss/{k}": v for k, v in parts.items()}))
 
@@ -313,12 +299,12 @@ def build_critic(cfg: CriticConfig, vgg_features: dict[str, Tensor] | None) -> n
 class Adversary:
     """Everything about the critic: its network (any kind in CRITICS: the trainer only calls this class), the DDP
     wrapper, AdamW, the warm-up/cosine schedule, the (fp16) GradScaler, LeCam, its loss and backward, and its
-    guarded optimizer step. Checkpointed through state_dict/load_state_dict under today's top-level keys."""
+    guarded optimizer step. A checkpoint entry ("adversary")."""
 
     def __init__(self, cfg: CriticConfig, critic: nn.Module, precision: str, device: torch.device | str = "cpu",
                  memory_format=torch.contiguous_format):
         self.cfg, self.device, self.memory_format = cfg, torch.device(device), memory_format
-        self.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self.amp_dtype = AMP_DTYPES[precision]
         self.precision = precision
         # --critic_trunk frozen: the critic reads the shared trunk's feature lists instead of images
         self.on_features = cfg.discriminator == "vgg16" and cfg.critic_trunk == "frozen"
@@ -374,12 +360,14 @@ class Adversary:
             logs["gan/r1"] = r1.detach()
         return d_loss, real_logits.detach(), fake_logits.detach(), logs
 
-    def backward(self, x: Tensor, recon: Tensor, sync: bool, accum: int):
-        """The critic's loss and backward on one micro-batch (DDP's all-reduce only when `sync`): its loss, its
-        logits for the generator term, and logs (per micro-batch)."""
+    def backward(self, x: Tensor, recon: Tensor, sync: bool, accum: int, backward: bool = True):
+        """The critic's loss and (unless not `backward`: memory.py's estimate) its backward on one micro-batch
+        (DDP's all-reduce only when `sync`): its loss, its logits for the generator term, and logs (per
+        micro-batch)."""
         with no_sync_unless(self.critic_ddp, sync):
             d_loss, real_logits, fake_logits, logs = self.loss(x, recon)
-            self.scaler.scale(d_loss / accum).backward()
+            if backward:
+                self.scaler.scale(d_loss / accum).backward()
         return d_loss, real_logits, fake_logits, logs
 
     def generator_logits(self, fake) -> Tensor:
@@ -404,26 +392,32 @@ class Adversary:
             self.lecam.commit(skip=bad)  # the anchors move only with a step the critic took
         self.scheduler.step()
 
-    def state_dict(self) -> dict:
-        return {"discriminator": self.critic.state_dict(), "optimizer_disc": self.optimizer.state_dict(),
-                "scheduler_disc": self.scheduler.state_dict(), "scaler_disc": self.scaler.state_dict(),
-                "lecam": self.lecam.state_dict() if self.lecam is not None else None}
+    def kind(self) -> dict:
+        """What must match for the critic to resume (checkpoint.critic_kind_of reads the same from a flat config)."""
+        return {"discriminator": self.cfg.discriminator, "disc_norm": self.cfg.disc_norm,
+                "critic_trunk": self.cfg.critic_trunk}
 
-    def load_state_dict(self, ckpt: dict, path: str = "", log=print) -> None:
-        """The critic resumes only from a checkpoint of the same kind; LeCam's anchors whenever saved."""
-        saved_cfg = ckpt.get("config", {})
-        same_kind = (all(saved_cfg.get(k) == getattr(self.cfg, k) for k in ("discriminator", "disc_norm"))
-                     and saved_cfg.get("critic_trunk", "trainable") == self.cfg.critic_trunk)
-        if ckpt.get("discriminator") is not None and not same_kind:
+    def state_dict(self) -> dict:
+        return {"critic": self.critic.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "lecam": self.lecam.state_dict() if self.lecam is not None else None, "kind": self.kind()}
+
+    def load_state_dict(self, state: dict | None, path: str = "", log=print) -> None:
+        """The critic resumes only from a checkpoint of the same kind; LeCam's anchors whenever saved. (None: a
+        checkpoint without a critic; it starts afresh.)"""
+        if state is None:
+            return
+        same_kind = state["kind"] == self.kind()
+        if not same_kind:
             log("warning: the checkpoint's discriminator is of another kind; the critic starts from scratch")
-        if ckpt.get("discriminator") is not None and same_kind:
-            self.critic.load_state_dict(ckpt["discriminator"])
-            self.optimizer.load_state_dict(ckpt["optimizer_disc"])
-            self.scheduler.load_state_dict(ckpt["scheduler_disc"])
-            if self.scaler.is_enabled() and ckpt.get("scaler_disc"):
-                self.scaler.load_state_dict(ckpt["scaler_disc"])
-        if self.lecam is not None and ckpt.get("lecam") is not None:
-            self.lecam.load_state_dict(ckpt["lecam"])
+        else:
+            self.critic.load_state_dict(state["critic"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            if self.scaler.is_enabled() and state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+        if self.lecam is not None and state.get("lecam") is not None:
+            self.lecam.load_state_dict(state["lecam"])
 
 
 def no_sync_unless(ddp_module, sync: bool):
@@ -431,3 +425,51 @@ def no_sync_unless(ddp_module, sync: bool):
     if sync or not hasattr(ddp_module, "no_sync"):
         return contextlib.nullcontext()
     return ddp_module.no_sync()
+
+
+# ------------------------------------------------------------------------------------------ one micro-batch
+@dataclass
+class MicroStep:
+    """What one micro-batch of a step gave: its losses (detached: the critic's, then the VAE's, for the guard),
+    the logs of the critic and of the objective (per micro-batch), and the posterior (for the latent metrics)."""
+    critic_loss: Tensor | None
+    loss: Tensor
+    critic_logs: dict
+    logs: dict
+    mean: Tensor
+    logvar: Tensor | None
+
+
+def micro_step(objective: VAEObjective, model: nn.Module, x: Tensor, step: int, micro: int, accum: int, sync: bool,
+               regularisers, loss_scale: Tensor, last_layer: Tensor, phase=None, backward: bool = True) -> MicroStep:
+    """One micro-batch of a training step: the latent regularisers' draws, the forward of `model` (the module DDP
+    wraps: the VAE, its decoder behind a frozen encoder, with the alignment's projection), the critic's loss and
+    backward on real vs detached reconstructions (its frozen trunk's pass shared with LPIPS), then the VAE's loss
+    and backward with the critic frozen. DDP all-reduces on the last micro-batch only (`sync`). The trainer runs it
+    for every micro-batch; memory.py runs it at small sizes to measure what autograd keeps, with `phase(name)` a
+    context around each part ("forward", "critic", "loss") and no backward."""
+    phase = phase or (lambda name: contextlib.nullcontext())
+    images = x
+    with no_sync_unless(model, sync):
+        # latents.py's regularisers: the losses below see the transformed image (x unchanged when off)
+        target, to_decoder = regularisers.draw(x, step, micro)
+        added = regularisers.draw_added(x, step, micro)  # (small image, latent transform) or None
+        with phase("forward"), objective.autocast():
+            recon, mean, logvar, *small = model(x, latent_transform=to_decoder, also_decode=added and added[1])
+        x, recon = target, recon.float()  # every loss reduces in fp32
+        real_logits = fake_logits = d_loss = None
+        critic_logs = {}
+        with phase("critic"):
+            shared = objective.shared_trunk_pass(x, recon, step)  # --critic_trunk frozen: one VGG16 pass
+            if objective.adversary is not None:  # the critic learns real vs detached fakes, every step
+                critic_x, critic_recon = (shared.x_features, shared.recon_features) if shared else (x, recon)
+                d_loss, real_logits, fake_logits, critic_logs = objective.adversary.backward(
+                    critic_x, critic_recon, sync, accum, backward)
+                d_loss = d_loss.detach()
+        with phase("loss"), objective.critic_frozen():
+            loss, logs = objective(x, recon, mean, logvar, step, real_logits, fake_logits, accum,
+                                   loss_scale=loss_scale, last_layer=last_layer, latent=mean, images=images,
+                                   added=(added[0], small[0].float()) if added else None, shared=shared)
+            if backward:
+                loss.backward()
+    return MicroStep(d_loss, loss.detach(), critic_logs, logs, mean, logvar)

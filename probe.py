@@ -35,6 +35,7 @@ import data as data_lib
 import evaluate
 import latents as latents_lib
 from common import ConfigError, OneLineParser, init_distributed
+from config import DataConfig, LatentsConfig
 
 PRESETS = {"tiny": dict(dim=64, depth=2, heads=2), "small": dict(dim=192, depth=6, heads=3),
            "dit-s": dict(dim=384, depth=12, heads=6)}  # dit-s: DiT-S's width, depth and heads
@@ -370,17 +371,17 @@ def in_loop_probe_loss(vae: nn.Module, images: Tensor, *, heldout_images: int, s
 class InLoopProbe:
     """The trainer's --probe_every_n_steps: the fixed probe set (the first --probe_images center crops of
     --test_dataset_url, else --dataset_url; the same on every rank and at every call) and in_loop_probe_loss's
-    settings from the config (its seed the run's --seed)."""
+    settings from the latents section (its seed the run's --seed)."""
 
-    def __init__(self, cfg, device: torch.device):
-        self.cfg = cfg
-        url = cfg.test_dataset_url or cfg.dataset_url
-        batches = [b for _, b in data_lib.iter_eval_batches(url, cfg.vae_resolution, cfg.probe_images,
-                                                             max_images=cfg.probe_images)]
+    def __init__(self, latents: LatentsConfig, data: DataConfig, seed: int, device: torch.device):
+        self.latents, self.seed = latents, seed
+        url = data.test_dataset_url or data.dataset_url
+        batches = [b for _, b in data_lib.iter_eval_batches(url, data.vae_resolution, latents.probe_images,
+                                                             max_images=latents.probe_images)]
         images = torch.cat(batches) if batches else torch.empty(0)
-        if len(images) <= cfg.probe_heldout:
+        if len(images) <= latents.probe_heldout:
             raise ConfigError(f"the probe set {data_lib.redact(url)} has {len(images)} images; --probe_heldout "
-                              f"{cfg.probe_heldout} needs more (--probe_images {cfg.probe_images})")
+                              f"{latents.probe_heldout} needs more (--probe_images {latents.probe_images})")
         self.images = data_lib.to_model_input(images, device, channels_last=False)
 
     def __call__(self, vae: nn.Module, ema=None) -> tuple[float, float]:
@@ -392,10 +393,10 @@ class InLoopProbe:
             vae = copy.deepcopy(vae)
             vae.load_state_dict(ema_state)
         was_training = vae.training
-        cfg = self.cfg
+        latents = self.latents
         try:
-            loss = in_loop_probe_loss(vae.eval(), self.images, heldout_images=cfg.probe_heldout,
-                                      steps=cfg.probe_steps, batch_size=cfg.probe_batch_size, seed=cfg.seed)
+            loss = in_loop_probe_loss(vae.eval(), self.images, heldout_images=latents.probe_heldout,
+                                      steps=latents.probe_steps, batch_size=latents.probe_batch_size, seed=self.seed)
         finally:
             vae.train(was_training)
         return loss, time.time() - start

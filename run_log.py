@@ -16,6 +16,7 @@ import torch.distributed as dist
 import data as data_lib
 import plots
 from common import DistInfo, atomic_write
+from config import DataConfig, RunConfig
 
 
 class Metrics:
@@ -179,8 +180,9 @@ def truncate_jsonl(path: str, step: int) -> None:
         atomic_write(path, lambda f: f.write("".join(kept).encode()))
 
 
-def init_wandb(mode: str, project: str, name: str, run_dir: str, config: dict, log=print):
+def init_wandb(run: RunConfig, config: dict, log=print):
     """A wandb run resumed under the run directory's stored id, or None (disabled, no key, or wandb failing)."""
+    mode, project, name, run_dir = run.wandb_mode, run.project_name, run.run_name, run.run_dir
     if mode == "disabled":
         return None
     if mode == "online" and not wandb_key_configured():
@@ -235,18 +237,31 @@ def latent_metrics(metrics: Metrics, mean: torch.Tensor, logvar: torch.Tensor | 
 CURVES_EVERY_S = 60.0
 
 
+def fixed_sample_images(data: DataConfig, count: int) -> torch.Tensor:
+    """The first `count` images of the test set (or the training set): the same in every grid of a run."""
+    batches = data_lib.iter_eval_batches(data.test_dataset_url or data.dataset_url, data.vae_resolution, count,
+                                         max_images=count, max_pixels=data.max_image_pixels)
+    empty = torch.zeros(0, 3, data.vae_resolution, data.vae_resolution, dtype=torch.uint8)
+    return next(iter(batches), (None, empty))[1]
+
+
 class Reporter:
     """Everything a run shows its user, behind one object (torchtitan's metrics processor): the start-up lines,
     the stdout lines, metrics.jsonl, wandb, the sample grids and the evaluation's printout and grids. Rank 0
     writes; the others call the same methods and write nothing (the warnings' tracker prints through `log`)."""
 
-    def __init__(self, cfg, info: DistInfo, run_dir: str, wandb_run=None):
-        self.cfg, self.info, self.is_main, self.run_dir = cfg, info, info.is_main, run_dir
-        self.max_steps, self.gan = cfg.max_steps, cfg.do_ganloss
-        self.sample_dir = os.path.join(run_dir, "samples")
+    def __init__(self, run: RunConfig, data: DataConfig, info: DistInfo, *, max_steps: int, grad_accum: int = 1,
+                 gan: bool = False, channels_last: bool = True, wandb_run=None):
+        """`run`: where and how often; `data`: the images of the sample grids (the first --num_samples of the test
+        set, else the training set), their size, and the batch (with `grad_accum` and the ranks: img/s)."""
+        self.run, self.info, self.is_main, self.run_dir = run, info, info.is_main, run.run_dir
+        self.max_steps, self.gan, self.channels_last = max_steps, gan, channels_last
+        self.resolution = data.vae_resolution
+        self.images_per_step = data.batch_size * grad_accum * info.world_size
+        self.sample_dir = os.path.join(self.run_dir, "samples")
         self.wandb = wandb_run
         self.tracker = CollapseTracker(self.log)
-        self.sample_images = self._fixed_sample_images() if info.is_main else None
+        self.sample_images = fixed_sample_images(data, run.num_samples) if info.is_main else None
         self.curves_failed = False  # said once; the run goes on without curves.png
         # the first plot a minute into the run, not at its first checkpoint: a short run (a test, a smoke run)
         # draws once, at its end
@@ -258,7 +273,7 @@ class Reporter:
     EARLY_LOG_STEPS = (1, 10)
 
     def log_due(self, step: int) -> bool:
-        every = self.cfg.log_every_n_steps
+        every = self.run.log_every_n_steps
         return step % every == 0 or (every > max(self.EARLY_LOG_STEPS) and step in self.EARLY_LOG_STEPS)
 
     def step_done(self, step: int) -> None:
@@ -276,7 +291,7 @@ class Reporter:
         """A grid (floats in [0, 1]) as a PNG for people: its tiles enlarged by a whole factor, nearest neighbour
         (plots.enlarge_for_viewing: every k-th pixel is the reconstruction exactly)."""
         import torchvision
-        grid = plots.enlarge_for_viewing(grid, self.cfg.vae_resolution)
+        grid = plots.enlarge_for_viewing(grid, self.resolution)
         atomic_write(path, lambda f: torchvision.utils.save_image(grid, f, format="png"))
 
     def plot_curves(self, final: bool = False) -> None:
@@ -301,28 +316,6 @@ class Reporter:
             self.log(f"warning: curves.png not written ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
                      "training goes on")
 
-    def _fixed_sample_images(self) -> torch.Tensor:
-        """The first --num_samples images of the test set (or the training set): the same in every grid."""
-        cfg = self.cfg
-        batches = data_lib.iter_eval_batches(cfg.test_dataset_url or cfg.dataset_url, cfg.vae_resolution,
-                                             cfg.num_samples, max_images=cfg.num_samples,
-                                             max_pixels=cfg.max_image_pixels)
-        empty = torch.zeros(0, 3, cfg.vae_resolution, cfg.vae_resolution, dtype=torch.uint8)
-        return next(iter(batches), (None, empty))[1]
-
-    def run_start(self, vae) -> None:
-        """The lines that open a run: what trains, on what, in which precision and batch."""
-        cfg, info = self.cfg, self.info
-        n_params = sum(p.numel() for p in vae.parameters())
-        if cfg.train_parts == "decoder":
-            trained = sum(p.numel() for p in vae.parameters() if p.requires_grad)
-            frozen = "the encoder and quant_conv are" if cfg.vae_quant_conv else "the encoder is"
-            self.log(f"training the decoder only: {trained / 1e6:.1f}M of {n_params / 1e6:.1f}M parameters; {frozen} "
-                     "frozen")
-        self.log(f"run dir {self.run_dir} | {info.world_size} x {info.device.type} | VAE {n_params / 1e6:.1f}M params "
-                 f"| f{vae.downsample_factor} z{cfg.vae_z_channels} {cfg.posterior} posterior | "
-                 f"{cfg.precision} | batch {cfg.batch_size} x {cfg.grad_accum} accum x {info.world_size} ranks")
-
     def log(self, msg: str) -> None:
         if self.is_main:
             self.print(msg)
@@ -338,16 +331,15 @@ class Reporter:
                 skipped: dict[str, int]) -> None:
         """A logging step (the metrics reduced over the `steps_done` steps of the last `elapsed` seconds, the
         learning rate, the data stream's skip counts): the warnings, the stdout line, metrics.jsonl, wandb."""
-        cfg = self.cfg
         elapsed = max(1e-9, elapsed)
-        images_per_step = cfg.batch_size * cfg.grad_accum * self.info.world_size
+        images_per_step = self.images_per_step
         self.timed_images += steps_done * images_per_step
         self.timed_seconds += elapsed
         # img/s over the steps since the last line (what the run does now), img/s averaged over every step of this
         # process (steady: one slow window moves it little), and the ETA from that average
         metrics["img_per_s"] = steps_done * images_per_step / elapsed
         metrics["img_per_s_avg"] = self.timed_images / self.timed_seconds
-        metrics["eta_s"] = (cfg.max_steps - step) * images_per_step / metrics["img_per_s_avg"]
+        metrics["eta_s"] = (self.max_steps - step) * images_per_step / metrics["img_per_s_avg"]
         metrics["lr/vae"] = lr_vae
         metrics.update({f"data/skipped_{k}": v for k, v in skipped.items()})
         # the critic winning matters once the generator fights back: a window with generator GAN steps
@@ -363,8 +355,8 @@ class Reporter:
         """The in-loop diffusability probe's held-out loss: a line, a metrics.jsonl record, wandb."""
         if not self.is_main:
             return
-        print(f"probe step {step} | eval/probe_loss {probe_loss:.5f} (diffusability: lower is better; "
-              f"{seconds:.1f} s)", flush=True)
+        self.print(f"probe step {step} | eval/probe_loss {probe_loss:.5f} (diffusability: lower is better; "
+                   f"{seconds:.1f} s)")
         append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), {"step": step, "eval/probe_loss": probe_loss})
         if self.wandb is not None:
             self.wandb.log({"eval/probe_loss": probe_loss}, step=step)
@@ -375,7 +367,7 @@ class Reporter:
         import torchvision
         if not self.is_main or len(self.sample_images) == 0:
             return None
-        x = data_lib.to_model_input(self.sample_images, self.info.device, self.cfg.channels_last)
+        x = data_lib.to_model_input(self.sample_images, self.info.device, self.channels_last)
         with autocast():
             recon = vae.decode(vae.encode(x)).float()
         grid = torchvision.utils.make_grid(torch.cat([x, recon.clamp(-1, 1)]).float().cpu() * 0.5 + 0.5,

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 from ae import AutoEncoder, decode_latents
 from common import ConfigError, DistInfo
-from config import Config
+from config import OptimConfig
 from run_log import Metrics
 from utils import cosine_with_warmup
 
@@ -69,27 +69,28 @@ class DecoderOnly(torch.nn.Module):
 
 class VAETraining:
     """The VAE and everything that trains it: the module DDP wraps (the VAE, or its decoder behind a frozen
-    encoder: --train_parts decoder), AdamW, the schedule, the (fp16) GradScaler and the EMA. A checkpoint entry
-    under today's keys (vae, ema, optimizer_vae, scheduler_vae, scaler_vae)."""
+    encoder: `train_parts` "decoder"), AdamW (`make_optimizer(params, lr)`), the schedule, the (fp16) GradScaler
+    and the EMA, from the optimisation section. A checkpoint entry ("training")."""
 
-    def __init__(self, vae: AutoEncoder, cfg: Config, make_optimizer, wrap_ddp, device: torch.device,
+    def __init__(self, vae: AutoEncoder, optim: OptimConfig, make_optimizer, wrap_ddp, device: torch.device,
+                 train_parts: str = "all", precision: str = "fp32", compile: bool = False,
                  alignment: torch.nn.Module | None = None):
-        self.vae, self.cfg = vae, cfg
-        self.trained = DecoderOnly(vae) if cfg.train_parts == "decoder" else vae
+        self.vae, self.optim, self.train_parts = vae, optim, train_parts
+        self.trained = DecoderOnly(vae) if train_parts == "decoder" else vae
         # --vf_weight: the alignment's projection trains beside the VAE (its own checkpoint entry)
-        self.projection = ProjectionTraining(alignment.projection, cfg, make_optimizer) if alignment else None
+        self.projection = ProjectionTraining(alignment.projection, optim, make_optimizer) if alignment else None
         if self.projection is not None:
             self.trained = WithProjection(self.trained, alignment.projection)
-        self.ema = EMA(vae, cfg.ema_decay) if cfg.ema_decay > 0 else None
-        if cfg.compile:
+        self.ema = EMA(vae, optim.ema_decay) if optim.ema_decay > 0 else None
+        if compile:
             vae.encoder.compile()  # the inner modules, never the DDP wrapper
             vae.decoder.compile()
         self.ddp = wrap_ddp(self.trained)
         # the VAE's frozen parts (--train_parts decoder) stay out: no state, and weight decay never moves them
-        self.optimizer = make_optimizer([p for p in vae.parameters() if p.requires_grad], cfg.learning_rate_vae)
+        self.optimizer = make_optimizer([p for p in vae.parameters() if p.requires_grad], optim.learning_rate_vae)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
-        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+            self.optimizer, cosine_with_warmup(optim.warmup_steps, optim.max_steps, optim.min_lr_ratio))
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
     def replicated(self) -> torch.nn.Module:
         """What DDP must keep equal on every rank: the VAE and the --vf_weight projection (checked at each save)."""
@@ -115,23 +116,23 @@ class VAETraining:
         return {"vae": {k: v.detach().cpu() for k, v in self.vae.state_dict().items()},
                 "ema": ({k: v.detach().cpu() for k, v in self.ema.model_state_dict(self.vae).items()}
                         if self.ema else None),
-                "optimizer_vae": self.optimizer.state_dict(), "scheduler_vae": self.scheduler.state_dict(),
-                "scaler_vae": self.scaler.state_dict()}
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(), "train_parts": self.train_parts}
 
-    def load_state_dict(self, ckpt: dict, path: str, log=print) -> None:
-        saved_parts = ckpt.get("config", {}).get("train_parts", "all")
-        if saved_parts != self.cfg.train_parts:
-            raise ConfigError(f"{path} was trained with --train_parts {saved_parts}: resume with the same (its "
-                              "optimizer holds those parameters), or start a new --run_name from it with --load_path")
-        self.vae.load_state_dict(ckpt["vae"])
+    def load_state_dict(self, state: dict, path: str, log=print) -> None:
+        if state["train_parts"] != self.train_parts:
+            raise ConfigError(f"{path} was trained with --train_parts {state['train_parts']}: resume with the same "
+                              "(its optimizer holds those parameters), or start a new --run_name from it with "
+                              "--load_path")
+        self.vae.load_state_dict(state["vae"])
         if self.ema is not None:
-            if ckpt.get("ema"):
-                self.ema.load_state_dict(ckpt["ema"])
+            if state.get("ema"):
+                self.ema.load_state_dict(state["ema"])
             else:
-                self.ema = EMA(self.vae, self.cfg.ema_decay)
-        self.optimizer.load_state_dict(ckpt["optimizer_vae"])
-        self.scheduler.load_state_dict(ckpt["scheduler_vae"])
-        checkpoint.restore_scaler(self.scaler, ckpt.get("scaler_vae"))
+                self.ema = EMA(self.vae, self.optim.ema_decay)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        checkpoint.restore_scaler(self.scaler, state.get("scaler"))
 
 
 class WithProjection(torch.nn.Module):
@@ -152,13 +153,13 @@ class ProjectionTraining:
     its own AdamW and schedule with the VAE's settings, unscaled by the VAE's fp16 scaler and skipped with the VAE's
     step. Its own optimizer, so a checkpoint written without it still resumes (the projection then starts afresh).
     No EMA: the EMA is of the VAE, what is evaluated and exported; the projection is never exported. A checkpoint
-    entry (keys vf_projection, optimizer_vf, scheduler_vf)."""
+    entry ("vf_projection")."""
 
-    def __init__(self, projection: torch.nn.Module, cfg: Config, make_optimizer):
+    def __init__(self, projection: torch.nn.Module, optim: OptimConfig, make_optimizer):
         self.projection = projection
-        self.optimizer = make_optimizer(projection.parameters(), cfg.learning_rate_vae)
+        self.optimizer = make_optimizer(projection.parameters(), optim.learning_rate_vae)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
+            self.optimizer, cosine_with_warmup(optim.warmup_steps, optim.max_steps, optim.min_lr_ratio))
         self.no_scaler = torch.amp.GradScaler(enabled=False)  # the VAE's scaler updates once, after the VAE's step
 
     def step(self, bad: torch.Tensor, step_optimizer) -> None:
@@ -166,29 +167,29 @@ class ProjectionTraining:
         self.scheduler.step()
 
     def state_dict(self) -> dict:
-        return {"vf_projection": {k: v.detach().cpu() for k, v in self.projection.state_dict().items()},
-                "optimizer_vf": self.optimizer.state_dict(), "scheduler_vf": self.scheduler.state_dict()}
+        return {"projection": {k: v.detach().cpu() for k, v in self.projection.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
-    def load_state_dict(self, ckpt: dict, path: str = "", log=print) -> None:
-        if ckpt.get("vf_projection") is None:
+    def load_state_dict(self, state: dict | None, path: str = "", log=print) -> None:
+        if state is None:
             log(f"note: {path} has no alignment projection (written without --vf_weight): it starts afresh")
             return
-        saved = ckpt["vf_projection"]
+        saved = state["projection"]
         if "bias" in saved:  # written before the projection lost its bias (alignment.latent_projection)
             log(f"note: {path}'s alignment projection has a bias, which VA-VAE's has not (it lets a constant vector "
                 "meet the cosine term): it continues with its weight and without the bias, its optimizer afresh")
             self.projection.load_state_dict({k: v for k, v in saved.items() if k != "bias"})
         else:
             self.projection.load_state_dict(saved)
-            self.optimizer.load_state_dict(ckpt["optimizer_vf"])
-        self.scheduler.load_state_dict(ckpt["scheduler_vf"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
 
 
 class NonFiniteGuard:
     """A step whose loss or gradient is not finite on any rank is skipped on every rank (device flags, no host
     sync); the skipped steps are counted, and a streak of --max_bad_steps stops the run. Checked every step: on
     CUDA the streak is read one step late from a pinned copy (waiting only for the previous step's copy, which has
-    normally landed: no sync on this step's work); elsewhere exactly. A checkpoint entry (key "guard")."""
+    normally landed: no sync on this step's work); elsewhere exactly. A checkpoint entry ("guard")."""
 
     def __init__(self, device: torch.device, grad_clip: float):
         self.device, self.grad_clip = device, grad_clip
@@ -240,12 +241,12 @@ class NonFiniteGuard:
         return int(self._copies[previous].item())
 
     def state_dict(self) -> dict:
-        return {"guard": {"bad_steps_total": int(self.total.item()), "bad_streak": int(self.streak.item())}}
+        return {"bad_steps_total": int(self.total.item()), "bad_streak": int(self.streak.item())}
 
-    def load_state_dict(self, ckpt: dict, **_) -> None:
-        guard = ckpt.get("guard", {})
-        self.total.fill_(guard.get("bad_steps_total", 0))
-        self.streak.fill_(guard.get("bad_streak", 0))
+    def load_state_dict(self, state: dict | None, **_) -> None:
+        state = state or {}
+        self.total.fill_(state.get("bad_steps_total", 0))
+        self.streak.fill_(state.get("bad_streak", 0))
 
 
 def wrap_ddp(module: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
@@ -256,8 +257,8 @@ def wrap_ddp(module: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     return DDP(module, device_ids=ids, gradient_as_bucket_view=True)
 
 
-def adamw(cfg: Config, params, lr: float) -> torch.optim.AdamW:
+def adamw(optim: OptimConfig, params, lr: float) -> torch.optim.AdamW:
     """AdamW with the run's betas and weight decay. Fused: it reads `found_inf` on the device, so a step the guard
     rejected is skipped without a host sync."""
-    return torch.optim.AdamW(params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
-                             fused=True)
+    return torch.optim.AdamW(params, lr=lr, betas=(optim.adam_beta1, optim.adam_beta2),
+                             weight_decay=optim.weight_decay, fused=True)

@@ -13,36 +13,65 @@ import config
 
 
 class Counter:
-    """A stateful entry as the registry wants it: its top-level keys out, its own keys back in."""
+    """A stateful entry as the registry wants it: its state out, its own sub-dict back in."""
 
-    def __init__(self, key: str):
-        self.key, self.value = key, torch.zeros(2)
+    def __init__(self):
+        self.value = torch.zeros(2)
 
     def state_dict(self) -> dict:
-        return {self.key: self.value.clone()}
+        return {"value": self.value.clone()}
 
-    def load_state_dict(self, ckpt: dict, path: str = "", log=print) -> str:
-        self.value = ckpt[self.key].clone()
-        return f"{self.key} from {path}"
+    def load_state_dict(self, state: dict, path: str = "", log=print) -> str:
+        self.value = state["value"].clone()
+        return f"loaded from {path}"
 
 
-def test_the_registry_saves_each_entry_under_its_keys_and_restores_it(tmp_path):
-    first, second = Counter("a"), Counter("b")
+def test_the_registry_saves_each_entry_under_its_own_name_and_restores_it(tmp_path):
+    """Issue 24: each entry is its own sub-dict (torchtitan's CheckpointManager), and an entry reads only its own;
+    an absent piece (a run without a critic) is None in the file and not loaded."""
+    first, second = Counter(), Counter()
     first.value += 1
     second.value += 2
-    registry = checkpoint.Registry(first=first, second=second, critic=checkpoint.ABSENT_ADVERSARY)
+    registry = checkpoint.Registry(first=first, second=second, critic=None)
     state = registry.state_dict()
-    assert set(state) == {"a", "b", "discriminator", "optimizer_disc", "scheduler_disc", "scaler_disc", "lecam"}
+    assert set(state) == {"format_version", "first", "second", "critic"} and state["critic"] is None
+    assert state["format_version"] == checkpoint.FORMAT_VERSION == 2
     path = checkpoint.write_checkpoint(str(tmp_path), 7, state, keep_last_k=1)
-    restored = checkpoint.Registry(first=Counter("a"), second=Counter("b"), critic=checkpoint.ABSENT_ADVERSARY)
+    restored = checkpoint.Registry(first=Counter(), second=Counter(), critic=None)
     loaded = restored.load_state_dict(path, checkpoint.load_checkpoint(path))
-    assert loaded == {"first": f"a from {path}", "second": f"b from {path}", "critic": None}
+    assert loaded == {"first": f"loaded from {path}", "second": f"loaded from {path}"}
     assert torch.equal(restored.entries["first"].value, first.value)
     assert torch.equal(restored.entries["second"].value, second.value)
 
 
+def test_a_flat_checkpoint_of_earlier_code_is_migrated_entry_by_entry():
+    """format_version 1 (every owner's keys at the top level, the compatibility facts in the flat config) reads as
+    the namespaced layout: the VAE's entry keeps its --train_parts, the critic's its kind, the run's entry the
+    rest; a bare state dict is not a checkpoint and stays as it is."""
+    vae, ema = {"w": torch.ones(1)}, {"w": torch.zeros(1)}
+    flat = {"format_version": 1, "step": 5, "config": {"train_parts": "decoder", "discriminator": "patchgan",
+                                                      "disc_norm": "group_spectral", "critic_trunk": "trainable"},
+            "model_params": {"ch": 32}, "init_source": None, "ranks": [{"data": {}}], "world_size": 1,
+            "vae": vae, "ema": ema, "optimizer_vae": {"o": 1}, "scheduler_vae": {"s": 1}, "scaler_vae": {},
+            "discriminator": {"d": torch.ones(1)}, "optimizer_disc": {"o": 2}, "scheduler_disc": {"s": 2},
+            "scaler_disc": {}, "lecam": {"ema_real": torch.zeros(())}, "guard": {"bad_steps_total": 3, "bad_streak": 0},
+            "ranks_in_sync": True, "critic_in_sync": True}
+    new = checkpoint.migrate(flat)
+    assert new["format_version"] == 2
+    assert new["training"] == {"vae": vae, "ema": ema, "optimizer": {"o": 1}, "scheduler": {"s": 1}, "scaler": {},
+                               "train_parts": "decoder"}
+    assert new["adversary"]["kind"] == {"discriminator": "patchgan", "disc_norm": "group_spectral",
+                                        "critic_trunk": "trainable"}
+    assert new["adversary"]["optimizer"] == {"o": 2} and new["adversary"]["lecam"] is flat["lecam"]
+    assert new["guard"] == {"bad_steps_total": 3, "bad_streak": 0} and new["vf_projection"] is None
+    assert new["run"]["step"] == 5 and new["run"]["ranks_in_sync"] and new["run"]["model_params"] == {"ch": 32}
+    assert checkpoint.migrate(new) is new
+    assert checkpoint.migrate(vae) is vae  # a bare state dict
+    assert checkpoint.trained_weights(flat) is vae and checkpoint.trained_weights(new, ema=True) is ema
+
+
 def test_compatibility_reads_the_model_section():
-    model = config.section(config.parse_config(["--vae_ch", "32"]), config.ModelConfig)
+    model = config.parse_config(["--vae_ch", "32"]).model
     same = {k: getattr(model, k) for k in config.ARCH_FIELDS}
     assert checkpoint.check_compatible(model, False, {**same, "kl_weight": 9.0}, "run")  # not architecture
     with pytest.raises(checkpoint.ConfigError, match="vae_ch: 64 -> 32"):

@@ -13,15 +13,24 @@ import common
 import config
 import vae_trainer
 from conftest import ROOT, TINY
+import run_setup
 
 
-def test_every_field_is_in_one_section_and_a_section_is_typed():
-    names = [f.name for kind in config.SECTIONS for f in dataclasses.fields(kind)]
-    assert len(names) == len(set(names)) == len(dataclasses.fields(config.Config))
-    cfg = config.parse_config(["--kl_weight", "0.5", "--gan_weight", "0.2"])
-    loss = config.section(cfg, config.LossConfig)
-    assert type(loss) is config.LossConfig and loss.kl_weight == 0.5 and not hasattr(loss, "gan_weight")
-    assert config.section(cfg, config.CriticConfig).gan_weight == 0.2
+def test_every_field_is_in_one_section_and_the_config_is_flat_on_disk():
+    """Issue 24: the sections nest (cfg.loss.kl_weight), each typed, with one flag name per field across all of
+    them; on disk the config is flat, one key per flag (one flatten/unflatten pair), so a config.json written
+    before the sections nested reads back into the same Config."""
+    names = [f.name for kind in config.SECTIONS.values() for f in dataclasses.fields(kind)]
+    assert len(names) == len(set(names)) == len(config.FIELD_SECTION)
+    cfg = config.parse_config(["--kl_weight", "0.5", "--gan_weight", "0.2", "--dataset_url", "x"])
+    assert type(cfg.loss) is config.LossConfig and cfg.loss.kl_weight == 0.5 and not hasattr(cfg.loss, "gan_weight")
+    assert type(cfg.critic) is config.CriticConfig and cfg.critic.gan_weight == 0.2
+    flat = config.flatten(cfg)
+    assert list(flat) == names and flat["kl_weight"] == 0.5 and flat["gan_weight"] == 0.2
+    assert config.unflatten({**flat, "derived": {}, "init_source": None}) == cfg  # config.json's other keys ignored
+    assert config.with_values(cfg, lecam_weight=0.1).critic.lecam_weight == 0.1
+    with pytest.raises(TypeError, match="no_such"):
+        config.with_values(cfg, no_such=1)
     assert config.ARCH_FIELDS == ("vae_ch", "vae_ch_mult", "vae_num_res_blocks", "vae_z_channels",
                                   "vae_norm_groups", "do_attn", "posterior", "vae_quant_conv")
 
@@ -38,7 +47,7 @@ TINY_AUTO = [f for i, f in enumerate(TINY[:-2]) if "--num_workers" not in TINY[i
 
 
 def finished(tmp_path, shard_url, *flags):
-    return config.finish_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), "--run_name", "r",
+    return run_setup.prepare_run(["--dataset_url", shard_url, "--output_dir", str(tmp_path), "--run_name", "r",
                                  *TINY_AUTO, *flags])
 
 
@@ -47,19 +56,19 @@ def test_a_continued_run_keeps_the_automatic_values_of_its_start(tmp_path, shard
     50000 it keeps them (re-derived they would be 1000 and 10000: the GAN term off for 9000 steps), says what
     changed, and a flag given again wins."""
     cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "5000", "--do_ganloss")
-    assert (cfg.warmup_steps, cfg.disc_start) == (500, 1000) and not notes
+    assert (cfg.optim.warmup_steps, cfg.critic.disc_start) == (500, 1000) and not notes
     run_dir = tmp_path / "r"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "config.json").write_text(json.dumps(config.public_config(cfg)))
     (run_dir / "checkpoints" / "step_00003000.pt").write_bytes(b"")  # a run that has saved (read by the trainer)
     cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "50000", "--do_ganloss")
-    assert (cfg.warmup_steps, cfg.disc_start, cfg.max_steps) == (500, 1000, 50000)
+    assert (cfg.optim.warmup_steps, cfg.critic.disc_start, cfg.optim.max_steps) == (500, 1000, 50000)
     assert notes == [f"note: continuing {run_dir} with flags changed since its start: --max_steps 5000 -> 50000"]
     cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "50000", "--do_ganloss", "--disc_start", "-1")
-    assert cfg.disc_start == 10000 and "--disc_start 1000 -> 10000" in notes[0]  # given again: derived anew
+    assert cfg.critic.disc_start == 10000 and "--disc_start 1000 -> 10000" in notes[0]  # given again: derived anew
     cfg, _, _, _ = finished(tmp_path, shard_url, "--max_steps", "50000", "--do_ganloss", "--resume", "never",
                             "--run_name", "r")
-    assert cfg.disc_start == 10000  # --resume never: a new run, its own automatic values
+    assert cfg.critic.disc_start == 10000  # --resume never: a new run, its own automatic values
 
 
 def started(tmp_path, shard_url, *flags):
@@ -81,12 +90,12 @@ def test_a_continued_run_keeps_its_whole_recipe_and_names_every_change(tmp_path,
     cfg, given, _, notes = finished(tmp_path, shard_url, "--max_steps", "300", "--dataset_url", photos_dir)
     kept = ("do_ganloss", "critic_trunk", "save_every_n_steps", "kl_weight", "learning_rate_vae",
             "learning_rate_disc", "warmup_steps", "disc_start", "num_workers", "num_threads")
-    assert {k: getattr(cfg, k) for k in kept} == {k: getattr(first.cfg, k) for k in kept}
-    assert (cfg.do_ganloss, cfg.critic_trunk, cfg.save_every_n_steps) == (True, "frozen", 50)
+    assert {k: config.value(cfg, k) for k in kept} == {k: config.value(first.cfg, k) for k in kept}
+    assert (cfg.critic.do_ganloss, cfg.critic.critic_trunk, cfg.run.save_every_n_steps) == (True, "frozen", 50)
     assert notes == [f"note: continuing {tmp_path / 'r'} with flags changed since its start: --dataset_url "
                      f"{shard_url} -> {photos_dir}, --max_steps 150 -> 300"]
     cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300", "--critic_trunk", "trainable")
-    assert cfg.critic_trunk == "trainable" and "--critic_trunk frozen -> trainable" in notes[0]
+    assert cfg.critic.critic_trunk == "trainable" and "--critic_trunk frozen -> trainable" in notes[0]
 
 
 @pytest.mark.parametrize("critic_flags", [["--critic_trunk", "frozen"], ["--discriminator", "patchgan"]])
@@ -95,21 +104,22 @@ def test_an_automatic_value_is_derived_again_when_its_basis_changes(tmp_path, sh
     continued with --do_ganloss and another critic it is the rate a new run of those flags gets (the VAE's), and the
     line says why. A rate the user gives wins; values that are history (warm-up, disc_start) stay."""
     first = started(tmp_path, shard_url, "--max_steps", "150")
-    assert first.cfg.learning_rate_disc == 1e-5 and first.derived["learning_rate_disc"] == \
+    assert first.cfg.critic.learning_rate_disc == 1e-5 and first.derived["learning_rate_disc"] == \
         "the vgg16 critic with a trainable trunk"
-    fresh = config.finish_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path / "new"), *TINY_AUTO,
+    fresh = run_setup.prepare_run(["--dataset_url", shard_url, "--output_dir", str(tmp_path / "new"), *TINY_AUTO,
                                   "--max_steps", "300", "--do_ganloss", *critic_flags]).cfg
     cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300", "--do_ganloss", *critic_flags)
-    assert cfg.learning_rate_disc == fresh.learning_rate_disc == cfg.learning_rate_vae != 1e-5
-    assert f"derived again: --learning_rate_disc 1e-05 -> {cfg.learning_rate_vae} ({config.critic_kind(cfg)}, not " \
-           "the vgg16 critic with a trainable trunk)" in notes[0], notes
-    assert (cfg.warmup_steps, cfg.disc_start) == (first.cfg.warmup_steps, first.cfg.disc_start) != \
-           (fresh.warmup_steps, fresh.disc_start)
+    assert cfg.critic.learning_rate_disc == fresh.critic.learning_rate_disc == cfg.optim.learning_rate_vae != 1e-5
+    assert f"derived again: --learning_rate_disc 1e-05 -> {cfg.optim.learning_rate_vae} " \
+           f"({config.critic_kind(cfg.critic)}, not the vgg16 critic with a trainable trunk)" in notes[0], notes
+    history = (cfg.optim.warmup_steps, cfg.critic.disc_start)
+    assert history == (first.cfg.optim.warmup_steps, first.cfg.critic.disc_start) != \
+           (fresh.optim.warmup_steps, fresh.critic.disc_start)
     cfg, _, _, _ = finished(tmp_path, shard_url, "--max_steps", "300", "--do_ganloss", *critic_flags,
                             "--learning_rate_disc", "3e-5")
-    assert cfg.learning_rate_disc == 3e-5
+    assert cfg.critic.learning_rate_disc == 3e-5
     same_critic, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300", "--do_ganloss")
-    assert same_critic.learning_rate_disc == 1e-5 and "derived again" not in notes[0]
+    assert same_critic.critic.learning_rate_disc == 1e-5 and "derived again" not in notes[0]
 
 
 def test_worker_and_thread_counts_are_derived_again_on_a_machine_with_other_cores(tmp_path, shard_url, monkeypatch):
@@ -117,16 +127,16 @@ def test_worker_and_thread_counts_are_derived_again_on_a_machine_with_other_core
     (an exact resume); a machine with other cores derives both counts again and says so."""
     monkeypatch.setattr(config, "cores_per_rank", lambda: 16)
     first = started(tmp_path, shard_url, "--max_steps", "150")
-    assert (first.cfg.num_workers, first.cfg.num_threads) == (4, 12)
+    assert (first.cfg.data.num_workers, first.cfg.speed.num_threads) == (4, 12)
     cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300")
-    assert (cfg.num_workers, cfg.num_threads) == (4, 12) and "derived again" not in notes[0]
+    assert (cfg.data.num_workers, cfg.speed.num_threads) == (4, 12) and "derived again" not in notes[0]
     monkeypatch.setattr(config, "cores_per_rank", lambda: 2)
     cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300")
-    assert (cfg.num_workers, cfg.num_threads) == (1, 1)
+    assert (cfg.data.num_workers, cfg.speed.num_threads) == (1, 1)
     assert "derived again: --num_workers 4 -> 1 (2 cores per rank, not 16 cores per rank), --num_threads 12 -> 1 " \
            "(2 cores per rank, not 16 cores per rank)" in notes[0], notes
     cfg, _, _, _ = finished(tmp_path, shard_url, "--max_steps", "300", "--num_workers", "3")
-    assert cfg.num_workers == 3  # given: kept as given
+    assert cfg.data.num_workers == 3  # given: kept as given
 
 
 def test_a_run_recorded_before_the_derivation_record_continues_as_it_did(tmp_path, shard_url, monkeypatch):
@@ -139,9 +149,10 @@ def test_a_run_recorded_before_the_derivation_record_continues_as_it_did(tmp_pat
     (tmp_path / "r" / "config.json").write_text(json.dumps(saved))
     monkeypatch.setattr(config, "cores_per_rank", lambda: 2)
     cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300", "--do_ganloss", "--critic_trunk", "frozen")
-    assert (cfg.num_workers, cfg.num_threads) == (first.cfg.num_workers, 1) == (4, 1)
-    assert (cfg.warmup_steps, cfg.disc_start) == (first.cfg.warmup_steps, first.cfg.disc_start)
-    assert cfg.learning_rate_disc == cfg.learning_rate_vae and "--learning_rate_disc 1e-05 -> " in notes[0]
+    assert (cfg.data.num_workers, cfg.speed.num_threads) == (first.cfg.data.num_workers, 1) == (4, 1)
+    assert (cfg.optim.warmup_steps, cfg.critic.disc_start) == (first.cfg.optim.warmup_steps,
+                                                               first.cfg.critic.disc_start)
+    assert cfg.critic.learning_rate_disc == cfg.optim.learning_rate_vae and "--learning_rate_disc 1e-05 -> " in notes[0]
 
 
 def test_lpips_smallest_input_restricts_the_scale_equivariance_sizes(shard_url):
@@ -151,8 +162,8 @@ def test_lpips_smallest_input_restricts_the_scale_equivariance_sizes(shard_url):
     flags = ["--dataset_url", shard_url, "--vae_ch_mult", "1,2,2", "--vae_resolution", "32", "--mse_pool_factor", "1",
              "--scale_equivariance_mode", "random", "--scale_equivariance_prob", "0.5"]
     cfg = config.parse_config(flags)
-    config.validate(cfg)
-    factor = config.model_params(cfg).downsample_factor
+    cfg.validate()
+    factor = config.model_params(cfg.model).downsample_factor
     assert [s * factor for s in config.scale_equivariance_sizes(cfg)] == [16, 20, 24, 28]
     import torch
     from utils import build_lpips
@@ -167,11 +178,12 @@ def test_lpips_smallest_input_restricts_the_scale_equivariance_sizes(shard_url):
     pixel_only = config.parse_config(flags + ["--perceptual_weight", "0"])
     assert [s * factor for s in config.scale_equivariance_sizes(pixel_only)] == [8, 12, 16, 20, 24, 28]
     with pytest.raises(config.ConfigError, match="at least 16 for LPIPS"):
-        config.validate(config.parse_config(["--dataset_url", shard_url, "--vae_ch_mult", "1,2", "--vae_resolution",
-                                             "8", "--mse_pool_factor", "1"]))
+        config.parse_config(["--dataset_url", shard_url, "--vae_ch_mult", "1,2", "--vae_resolution",
+                                             "8", "--mse_pool_factor", "1"]).validate()
     with pytest.raises(config.ConfigError, match="at least 16 px"):
-        config.validate(config.parse_config(["--dataset_url", shard_url, "--vae_ch_mult", "1,2", "--vae_resolution",
-                                             "16", "--mse_pool_factor", "1", "--scale_equivariance_prob", "0.5"]))
+        config.parse_config(["--dataset_url", shard_url, "--vae_ch_mult", "1,2", "--vae_resolution",
+                                             "16", "--mse_pool_factor", "1", "--scale_equivariance_prob",
+                                             "0.5"]).validate()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -233,7 +245,7 @@ def test_cores_per_rank_divides_the_affinity_by_local_ranks(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert config.cores_per_rank() == 16
     cfg = config.parse_config(["--dataset_url", "x"])
-    assert (cfg.num_workers, cfg.num_threads) == (4, 12)
+    assert (cfg.data.num_workers, cfg.speed.num_threads) == (4, 12)
     line = config.cpu_use_line(cfg, {"dataset_url"})
     assert line == ("cpu: 16 cores per rank: 4 data workers, 12 torch threads (--num_workers and --num_threads "
                     "chosen from the cores; give them to override)")

@@ -229,7 +229,8 @@ def test_bench_counts_the_frozen_step_with_both_branches_backward(lpips_model):
 
     import bench
     from torch.utils.flop_counter import FlopCounterMode
-    trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(vae_resolution=32, batch_size=2),
+    trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(data=types.SimpleNamespace(vae_resolution=32,
+                                                                                         batch_size=2)),
                                     objective=types.SimpleNamespace(lpips=lpips_model), device=torch.device("cpu"))
     flops = bench.frozen_gan_step_flops(trainer, vae_flops=1e9)
     with FlopCounterMode(display=False) as one_pass, torch.no_grad():

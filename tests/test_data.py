@@ -692,7 +692,7 @@ def trainer_through_an_outage(solid_shards, tmp_path, retry_minutes: float, num_
 def newest_checkpoint_step(run_dir) -> int | None:
     from checkpoint import checkpoint_files, load_checkpoint
     files = checkpoint_files(str(run_dir / "checkpoints"))
-    return load_checkpoint(files[0])["step"] if files else None
+    return load_checkpoint(files[0])["run"]["step"] if files else None
 
 
 @pytest.mark.timeout(150)
@@ -715,7 +715,7 @@ def test_a_run_whose_shard_server_stays_down_stops_in_one_line_with_a_checkpoint
     assert errors[0].endswith(f"(checkpoint written at step {last_step})"), errors
     assert newest_checkpoint_step(run_dir) == last_step
     ckpt = load_checkpoint(checkpoint_files(str(run_dir / "checkpoints"))[0])
-    assert ckpt["ranks"][0]["data"]["batches"] == last_step  # the stream's position at the end of that step
+    assert ckpt["run"]["ranks"][0]["data"]["batches"] == last_step  # the stream's position at the end of that step
 
 
 @pytest.mark.timeout(150)

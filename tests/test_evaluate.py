@@ -393,7 +393,7 @@ def test_user_errors_in_process(run_dir, shard_url, tmp_path, capsys, args, mess
     ckpt = os.path.join(run_dir, "checkpoints", "step_00000002.pt")
     if "--ema" in args:  # a checkpoint trained without EMA
         state = torch.load(ckpt, weights_only=True)
-        state["ema"] = None
+        state["training"]["ema"] = None
         ckpt = str(tmp_path / "no_ema.pt")
         torch.save(state, ckpt)
     assert ev.main(["--ckpt", ckpt, "--dataset_url", shard_url, *args]) == 2

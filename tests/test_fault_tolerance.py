@@ -22,6 +22,9 @@ from PIL import Image
 import run_log
 import vae_trainer
 from conftest import FAULTY, ROOT, TINY, cli_command, cli_env, kill_tree, run_cli
+import ae
+import common
+import config
 
 # the tests here run the real CLI, most under torchrun, 20 s to 2 minutes each (with a module fixture's
 # reference run): a hang fails that test
@@ -42,15 +45,15 @@ def _ckpt(out, run, step):
 
 def _assert_same_state(a: dict, b: dict) -> None:
     """Bitwise: weights, EMA, critic, LeCam anchors, optimizer moments and step counts."""
-    for key in ("vae", "ema", "discriminator", "lecam"):
-        assert a[key].keys() == b[key].keys()
-        for name in a[key]:
-            assert torch.equal(a[key][name], b[key][name]), f"{key}.{name} differs"
-    for key in ("optimizer_vae", "optimizer_disc"):
-        for pid, state in a[key]["state"].items():
+    for entry, key in (("training", "vae"), ("training", "ema"), ("adversary", "critic"), ("adversary", "lecam")):
+        assert a[entry][key].keys() == b[entry][key].keys()
+        for name in a[entry][key]:
+            assert torch.equal(a[entry][key][name], b[entry][key][name]), f"{entry}.{key}.{name} differs"
+    for entry in ("training", "adversary"):
+        for pid, state in a[entry]["optimizer"]["state"].items():
             for name, value in state.items():
-                assert torch.equal(value, b[key]["state"][pid][name]), f"{key}[{pid}].{name} differs"
-    assert a["step"] == b["step"] and a["scheduler_vae"] == b["scheduler_vae"]
+                assert torch.equal(value, b[entry]["optimizer"]["state"][pid][name]), f"{entry}[{pid}].{name} differs"
+    assert a["run"]["step"] == b["run"]["step"] and a["training"]["scheduler"] == b["training"]["scheduler"]
 
 
 def _metrics(out, run) -> list[dict]:
@@ -211,7 +214,7 @@ def test_external_sigterm_writes_checkpoint_and_exits_0(shard_url, tmp_path):
     ckpts = [f for f in os.listdir(tmp_path / "term" / "checkpoints") if f.endswith(".pt")]
     assert len(ckpts) == 1
     state = torch.load(tmp_path / "term" / "checkpoints" / ckpts[0], weights_only=True)
-    assert 2 <= state["step"] < 100000
+    assert 2 <= state["run"]["step"] < 100000
 
 
 def _sigterm_process_group(cmd: list[str], after_line: str) -> tuple[int, str, str]:
@@ -255,7 +258,7 @@ def test_sigterm_to_the_process_group_saves_and_the_same_command_resumes(shard_u
     again = run_cli("vae_trainer.py", args, nproc=nproc)  # the same command, as a requeued job runs it
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"step_{step:08d}.pt at step {step}" in again.stdout
-    assert _ckpt(tmp_path, "pre", 8)["step"] == 8
+    assert _ckpt(tmp_path, "pre", 8)["run"]["step"] == 8
 
 
 def test_truncated_newest_checkpoint_falls_back_to_previous(shard_url, tmp_path):
@@ -267,8 +270,8 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(shard_url, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "step_00000004.pt is unreadable" in proc.stdout
     assert "step_00000002.pt at step 2" in proc.stdout
-    assert _ckpt(tmp_path, "t", 6)["step"] == 6
-    assert _ckpt(tmp_path, "t", 4)["step"] == 4  # rewritten whole
+    assert _ckpt(tmp_path, "t", 6)["run"]["step"] == 6
+    assert _ckpt(tmp_path, "t", 4)["run"]["step"] == 4  # rewritten whole
 
 
 # ------------------------------------------------------------------------------------------ numerical guard
@@ -282,19 +285,19 @@ def test_injected_nan_skips_the_step_on_every_rank(shard_url, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checkpoint written at step 4" in proc.stdout
     before, skipped = _ckpt(tmp_path, "nan", 3), _ckpt(tmp_path, "nan", 4)
-    for key in ("vae", "ema", "discriminator"):
-        assert all(torch.equal(before[key][k], skipped[key][k]) for k in before[key]), key
-    for key in ("optimizer_vae", "optimizer_disc"):
-        for pid, st in before[key]["state"].items():
+    for entry, key in (("training", "vae"), ("training", "ema"), ("adversary", "critic")):
+        assert all(torch.equal(before[entry][key][k], skipped[entry][key][k]) for k in before[entry][key]), key
+    for entry in ("training", "adversary"):
+        for pid, st in before[entry]["optimizer"]["state"].items():
             for name in ("step", "exp_avg", "exp_avg_sq"):
-                assert torch.equal(st[name], skipped[key]["state"][pid][name]), (key, name)
-    assert skipped["ranks_in_sync"] is True
+                assert torch.equal(st[name], skipped[entry]["optimizer"]["state"][pid][name]), (entry, name)
+    assert skipped["run"]["ranks_in_sync"] is True
     assert skipped["guard"] == {"bad_steps_total": 1, "bad_streak": 1}
 
     again = run_cli("vae_trainer.py", args, nproc=2)
     assert again.returncode == 0, again.stderr[-3000:]
     after = _ckpt(tmp_path, "nan", 6)
-    assert not all(torch.equal(skipped["vae"][k], after["vae"][k]) for k in after["vae"])
+    assert not all(torch.equal(skipped["training"]["vae"][k], v) for k, v in after["training"]["vae"].items())
     assert after["guard"] == {"bad_steps_total": 1, "bad_streak": 0}
     assert [r["guard/bad_steps_total"] for r in _metrics(tmp_path, "nan")] == [0, 1, 1]
 
@@ -313,8 +316,9 @@ def test_nan_reconstruction_reaching_the_critic_is_skipped_and_training_recovers
     before, skipped = _ckpt(tmp_path, "nanrec", 3), _ckpt(tmp_path, "nanrec", 4)
     assert skipped["guard"] == {"bad_steps_total": 1, "bad_streak": 1}
     for name in ("ema_real", "ema_fake"):
-        assert torch.isfinite(before["lecam"][name]), name
-        assert torch.equal(before["lecam"][name], skipped["lecam"][name]), name  # the bad step left them
+        assert torch.isfinite(before["adversary"]["lecam"][name]), name
+        # the bad step left them
+        assert torch.equal(before["adversary"]["lecam"][name], skipped["adversary"]["lecam"][name]), name
 
     again = run_cli("vae_trainer.py", args)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
@@ -326,7 +330,8 @@ def test_nan_reconstruction_reaching_the_critic_is_skipped_and_training_recovers
     last = _ckpt(tmp_path, "nanrec", 7)
     assert last["guard"] == {"bad_steps_total": 1, "bad_streak": 0}
     for name in ("ema_real", "ema_fake"):
-        assert torch.isfinite(last["lecam"][name]) and not torch.equal(last["lecam"][name], skipped["lecam"][name])
+        anchor = last["adversary"]["lecam"][name]
+        assert torch.isfinite(anchor) and not torch.equal(anchor, skipped["adversary"]["lecam"][name])
 
 
 def test_repeated_nans_stop_cleanly_with_last_good_checkpoint(shard_url, tmp_path):
@@ -452,7 +457,7 @@ def test_run_dir_of_another_architecture_is_refused_unless_forced(shard_url, tmp
     assert forced.returncode == 0, forced.stderr[-2000:]
     aside = [d for d in os.listdir(tmp_path / "arch") if d.startswith("checkpoints.incompatible-")]
     assert len(aside) == 1 and os.listdir(tmp_path / "arch" / aside[0])  # nothing lost
-    assert _ckpt(tmp_path, "arch", 2)["config"]["vae_z_channels"] == 8
+    assert _ckpt(tmp_path, "arch", 2)["run"]["config"]["vae_z_channels"] == 8
     # switching the GAN on later is not an architecture change: it resumes
     gan = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "arch", 4, 2, "--vae_z_channels", "8", *GAN))
     assert gan.returncode == 0 and "at step 2" in gan.stdout, gan.stderr[-2000:]
@@ -464,10 +469,11 @@ def test_force_over_another_architecture_with_two_ranks_and_a_late_rank(shard_ur
     listed them after rank 0 had set them aside, skipped the barrier rank 0 waited at, and the collectives
     paired up wrongly: a hang. Now rank 0 alone decides and acts, and broadcasts the decision."""
     run = tmp_path / "arch2"
-    z4 = vae_trainer.parse_config(_args(shard_url, tmp_path, "arch2"))
+    z4 = config.parse_config(_args(shard_url, tmp_path, "arch2"))
     os.makedirs(run / "checkpoints")
-    (run / "config.json").write_text(json.dumps(vae_trainer.public_config(z4)))
-    torch.save({"step": 2, "config": vae_trainer.public_config(z4)}, run / "checkpoints" / "step_00000002.pt")
+    (run / "config.json").write_text(json.dumps(config.public_config(z4)))
+    torch.save({"format_version": 2, "run": {"step": 2, "config": config.public_config(z4)}},
+               run / "checkpoints" / "step_00000002.pt")
     proc = run_cli("tests/trainer_with_slow_rank1.py",
                    _args(shard_url, tmp_path, "arch2", 2, 2, "--vae_z_channels", "8", "--force"), nproc=2,
                    env=cli_env(VAE_TEST_RANK1_DELAY_S=3), timeout=120)
@@ -475,15 +481,15 @@ def test_force_over_another_architecture_with_two_ranks_and_a_late_rank(shard_ur
     assert proc.stdout.count("the checkpoints of the other architecture were moved to") == 1
     aside = [d for d in os.listdir(run) if d.startswith("checkpoints.incompatible-")]
     assert len(aside) == 1 and os.listdir(run / aside[0]) == ["step_00000002.pt"]
-    assert _ckpt(tmp_path, "arch2", 2)["config"]["vae_z_channels"] == 8
+    assert _ckpt(tmp_path, "arch2", 2)["run"]["config"]["vae_z_channels"] == 8
     assert json.loads((run / "config.json").read_text())["vae_z_channels"] == 8
 
 
 def test_load_path_of_another_shape_is_one_line_and_leaves_no_run_dir(shard_url, tmp_path, capsys):
     """Before: a 139-line `size mismatch` traceback, and a run directory holding only config.json."""
-    cfg = vae_trainer.parse_config(_args(shard_url, tmp_path))
+    cfg = config.parse_config(_args(shard_url, tmp_path))
     weights = tmp_path / "ch32.pt"
-    torch.save(vae_trainer.AutoEncoder(vae_trainer.model_params(cfg)).state_dict(), weights)
+    torch.save(ae.AutoEncoder(config.model_params(cfg.model)).state_dict(), weights)
     code = vae_trainer.main(_args(shard_url, tmp_path / "runs", "wide", 2, 2, "--vae_ch", "64",
                                   "--load_path", str(weights)))
     err = capsys.readouterr().err.strip().splitlines()
@@ -511,9 +517,10 @@ def test_precision_can_change_on_resume(shard_url, tmp_path):
             assert f"written with --precision {'fp32' if precision == 'fp16' else 'fp16'}; continuing in " \
                    f"{precision}" in proc.stdout, proc.stdout
     fp16 = _ckpt(tmp_path, "prec", 2)
-    assert fp16["config"]["precision"] == "fp16"
-    assert fp16["scaler_vae"]["scale"] > 0 and fp16["scaler_disc"]["scale"] > 0  # it really ran with loss scaling
-    assert _ckpt(tmp_path, "prec", 3)["scaler_vae"] == {} and _ckpt(tmp_path, "prec", 3)["step"] == 3
+    assert fp16["run"]["config"]["precision"] == "fp16"
+    # it really ran with loss scaling
+    assert fp16["training"]["scaler"]["scale"] > 0 and fp16["adversary"]["scaler"]["scale"] > 0
+    assert _ckpt(tmp_path, "prec", 3)["training"]["scaler"] == {} and _ckpt(tmp_path, "prec", 3)["run"]["step"] == 3
 
 
 @pytest.mark.timeout(300)
@@ -528,18 +535,18 @@ def test_fp16_stopped_and_resumed_equals_uninterrupted(shard_url, tmp_path):
     # its first 6 steps are skipped (2^16 -> 2^10); a checkpoint is not written inside that streak
     first = run_cli(FAULTY, _args(shard_url, tmp_path, "cut", 10, 100, *small), env=cli_env(VAE_TRAINER_SIGTERM_AT="7"))
     assert first.returncode == 0 and "checkpoint written at step 8" in first.stdout, first.stdout[-2000:]
-    assert _ckpt(tmp_path, "cut", 8)["scaler_vae"]["scale"] < 2.0 ** 16  # it did back off before the stop
+    assert _ckpt(tmp_path, "cut", 8)["training"]["scaler"]["scale"] < 2.0 ** 16  # it did back off before the stop
     again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 10, 10, *small))
     assert again.returncode == 0 and "at step 8" in again.stdout, again.stderr[-2000:]
     # a loss scale restarted at 2^16 overflows again: the resumed run skips steps the uninterrupted one took
     assert "inside a streak of skipped steps" not in again.stdout, again.stdout[-1500:]
     a, b = _ckpt(tmp_path, "ref", 10), _ckpt(tmp_path, "cut", 10)
-    assert a["scaler_vae"] == b["scaler_vae"]
-    for name in a["vae"]:
-        assert torch.equal(a["vae"][name], b["vae"][name]), name
-    for pid, state in a["optimizer_vae"]["state"].items():
+    assert a["training"]["scaler"] == b["training"]["scaler"]
+    for name in a["training"]["vae"]:
+        assert torch.equal(a["training"]["vae"][name], b["training"]["vae"][name]), name
+    for pid, state in a["training"]["optimizer"]["state"].items():
         for key, value in state.items():
-            assert torch.equal(value, b["optimizer_vae"]["state"][pid][key]), (pid, key)
+            assert torch.equal(value, b["training"]["optimizer"]["state"][pid][key]), (pid, key)
 
 
 def test_resume_never_refuses_a_run_dir_with_checkpoints(shard_url, tmp_path):
@@ -599,14 +606,14 @@ def test_rng_state_touches_only_the_ranks_own_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_rng_state",
                         lambda state, device="cuda": calls.append(("set", torch.device(device), state.tolist())))
     device = torch.device("cuda", 2)
-    state = vae_trainer.capture_rng(device)
-    vae_trainer.restore_rng(state, device)
+    state = common.capture_rng(device)
+    common.restore_rng(state, device)
     assert calls == [("get", device), ("set", device, ours.tolist())]
     # checkpoints written before this fix hold every device's state: a rank restores only its own
     calls.clear()
-    vae_trainer.restore_rng(dict(state, cuda=[torch.full((16,), i, dtype=torch.uint8) for i in range(4)]), device)
+    common.restore_rng(dict(state, cuda=[torch.full((16,), i, dtype=torch.uint8) for i in range(4)]), device)
     assert calls == [("set", device, [2] * 16)]
     # a CPU run never touches CUDA, even where a GPU is visible
     calls.clear()
-    vae_trainer.restore_rng(vae_trainer.capture_rng(torch.device("cpu")), torch.device("cpu"))
+    common.restore_rng(common.capture_rng(torch.device("cpu")), torch.device("cpu"))
     assert calls == []

@@ -14,6 +14,7 @@ import pretrained
 import vae_trainer
 from ae import AutoEncoder, AutoEncoderParams
 from conftest import FAULTY, TINY, cli_env, run_cli
+import train_state
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -229,16 +230,17 @@ def test_decoder_only_under_torchrun_keeps_the_encoder_and_exports_the_source_la
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "--vae_ch has no effect with --init_from" in proc.stderr
     ckpt = _ckpt(tmp_path, "ft", 4)
-    assert ckpt["ranks_in_sync"] is True  # every tensor's fingerprint equal across the 2 ranks
+    assert ckpt["run"]["ranks_in_sync"] is True  # every tensor's fingerprint equal across the 2 ranks
     frozen = [k for k in source.state if k.startswith(("encoder.", "quant_conv."))]
     trained = [k for k in source.state if k not in frozen]
     for k in frozen:  # bitwise the loaded weights, in the weights and in the EMA
-        assert torch.equal(ckpt["vae"][k], source.state[k]) and torch.equal(ckpt["ema"][k], source.state[k]), k
-    assert all(not torch.equal(ckpt["vae"][k], source.state[k]) for k in trained
+        assert torch.equal(ckpt["training"]["vae"][k], source.state[k]), k
+        assert torch.equal(ckpt["training"]["ema"][k], source.state[k]), k
+    assert all(not torch.equal(ckpt["training"]["vae"][k], source.state[k]) for k in trained
                if k.endswith("weight") and "norm" not in k)
     # the encoder is not in the optimizer (AdamW would skip it for want of gradients, but it should not hold it)
-    assert len(ckpt["optimizer_vae"]["param_groups"][0]["params"]) == len(trained)
-    assert ckpt["init_source"]["path"] == source_dir and ckpt["config"]["train_parts"] == "decoder"
+    assert len(ckpt["training"]["optimizer"]["param_groups"][0]["params"]) == len(trained)
+    assert ckpt["run"]["init_source"]["path"] == source_dir and ckpt["run"]["config"]["train_parts"] == "decoder"
     config = json.loads((tmp_path / "ft" / "config.json").read_text())
     assert config["init_from"] == source_dir and config["init_source"]["scaling_factor"] == 0.18215
     assert config["vae_quant_conv"] is True and config["vae_ch"] == 32  # from the source, not --vae_ch 64
@@ -260,7 +262,7 @@ def test_decoder_only_under_torchrun_keeps_the_encoder_and_exports_the_source_la
     assert export.main(["--ckpt", str(tmp_path / "ft"), "--out", str(tmp_path / "single"),
                         "--format", "single_file"]) == 0
     back = pretrained.load_source(str(tmp_path / "single" / "ae.safetensors"), "sd")
-    assert all(torch.equal(back.state[k], ckpt["vae"][k]) for k in ckpt["vae"])
+    assert all(torch.equal(back.state[k], ckpt["training"]["vae"][k]) for k in ckpt["training"]["vae"])
 
 
 @pytest.mark.timeout(150)
@@ -276,11 +278,11 @@ def test_decoder_only_resume_equals_uninterrupted(shard_url, tmp_path):
     assert again.returncode == 0 and "at step 2" in again.stdout, again.stderr[-2000:]
     a, b = _ckpt(tmp_path, "ref", 4), _ckpt(tmp_path, "cut", 4)
     for key in ("vae", "ema"):
-        assert a[key].keys() == b[key].keys()
-        assert all(torch.equal(a[key][k], b[key][k]) for k in a[key]), key
-    for pid, state in a["optimizer_vae"]["state"].items():
-        assert all(torch.equal(v, b["optimizer_vae"]["state"][pid][n]) for n, v in state.items())
-    assert b["init_source"] == a["init_source"] and b["init_source"]["path"] == source_dir
+        assert a["training"][key].keys() == b["training"][key].keys()
+        assert all(torch.equal(a["training"][key][k], b["training"][key][k]) for k in a["training"][key]), key
+    for pid, state in a["training"]["optimizer"]["state"].items():
+        assert all(torch.equal(v, b["training"]["optimizer"]["state"][pid][n]) for n, v in state.items())
+    assert b["run"]["init_source"] == a["run"]["init_source"] and b["run"]["init_source"]["path"] == source_dir
     # the optimizer holds the decoder only: a resume that would train the whole VAE is refused, in one line
     switch = run_cli("vae_trainer.py", finetune_args(shard_url, source_dir, tmp_path, "cut", 6, 2, "--train_parts",
                                                      "all"))
@@ -300,7 +302,7 @@ def test_decoder_only_with_checkpointing_and_bf16_gives_the_same_decoder_gradien
         vae.load_state_dict(AutoEncoder(params).state_dict() if not grads else first)
         first = vae.state_dict()
         vae.set_grad_checkpointing(mode)
-        model = vae_trainer.DecoderOnly(vae)
+        model = train_state.DecoderOnly(vae)
         vae.train()
         torch.manual_seed(3)
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -10,18 +10,23 @@ import math
 import pytest
 import torch
 
-from config import Config, resolve_auto
+from config import resolve_auto, unflatten, with_values
 from conftest import FAULTY, TINY, cli_env, run_cli
-from objective import VAEObjective
+from vae_trainer import build_objective
 from utils import FeatureCriticHeads, generator_active_fraction, generator_loss, gradnorm, vgg16_features
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def config(**changes):
-    cfg = Config(dataset_url="unused", vae_resolution=32, mse_pool_factor=4, vgg16_weights="random", do_ganloss=True,
-                 critic_trunk="frozen", disc_start=2)
-    return resolve_auto(dataclasses.replace(cfg, **changes))
+    cfg = unflatten(dict(dataset_url="unused", vae_resolution=32, mse_pool_factor=4, vgg16_weights="random",
+                         do_ganloss=True, critic_trunk="frozen", disc_start=2))
+    return resolve_auto(with_values(cfg, **changes))
+
+
+def use_config(objective, cfg) -> None:
+    """The objective reads these sections from now on (it reads them at every call)."""
+    objective.loss_cfg, objective.latents_cfg, objective.adversary.cfg = cfg.loss, cfg.latents, cfg.critic
 
 
 def inputs(seed=1):
@@ -43,7 +48,7 @@ def test_shared_pass_gives_the_vae_the_gradient_of_separate_passes():
     and the generator term on their own trunk passes, each through its own GradNorm (loss scale 8, grad_accum 2,
     the thresholded target's sqrt(active fraction) with half the patches active)."""
     torch.manual_seed(0)
-    objective = VAEObjective(config(), vgg_features=None)
+    objective = build_objective(config(), None)
     heads = objective.critic
     assert isinstance(heads, FeatureCriticHeads)
     past_neutral_start(heads)
@@ -53,19 +58,20 @@ def test_shared_pass_gives_the_vae_the_gradient_of_separate_passes():
     with torch.no_grad():
         real_logits = heads(vgg16_features(objective.lpips, x))
         fake_logits = real_logits - torch.tensor([1.0, -1.0]).repeat(4).view_as(real_logits)  # half above margin
-    cfg = objective.cfg
-    active = generator_active_fraction(real_logits, fake_logits, cfg.gen_loss, cfg.gan_margin)
+    cfg = config()
+    active = generator_active_fraction(real_logits, fake_logits, cfg.critic.gen_loss, cfg.critic.gan_margin)
     assert 0 < active.item() < 1
 
     loss, logs = objective(x, recon, mean, None, step, real_logits, fake_logits, accum, loss_scale=scale)
     shared = torch.autograd.grad(loss, recon)[0]
 
-    objective.cfg = dataclasses.replace(cfg, perceptual_weight=0.0, disc_start=10**6)  # pixel + KL only
+    use_config(objective, with_values(cfg, perceptual_weight=0.0, disc_start=10**6))  # pixel + KL only
     rest, _ = objective(x, recon, mean, None, step, real_logits, fake_logits, accum, loss_scale=scale)
-    objective.cfg = cfg
-    perceptual = objective.lpips(gradnorm(recon, scale * cfg.perceptual_weight / accum), x).mean()
-    g_in = gradnorm(recon, scale * cfg.gan_weight * active.sqrt() / accum)
-    g_loss = generator_loss(heads(vgg16_features(objective.lpips, g_in)), real_logits, cfg.gen_loss, cfg.gan_margin)
+    use_config(objective, cfg)
+    perceptual = objective.lpips(gradnorm(recon, scale * cfg.loss.perceptual_weight / accum), x).mean()
+    g_in = gradnorm(recon, scale * cfg.critic.gan_weight * active.sqrt() / accum)
+    g_loss = generator_loss(heads(vgg16_features(objective.lpips, g_in)), real_logits, cfg.critic.gen_loss,
+                            cfg.critic.gan_margin)
     separate = torch.autograd.grad(rest + scale * (perceptual + g_loss), recon)[0]
     torch.testing.assert_close(shared, separate, rtol=1e-5, atol=1e-8)
     # the logged values are the separate passes' values
@@ -95,7 +101,7 @@ def test_frozen_critic_in_the_trainer_one_trunk_pass_each_heads_train(shard_url,
         finally:
             trainer.close()
     ckpt = torch.load(next((tmp_path / "0").rglob("step_00000002.pt")), weights_only=True)
-    assert ckpt["config"]["critic_trunk"] == "frozen" and "heads.0.0.weight_orig" in ckpt["discriminator"]
+    assert ckpt["run"]["config"]["critic_trunk"] == "frozen" and "heads.0.0.weight_orig" in ckpt["adversary"]["critic"]
 
 
 def test_frozen_critic_with_autocast_checkpointing_and_latent_regularisers(shard_url, tmp_path, one_torch_thread):
@@ -129,7 +135,7 @@ def test_stabiliser_flags_reach_the_step():
     """--gan_ramp_steps scales the generator term's weight; --r1_weight adds gamma/2 * R1 to the critic's loss (on
     the features when frozen); --diffaug changes what the trainable critic sees."""
     torch.manual_seed(0)
-    objective = VAEObjective(config(), vgg_features=None)
+    objective = build_objective(config(), None)
     past_neutral_start(objective.critic)
     objective.critic.eval()  # spectral norm's power iteration would change the critic between the calls compared
     x, recon, mean = inputs()
@@ -138,22 +144,22 @@ def test_stabiliser_flags_reach_the_step():
     fake_logits = real_logits - 1
 
     def gan_logs(**changes):
-        objective.cfg = dataclasses.replace(config(), **changes)
+        use_config(objective, config(**changes))
         return objective(x, recon, mean, None, 3, real_logits, fake_logits)[1]
     full, ramped = gan_logs(), gan_logs(gan_ramp_steps=8)  # step 3 = disc_start + 1: 2/8 of the weight
     torch.testing.assert_close(ramped["loss/gan_g"], full["loss/gan_g"])
     torch.testing.assert_close(ramped["loss/total"] - full["loss/total"],
-                               (0.25 - 1) * config().gan_weight * full["loss/gan_g"], rtol=1e-5, atol=1e-7)
+                               (0.25 - 1) * config().critic.gan_weight * full["loss/gan_g"], rtol=1e-5, atol=1e-7)
 
     adversary = objective.adversary
     shared = objective.shared_trunk_pass(x, recon, 3)
     d_plain = adversary.loss(shared.x_features, shared.recon_features)
-    adversary.cfg = dataclasses.replace(adversary.cfg, r1_weight=10.0)
+    adversary.cfg = dataclasses.replace(adversary.cfg, r1_weight=10.0)  # (a CriticConfig)
     d_r1 = adversary.loss(shared.x_features, shared.recon_features)
     assert d_r1[3]["gan/r1"] > 0
     torch.testing.assert_close(d_r1[0], d_plain[0] + 5.0 * d_r1[3]["gan/r1"])
 
-    trainable = VAEObjective(config(critic_trunk="trainable", diffaug="translation,cutout"), vgg_features=None)
+    trainable = build_objective(config(critic_trunk="trainable", diffaug="translation,cutout"), None)
     for head in trainable.critic.heads:  # past the neutral start
         torch.nn.init.normal_(head[-1].weight)
     plain_logits = trainable.critic(x)
@@ -178,7 +184,7 @@ def test_frozen_critic_two_ranks_stopped_and_resumed_equals_uninterrupted(shard_
     again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 4, 100, *frozen), nproc=2)
     assert again.returncode == 0, again.stderr[-2000:]
     _assert_same_state(_ckpt(tmp_path, "ref", 4), _ckpt(tmp_path, "cut", 4))
-    assert _ckpt(tmp_path, "ref", 4)["critic_in_sync"] is True  # DDP kept the heads equal on both ranks
+    assert _ckpt(tmp_path, "ref", 4)["run"]["critic_in_sync"] is True  # DDP kept the heads equal on both ranks
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -188,9 +194,8 @@ def test_frozen_critic_two_ranks_stopped_and_resumed_equals_uninterrupted(shard_
 ])
 def test_critic_flags_a_user_can_get_wrong_are_refused_in_one_line(changes, message):
     from common import ConfigError
-    from config import validate
     with pytest.raises(ConfigError, match=message) as error:
-        validate(config(**changes))
+        config(**changes).validate()
     assert "\n" not in str(error.value)
 
 
@@ -259,9 +264,9 @@ def test_the_trainable_critic_step_is_the_reference_recipe(shard_url, tmp_path):
     import data as data_lib
     x = data_lib.to_model_input(batches[1], torch.device("cpu"), channels_last=False)
     expected_vae, expected_critic = reference_gan_step(
-        *copies, trainer.objective.lpips, x, noise_state, perceptual_weight=cfg.perceptual_weight,
-        mse_weight=cfg.mse_weight, gan_weight=gan_weight, kl_weight=cfg.kl_weight, lecam_weight=lecam_weight,
-        pool=cfg.mse_pool_factor, posterior_var=cfg.posterior_var)
+        *copies, trainer.objective.lpips, x, noise_state, perceptual_weight=cfg.loss.perceptual_weight,
+        mse_weight=cfg.loss.mse_weight, gan_weight=gan_weight, kl_weight=cfg.loss.kl_weight, lecam_weight=lecam_weight,
+        pool=cfg.loss.mse_pool_factor, posterior_var=cfg.model.posterior_var)
     for got, expected in ((captured[trainer.vae], expected_vae), (captured[trainer.adversary.critic], expected_critic)):
         assert got.keys() == expected.keys()
         for name, grad in expected.items():

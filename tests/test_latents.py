@@ -15,6 +15,8 @@ import data
 import latents
 import vae_trainer
 from conftest import FAULTY, TINY, cli_env, run_cli
+import common
+import config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -118,11 +120,11 @@ class NoRegularisers:
 def weights_after_steps(shard_url, tmp_path, batches, steps, *flags) -> dict:
     """The VAE's weights after `steps` real train_steps from the same init on the same photos; no flags: the
     step without any regulariser code (NoRegularisers)."""
-    cfg = vae_trainer.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
                                     "--num_workers", "0", "--perceptual_weight", "0", "--ema_decay", "0",
                                     "--max_steps", "10", *flags])
-    vae_trainer.validate(cfg)
-    trainer = vae_trainer.Trainer(cfg, vae_trainer.DistInfo())
+    cfg.validate()
+    trainer = vae_trainer.Trainer(cfg, common.DistInfo())
     trainer.loader.close()
     trainer.loader = data.FixedBatches(batches)
     if not flags:
@@ -160,10 +162,10 @@ def test_regulariser_changes_the_step_only_when_on_and_is_exactly_off_at_p0(shar
 
 
 def _one_step_at(shard_url, tmp_path, batch, step, *flags) -> dict:
-    cfg = vae_trainer.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
                                     "--num_workers", "0", "--perceptual_weight", "0", "--ema_decay", "0",
                                     "--max_steps", "10", *flags])
-    trainer = vae_trainer.Trainer(cfg, vae_trainer.DistInfo())
+    trainer = vae_trainer.Trainer(cfg, common.DistInfo())
     trainer.loader.close()
     trainer.loader = data.FixedBatches([batch])
     trainer.step = step
@@ -212,9 +214,9 @@ def test_the_replace_form_is_the_latent_decoded_in_place_and_is_the_default(shar
     """--scale_equivariance_form replace (and the default) is bitwise the step of HalfSizeInPlace: no added term,
     no full-resolution loss on the micro-batches it picks."""
     def one_step(*flags, regularisers=None):
-        cfg = vae_trainer.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+        cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
                                         "--num_workers", "0", "--ema_decay", "0", "--max_steps", "10", *flags])
-        trainer = vae_trainer.Trainer(cfg, vae_trainer.DistInfo())
+        trainer = vae_trainer.Trainer(cfg, common.DistInfo())
         trainer.loader.close()
         trainer.regularisers = regularisers or trainer.regularisers
         trainer.train_step(batches[:1])
@@ -232,7 +234,7 @@ def test_the_added_scale_equivariance_term_on_a_constructed_case():
     """--scale_equivariance_form add: the extra decode's pixel losses against the downsampled image, weighted by
     alpha x --mse_weight, added to the full-resolution terms, which stay as they are. A reconstruction off by a
     constant c has pooled and low-pass MSE c^2; LPIPS of an image against itself is 0."""
-    from objective import VAEObjective
+    from vae_trainer import build_objective
     alpha, c = 0.5, 0.1
     args = ["--dataset_url", "x", *TINY, "--scale_equivariance_prob", "1", "--scale_equivariance_form", "add",
             "--scale_equivariance_weight", str(alpha), "--loss_balance", "none"]
@@ -240,19 +242,19 @@ def test_the_added_scale_equivariance_term_on_a_constructed_case():
     x, recon = torch.rand(2, 3, 64, 64) * 2 - 1, torch.rand(2, 3, 64, 64) * 2 - 1
     small_x = torch.nn.functional.interpolate(x, size=(32, 32), mode="area")
     mean = torch.randn(2, 4, 16, 16)
-    cfg = vae_trainer.parse_config(args + ["--perceptual_weight", "0"])
-    objective = VAEObjective(cfg, None, with_lpips=False)
+    cfg = config.parse_config(args + ["--perceptual_weight", "0"])
+    objective = build_objective(cfg, None, with_lpips=False)
     _, plain = objective(x, recon, mean, None, 0)
     _, logs = objective(x, recon, mean, None, 0, added=(small_x, small_x + c))
     assert logs["loss/se_pooled_mse"].item() == pytest.approx(c ** 2, rel=1e-5)
     assert logs["loss/se_lowpass_mse"].item() == pytest.approx(c ** 2, rel=1e-5)
     for name in ("loss/pooled_mse", "loss/lowpass_mse", "loss/kl"):  # the full-resolution terms, unchanged
         assert torch.equal(logs[name], plain[name]), name
-    added = alpha * cfg.mse_weight * (cfg.pooled_mse_weight + cfg.lowpass_mse_weight) * c ** 2
+    added = alpha * cfg.loss.mse_weight * (cfg.loss.pooled_mse_weight + cfg.loss.lowpass_mse_weight) * c ** 2
     assert (logs["loss/total"] - plain["loss/total"]).item() == pytest.approx(added, rel=1e-4)
 
-    cfg = vae_trainer.parse_config(args + ["--perceptual_weight", "1"])
-    objective = VAEObjective(cfg, None)  # random LPIPS: 0 for identical images whatever its weights
+    cfg = config.parse_config(args + ["--perceptual_weight", "1"])
+    objective = build_objective(cfg, None)  # random LPIPS: 0 for identical images whatever its weights
     _, same_image = objective(x, recon, mean, None, 0, added=(small_x, small_x.clone()))
     _, off = objective(x, recon, mean, None, 0, added=(small_x, small_x + c))
     assert same_image["loss/se_perceptual"].item() == 0 and off["loss/se_perceptual"].item() > 0
@@ -264,10 +266,10 @@ def test_the_added_form_keeps_the_full_resolution_losses_on_the_micro_batch_it_p
     """In a real train_step with --scale_equivariance_form add at probability 1, the objective gets the
     full-resolution image and reconstruction and, beside them, the downsampled image and the decode of the
     downsampled latent; the step's logs hold both the full-resolution and the added terms."""
-    cfg = vae_trainer.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
                                     "--num_workers", "0", "--ema_decay", "0", "--max_steps", "10",
                                     "--scale_equivariance_prob", "1", "--scale_equivariance_form", "add"])
-    trainer = vae_trainer.Trainer(cfg, vae_trainer.DistInfo())
+    trainer = vae_trainer.Trainer(cfg, common.DistInfo())
     trainer.loader.close()
     seen, forward = [], trainer.objective.forward
 
@@ -287,10 +289,10 @@ def test_the_added_form_keeps_the_full_resolution_losses_on_the_micro_batch_it_p
 
 def test_scale_equivariance_flags_are_checked():
     args = ["--dataset_url", "x", *TINY, "--scale_equivariance_prob", "1", "--mse_pool_factor", "64"]
-    with pytest.raises(vae_trainer.ConfigError, match="no smaller size"):
-        vae_trainer.validate(vae_trainer.parse_config(args))
-    with pytest.raises(vae_trainer.ConfigError, match="latent_noise_prob must be in"):
-        vae_trainer.validate(vae_trainer.parse_config(["--dataset_url", "x", "--latent_noise_prob", "2"]))
+    with pytest.raises(config.ConfigError, match="no smaller size"):
+        config.parse_config(args).validate()
+    with pytest.raises(config.ConfigError, match="latent_noise_prob must be in"):
+        config.parse_config(["--dataset_url", "x", "--latent_noise_prob", "2"]).validate()
 
 
 REGS = ["--scale_equivariance_prob", "0.5", "--scale_equivariance_mode", "random", "--scale_equivariance_rotate",
@@ -312,11 +314,11 @@ def test_resume_with_regularisers_on_is_bitwise(shard_url, tmp_path):
     again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 6, 6))
     assert again.returncode == 0 and "at step 3" in again.stdout, again.stderr[-2000:]
     a, b = (torch.load(tmp_path / run / "checkpoints" / "step_00000006.pt", weights_only=True) for run in ("ref", "cut"))
-    for name in a["vae"]:
-        assert torch.equal(a["vae"][name], b["vae"][name]), name
-    for pid, state in a["optimizer_vae"]["state"].items():
+    for name in a["training"]["vae"]:
+        assert torch.equal(a["training"]["vae"][name], b["training"]["vae"][name]), name
+    for pid, state in a["training"]["optimizer"]["state"].items():
         for key, value in state.items():
-            assert torch.equal(value, b["optimizer_vae"]["state"][pid][key]), (pid, key)
+            assert torch.equal(value, b["training"]["optimizer"]["state"][pid][key]), (pid, key)
 
 
 @pytest.mark.timeout(90)

@@ -15,19 +15,21 @@ import data
 import vae_trainer
 from conftest import TINY
 from utils import generator_loss, gradnorm
+import common
+import config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def trainer(shard_url, tmp_path_factory):
-    cfg = vae_trainer.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path_factory.mktemp("runs")),
+    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path_factory.mktemp("runs")),
                                     *TINY, "--num_workers", "0", "--do_ganloss", "--disc_start", "0",
                                     # 32 groups: with 8 the decoder's seams between the 2 x 2 tiles move the 64 px
                                     # ratio by 12% (the tiling's inexactness, not the KL's scaling)
                                     "--vae_norm_groups", "32"])
-    vae_trainer.validate(cfg)
-    trainer = vae_trainer.Trainer(cfg, vae_trainer.DistInfo())
+    cfg.validate()
+    trainer = vae_trainer.Trainer(cfg, common.DistInfo())
     yield trainer
     trainer.close()
 
@@ -42,8 +44,9 @@ def photos(shard_url):
 
 
 def set_weights(cfg, **weights):
+    """Set the branch weights in place: the trainer's owners hold these very sections, read at every call."""
     for name in ("perceptual_weight", "mse_weight", "kl_weight", "gan_weight"):
-        setattr(cfg, name, weights.get(name, 0.0))
+        setattr(getattr(cfg, config.FIELD_SECTION[name]), name, weights.get(name, 0.0))
 
 
 def kl_to_pixel_gradient_ratio(trainer, x, mean, accum) -> float:
@@ -64,7 +67,7 @@ def test_kl_weight_means_the_same_at_every_batch_size_resolution_and_accumulatio
     two photos repeated: exactly), at 2x the resolution (the photos and latents tiled 2 x 2: up to the
     convolutions' seams) and with --grad_accum 4. Before the KL was normalised like a GradNorm branch, the
     ratio halved with every 4x more latent elements under gradnorm (none: means throughout, invariant)."""
-    trainer.cfg.loss_balance = balance
+    trainer.cfg.loss.loss_balance = balance
     photos = photos[..., :32, :32]  # small: fast
     with torch.no_grad():
         mean = trainer.vae.encode(photos)
@@ -81,12 +84,12 @@ def test_kl_weight_means_the_same_at_every_batch_size_resolution_and_accumulatio
 def test_kl_weight_default_keeps_todays_strength_at_the_default_config():
     """0.003 at batch 8, 256 px, f8, z16 (131072 latent elements per GPU) is the former per-element weight
     1.0 within 10%; the demo's 1/64 at its 4096 elements is exactly its former 1.0."""
-    cfg = vae_trainer.Config()
-    factor = 2 ** (len(vae_trainer.ch_mult_of(cfg)) - 1)
-    elements = cfg.batch_size * cfg.vae_z_channels * (cfg.vae_resolution // factor) ** 2
+    cfg = config.Config()
+    factor = 2 ** (len(config.ch_mult_of(cfg.model)) - 1)
+    elements = cfg.data.batch_size * cfg.model.vae_z_channels * (cfg.data.vae_resolution // factor) ** 2
     assert elements == 131072
-    assert cfg.kl_weight * math.sqrt(elements) == pytest.approx(1.0, rel=0.1)
-    demo = vae_trainer.DEMO
+    assert cfg.loss.kl_weight * math.sqrt(elements) == pytest.approx(1.0, rel=0.1)
+    demo = config.DEMO
     demo_elements = demo["batch_size"] * demo["vae_z_channels"] * (demo["vae_resolution"] // 4) ** 2
     assert demo["kl_weight"] * math.sqrt(demo_elements) == 1.0
 
@@ -99,16 +102,16 @@ def gan_gradient(trainer, recon_values, active):
     that exactly the patches in the boolean map `active` score more than the margin below their real
     counterpart. Returns the gradient and the raw (un-normalised) gradient of the same loss."""
     set_weights(trainer.cfg, gan_weight=1.0)
-    trainer.cfg.loss_balance = "gradnorm"
+    trainer.cfg.loss.loss_balance = "gradnorm"
     with torch.no_grad():
-        fake = trainer.disc(recon_values).float()
+        fake = trainer.adversary.critic(recon_values).float()
     real = torch.where(active, fake + 1.0, fake - 1.0)
     recon = recon_values.clone().requires_grad_()
     x = torch.zeros_like(recon)
     loss, _ = trainer.objective(x, recon, torch.zeros(1, 1, 1, 1), None, 0, real, fake)
     grad = torch.autograd.grad(loss, recon)[0]
     raw_in = recon_values.clone().requires_grad_()
-    raw = torch.autograd.grad(generator_loss(trainer.disc(raw_in).float(), real, "thresholded", 0.1),
+    raw = torch.autograd.grad(generator_loss(trainer.adversary.critic(raw_in).float(), real, "thresholded", 0.1),
                               raw_in)[0]
     return grad, raw
 
@@ -136,10 +139,10 @@ def test_thresholded_gan_push_with_the_vgg16_critic(trainer):
     by the norm the raw gradient has when every patch is active (GradNorm removing only the critic's scale),
     with 1/2 and 1/64 of the patches active. Plain GradNorm over-pushes by 1.4x and ~8x there."""
     torch.manual_seed(0)
-    saved = [head[-1].weight.detach().clone() for head in trainer.disc.heads]
+    saved = [head[-1].weight.detach().clone() for head in trainer.adversary.critic.heads]
     try:
         with torch.no_grad():
-            for head in trainer.disc.heads:
+            for head in trainer.adversary.critic.heads:
                 head[-1].weight.normal_(0.0, 0.1)
         recon_values = torch.rand(1, 3, 128, 128) * 2 - 1
         _, raw_all = gan_gradient(trainer, recon_values, torch.ones(1, 1, 8, 8, dtype=torch.bool))
@@ -152,7 +155,7 @@ def test_thresholded_gan_push_with_the_vgg16_critic(trainer):
             assert torch.nn.functional.cosine_similarity(grad.flatten(), ideal.flatten(), dim=0).item() > 0.9999
     finally:
         with torch.no_grad():
-            for head, weight in zip(trainer.disc.heads, saved):
+            for head, weight in zip(trainer.adversary.critic.heads, saved):
                 head[-1].weight.copy_(weight)
 
 

@@ -10,11 +10,13 @@ import sys
 import pytest
 import torch
 
+import config
+import latents
 import memory
-import vae_trainer
+import train_state
 from ae import AutoEncoder
 from conftest import ROOT, cli_env
-from objective import VAEObjective
+from vae_trainer import build_objective
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -23,10 +25,10 @@ WIDTH_32 = dict(vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_chan
 
 
 def build(**changes):
-    cfg = vae_trainer.resolve_auto(vae_trainer.Config(dataset_url="unused", **{**WIDTH_32, **changes}))
+    cfg = config.resolve_auto(config.unflatten(dict(dataset_url="unused", **{**WIDTH_32, **changes})))
     torch.manual_seed(0)
-    return AutoEncoder(vae_trainer.model_params(cfg)), VAEObjective(cfg, None, with_lpips=cfg.perceptual_weight > 0,
-                                                                    z_channels=cfg.vae_z_channels)
+    return AutoEncoder(config.model_params(cfg.model)), build_objective(
+        cfg, None, with_lpips=cfg.loss.perceptual_weight > 0, z_channels=cfg.model.vae_z_channels)
 
 
 # The estimate against the measured growth of a real step's peak RSS (LPIPS on). Measured: ratios 0.84-1.09 at
@@ -78,7 +80,7 @@ def test_a_decoder_only_fine_tune_is_estimated_without_the_encoders_activations_
     vae, objective = build(perceptual_weight=0)
     shape = memory.StepShape(batch_size=2, resolution=128)
     full = memory.estimate_step_memory(vae, objective, shape)
-    vae_trainer.DecoderOnly(vae)  # freezes the encoder, as --train_parts decoder does
+    train_state.DecoderOnly(vae)  # freezes the encoder, as --train_parts decoder does
     fine_tune = memory.estimate_step_memory(vae, objective, shape)
     encoder_params = sum(p.numel() for p in vae.encoder.parameters())
     assert fine_tune.weights == full.weights
@@ -156,3 +158,46 @@ def test_every_objective_is_estimated(changes):
     vae, objective = build(**changes)
     needed = memory.estimate_step_memory(vae, objective, memory.StepShape(batch_size=2, resolution=64))
     assert needed.activations > 0 and needed.total > needed.activations
+
+
+def test_every_feature_of_the_step_and_every_copy_of_the_run_is_estimated():
+    """Issue 23 item 7: the estimate runs the trainer's own micro-batch dataflow, so the additive scale-equivariance
+    branch (its extra decode and se_* losses) is in it, at its costliest draw; the replace form's smaller decode
+    costs no more than the full one; evaluation's copy of the VAE for the EMA weights (kept for the run) and the
+    in-loop probe's copy (between steps) are counted. Each left out used to leave the estimate unchanged."""
+    vae, objective = build()
+    shape = memory.StepShape(batch_size=2, resolution=64)
+    base = memory.estimate_step_memory(vae, objective, shape)
+
+    def regularisers(form):
+        return latents.LatentRegularisers(0, 0, equivariance_prob=0.25, equivariance_sizes=[8], downsample_factor=4,
+                                          equivariance_form=form, latent_size=16)
+    added = memory.estimate_step_memory(vae, objective, shape, regularisers=regularisers("add"))
+    replaced = memory.estimate_step_memory(vae, objective, shape, regularisers=regularisers("replace"))
+    assert added.activations > 1.1 * base.activations  # a quarter of the pixels decoded again, with its losses
+    assert replaced.activations == base.activations
+    copies = memory.estimate_step_memory(vae, objective, shape, eval_copy=True, probe_copy=True)
+    one_copy = sum(t.numel() * t.element_size() for t in [*vae.parameters(), *vae.buffers()])
+    assert copies.copies == copies.between_steps == one_copy
+    assert copies.total == base.total + one_copy  # the probe's copy lives while the step's activations do not
+
+
+def test_the_trainer_estimates_the_step_it_will_run(shard_url, tmp_path, monkeypatch):
+    """The memory check gets the trainer's own pieces: the module DDP wraps, its latent regularisers, evaluation's
+    EMA copy and the probe's copy, as this run has them."""
+    from test_trainer import in_process_trainer
+    seen = {}
+
+    def check_every_rank(vae, objective, shape, device, ema, group=None, **features):
+        seen.update(features, shape=shape, ema=ema)
+    monkeypatch.setattr(memory, "check_every_rank", check_every_rank)
+    trainer = in_process_trainer(shard_url, tmp_path, "--scale_equivariance_prob", "0.5", "--scale_equivariance_form",
+                                 "add", "--perceptual_weight", "0", "--test_dataset_url", shard_url,
+                                 "--evaluate_every_n_steps", "5", "--probe_every_n_steps", "5", "--probe_images", "6",
+                                 "--probe_heldout", "2", "--inception_weights", "none", "--grad_accum", "2")
+    try:
+        assert seen["model"] is trainer.training.trained and seen["regularisers"] is trainer.regularisers
+        assert seen["eval_copy"] and seen["probe_copy"] and seen["ema"]
+        assert seen["shape"] == memory.StepShape(2, 64, 2, "fp32", "none")
+    finally:
+        trainer.close()

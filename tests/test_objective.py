@@ -12,35 +12,37 @@ import pytest
 import torch
 
 from ae import kl_divergence
-from config import Config, resolve_auto
-from objective import Term, VAEObjective, compose
+from config import resolve_auto, unflatten, with_values
+from objective import Term, compose
+from vae_trainer import build_objective
 from utils import discriminator_loss, generator_active_fraction, generator_loss, pooled_mse
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def config(**changes):
-    cfg = Config(dataset_url="unused", vae_resolution=32, mse_pool_factor=4, vgg16_weights="random",
-                 do_ganloss=True, discriminator="patchgan", disc_norm="none", disc_start=2,
-                 lecam_weight=0.1)  # disc_norm none: no power iteration, the same critic every call
-    return resolve_auto(dataclasses.replace(cfg, **changes))
+    cfg = unflatten(dict(dataset_url="unused", vae_resolution=32, mse_pool_factor=4, vgg16_weights="random",
+                         do_ganloss=True, discriminator="patchgan", disc_norm="none", disc_start=2,
+                         lecam_weight=0.1))  # disc_norm none: no power iteration, the same critic every call
+    return resolve_auto(with_values(cfg, **changes))
 
 
 @contextlib.contextmanager
 def configured(objective, **changes):
-    """The objective with some config values changed (it reads them at every call) for the block."""
-    saved = objective.cfg
-    objective.cfg = dataclasses.replace(saved, **changes)
+    """The objective with some config values changed (it reads its sections at every call) for the block."""
+    saved = objective.loss_cfg, objective.latents_cfg, objective.adversary.cfg
+    changed = config(**changes)
+    objective.loss_cfg, objective.latents_cfg, objective.adversary.cfg = changed.loss, changed.latents, changed.critic
     try:
         yield objective
     finally:
-        objective.cfg = saved
+        objective.loss_cfg, objective.latents_cfg, objective.adversary.cfg = saved
 
 
 @pytest.fixture(scope="module")
 def objective():
     torch.manual_seed(0)
-    return VAEObjective(config(), vgg_features=None)
+    return build_objective(config(), None)
 
 
 @pytest.fixture
@@ -59,35 +61,39 @@ def test_loss_equals_its_recomputation_from_the_pieces(objective, inputs):
     cfg = config()
     real_logits, fake_logits = (objective.critic(t).float().detach() for t in (x, recon.detach()))
     scale = torch.tensor(8.0)
-    loss, logs = objective(x, recon, mean, None, step=cfg.disc_start, real_logits=real_logits,
+    loss, logs = objective(x, recon, mean, None, step=cfg.critic.disc_start, real_logits=real_logits,
                            critic_fake_logits=fake_logits, accum=2, loss_scale=scale)
     with torch.no_grad():
         perceptual = objective.lpips(recon, x).float().mean()
-        pooled, lowpass = pooled_mse(recon, x, cfg.mse_pool_factor), objective.lowpass_mse(recon, x)
-        pixel = cfg.pooled_mse_weight * pooled + cfg.lowpass_mse_weight * lowpass
-        g_loss = generator_loss(objective.critic(recon).float(), real_logits, cfg.gen_loss, cfg.gan_margin)
+        pooled, lowpass = pooled_mse(recon, x, cfg.loss.mse_pool_factor), objective.lowpass_mse(recon, x)
+        pixel = cfg.loss.pooled_mse_weight * pooled + cfg.loss.lowpass_mse_weight * lowpass
+        g_loss = generator_loss(objective.critic(recon).float(), real_logits, cfg.critic.gen_loss,
+                                cfg.critic.gan_margin)
         kl = kl_divergence(mean, None)
-        expected = scale * (perceptual + pixel + g_loss + cfg.kl_weight * kl * math.sqrt(mean.numel()) / 2)
+        expected = scale * (perceptual + pixel + g_loss + cfg.loss.kl_weight * kl * math.sqrt(mean.numel()) / 2)
     assert torch.equal(loss, expected), (loss, expected)
     for name, value in {"loss/perceptual": perceptual, "loss/pooled_mse": pooled, "loss/lowpass_mse": lowpass,
                         "loss/gan_g": g_loss, "loss/kl": kl}.items():
         assert torch.equal(logs[name], value), name
-    active = generator_active_fraction(real_logits, fake_logits, cfg.gen_loss, cfg.gan_margin)
+    active = generator_active_fraction(real_logits, fake_logits, cfg.critic.gen_loss, cfg.critic.gan_margin)
     assert torch.equal(logs["gan/active_fraction"], active)
-    total = cfg.perceptual_weight * perceptual + cfg.mse_weight * pixel + cfg.gan_weight * g_loss + cfg.kl_weight * kl
+    total = (cfg.loss.perceptual_weight * perceptual + cfg.loss.mse_weight * pixel + cfg.critic.gan_weight * g_loss
+             + cfg.loss.kl_weight * kl)
     assert torch.equal(logs["loss/total"], total)
 
 
 def test_plain_sum_without_gradnorm(inputs):
     """--loss_balance none: the weighted mean losses over accum, no GAN term before --disc_start."""
     torch.manual_seed(0)
-    objective = VAEObjective(config(loss_balance="none", perceptual_weight=0.0, kl_weight=0.5), with_lpips=False)
+    objective = build_objective(config(loss_balance="none", perceptual_weight=0.0, kl_weight=0.5), with_lpips=False)
     x, recon, mean = inputs
     loss, logs = objective(x, recon, mean, None, step=1, accum=4)
     cfg = config(loss_balance="none", perceptual_weight=0.0, kl_weight=0.5)
-    pixel = cfg.pooled_mse_weight * pooled_mse(recon, x, 4) + cfg.lowpass_mse_weight * objective.lowpass_mse(recon, x)
-    expected = torch.ones(()) * ((cfg.perceptual_weight * torch.zeros(()) + cfg.mse_weight * pixel
-                                  + torch.full((), cfg.gan_weight) * torch.zeros(()) + 0.5 * kl_divergence(mean, None))
+    pixel = (cfg.loss.pooled_mse_weight * pooled_mse(recon, x, 4)
+             + cfg.loss.lowpass_mse_weight * objective.lowpass_mse(recon, x))
+    expected = torch.ones(()) * ((cfg.loss.perceptual_weight * torch.zeros(()) + cfg.loss.mse_weight * pixel
+                                  + torch.full((), cfg.critic.gan_weight) * torch.zeros(())
+                                  + 0.5 * kl_divergence(mean, None))
                                  / 4)
     assert torch.equal(loss, expected)
     assert "loss/gan_g" not in logs and "loss/perceptual" not in logs
@@ -115,7 +121,7 @@ def test_gan_target_is_its_weight_times_sqrt_active_fraction(objective, inputs, 
     real = torch.where(active.view_as(fake), fake + 1.0, fake - 1.0)  # active: the fake trails by more than the margin
     with configured(objective, perceptual_weight=0.0, mse_weight=0.0, kl_weight=0.0, gan_weight=0.5,
                     gen_loss="thresholded"):
-        loss, logs = objective(x, recon, mean.detach(), None, step=config().disc_start, real_logits=real,
+        loss, logs = objective(x, recon, mean.detach(), None, step=config().critic.disc_start, real_logits=real,
                                critic_fake_logits=fake)
         grad = torch.autograd.grad(loss, recon)[0]
     fraction = active_patches / fake.numel()
@@ -125,7 +131,7 @@ def test_gan_target_is_its_weight_times_sqrt_active_fraction(objective, inputs, 
 
 def test_critic_loss_carries_lecam_and_the_frozen_critic_takes_no_gradient(objective, inputs):
     x, recon, mean = inputs
-    adversary, disc_start = objective.adversary, config().disc_start
+    adversary, disc_start = objective.adversary, config().critic.disc_start
     d_loss, real_logits, fake_logits, logs = adversary.loss(x, recon)
     hinge = discriminator_loss(real_logits, fake_logits, "hinge")
     penalty = adversary.lecam.penalty(real_logits, fake_logits)  # against the pending anchors of this step
@@ -150,7 +156,7 @@ def test_the_adversary_trains_and_checkpoints_on_its_own(objective, inputs):
     x, recon, _ = inputs
     recon = recon.detach() * 0.5  # logits other than the earlier tests': LeCam's anchors would move
     adversary = objective.adversary
-    adversary.prepare_training(config(), lambda params, lr: torch.optim.AdamW(params, lr=lr))
+    adversary.prepare_training(config().optim, lambda params, lr: torch.optim.AdamW(params, lr=lr))
 
     def step_optimizer(optimizer, scaler, bad):
         if not bad:
@@ -168,14 +174,16 @@ def test_the_adversary_trains_and_checkpoints_on_its_own(objective, inputs):
     assert not all(torch.equal(v, adversary.critic.state_dict()[k]) for k, v in before.items())
     assert not torch.equal(adversary.lecam.ema_fake, anchor)
     state = adversary.state_dict()
-    assert set(state) == {"discriminator", "optimizer_disc", "scheduler_disc", "scaler_disc", "lecam"}
-    assert state["scheduler_disc"]["last_epoch"] == 2
-    fresh = VAEObjective(config(), with_lpips=False).adversary
-    fresh.prepare_training(config(), lambda params, lr: torch.optim.AdamW(params, lr=lr))
-    fresh.load_state_dict({**state, "config": {"discriminator": "vgg16", "disc_norm": "none"}}, log=lambda m: None)
-    assert not torch.equal(fresh.critic.state_dict()["main.0.weight"], state["discriminator"]["main.0.weight"])
-    fresh.load_state_dict({**state, "config": {"discriminator": "patchgan", "disc_norm": "none"}})
-    assert all(torch.equal(v, state["discriminator"][k]) for k, v in fresh.critic.state_dict().items())
+    assert set(state) == {"critic", "optimizer", "scheduler", "scaler", "lecam", "kind"}
+    assert state["scheduler"]["last_epoch"] == 2
+    assert state["kind"] == {"discriminator": "patchgan", "disc_norm": "none", "critic_trunk": "trainable"}
+    fresh = build_objective(config(), with_lpips=False).adversary
+    fresh.prepare_training(config().optim, lambda params, lr: torch.optim.AdamW(params, lr=lr))
+    other_kind = {**state["kind"], "disc_norm": "group_spectral"}
+    fresh.load_state_dict({**state, "kind": other_kind}, log=lambda m: None)
+    assert not torch.equal(fresh.critic.state_dict()["main.0.weight"], state["critic"]["main.0.weight"])
+    fresh.load_state_dict(state)
+    assert all(torch.equal(v, state["critic"][k]) for k, v in fresh.critic.state_dict().items())
     assert torch.equal(fresh.lecam.ema_real, adversary.lecam.ema_real)
 
 

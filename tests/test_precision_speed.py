@@ -11,16 +11,19 @@ import data
 import objective
 import vae_trainer
 from conftest import TINY, record_ops
+import common
+import config
+import run_log
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_trainer(shard_url, tmp_path, *extra) -> vae_trainer.Trainer:
-    cfg = vae_trainer.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
                                     "--num_workers", "0", "--evaluate_every_n_steps", "0", "--max_steps", "100",
                                     *extra])
-    vae_trainer.validate(cfg)
-    return vae_trainer.Trainer(cfg, vae_trainer.DistInfo())
+    cfg.validate()
+    return vae_trainer.Trainer(cfg, common.DistInfo())
 
 
 @pytest.fixture
@@ -56,7 +59,7 @@ def test_bf16_tracks_fp32(shard_url, tmp_path, fixed_batches):
         feed(trainer, fixed_batches[:4])
         torch.manual_seed(0)
         results[prec] = run_steps(trainer, 4)
-        assert not trainer.scaler_vae.is_enabled()
+        assert not trainer.training.scaler.is_enabled()
         trainer.close()
     for ref, low in zip(results["fp32"], results["bf16"]):
         for key in ("loss/perceptual", "loss/pooled_mse", "loss/lowpass_mse", "loss/kl", "loss/disc"):
@@ -84,7 +87,7 @@ def test_fp16_uses_loss_scaling_and_tracks_fp32(shard_url, tmp_path, fixed_batch
                 trainer.train_step()
             assert counts == {name: 0 for name in HOST_SYNCS}, counts
             results[prec].append(trainer.metrics.reduce(trainer.info))
-        scalers[prec] = (trainer.scaler_vae, trainer.scaler_disc)
+        scalers[prec] = (trainer.training.scaler, trainer.adversary.scaler)
         trainer.close()
     assert all(s.is_enabled() for s in scalers["fp16"]) and not any(s.is_enabled() for s in scalers["fp32"])
     ref, low = results["fp32"][0], results["fp16"][0]  # the first forward: same weights
@@ -108,14 +111,15 @@ def test_fp16_backward_through_lpips_and_the_critic_runs_at_the_loss_scale(shard
     trainer = make_trainer(shard_url, tmp_path, "--precision", "fp16", "--vae_ch_mult", "1,2", "--vae_resolution",
                            "32", "--do_ganloss", "--gen_loss", "ldm")
     torch.manual_seed(1)
-    for head in trainer.disc.heads:  # zero-initialised final convs pass no gradient to the input: a trained critic
+    # zero-initialised final convs pass no gradient to the input: a trained critic
+    for head in trainer.adversary.critic.heads:
         torch.nn.init.normal_(head[-1].weight, std=0.02)
-    trainer.disc.requires_grad_(False)  # as train_step has it during the generator's pass
+    trainer.adversary.critic.requires_grad_(False)  # as train_step has it during the generator's pass
     # a loss scale at which this backward does not overflow (what dynamic loss scaling settles on)
-    trainer.scaler_vae = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-    x = vae_trainer.data_lib.to_model_input(fixed_batches[0][:1, :, :32, :32], trainer.device, True)
+    trainer.training.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    x = data.to_model_input(fixed_batches[0][:1, :, :32, :32], trainer.device, True)
     recon0 = (x + 0.1 * torch.randn_like(x)).clamp(-1, 1)
-    real_logits, fake_logits = trainer.disc(x).float(), trainer.disc(recon0).float()
+    real_logits, fake_logits = trainer.adversary.critic(x).float(), trainer.adversary.critic(recon0).float()
 
     upstream = {}  # precision -> the gradients arriving at each GradNorm: perceptual, pixel, GAN
     real_gradnorm = objective.gradnorm
@@ -131,8 +135,8 @@ def test_fp16_backward_through_lpips_and_the_critic_runs_at_the_loss_scale(shard
     for amp in (torch.float16, None):
         trainer.objective.amp_dtype = amp  # None: no autocast, the fp32 reference (same networks, same inputs)
         recon = recon0.clone().requires_grad_(True)
-        loss, _ = trainer.objective(x, recon, torch.zeros(1, 1, 1, 1), None, trainer.cfg.disc_start, real_logits,
-                                    fake_logits, loss_scale=trainer.scaler_vae.scale(torch.ones(())))
+        loss, _ = trainer.objective(x, recon, torch.zeros(1, 1, 1, 1), None, trainer.cfg.critic.disc_start, real_logits,
+                                    fake_logits, loss_scale=trainer.training.scaler.scale(torch.ones(())))
         loss.backward()
     trainer.close()
     for name in ("perceptual", "pixel", "gan"):
@@ -154,12 +158,12 @@ def test_fp16_vae_gradient_matches_fp32(shard_url, tmp_path, fixed_batches, monk
         trainer = make_trainer(shard_url, tmp_path / prec, "--precision", prec, "--vae_ch_mult", "1,2",
                                "--vae_resolution", "32", "--grad_clip", "0")
         # a scale that does not overflow at the first step (the default 2^16 does, and the step is skipped)
-        trainer.scaler_vae = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, enabled=prec == "fp16")
+        trainer.training.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, enabled=prec == "fp16")
         feed(trainer, [fixed_batches[0][:2, :, :32, :32]])
         real_step = trainer.guarded_step
 
         def capture(optimizer, scaler, bad, trainer=trainer, real_step=real_step):
-            if optimizer is trainer.opt_vae:
+            if optimizer is trainer.training.optimizer:
                 assert bad.item() == 0.0
                 grads[prec] = torch.cat([p.grad.flatten() for p in trainer.vae.parameters()])
             real_step(optimizer, scaler, bad)
@@ -226,7 +230,7 @@ def test_grad_accum_averages_the_per_micro_batch_gradients(shard_url, tmp_path, 
         captured = {}
 
         def capture(optimizer, scaler, bad):
-            if optimizer is trainer.opt_vae:
+            if optimizer is trainer.training.optimizer:
                 captured.update({n: p.grad.clone() for n, p in trainer.vae.named_parameters()})
             optimizer.zero_grad(set_to_none=True)
         monkeypatch.setattr(trainer, "guarded_step", capture)
@@ -361,10 +365,10 @@ def test_cuda_training_step_never_waits_for_the_gpu(shard_url, tmp_path, fixed_b
     """On a GPU, CUDA's own sync detector: after warm-up steps (lazy state, cuDNN autotuning), a training
     step with pinned batches raises on any operation that synchronises the host with the device: reads,
     blocking copies (including host->device ones), ops with data-dependent output shapes."""
-    cfg = vae_trainer.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
                                     "--num_workers", "0", "--evaluate_every_n_steps", "0", "--max_steps", "100",
                                     *extra])
-    trainer = vae_trainer.Trainer(cfg, vae_trainer.DistInfo(device=torch.device("cuda", 0)))
+    trainer = vae_trainer.Trainer(cfg, common.DistInfo(device=torch.device("cuda", 0)))
     feed(trainer, [b.pin_memory() for b in fixed_batches] * 2)
     for _ in range(2):
         trainer.train_step()
@@ -384,7 +388,7 @@ def test_cuda_training_step_never_waits_for_the_gpu(shard_url, tmp_path, fixed_b
 
 def test_speed_switches_are_in_effect(shard_url, tmp_path):
     trainer = make_trainer(shard_url, tmp_path, "--do_ganloss")
-    assert trainer.opt_vae.defaults["fused"] and trainer.opt_disc.defaults["fused"]
+    assert trainer.training.optimizer.defaults["fused"] and trainer.adversary.optimizer.defaults["fused"]
     conv = trainer.vae.decoder.conv_out.weight
     assert conv.is_contiguous(memory_format=torch.channels_last)
     x = next(trainer.loader)
@@ -416,7 +420,7 @@ def test_compile_keeps_checkpoint_keys_clean(shard_url, tmp_path, fixed_batches,
         feed(trainer, batches)
         torch.manual_seed(0)
         losses[flag] = run_steps(trainer, 2)
-        keys = list(trainer.checkpoint_state()["vae"])
+        keys = list(trainer.state.state_dict()["training"]["vae"])
         assert not any("_orig_mod" in k for k in keys)
         trainer.close()
     assert compiled_with == ["Encoder", "Decoder"]
@@ -434,25 +438,25 @@ def test_critic_gradient_is_that_of_its_own_loss(shard_url, tmp_path, fixed_batc
     trainer = make_trainer(shard_url, tmp_path, "--vae_ch_mult", "1,2", "--vae_resolution", "32", "--do_ganloss",
                            "--disc_start", "0", "--gen_loss", "ldm")
     feed(trainer, [b[:2, :, :32, :32] for b in fixed_batches[:2]])
-    params = list(trainer.disc.parameters())
+    params = list(trainer.adversary.critic.parameters())
     gradients_received = [0] * len(params)
     for i, p in enumerate(params):
         p.register_hook(lambda g, i=i: gradients_received.__setitem__(i, gradients_received[i] + 1))
     critic_inputs = []
-    real_backward = trainer.critic_backward
+    real_backward = trainer.adversary.backward
 
-    def record_inputs(x, recon, sync, accum):
+    def record_inputs(x, recon, sync, accum, backward=True):
         critic_inputs.append(torch.cat([x, recon.detach()]).contiguous(memory_format=trainer.memory_format))
-        return real_backward(x, recon, sync, accum)
-    monkeypatch.setattr(trainer, "critic_backward", record_inputs)
+        return real_backward(x, recon, sync, accum, backward)
+    monkeypatch.setattr(trainer.adversary, "backward", record_inputs)
     real_step = trainer.guarded_step
     checked = []
 
     def check_then_step(optimizer, scaler, bad):
-        if optimizer is trainer.opt_disc:
+        if optimizer is trainer.adversary.optimizer:
             assert all(p.grad is not None for p in params)
             received = list(gradients_received)
-            real_logits, fake_logits = trainer.disc(critic_inputs[-1]).float().chunk(2)
+            real_logits, fake_logits = trainer.adversary.critic(critic_inputs[-1]).float().chunk(2)
             alone = torch.autograd.grad(discriminator_loss(real_logits, fake_logits, "hinge"), params)
             gradients_received[:] = received  # the hooks count the training step's gradients only
             for p, g in zip(params, alone):
@@ -469,17 +473,17 @@ def test_critic_gradient_is_that_of_its_own_loss(shard_url, tmp_path, fixed_batc
 
 
 def test_metrics_average_each_key_over_the_steps_that_logged_it():
-    metrics = vae_trainer.Metrics()
+    metrics = run_log.Metrics()
     for step in range(4):
         metrics.add(**{"loss/total": torch.tensor(float(step))})
         if step >= 2:  # the generator's GAN term from --disc_start 2
             metrics.add(**{"loss/gan_g": torch.tensor(10.0 * step)})
         metrics.end_step()
-    out = metrics.reduce(vae_trainer.DistInfo())
+    out = metrics.reduce(common.DistInfo())
     assert out["loss/total"] == 1.5 and out["loss/gan_g"] == 25.0
     metrics.add(**{"loss/total": torch.tensor(7.0)})  # a new window
     metrics.end_step()
-    assert metrics.reduce(vae_trainer.DistInfo()) == {"loss/total": 7.0}
+    assert metrics.reduce(common.DistInfo()) == {"loss/total": 7.0}
 
 
 def test_gan_log_window_around_disc_start(shard_url, tmp_path, fixed_batches, monkeypatch, capsys):
@@ -506,7 +510,7 @@ def test_gan_log_window_around_disc_start(shard_url, tmp_path, fixed_batches, mo
             trainer.step += 1
         metrics = trainer.metrics.reduce(trainer.info)
         metrics["gan/disc_acc"] = 0.99  # a critic that has won
-        trainer.write_log(metrics, 0.0, last_step - first_step + 1)
+        trainer.log_window(0.0, last_step - first_step + 1, metrics)
         return metrics, capsys.readouterr().out
 
     metrics, out = log_window(0, 1)

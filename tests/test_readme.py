@@ -19,9 +19,10 @@ import export
 import plots
 import probe
 import vae_trainer
+import config
 
 README = os.path.join(ROOT, "README.md")
-PARSERS = {"vae_trainer.py": vae_trainer.build_parser, "evaluate.py": evaluate.build_parser,
+PARSERS = {"vae_trainer.py": config.build_parser, "evaluate.py": evaluate.build_parser,
            "export.py": export.build_parser, "data.py": data.build_parser,
            "probe.py": probe.build_parser, "plots.py": plots.build_parser}
 
@@ -118,7 +119,7 @@ def test_every_readme_command_parses():
             if launcher[0] == "torchrun":
                 get_args_parser().parse_args(launcher[1:] + [script])
             PARSERS[script]().parse_args(args)
-        except (vae_trainer.ConfigError, SystemExit) as e:
+        except (config.ConfigError, SystemExit) as e:
             raise AssertionError(f"README command does not parse ({e}): {command}") from None
         seen.add(script)
     assert seen == set(PARSERS), seen  # the README shows every command

@@ -82,11 +82,18 @@ def test_the_log_line_iterates_over_the_loss_terms():
     assert "adaptive_weight" not in line and line.endswith("2.0 img/s | eta 0:01:01")
 
 
+def reporter_of(cfg, info, run_dir) -> run_log.Reporter:
+    """The Reporter the trainer builds from its sections, writing into `run_dir`."""
+    cfg = config.with_values(cfg, output_dir=str(run_dir.parent), run_name=run_dir.name)
+    return run_log.Reporter(cfg.run, cfg.data, info, max_steps=cfg.optim.max_steps, grad_accum=cfg.optim.grad_accum,
+                            gan=cfg.critic.do_ganloss, channels_last=cfg.speed.channels_last)
+
+
 def test_the_reporter_writes_rank_0s_line_and_record_only(tmp_path, capsys, shard_url):
     cfg = config.parse_config(["--dataset_url", shard_url, "--max_steps", "10", "--batch_size", "2",
                                "--vae_resolution", "32", "--num_samples", "2"])
     for rank in (1, 0):
-        reporter = run_log.Reporter(cfg, DistInfo(rank=rank, world_size=2), str(tmp_path))
+        reporter = reporter_of(cfg, DistInfo(rank=rank, world_size=2), tmp_path)
         assert (reporter.sample_images is None) == (rank == 1)  # the grid's images: rank 0's
         reporter.metrics({"loss/total": 0.5, "loss/kl": 0.25, "latent/mean": 0.0, "latent/std": 1.0}, step=4,
                          elapsed=2.0, steps_done=4, lr_vae=1e-3, skipped={"decode": 0})
@@ -103,7 +110,7 @@ def test_rates_and_eta_mean_what_the_readme_says(tmp_path, capsys, shard_url):
     that average. A slow first window (start-up) then a fast one: 0.5 and 4.5 img/s, average 2.5."""
     cfg = config.parse_config(["--dataset_url", shard_url, "--max_steps", "100", "--batch_size", "1",
                                "--vae_resolution", "32", "--num_samples", "1"])
-    reporter = run_log.Reporter(cfg, DistInfo(), str(tmp_path))
+    reporter = reporter_of(cfg, DistInfo(), tmp_path)
     reporter.metrics({"loss/total": 1.0}, step=1, elapsed=2.0, steps_done=1, lr_vae=1e-3, skipped={})
     reporter.metrics({"loss/total": 1.0}, step=10, elapsed=2.0, steps_done=9, lr_vae=1e-3, skipped={})
     first, second = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -116,7 +123,7 @@ def test_a_run_that_logs_rarely_says_something_at_steps_1_and_10(tmp_path, shard
     def due(every):
         cfg = config.parse_config(["--dataset_url", shard_url, "--log_every_n_steps", str(every), "--vae_resolution",
                                    "32", "--num_samples", "1"])
-        reporter = run_log.Reporter(cfg, DistInfo(rank=1, world_size=2), str(tmp_path))
+        reporter = reporter_of(cfg, DistInfo(rank=1, world_size=2), tmp_path)
         return [step for step in range(1, 121) if reporter.log_due(step)]
     assert due(50) == [1, 10, 50, 100]
     assert due(2) == list(range(2, 121, 2))  # frequent logs need no early line (and keep their records' steps)
@@ -129,7 +136,7 @@ def test_curves_are_drawn_at_most_once_a_minute_and_at_the_end(tmp_path, shard_u
     cfg = config.parse_config(["--dataset_url", shard_url, "--wandb_mode", "disabled"])
     drawn = []
     monkeypatch.setattr(run_log.plots, "plot_metrics", lambda run_dir: drawn.append(run_dir))
-    reporter = run_log.Reporter(cfg, DistInfo(), str(tmp_path))
+    reporter = reporter_of(cfg, DistInfo(), tmp_path)
     for _ in range(3):
         reporter.plot_curves()  # three checkpoints in the run's first second
     assert drawn == []
@@ -141,11 +148,11 @@ def test_curves_are_drawn_at_most_once_a_minute_and_at_the_end(tmp_path, shard_u
     assert len(drawn) == 2
     reporter.close()
     assert len(drawn) == 2  # nothing skipped since: not drawn again
-    short = run_log.Reporter(cfg, DistInfo(), str(tmp_path))
+    short = reporter_of(cfg, DistInfo(), tmp_path)
     short.plot_curves()
     short.close()
     assert len(drawn) == 3  # a run of less than a minute: drawn once, at its end
-    quiet = run_log.Reporter(cfg, DistInfo(), str(tmp_path))
+    quiet = reporter_of(cfg, DistInfo(), tmp_path)
     quiet.curves_drawn_at -= run_log.CURVES_EVERY_S
     quiet.plot_curves()
     quiet.close()

@@ -15,6 +15,11 @@ import config
 import objective as objective_lib
 import vae_trainer
 from conftest import TINY, cli_env, run_cli
+import ae
+import common
+import run_setup
+import train_state
+import utils
 
 # the CLI tests take 10 s to a minute each (test_it_learns: its own limit): a hang fails one test
 pytestmark = pytest.mark.timeout(300)
@@ -28,8 +33,8 @@ def _metrics(run_dir: str) -> list[dict]:
 def test_help_lists_every_flag_with_its_default():
     proc = run_cli("vae_trainer.py", ["--help"])
     assert proc.returncode == 0, proc.stderr
-    for f in dataclasses.fields(vae_trainer.Config):
-        assert f"--{f.name}" in proc.stdout
+    for name in config.FIELD_SECTION:
+        assert f"--{name}" in proc.stdout
     # the reference trainer's names, for its users
     for name in ("dataset_url", "test_dataset_url", "learning_rate_vae", "learning_rate_disc", "vae_ch_mult",
                  "vae_num_res_blocks", "vae_z_channels", "do_attn", "do_ganloss", "disc_type", "do_clamp",
@@ -115,8 +120,8 @@ def test_pixel_only_training_needs_no_vgg16(shard_url, tmp_path):
     (["--demo"], []),  # the demo's own values (GAN settings among them) are not the user's flags
 ])
 def test_flags_without_effect_are_named(flags, expected):
-    cfg, given = vae_trainer.parse_flags(flags)
-    lines = vae_trainer.config_warnings(vae_trainer.resolve_auto(cfg), given)
+    cfg, given = config.parse_flags(flags)
+    lines = config.config_warnings(config.resolve_auto(cfg), given)
     assert len(lines) == len(expected), lines
     for line, text in zip(lines, expected):
         assert line.startswith("warning: ") and text in line and "\n" not in line, line
@@ -198,20 +203,25 @@ def test_torchrun_two_ranks_writes_everything(shard_url, tmp_path):
     assert proc.stdout.count("(weights identical on all ranks)") == 2, proc.stdout
     assert "2 x cpu" in proc.stdout
 
-    config = json.loads((run_dir / "config.json").read_text())
-    assert config["max_steps"] == 6 and config["do_ganloss"] is True and config["vae_ch_mult"] == "1,2,2"
+    recorded = json.loads((run_dir / "config.json").read_text())
+    assert recorded["max_steps"] == 6 and recorded["do_ganloss"] is True and recorded["vae_ch_mult"] == "1,2,2"
 
     ckpts = sorted(os.listdir(run_dir / "checkpoints"))
     assert ckpts == ["latest", "step_00000003.pt", "step_00000006.pt"]
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000006.pt"
     ckpt = torch.load(run_dir / "checkpoints" / "step_00000006.pt", weights_only=True)
-    for key in ("step", "config", "vae", "discriminator", "optimizer_vae", "optimizer_disc", "scheduler_vae",
-                "scheduler_disc", "ema", "ranks"):
-        assert key in ckpt, key
-    assert ckpt["step"] == 6 and ckpt["ranks_in_sync"] is True and len(ckpt["ranks"]) == 2
-    assert ckpt["config"] == config
-    assert set(ckpt["vae"]) == set(vae_trainer.AutoEncoder(vae_trainer.model_params(
-        vae_trainer.Config(**config))).state_dict())
+    assert {k: set(v) for k, v in ckpt.items() if isinstance(v, dict)} == {
+        "training": {"vae", "ema", "optimizer", "scheduler", "scaler", "train_parts"},
+        "adversary": {"critic", "optimizer", "scheduler", "scaler", "lecam", "kind"},
+        "guard": {"bad_steps_total", "bad_streak"},
+        "run": {"step", "config", "model_params", "init_source", "ranks", "world_size", "derived", "ranks_in_sync",
+                "critic_in_sync"}}
+    assert ckpt["format_version"] == 2 and ckpt["vf_projection"] is None
+    run = ckpt["run"]
+    assert run["step"] == 6 and run["ranks_in_sync"] is True and len(run["ranks"]) == 2
+    assert {**run["config"], "derived": run["derived"]} == recorded
+    assert set(ckpt["training"]["vae"]) == set(ae.AutoEncoder(config.model_params(
+        config.unflatten(recorded).model)).state_dict())
 
     records = _metrics(str(run_dir))
     assert [r["step"] for r in records] == [2, 4, 6]
@@ -270,38 +280,40 @@ def test_demo_runs_from_nothing(tmp_path):
 def test_demo_without_vgg16_weights_trains_no_random_feature_branch(tmp_path, monkeypatch):
     """The demo's config: without cached VGG16 weights, LPIPS and the VGG16 critic (both would train on random
     features) are off; with them, the full recipe stays. An explicit --vgg16_weights random is the user's choice."""
-    monkeypatch.setattr(config, "vgg16_cache_path", lambda: str(tmp_path / "absent" / "vgg16.pth"))
-    demo = vae_trainer.parse_config(["--demo", "--output_dir", str(tmp_path)])
-    assert demo.perceptual_weight > 0 and demo.do_ganloss and demo.discriminator == "vgg16"  # the full recipe
-    offline = vae_trainer.prepare_demo(demo)
-    assert offline.vgg16_weights == "random"
-    assert offline.perceptual_weight == 0 and not offline.do_ganloss
-    assert not vae_trainer.uses_vgg16(offline)
-    assert "LPIPS and the VGG16 critic are OFF" in vae_trainer.demo_summary(offline)
+    for module in (config, run_setup):
+        monkeypatch.setattr(module, "vgg16_cache_path", lambda: str(tmp_path / "absent" / "vgg16.pth"))
+    demo = config.parse_config(["--demo", "--output_dir", str(tmp_path)])
+    assert demo.loss.perceptual_weight > 0 and demo.critic.do_ganloss and demo.critic.discriminator == "vgg16"
+    offline = run_setup.prepare_demo(demo)
+    assert offline.critic.vgg16_weights == "random"
+    assert offline.loss.perceptual_weight == 0 and not offline.critic.do_ganloss
+    assert not config.uses_vgg16(offline)
+    assert "LPIPS and the VGG16 critic are OFF" in config.demo_summary(offline)
 
     cached = tmp_path / "hub" / "vgg16.pth"
     cached.parent.mkdir()
     cached.write_bytes(b"weights")
-    monkeypatch.setattr(config, "vgg16_cache_path", lambda: str(cached))
-    online = vae_trainer.prepare_demo(demo)
-    assert (online.vgg16_weights, online.perceptual_weight, online.do_ganloss) == (
-        "torchvision", demo.perceptual_weight, True)
-    assert vae_trainer.demo_summary(online) == "demo: LPIPS + pixel + vgg16 critic from step " \
-                                               f"{demo.disc_start} losses, with pretrained VGG16"
+    for module in (config, run_setup):
+        monkeypatch.setattr(module, "vgg16_cache_path", lambda: str(cached))
+    online = run_setup.prepare_demo(demo)
+    assert (online.critic.vgg16_weights, online.loss.perceptual_weight, online.critic.do_ganloss) == (
+        "torchvision", demo.loss.perceptual_weight, True)
+    assert config.demo_summary(online) == "demo: LPIPS + pixel + vgg16 critic from step " \
+                                               f"{demo.critic.disc_start} losses, with pretrained VGG16"
 
-    explicit = vae_trainer.prepare_demo(vae_trainer.parse_config(["--demo", "--output_dir", str(tmp_path),
+    explicit = run_setup.prepare_demo(config.parse_config(["--demo", "--output_dir", str(tmp_path),
                                                                   "--vgg16_weights", "random"]))
-    assert explicit.perceptual_weight > 0 and explicit.do_ganloss and vae_trainer.uses_vgg16(explicit)
+    assert explicit.loss.perceptual_weight > 0 and explicit.critic.do_ganloss and config.uses_vgg16(explicit)
 
 
 def test_vae_norm_groups_reaches_the_model_and_is_an_architecture_field():
-    cfg = vae_trainer.parse_config(["--vae_ch", "32", "--vae_norm_groups", "8"])
-    vae = vae_trainer.AutoEncoder(vae_trainer.model_params(cfg))
+    cfg = config.parse_config(["--vae_ch", "32", "--vae_norm_groups", "8"])
+    vae = ae.AutoEncoder(config.model_params(cfg.model))
     groups = {m.num_groups for m in vae.modules() if isinstance(m, torch.nn.GroupNorm)}
     assert groups == {8}
-    assert vae_trainer.model_params(cfg).to_dict()["norm_groups"] == 8  # what checkpoints and export read
+    assert config.model_params(cfg.model).to_dict()["norm_groups"] == 8  # what checkpoints and export read
     assert "vae_norm_groups" in checkpoint.ARCH_FIELDS
-    assert vae_trainer.parse_config([]).vae_norm_groups == 32  # FLUX / SD at the default width
+    assert config.parse_config([]).model.vae_norm_groups == 32  # FLUX / SD at the default width
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -322,40 +334,42 @@ def test_vae_norm_groups_reaches_the_model_and_is_an_architecture_field():
      dict(learning_rate_vae=3e-4, warmup_steps=0, disc_start=0, learning_rate_disc=2e-4, vae_norm_groups=32)),
 ])
 def test_automatic_defaults_are_resolved_to_numbers(argv, expected, shard_url):
-    cfg = vae_trainer.parse_config(argv + ["--dataset_url", shard_url])
+    cfg = config.parse_config(argv + ["--dataset_url", shard_url])
     for name, value in expected.items():
-        assert getattr(cfg, name) == pytest.approx(value), name
-    assert vae_trainer.resolve_auto(cfg) == cfg  # idempotent: a resolved config (config.json) stays as it is
-    vae_trainer.validate(cfg)  # every resolved value is a valid flag value
+        assert config.value(cfg, name) == pytest.approx(value), name
+    assert config.resolve_auto(cfg) == cfg  # idempotent: a resolved config (config.json) stays as it is
+    cfg.validate()  # every resolved value is a valid flag value
 
 
-def test_a_run_written_before_norm_groups_existed_is_not_resumed_with_other_norms(shard_url, tmp_path):
+def test_a_run_written_before_norm_groups_existed_continues_with_its_32_groups(shard_url, tmp_path):
     """Runs from before --vae_norm_groups used 32 groups and did not record them. GroupNorm's weights have the
     same shapes with any group count, so resuming such a run at --vae_ch 32 with the new automatic 8 groups
-    would load silently and train another function: it is refused, with the flag that continues it."""
+    would load silently and train another function: continued without the flag it keeps its recipe (32 groups,
+    what it was trained with), and another count given is refused in one line."""
     args = ["--dataset_url", shard_url, "--output_dir", str(tmp_path), "--run_name", "old", "--max_steps", "1",
-            "--save_every_n_steps", "1", "--evaluate_every_n_steps", "0", *TINY]
+            "--save_every_n_steps", "1", "--evaluate_every_n_steps", "0", *TINY, "--vae_norm_groups", "32"]
     assert run_cli("vae_trainer.py", args).returncode == 0
     run_dir = tmp_path / "old"
-    config = json.loads((run_dir / "config.json").read_text())
-    del config["vae_norm_groups"]
-    (run_dir / "config.json").write_text(json.dumps(config))
+    recorded = json.loads((run_dir / "config.json").read_text())
+    del recorded["vae_norm_groups"], recorded["derived"]
+    (run_dir / "config.json").write_text(json.dumps(recorded))
     ckpt_path = run_dir / "checkpoints" / "step_00000001.pt"
     ckpt = torch.load(ckpt_path, weights_only=True)
-    del ckpt["config"]["vae_norm_groups"]
+    del ckpt["run"]["config"]["vae_norm_groups"], ckpt["run"]["model_params"]["norm_groups"]
     torch.save(ckpt, ckpt_path)
-    again = args[:args.index("--max_steps")] + ["--max_steps", "2"] + args[args.index("--max_steps") + 2:]
-    proc = run_cli("vae_trainer.py", again)
+    again = args[:args.index("--max_steps")] + ["--max_steps", "2"] + args[args.index("--max_steps") + 2:-2]
+    proc = run_cli("vae_trainer.py", again + ["--vae_norm_groups", "8"])
     assert proc.returncode == 1 and "vae_norm_groups: 32 -> 8" in proc.stderr, proc.stderr[-2000:]
-    proc = run_cli("vae_trainer.py", again + ["--vae_norm_groups", "32"])
+    proc = run_cli("vae_trainer.py", again)
     assert proc.returncode == 0 and "resum" in proc.stdout.lower(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert json.loads((run_dir / "config.json").read_text())["vae_norm_groups"] == 32
 
 
 def test_ema_update_rule():
     """shadow <- d * shadow + (1 - d) * param with d = min(decay, (1 + t) / (10 + t)), in fp32; a step the
     guard rejected leaves it unchanged."""
     model = torch.nn.Linear(3, 2)
-    ema = vae_trainer.EMA(model, decay=0.999)
+    ema = train_state.EMA(model, decay=0.999)
     old = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         for p in model.parameters():
@@ -372,13 +386,11 @@ def test_ema_update_rule():
         assert ema.state_dict()[n].dtype == torch.float32
 
 
-def in_process_trainer(shard_url, tmp_path, *extra, cfg_class=None) -> vae_trainer.Trainer:
+def in_process_trainer(shard_url, tmp_path, *extra) -> vae_trainer.Trainer:
     cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, "--num_workers", "0",
                                "--evaluate_every_n_steps", "0", *extra])
-    if cfg_class is not None:
-        cfg = cfg_class(**dataclasses.asdict(cfg))
-    config.validate(cfg)
-    return vae_trainer.Trainer(cfg, vae_trainer.DistInfo())
+    cfg.validate()
+    return vae_trainer.Trainer(cfg, common.DistInfo())
 
 
 def test_max_bad_steps_is_checked_every_step(shard_url, tmp_path, capsys, monkeypatch, one_torch_thread):
@@ -400,68 +412,76 @@ def test_max_bad_steps_is_checked_every_step(shard_url, tmp_path, capsys, monkey
     assert "error: 3 consecutive steps had non-finite losses or gradients and were skipped" in capsys.readouterr().out
 
 
-@dataclasses.dataclass
-class ConfigWithToyTerm(config.Config):
-    toy_weight: float = config.opt(0.0, "weight of the toy term: the mean reconstruction, pulled to 0")
+# The two edits a new loss term takes (docs/extending.md, "Change the loss"), applied to a copy of the repository:
+# a LossConfig field (its flag, its check, its row of the flag table) and one block in VAEObjective.terms.
+TOY_FIELD = ("    kl_weight: float = opt(",
+             '    toy_weight: float = opt(0.0, "weight of the toy term: the mean reconstruction, pulled to 0")\n'
+             "    kl_weight: float = opt(")
+TOY_BLOCK = ("        # A GradNorm branch's gradient has norm `weight` over all the reconstruction's elements",
+             "        if loss.toy_weight > 0:\n"
+             '            terms.append(Term("toy", recon.mean().square(), loss.toy_weight, balanced=False))\n'
+             "        # A GradNorm branch's gradient has norm `weight` over all the reconstruction's elements")
 
 
-class ObjectiveWithToyTerm(objective_lib.VAEObjective):
-    """A new loss term the way the README's "Change the loss" says: the config field (above) and one block."""
+def test_a_new_loss_term_is_a_field_and_one_block(shard_url, tmp_path):
+    """Issue 24 item 5, through the real path: a copy of the repository with the two edits trains with
+    --toy_weight given on the command line; the term is backpropagated (the weights differ from a run with weight 0),
+    logged in metrics.jsonl as loss/toy, counted in loss/total and shown on the stdout line; its flag is in --help
+    and in the generated flag table, and a negative weight is refused like every other *_weight."""
+    import shutil
+    import subprocess
+    import sys
+    from conftest import ROOT
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(ROOT, name), repo / name)
+    for file, (anchor, replacement) in (("config.py", TOY_FIELD), ("objective.py", TOY_BLOCK)):
+        text = (repo / file).read_text()
+        assert text.count(anchor) == 1, (file, anchor)
+        (repo / file).write_text(text.replace(anchor, replacement))
+    env = cli_env()
 
-    def __init__(self, cfg, *args, **kwargs):
-        super().__init__(cfg, *args, **kwargs)
-        self.toy_weight = cfg.toy_weight  # (in the repo: a LossConfig field, read as self.loss_cfg.toy_weight)
+    def run(*args):
+        return subprocess.run([sys.executable, str(repo / "vae_trainer.py"), *args], capture_output=True, text=True,
+                              env=env, timeout=240)
 
-    def terms(self, x, recon, *args, **kwargs):
-        terms = super().terms(x, recon, *args, **kwargs)
-        if self.toy_weight > 0:  # the block
-            terms.append(objective_lib.Term("toy", recon.mean().square(), self.toy_weight, balanced=False))
-        return terms
-
-
-def test_a_new_loss_term_is_a_field_and_one_block(shard_url, tmp_path, monkeypatch, capsys, one_torch_thread):
-    """With the toy term's weight on, it is backpropagated (the weights differ from a run without it), logged
-    in metrics.jsonl as loss/toy, counted in loss/total and shown on the stdout line."""
-    monkeypatch.setattr(vae_trainer, "VAEObjective", ObjectiveWithToyTerm)
     finals = {}
-    for weight in (0.0, 50.0):
-        trainer = in_process_trainer(shard_url, tmp_path / str(weight), "--max_steps", "2", "--log_every_n_steps",
-                                     "1", "--save_every_n_steps", "100", "--perceptual_weight", "0",
-                                     cfg_class=lambda **kw: ConfigWithToyTerm(**kw, toy_weight=weight))
-        try:
-            assert trainer.train() == 0
-        finally:
-            trainer.close()
-        finals[weight] = trainer.vae.decoder.conv_out.weight.detach().clone()
-    out = capsys.readouterr().out
-    records = _metrics(str(tmp_path / "50.0" / "vae"))
+    for weight in ("0", "50"):
+        proc = run("--dataset_url", shard_url, "--output_dir", str(tmp_path / weight), *TINY, "--max_steps", "2",
+                   "--log_every_n_steps", "1", "--save_every_n_steps", "100", "--perceptual_weight", "0",
+                   "--evaluate_every_n_steps", "0", "--toy_weight", weight)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ckpt = torch.load(tmp_path / weight / "vae" / "checkpoints" / "step_00000002.pt", weights_only=True)
+        finals[weight] = ckpt["training"]["vae"]["decoder.conv_out.weight"]
+    records = _metrics(str(tmp_path / "50" / "vae"))
     assert all("loss/toy" in r and r["loss/toy"] >= 0 for r in records)
     assert records[-1]["loss/total"] == pytest.approx(
         records[-1]["loss/pooled_mse"] + records[-1]["loss/lowpass_mse"] + 0.003 * records[-1]["loss/kl"]
         + 50.0 * records[-1]["loss/toy"], rel=1e-5)
-    assert "| toy " in out
-    assert not torch.equal(finals[0.0], finals[50.0])
-    # the checks need no edit either: a weight is refused below 0 like every other *_weight
-    with pytest.raises(config.ConfigError, match="--toy_weight must be >= 0"):
-        in_process_trainer(shard_url, tmp_path / "negative", cfg_class=lambda **kw: ConfigWithToyTerm(**kw, toy_weight=-1.0))
-
-
-# The top-level keys of a checkpoint (format_version 1): runs resume from files written by earlier code.
-CHECKPOINT_KEYS = {"format_version", "step", "config", "model_params", "vae", "ema", "init_source", "discriminator",
-                   "optimizer_vae", "optimizer_disc", "scheduler_vae", "scheduler_disc", "scaler_vae", "scaler_disc",
-                   "lecam", "guard", "ranks", "world_size"}
+    assert "| toy " in proc.stdout and not torch.equal(finals["0"], finals["50"])
+    assert "--toy_weight" in run("--help").stdout
+    tables = subprocess.run([sys.executable, "-c", "import config; print(config.flag_tables())"], cwd=repo,
+                            capture_output=True, text=True, env=env).stdout
+    assert "| `--toy_weight` | `0.0` | weight of the toy term: the mean reconstruction, pulled to 0 |" in tables
+    refused = run("--dataset_url", shard_url, "--output_dir", str(tmp_path / "negative"), "--toy_weight", "-1")
+    assert refused.returncode == 2 and refused.stderr.strip() == "error: --toy_weight must be >= 0, got -1.0"
 
 
 @pytest.mark.parametrize("gan", [True, False])
-def test_the_registry_writes_the_checkpoint_keys_of_format_version_1(shard_url, tmp_path, gan, one_torch_thread):
+def test_the_registry_writes_one_entry_per_owner(shard_url, tmp_path, gan, one_torch_thread):
+    """Issue 24: the checkpoint's entries are namespaced, one per owner; a run without the critic writes None for
+    its entry, and a run without the alignment None for the projection's."""
     trainer = in_process_trainer(shard_url, tmp_path, *(["--do_ganloss", "--lecam_weight", "0.1"] if gan else []))
     try:
-        state = trainer.checkpoint_state()
+        state = trainer.state.state_dict()
     finally:
         trainer.close()
-    assert set(state) == CHECKPOINT_KEYS
-    assert (state["discriminator"] is not None) == gan and (state["lecam"] is not None) == gan
-    assert state["scaler_disc"] == {} and state["guard"] == {"bad_steps_total": 0, "bad_streak": 0}
+    assert set(state) == {"format_version", "training", "adversary", "guard", "run", "vf_projection"}
+    assert (state["adversary"] is not None) == gan and state["vf_projection"] is None
+    assert not gan or (state["adversary"]["lecam"] is not None and state["adversary"]["scaler"] == {})
+    assert state["guard"] == {"bad_steps_total": 0, "bad_streak": 0} and state["run"]["step"] == 0
 
 
 def test_pixel_only_evaluation_reports_lpips_missing_without_vgg16(shard_url, tmp_path, capsys, monkeypatch,
@@ -469,13 +489,13 @@ def test_pixel_only_evaluation_reports_lpips_missing_without_vgg16(shard_url, tm
     """Evaluation of a pixel-only run without VGG16 weights: LPIPS is reported missing (never computed on a
     random VGG16), with one note; PSNR is still computed."""
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty_torch_cache"))
-    real_ensure = vae_trainer.ensure_vgg16_weights
+    real_ensure = utils.ensure_vgg16_weights
     monkeypatch.setattr(vae_trainer, "ensure_vgg16_weights", lambda spec, download=True: real_ensure(spec, False))
     trainer = in_process_trainer(shard_url, tmp_path, "--vgg16_weights", "torchvision", "--perceptual_weight", "0",
                                  "--test_dataset_url", shard_url, "--evaluate_every_n_steps", "1",
                                  "--inception_weights", "none", "--eval_max_images", "2")
     try:
-        assert trainer.lpips is None
+        assert trainer.objective.lpips is None
         results = trainer.evaluate()
     finally:
         trainer.close()
@@ -529,11 +549,11 @@ def test_a_gpu_out_of_memory_error_becomes_one_line_and_a_checkpoint(shard_url, 
         reference.close()
     ckpt, uninterrupted = (checkpoint.load_checkpoint(p) for p in (
         written[0], checkpoint.checkpoint_files(str(tmp_path / "ref" / "vae" / "checkpoints"))[0]))
-    assert ckpt["ranks"][0]["data"] == uninterrupted["ranks"][0]["data"]
-    assert ckpt["ranks"][0]["data"]["batches"] == 2
-    mine, theirs = ckpt["ranks"][0]["rng"], uninterrupted["ranks"][0]["rng"]
+    assert ckpt["run"]["ranks"][0]["data"] == uninterrupted["run"]["ranks"][0]["data"]
+    assert ckpt["run"]["ranks"][0]["data"]["batches"] == 2
+    mine, theirs = ckpt["run"]["ranks"][0]["rng"], uninterrupted["run"]["ranks"][0]["rng"]
     assert torch.equal(mine["torch"], theirs["torch"]) and mine["python"] == theirs["python"]
-    assert all(torch.equal(ckpt["vae"][k], v) for k, v in uninterrupted["vae"].items())
+    assert all(torch.equal(ckpt["training"]["vae"][k], v) for k, v in uninterrupted["training"]["vae"].items())
 
 
 def test_the_run_directory_holds_curves_and_grids_enlarged_for_viewing(shard_url, tmp_path, one_torch_thread):
