@@ -4,8 +4,8 @@ names, and `finish_config`, the one function from argv to a finished, validated 
     cfg, given, source, notes = finish_config(sys.argv[1:])   # demo, --init_from, automatic and resumed values, checks
     loss = section(cfg, LossConfig)                    # a component takes its own section, typed
 
-Every field is a flag (`--<name>`, its help from the field); `flag_tables()` writes the README's flag tables from
-the same fields, and tests/test_config.py checks that the README holds them. A run records its finished config in
+Every field is a flag (`--<name>`, its help from the field); `flag_tables()` writes docs/flags.md's flag tables from
+the same fields, and tests/test_config.py checks that docs/flags.md holds them. A run records its finished config in
 config.json and in every checkpoint; a resumed run reads the automatic values back from there instead of deriving
 them again (a flag given again wins, and one line says what changed).
 """
@@ -82,7 +82,7 @@ class ModelConfig:
 class FinetuneConfig:
     """Starting from a released VAE, and which parts train."""
     GROUP: ClassVar[str] = "finetune"  # the --help group
-    TITLE: ClassVar[str] = "Fine-tuning a released VAE ([recipe](#fine-tune-an-existing-vae))"  # README heading
+    TITLE: ClassVar[str] = "Fine-tuning a released VAE ([how](finetuning.md))"  # docs/flags.md heading
 
     init_from: str = opt("", "start from a released VAE: a diffusers AutoencoderKL folder, FLUX's ae.safetensors, an "
                              "SD VAE file or a full SD checkpoint (first_stage_model.*). The architecture (the --vae_* "
@@ -839,7 +839,7 @@ def saved_run_config(cfg: Config, explicit: set[str]) -> dict | None:
 
 
 def flag_tables() -> str:
-    """The README's flag tables, one per section, from the fields' defaults and help."""
+    """docs/flags.md's flag tables, one per section, from the fields' defaults and help."""
     out = []
     for kind in SECTIONS:
         out += [f"#### {kind.TITLE}", "", "| flag | default | what it does |", "| --- | --- | --- |"]
