@@ -53,7 +53,7 @@ def check(section, positive=(), non_negative=(), unit=()) -> None:
 class DataConfig:
     """The training and held-out data and how it is read (data.py)."""
     GROUP: ClassVar[str] = "data"  # the --help group
-    TITLE: ClassVar[str] = "Data"  # the README table's heading
+    TITLE: ClassVar[str] = "Data"  # the flag table's heading
 
     dataset_url: str = opt("", "training data: webdataset shards ('shards/{00000..01023}.tar', http(s)://, "
                                "pipe:..., lists joined by '::') or a directory of images")
@@ -78,7 +78,7 @@ class DataConfig:
 class ModelConfig:
     """The autoencoder's architecture and posterior (ae.py's AutoEncoderParams)."""
     GROUP: ClassVar[str] = "model"  # the --help group
-    TITLE: ClassVar[str] = "Model"  # the README table's heading
+    TITLE: ClassVar[str] = "Model"  # the flag table's heading
 
     vae_ch: int = opt(128, "base channel count", arch=True)
     vae_ch_mult: str = opt("1,2,4,4", "channel multiplier per level; downsampling = 2^(levels-1)", arch=True)
@@ -115,7 +115,7 @@ class ModelConfig:
 class FinetuneConfig:
     """Starting from a released VAE, and which parts train."""
     GROUP: ClassVar[str] = "finetune"  # the --help group
-    TITLE: ClassVar[str] = "Fine-tuning a released VAE ([recipe](#fine-tune-an-existing-vae))"  # README heading
+    TITLE: ClassVar[str] = "Fine-tuning a released VAE ([how](finetuning.md))"  # the flag table's heading
 
     init_from: str = opt("", "start from a released VAE: a diffusers AutoencoderKL folder, FLUX's ae.safetensors, an "
                              "SD VAE file or a full SD checkpoint (first_stage_model.*). The architecture (the --vae_* "
@@ -136,7 +136,7 @@ class FinetuneConfig:
 class LossConfig:
     """The reconstruction and latent loss terms and how they are balanced (objective.py)."""
     GROUP: ClassVar[str] = "loss"  # the --help group
-    TITLE: ClassVar[str] = "Losses"  # the README table's heading
+    TITLE: ClassVar[str] = "Losses"  # the flag table's heading
 
     loss_balance: str = opt("gradnorm", "gradnorm: each branch's gradient on the reconstruction is normalised to "
                                         "its weight; adaptive: LDM's adaptive GAN weight; none: plain weighted sum",
@@ -161,7 +161,7 @@ class LossConfig:
 class CriticConfig:
     """The critic and its adversarial term (objective.py's Adversary)."""
     GROUP: ClassVar[str] = "gan"  # the --help group
-    TITLE: ClassVar[str] = "Discriminator (GAN)"  # the README table's heading
+    TITLE: ClassVar[str] = "Discriminator (GAN)"  # the flag table's heading
 
     do_ganloss: bool = opt(False, "train with the discriminator")
     discriminator: str = opt("vgg16", "vgg16: VGG16 feature slices with conv heads; patchgan: N-layer PatchGAN",
@@ -213,7 +213,7 @@ class CriticConfig:
 class OptimConfig:
     """AdamW, the schedule, the step budget, EMA, the seed."""
     GROUP: ClassVar[str] = "optim"  # the --help group
-    TITLE: ClassVar[str] = "Optimisation"  # the README table's heading
+    TITLE: ClassVar[str] = "Optimisation"  # the flag table's heading
 
     learning_rate_vae: float = opt(0.0, "VAE learning rate (AdamW). 0: auto, 0.032 / --vae_ch (1e-3 at ch 32, "
                                         "2.5e-4 at ch 128); a tenth of that with --init_from")
@@ -241,7 +241,7 @@ class OptimConfig:
 class SpeedConfig:
     """Precision and speed; none of these changes what is learned beyond rounding."""
     GROUP: ClassVar[str] = "speed"  # the --help group
-    TITLE: ClassVar[str] = "Precision and speed"  # the README table's heading
+    TITLE: ClassVar[str] = "Precision and speed"  # the flag table's heading
 
     precision: str = opt("fp32", "fp32 (recommended for VAEs), or bf16/fp16 autocast with fp32 islands",
                          ("fp32", "bf16", "fp16"))
@@ -263,7 +263,7 @@ class SpeedConfig:
 class LatentsConfig:
     """Regularisers that make the latent easier for a diffusion model (latents.py)."""
     GROUP: ClassVar[str] = "latents"  # the --help group
-    TITLE: ClassVar[str] = "Latents for diffusion"  # the README table's heading
+    TITLE: ClassVar[str] = "Latents for diffusion"  # the flag table's heading
 
     scale_equivariance_prob: float = opt(0.0, "probability per micro-batch that the latent is downsampled (and "
                                               "rotated/flipped with --scale_equivariance_rotate) and decoded, and "
@@ -348,7 +348,8 @@ class RunConfig:
     load_path: str = opt("", "initialise the VAE weights from a checkpoint or .safetensors (fine-tuning)")
     force: bool = opt(False, "accept a run directory written with a different architecture")
     max_bad_steps: int = opt(20, "stop after this many consecutive non-finite (skipped) steps")
-    demo: bool = opt(False, "train a tiny model on bundled sample photos (defaults below are overridden)")
+    demo: bool = opt(False, "train a tiny model on bundled sample photos (its settings, config.DEMO, replace these "
+                            "defaults; docs/demo.md)")
 
     def validate(self) -> None:
         check(self, positive=("log_every_n_steps", "save_every_n_steps", "num_samples", "keep_last_k",

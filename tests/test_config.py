@@ -1,4 +1,4 @@
-"""config.py on its own, in-process: the sections and their flags, the README's tables generated from them,
+"""config.py on its own, in-process: the sections and their flags, docs/flags.md's tables generated from them,
 finish_config's single pass (a continued run keeps what its start resolved), the checks that need two flags
 together (LPIPS' smallest input), and the one-line answers to typos."""
 from __future__ import annotations
@@ -35,11 +35,11 @@ def test_every_field_is_in_one_section_and_the_config_is_flat_on_disk():
                                   "vae_norm_groups", "do_attn", "posterior", "vae_quant_conv")
 
 
-def test_readme_flag_tables_are_the_generated_ones():
-    """The README's tables are config.flag_tables() verbatim: a new field is a new row (regenerate with
+def test_docs_flag_tables_are_the_generated_ones():
+    """docs/flags.md's tables are config.flag_tables() verbatim: a new field is a new row (regenerate with
     `python -c "import config; print(config.flag_tables())"`), a changed default or help shows here."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    assert config.flag_tables() in readme
+    flags_page = open(os.path.join(ROOT, "docs", "flags.md")).read()
+    assert config.flag_tables() in flags_page
 
 
 # the tiny model without its warm-up and worker count: these tests follow the automatic values
