@@ -126,7 +126,7 @@ def test_diffusers_export_loads_back_exactly(name, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_evaluate_cli_takes_a_diffusers_export(tmp_path, photos_dir):
-    """The README's path: a checkpoint -> its diffusers export -> evaluate.py --ckpt <that folder>."""
+    """docs/evaluation.md's path: a checkpoint -> its diffusers export -> evaluate.py --ckpt <that folder>."""
     params = CONFIGS["constant_no_attn_2_levels"]
     save_checkpoint(tmp_path / "ckpt.pt", params)
     ema_vae, _ = ev.load_model(str(tmp_path / "ckpt.pt"), ema=True)

@@ -218,7 +218,7 @@ def test_grad_checkpointing_gives_the_same_training(shard_url, tmp_path, fixed_b
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")  # the optimizer step is captured
 def test_grad_accum_averages_the_per_micro_batch_gradients(shard_url, tmp_path, fixed_batches, monkeypatch):
-    """The README's claim: with --grad_accum N, GradNorm normalises each micro-batch's branch gradient to
+    """docs/precision.md's claim: with --grad_accum N, GradNorm normalises each micro-batch's branch gradient to
     weight / N, so the accumulated gradient is the mean of the N single-micro-batch gradients (not the
     gradient of one big batch, whose branch norm would be set once)."""
     from ae import AutoEncoder
