@@ -3,6 +3,8 @@ LDM/FLUX single file.
 
     source = pretrained.load_source("black-forest-labs/FLUX.1-dev/ae.safetensors")   # or a diffusers folder,
     source.params, source.state, source.factors                                       # an SD VAE / SD checkpoint
+    vae = pretrained.narrow_decoder_model(source, (96, 192, 384, 384))                # the same latent space,
+                                                                                      # a narrower decoder
 
 `load_source` reads a diffusers folder (config.json + weights), FLUX.1's or FLUX.2's `ae.safetensors`, an SD/LDM VAE
 file (with `quant_conv`), or a full SD checkpoint whose VAE keys carry `first_stage_model.` (or `vae.`): it returns the
@@ -29,7 +31,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -465,3 +467,48 @@ def load_source(path: str, family: str = "auto") -> Source:
         raise SourceError(f"{path}: no such file or folder")
     return _load_single_file(path, family)
 
+
+# ============================================================================================
+# A narrower decoder for a released latent space
+# ============================================================================================
+DECODER_INITS = ("fresh", "slice")
+
+
+def narrow_decoder_model(source: Source, decoder_channels: tuple[int, ...], init: str = "fresh",
+                         seed: int = 0) -> AutoEncoder:
+    """The source's model with a decoder of other widths (one per level, highest resolution first; e.g. FLUX.2's
+    small decoder 96,192,384,384 behind the 128,256,512,512 encoder). The encoder, quant_conv, post_quant_conv and
+    the bn statistics are the source's, bitwise: the latent space and its normalisation (factors or bn) do not
+    change, so diffusion models trained on the source's latents keep working once the decoder is trained.
+    The decoder starts
+      fresh: as a new model's decoder is initialised (PyTorch's defaults, under torch.manual_seed(seed), the
+             global generator left as it was); the rule to use when it is distilled from the source's decoder;
+      slice: from the source's decoder, every tensor cut to the leading entries of each dimension (a level of k
+             channels keeps channels 0..k-1 of the wide level's, in every conv's inputs and outputs, norm affine
+             and attention projection). A warm start, not an approximation: the dropped channels' contributions
+             are gone from every sum and GroupNorm regroups the kept ones, so it decodes badly until trained.
+             Needs every width <= the source's. Where the widths' pattern differs, a block's 1x1 shortcut
+             (nin_shortcut, present when its input and output widths differ) may exist in one decoder only: the
+             wide one's is then dropped, the narrow one's starts fresh.
+    ValueError (one line) for widths the model cannot have or an unknown init."""
+    if init not in DECODER_INITS:
+        raise ValueError(f"decoder init must be one of {DECODER_INITS}, got {init!r}")
+    wide = source.params
+    params = replace(wide, decoder_channels=tuple(int(c) for c in decoder_channels))
+    if params.decoder_widths == wide.encoder_channels:
+        params = replace(params, decoder_channels=())  # the encoder's widths: the canonical form
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoEncoder(params)  # ValueError for widths the model cannot have
+    state = model.state_dict()
+    for name, value in source.state.items():
+        if not name.startswith("decoder."):
+            state[name] = value.clone()
+        elif init == "slice" and name in state:  # a 1x1 shortcut only one of them has: dropped, or kept fresh
+            narrow = state[name]
+            if any(n > w for n, w in zip(narrow.shape, value.shape)):
+                raise ValueError(f"decoder init slice needs every decoder width <= the source's "
+                                 f"{list(wide.decoder_widths)}, got {list(params.decoder_widths)}")
+            state[name] = value[tuple(slice(0, n) for n in narrow.shape)].clone()
+    model.load_state_dict(state)
+    return model.eval()
