@@ -37,8 +37,29 @@ class AutoEncoderParams:
     clamp_th: float = 0.0  # clamp the posterior mean to [-clamp_th, clamp_th]; 0 disables
     norm_groups: int = field(default=32, repr=False)
     # LDM's 1x1 `quant_conv` on the moments after the encoder and `post_quant_conv` on z before the decoder:
-    # the SD 1.x/2.x/SDXL VAEs have them, FLUX and SD3 do not. Needs the learned posterior (its 2*z moments).
+    # the SD 1.x/2.x/SDXL and FLUX.2 VAEs have them, FLUX.1 and SD3 do not. Needs the learned posterior (its 2*z
+    # moments).
     quant_conv: bool = False
+    # The decoder's width per level, highest resolution first like ch * ch_mult; () means the encoder's widths. A
+    # narrower decoder decodes the same latent space for less compute (BFL's FLUX.2-small-decoder: 96,192,384,384
+    # behind the 128,256,512,512 encoder). Same number of levels as the encoder: the latent grid is the same.
+    decoder_channels: tuple[int, ...] = ()
+    # FLUX.2: the running statistics of a BatchNorm2d (`bn`, no affine) over the 2x2-patchified latent, with which the
+    # FLUX.2 pipeline normalises the latents a diffusion model sees, in place of scaling/shift factors. They are
+    # buffers that no forward pass reads or updates: they change only by being loaded or re-estimated
+    # (evaluate.latent_bn_stats), so training, the EMA and the optimizer leave them as they are.
+    latent_bn: bool = False
+    latent_bn_eps: float = 1e-4
+    latent_bn_momentum: float = 0.1  # unused here; kept because FLUX.2's configs carry it
+
+    @property
+    def encoder_channels(self) -> tuple[int, ...]:
+        return tuple(self.ch * m for m in self.ch_mult)
+
+    @property
+    def decoder_widths(self) -> tuple[int, ...]:
+        """The decoder's width per level (highest resolution first), whether its own or the encoder's."""
+        return tuple(self.decoder_channels) or self.encoder_channels
 
     @property
     def downsample_factor(self) -> int:
@@ -47,12 +68,15 @@ class AutoEncoderParams:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["ch_mult"] = list(self.ch_mult)
+        d["decoder_channels"] = list(self.decoder_channels)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "AutoEncoderParams":
+        """Also the params of checkpoints written before a field existed: it takes its default."""
         d = dict(d)
         d["ch_mult"] = tuple(d["ch_mult"])
+        d["decoder_channels"] = tuple(d.get("decoder_channels", ()))
         return cls(**d)
 
 
@@ -197,13 +221,14 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, ch: int, out_ch: int, ch_mult: tuple[int, ...], num_res_blocks: int,
-                 z_channels: int, use_attn: bool = True, groups: int = 32):
+    def __init__(self, channels: tuple[int, ...], out_ch: int, num_res_blocks: int, z_channels: int,
+                 use_attn: bool = True, groups: int = 32):
+        """`channels`: the width of each level, highest resolution first (the encoder's ch * ch_mult, or narrower)."""
         super().__init__()
-        self.num_resolutions = len(ch_mult)
+        self.num_resolutions = len(channels)
         self.num_res_blocks = num_res_blocks
         self.checkpoint_levels: set[int] = set()
-        block_in = ch * ch_mult[-1]
+        block_in = channels[-1]
         self.conv_in = nn.Conv2d(z_channels, block_in, kernel_size=3, stride=1, padding=1)
         self.mid = nn.Module()
         self.mid.block_1 = ResnetBlock(block_in, block_in, groups)
@@ -212,7 +237,7 @@ class Decoder(nn.Module):
         self.up = nn.ModuleList()
         for i_level in reversed(range(self.num_resolutions)):
             block = nn.ModuleList()
-            block_out = ch * ch_mult[i_level]
+            block_out = channels[i_level]
             for _ in range(num_res_blocks + 1):
                 block.append(ResnetBlock(block_in, block_out, groups))
                 block_in = block_out
@@ -250,6 +275,39 @@ def kl_divergence(mean: Tensor, logvar: Tensor | None) -> Tensor:
         return 0.5 * (mean.square() + logvar.exp() - 1.0 - logvar).mean()
 
 
+def patchify_latents(z: Tensor) -> Tensor:
+    """(B, C, H, W) -> (B, 4C, H/2, W/2): each 2x2 patch of a channel becomes 4 channels, channel-major
+    (c, row in patch, column in patch): the layout of FLUX.2's pipeline (diffusers' Flux2Pipeline._patchify_latents,
+    BFL's rearrange "c (i pi) (j pj) -> (c pi pj) i j"), whose channels the `bn` statistics are of."""
+    b, c, height, width = z.shape
+    # reshape where diffusers has view: the same values, and a channels-last latent (the trainer's) works too
+    z = z.reshape(b, c, height // 2, 2, width // 2, 2).permute(0, 1, 3, 5, 2, 4)
+    return z.reshape(b, c * 4, height // 2, width // 2)
+
+
+def unpatchify_latents(z: Tensor) -> Tensor:
+    """The inverse of patchify_latents."""
+    b, c4, height, width = z.shape
+    z = z.reshape(b, c4 // 4, 2, 2, height, width).permute(0, 1, 4, 2, 5, 3)
+    return z.reshape(b, c4 // 4, height * 2, width * 2)
+
+
+def check_widths(params: AutoEncoderParams) -> None:
+    """ValueError (one line) for widths the model cannot have: GroupNorm splits every width into norm_groups."""
+    widths = params.decoder_widths
+    if params.decoder_channels and len(params.decoder_channels) != len(params.ch_mult):
+        raise ValueError(f"decoder_channels {list(params.decoder_channels)} has {len(params.decoder_channels)} levels, "
+                         f"the encoder {len(params.ch_mult)}: the decoder must upsample the latent as much as the "
+                         "encoder downsamples it")
+    if min(widths) <= 0:
+        raise ValueError(f"decoder_channels must be positive, got {list(widths)}")
+    for part, part_widths in (("encoder", params.encoder_channels), ("decoder", widths)):
+        bad = [w for w in part_widths if w % params.norm_groups]
+        if bad:
+            raise ValueError(f"the {part}'s widths {list(part_widths)} must be multiples of the {params.norm_groups} "
+                             f"GroupNorm groups (norm_groups): {bad} are not")
+
+
 class AutoEncoder(nn.Module):
     def __init__(self, params: AutoEncoderParams):
         super().__init__()
@@ -257,15 +315,21 @@ class AutoEncoder(nn.Module):
             raise ValueError(f"posterior must be one of {POSTERIORS}, got {params.posterior!r}")
         if params.quant_conv and params.posterior != "learned":
             raise ValueError("quant_conv needs the learned posterior (as in the SD VAEs)")
+        check_widths(params)
         self.params = params
         moments = params.z_channels * (2 if params.posterior == "learned" else 1)
         self.encoder = Encoder(params.in_channels, params.ch, params.ch_mult, params.num_res_blocks,
                                moments, params.use_attn, params.norm_groups)
-        self.decoder = Decoder(params.ch, params.out_ch, params.ch_mult, params.num_res_blocks,
+        self.decoder = Decoder(params.decoder_widths, params.out_ch, params.num_res_blocks,
                                params.z_channels, params.use_attn, params.norm_groups)
         if params.quant_conv:
             self.quant_conv = nn.Conv2d(moments, moments, kernel_size=1)
             self.post_quant_conv = nn.Conv2d(params.z_channels, params.z_channels, kernel_size=1)
+        if params.latent_bn:
+            # BatchNorm2d for its state-dict names and defaults (running_mean 0, running_var 1,
+            # num_batches_tracked), those of FLUX.2's `bn` in both of its layouts; never called
+            self.bn = nn.BatchNorm2d(4 * params.z_channels, eps=params.latent_bn_eps,
+                                     momentum=params.latent_bn_momentum, affine=False, track_running_stats=True)
 
     @property
     def downsample_factor(self) -> int:
@@ -309,6 +373,23 @@ class AutoEncoder(nn.Module):
     def encode(self, x: Tensor) -> Tensor:
         """Deterministic latent (the posterior mean), for evaluation and export."""
         return self.encode_moments(x)[0]
+
+    def normalize_latents(self, z: Tensor) -> Tensor:
+        """What a diffusion model of a latent_bn VAE sees (FLUX.2): the patchified latent standardised by the bn
+        statistics, (patchify(z) - running_mean) / sqrt(running_var + eps), as the FLUX.2 pipeline computes it."""
+        if not self.params.latent_bn:
+            raise ValueError("normalize_latents: this model has no latent bn statistics (latent_bn False)")
+        mean = self.bn.running_mean.view(1, -1, 1, 1).to(z.dtype)
+        std = torch.sqrt(self.bn.running_var.view(1, -1, 1, 1) + self.params.latent_bn_eps).to(z.dtype)
+        return (patchify_latents(z) - mean) / std
+
+    @torch.no_grad()
+    def set_latent_bn(self, mean: Tensor, var: Tensor) -> None:
+        """Replace the bn statistics (per patchified channel: 4 * z_channels values each)."""
+        if not self.params.latent_bn:
+            raise ValueError("set_latent_bn: this model has no latent bn statistics (latent_bn False)")
+        self.bn.running_mean.copy_(mean)
+        self.bn.running_var.copy_(var)
 
     def decode(self, z: Tensor) -> Tensor:
         if self.params.quant_conv:

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 import data as data_lib
 import latents as latents_lib
-from ae import AutoEncoder
+from ae import AutoEncoder, patchify_latents
 from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
 from common import ConfigError, DistInfo, OneLineParser, init_distributed
 from config import DataConfig, EvalConfig
@@ -390,6 +390,37 @@ def latent_stats(vae: AutoEncoder, url: str, resolution: int, *, batch_size: int
     res = stats.result()
     return {"shift_factor": res["latent_mean"], "scaling_factor": 1.0 / res["latent_std"], **res,
             "n_images": int(images.item())}
+
+
+@torch.no_grad()
+def latent_bn_stats(vae: AutoEncoder, url: str, resolution: int, *, batch_size: int, device: torch.device,
+                    rank: int = 0, world_size: int = 1, max_images: int | None = None,
+                    autocast: Callable | None = None, max_pixels: int = 100_000_000) -> dict:
+    """FLUX.2's bn statistics re-estimated for this encoder (after a run that trained it): the mean and variance,
+    per channel of the 2x2-patchified latent (ae.patchify_latents, the layout of FLUX.2's pipeline), of the
+    posterior means (the pipeline encodes with the posterior's mode) of center crops, from float64 sums all-reduced
+    across ranks. They are the population statistics that BatchNorm's running averages estimate, without their
+    dependence on batch order and momentum; the variance is the population one (BatchNorm averages unbiased batch
+    variances: a factor 1 + 1/(elements per batch) apart). Apply with vae.set_latent_bn(mean, var)."""
+    if resolution % (2 * vae.downsample_factor):
+        raise ValueError(f"resolution {resolution} must be a multiple of {2 * vae.downsample_factor}: the latent "
+                         "is cut into 2x2 patches")
+    autocast = autocast or contextlib.nullcontext
+    stats = latents_lib.ChannelStats(4 * vae.params.z_channels, device)
+    images = torch.zeros((), dtype=torch.float64, device=device)
+    for _, batch in data_lib.iter_eval_batches(url, resolution, batch_size, rank, world_size, max_images, max_pixels):
+        with autocast():
+            z = vae.encode(data_lib.to_model_input(batch, device, channels_last=False))
+        stats.update(patchify_latents(z.float()))
+        images += z.shape[0]
+    stats.all_reduce()
+    _all_reduce(images)
+    if images.item() == 0:
+        raise data_lib.DatasetError(f"{url}: no readable image for the latent bn statistics")
+    count, total, total_sq = stats.sums
+    mean = total / count
+    var = (total_sq / count - mean.square()).clamp_min(0)
+    return {"running_mean": mean.tolist(), "running_var": var.tolist(), "n_images": int(images.item())}
 
 
 # ============================================================================================

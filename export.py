@@ -22,8 +22,13 @@ families a written config serves depends on the channel count (SDXL-family pipel
 latents_mean; FLUX and SD3 ignore them; SD 1.x/2.x and SDXL ignore shift_factor): a diffusers export names them in
 one line and in its summary's "serves".
 A decoder-only fine-tune (--train_parts decoder) keeps its --init_from source's factors unless given others.
-quant_conv / post_quant_conv are exported where the model has them (SD 1.x/2.x/SDXL). A constant-variance encoder becomes
-AutoencoderKL's (mean, log-variance) output by extra conv_out channels with zero weights and
+FLUX.2 (a model with bn statistics) normalises through bn instead: the diffusers export is an AutoencoderKLFlux2 with
+the bn buffers (FLUX.2's pipeline standardises the 2x2-patchified latent by them), the single file BFL's layout;
+--dataset_url re-estimates the statistics (needed after a run that trained the encoder), factor flags are refused.
+A decoder narrower than the encoder (AutoencoderKL has no width of its own for the decoder) is exported as an
+AutoencoderKLFlux2 with decoder_block_out_channels; for the other families with their factors in its config.
+quant_conv / post_quant_conv are exported where the model has them (SD 1.x/2.x/SDXL, FLUX.2). A constant-variance
+encoder becomes AutoencoderKL's (mean, log-variance) output by extra conv_out channels with zero weights and
 bias log(posterior_var); a learned-posterior encoder maps as it is.
 """
 from __future__ import annotations
@@ -78,19 +83,58 @@ def honour_umask(path: str) -> None:
 def export_diffusers(vae: AutoEncoder, out_dir: str, resolution: int, scaling_factor: float = 1.0,
                      shift_factor: float = 0.0, latents_mean: list[float] | None = None,
                      latents_std: list[float] | None = None) -> None:
-    """Write `out_dir/config.json` and `diffusion_pytorch_model.safetensors` of a diffusers AutoencoderKL.
-    The converted weights are loaded strictly into AutoencoderKL before saving: a key or shape mismatch
-    fails here, not in the user's pipeline."""
-    from diffusers import AutoencoderKL
+    """Write `out_dir/config.json` and `diffusion_pytorch_model.safetensors` of a diffusers AutoencoderKL, or of an
+    AutoencoderKLFlux2 (pretrained.diffusers_class): FLUX.2's VAE with its bn statistics (and
+    decoder_block_out_channels where its decoder is narrower), or a narrower decoder of another family, whose
+    factors then ride in its config as entries diffusers keeps in `model.config`.
+    The converted weights are loaded strictly into the diffusers model before saving: a key or shape mismatch
+    fails here, not in the user's pipeline. ValueError for factors on a model that normalises by bn."""
     params = vae.params
     if params.clamp_th > 0:
         print(f"warning: this model clamps its posterior mean to +-{params.clamp_th}; diffusers' AutoencoderKL does "
               "not clamp, so latents of unusual inputs may exceed that range", file=sys.stderr)
-    model = AutoencoderKL(**diffusers_config(params, resolution, scaling_factor, shift_factor, latents_mean,
-                                             latents_std))
-    model.load_state_dict(to_diffusers_state_dict(vae.state_dict(), params), strict=True)
+    state = to_diffusers_state_dict(vae.state_dict(), params)
+    if pretrained.diffusers_class(params) == "AutoencoderKL":
+        from diffusers import AutoencoderKL
+        model = AutoencoderKL(**diffusers_config(params, resolution, scaling_factor, shift_factor, latents_mean,
+                                                 latents_std))
+    else:
+        model = flux2_model(params, resolution)
+        if params.latent_bn:
+            if (scaling_factor, shift_factor, latents_mean, latents_std) != (1.0, 0.0, None, None):
+                raise ValueError("a VAE with FLUX.2's bn statistics normalises its latents by them: AutoencoderKLFlux2 "
+                                 "has no scaling/shift factors or latents_mean/latents_std")
+        else:
+            # a narrower decoder of a family with factors: its pipelines read them from model.config, where diffusers
+            # keeps config.json entries the constructor does not take (ConfigMixin's hidden config, with a logged
+            # warning); their presence also tells pretrained.from_diffusers_state_dict that the bn is unused, which
+            # keeps BatchNorm's defaults
+            state.update({f"bn.{k}": v for k, v in model.bn.state_dict().items()})
+            model.register_to_config(scaling_factor=scaling_factor, shift_factor=shift_factor,
+                                     latents_mean=None if latents_mean is None else list(latents_mean),
+                                     latents_std=None if latents_std is None else list(latents_std),
+                                     force_upcast=True)
+    model.load_state_dict(state, strict=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     honour_umask(os.path.join(out_dir, DIFFUSERS_WEIGHTS))
+
+
+def flux2_model(params, resolution: int):
+    """diffusers' AutoencoderKLFlux2 for `params`; ConfigError (one line) where the installed diffusers lacks it or,
+    for a narrower decoder, its decoder_block_out_channels (diffusers 0.38)."""
+    import inspect
+    try:
+        from diffusers import AutoencoderKLFlux2
+    except ImportError:
+        raise ConfigError("this export is an AutoencoderKLFlux2, which the installed diffusers lacks: "
+                          "pip install 'diffusers>=0.38'") from None
+    config = pretrained.flux2_config(params, resolution)
+    if "decoder_block_out_channels" not in inspect.signature(AutoencoderKLFlux2.__init__).parameters:
+        if config["decoder_block_out_channels"] is not None:
+            raise ConfigError("a decoder narrower than the encoder needs AutoencoderKLFlux2's "
+                              "decoder_block_out_channels: pip install 'diffusers>=0.38'")
+        del config["decoder_block_out_channels"]
+    return AutoencoderKLFlux2(**config)
 
 
 def export_single_file(vae: AutoEncoder, out_dir: str, scaling_factor: float | None = None,
@@ -118,8 +162,8 @@ def export_safetensors(vae: AutoEncoder, out_dir: str, resolution: int | None, s
                        latents_std: list[float] | None = None) -> None:
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
-    state = {k: v.detach().float().cpu().contiguous() for k, v in vae.state_dict().items()}
-    save_file(state, os.path.join(out_dir, SAFETENSORS_WEIGHTS), metadata={"format": "pt"})
+    state = {k: pretrained.as_stored(v) for k, v in vae.state_dict().items()}
+    save_file(state, os.path.join(out_dir, SAFETENSORS_WEIGHTS), metadata={"format": "pt"})  # bn.* included
     honour_umask(os.path.join(out_dir, SAFETENSORS_WEIGHTS))
     config = {**vae.params.to_dict(), "scaling_factor": scaling_factor, "shift_factor": shift_factor,
               "resolution": resolution, "step": step, "latents_mean": latents_mean, "latents_std": latents_std}
@@ -153,6 +197,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def export_latent_bn(args, vae: AutoEncoder, info: dict, resolution: int) -> int:
+    """main() for a model that normalises its latents by FLUX.2's bn statistics, not by factors: --dataset_url
+    re-estimates them (evaluate.latent_bn_stats: after a run that trained the encoder), else they are exported as
+    the model holds them (the source's after a decoder-only fine-tune)."""
+    try:
+        if args.scaling_factor is not None or args.shift_factor is not None or args.latent_norm != "scalar":
+            raise ConfigError("this VAE normalises its latents by FLUX.2's bn statistics, not by factors: "
+                              "--scaling_factor / --shift_factor / --latent_norm do not apply (--dataset_url "
+                              "re-estimates the bn statistics)")
+        if args.dataset_url and resolution % (2 * vae.downsample_factor):
+            raise ConfigError(f"--resolution must be a multiple of {2 * vae.downsample_factor} to re-estimate the bn "
+                              f"statistics (2x2 patches of the latent), got {resolution}")
+        if args.dataset_url:
+            data_lib.probe_remote_shards(data_lib.list_shards(args.dataset_url))
+        if os.path.isfile(args.out):
+            raise ConfigError(f"--out {args.out} is a file")
+        summary = {"out": args.out, "format": args.format, "checkpoint": info["checkpoint"], "step": info["step"],
+                   "ema": args.ema, "resolution": resolution, "latent_norm": "bn"}
+        if args.dataset_url:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            stats = evaluate.latent_bn_stats(vae.to(device), args.dataset_url, resolution, batch_size=args.batch_size,
+                                             device=device, max_images=args.latent_stats_images)
+            vae.cpu().set_latent_bn(torch.tensor(stats["running_mean"]), torch.tensor(stats["running_var"]))
+            summary["latent_bn_images"] = stats["n_images"]
+        elif info.get("train_parts") != "decoder":
+            print("note: the bn statistics are exported as the checkpoint holds them; if this run trained the encoder "
+                  "they describe the latents of the encoder it started from: give --dataset_url to re-estimate them",
+                  file=sys.stderr)
+        if args.format == "diffusers":
+            export_diffusers(vae, args.out, resolution)
+        elif args.format == "single_file":
+            summary["file"] = export_single_file(vae, args.out)
+        else:
+            export_safetensors(vae, args.out, resolution, step=info["step"])
+    except (ConfigError, data_lib.DatasetError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -171,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         resolution = args.resolution or info["resolution"]
         if not resolution or resolution % vae.downsample_factor:
             raise ConfigError(f"--resolution must be a positive multiple of {vae.downsample_factor}, got {resolution}")
+        if vae.params.latent_bn:
+            return export_latent_bn(args, vae, info, resolution)
         if args.dataset_url:
             data_lib.probe_remote_shards(data_lib.list_shards(args.dataset_url))
         if os.path.isfile(args.out):

@@ -1,13 +1,29 @@
-"""The layouts released VAEs come in, both ways: diffusers' AutoencoderKL folder and the LDM/FLUX single file.
+"""The layouts released VAEs come in, both ways: diffusers' AutoencoderKL / AutoencoderKLFlux2 folder and the
+LDM/FLUX single file.
 
     source = pretrained.load_source("black-forest-labs/FLUX.1-dev/ae.safetensors")   # or a diffusers folder,
     source.params, source.state, source.factors                                       # an SD VAE / SD checkpoint
+    vae = pretrained.narrow_decoder_model(source, (96, 192, 384, 384))                # the same latent space,
+                                                                                      # a narrower decoder
 
-`load_source` reads a diffusers folder (config.json + weights), FLUX's `ae.safetensors`, an SD/LDM VAE file (with
-`quant_conv`), or a full SD checkpoint whose VAE keys carry `first_stage_model.` (or `vae.`): it returns the
+`load_source` reads a diffusers folder (config.json + weights), FLUX.1's or FLUX.2's `ae.safetensors`, an SD/LDM VAE
+file (with `quant_conv`), or a full SD checkpoint whose VAE keys carry `first_stage_model.` (or `vae.`): it returns the
 architecture (read from the config or from the weights' shapes, never from flags), the weights in ae.py's names
 and the latent factors (z' = (z - shift_factor) * scaling_factor; the config's, or for a single file the released
-values of its family). Imports only ae.py: the trainer, export.py and bench.py all use it without an import cycle.
+values of its family). FLUX.2 normalises its latent otherwise: by the running statistics of a BatchNorm (`bn`) over
+the 2x2-patchified latent, which travel with the weights (`bn.running_mean`, `bn.running_var`: ae.AutoEncoder's
+buffers when params.latent_bn) while its factors are the identity.
+
+The two FLUX.2 layouts (diffusers' scripts/convert_flux2_to_diffusers.py maps one onto the other; BFL's
+flux2/src/flux2/autoencoder.py defines the single file):
+  diffusers AutoencoderKLFlux2: AutoencoderKL's names, `quant_conv.*`, `post_quant_conv.*`, `bn.running_mean`,
+      `bn.running_var`, `bn.num_batches_tracked`; config `batch_norm_eps`, `batch_norm_momentum`, `patch_size`, and
+      `decoder_block_out_channels` for a decoder narrower than the encoder (BFL's FLUX.2-small-decoder).
+  BFL's ae.safetensors: the LDM names of FLUX.1's file, the quant convs inside the encoder and decoder
+      (`encoder.quant_conv.*`, `decoder.post_quant_conv.*`), and `bn.running_mean`, `bn.running_var` (and
+      `bn.num_batches_tracked`, which BFL's strict load_state_dict expects); eps 1e-4 and momentum 0.1 are BFL's
+      constants, not in the file.
+Imports only ae.py: the trainer, export.py and bench.py all use it without an import cycle.
 """
 from __future__ import annotations
 
@@ -15,7 +31,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -25,14 +41,22 @@ from ae import AutoEncoder, AutoEncoderParams
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_WEIGHTS_BIN = "diffusion_pytorch_model.bin"
 
-# Released latent factors of each family (the diffusers configs of the released VAEs).
+# Released latent factors of each family (the diffusers configs of the released VAEs). FLUX.2's are the identity:
+# its pipeline normalises by the bn statistics in the weights instead.
 FAMILIES = {
     "sd": {"scaling_factor": 0.18215, "shift_factor": 0.0},  # SD 1.x / 2.x
     "sdxl": {"scaling_factor": 0.13025, "shift_factor": 0.0},
     "sd3": {"scaling_factor": 1.5305, "shift_factor": 0.0609},
     "flux": {"scaling_factor": 0.3611, "shift_factor": 0.1159},
+    "flux2": {"scaling_factor": 1.0, "shift_factor": 0.0},
 }
 FAMILY_CHOICES = ("auto",) + tuple(FAMILIES)
+# What each family's latent space is, as a file's shapes show it: its channel count, and whether bn statistics
+# normalise it (FLUX.2). A family the file contradicts would pair a latent space with another's factors.
+FAMILY_LATENT_CHANNELS = {"sd": 4, "sdxl": 4, "sd3": 16, "flux": 16, "flux2": 32}
+BN_FAMILIES = ("flux2",)
+# BFL's FLUX.2 single file keeps the quant convs inside the encoder and the decoder; ours (and LDM's) at the top
+BFL_QUANT_CONV_NAMES = (("encoder.quant_conv.", "quant_conv."), ("decoder.post_quant_conv.", "post_quant_conv."))
 LDM_PREFIXES = ("first_stage_model.", "vae.")  # where a full checkpoint keeps its VAE (as diffusers' LDM_VAE_KEYS)
 # a key only the diffusion model of a full checkpoint has, per family (diffusers' CHECKPOINT_KEY_NAMES)
 FAMILY_MARKERS = (("sd3", "model.diffusion_model.joint_blocks.0."), ("flux", "model.diffusion_model.double_blocks.0."),
@@ -47,10 +71,11 @@ class SourceError(ValueError):
 class Source:
     path: str
     layout: str  # "diffusers" (a folder) or "single_file"
-    family: str  # sd | sdxl | sd3 | flux, or "" (a diffusers folder: its config carries the factors)
+    family: str  # sd | sdxl | sd3 | flux | flux2, or "" (a diffusers folder: its config carries the factors)
     params: AutoEncoderParams
     state: dict[str, Tensor]  # in ae.py's (LDM/FLUX) names
-    factors: dict  # scaling_factor, shift_factor, latents_mean, latents_std (None where the source has none)
+    factors: dict  # scaling_factor, shift_factor, latents_mean, latents_std (None where the source has none);
+    # FLUX.2's bn statistics are not factors: they are in `state` (bn.running_mean / bn.running_var) and `params`
     prefix: str = ""  # the VAE keys' prefix in a full checkpoint
     notes: list[str] = field(default_factory=list)
 
@@ -63,8 +88,36 @@ class Source:
 # ============================================================================================
 # diffusers AutoencoderKL: config and state-dict conversion
 # ============================================================================================
+def diffusers_class(params: AutoEncoderParams) -> str:
+    """The diffusers class that holds a model of these params. AutoencoderKL has one block_out_channels for encoder
+    and decoder; of the classes with a decoder width of their own, AutoencoderKLFlux2 alone has AutoencoderKL's
+    Encoder and Decoder (AsymmetricAutoencoderKL's decoder is a MaskConditionDecoder with an inpainting branch and
+    always quant convs; AutoencoderTiny and ConsistencyDecoderVAE are other networks). So a narrower decoder of any
+    family is exported as an AutoencoderKLFlux2, whose unused bn keeps BatchNorm's defaults where the family has
+    factors (export.export_diffusers writes them into its config)."""
+    narrow = params.decoder_widths != params.encoder_channels
+    return "AutoencoderKLFlux2" if params.latent_bn or narrow else "AutoencoderKL"
+
+
+def flux2_config(params: AutoEncoderParams, resolution: int) -> dict:
+    """AutoencoderKLFlux2's constructor arguments for `params` (decoder_block_out_channels only when narrower)."""
+    levels = len(params.ch_mult)
+    narrow = params.decoder_widths != params.encoder_channels
+    return dict(
+        in_channels=params.in_channels, out_channels=params.out_ch,
+        down_block_types=["DownEncoderBlock2D"] * levels, up_block_types=["UpDecoderBlock2D"] * levels,
+        block_out_channels=list(params.encoder_channels),
+        decoder_block_out_channels=list(params.decoder_widths) if narrow else None,
+        layers_per_block=params.num_res_blocks, act_fn="silu", latent_channels=params.z_channels,
+        norm_num_groups=params.norm_groups, sample_size=resolution, use_quant_conv=params.quant_conv,
+        use_post_quant_conv=params.quant_conv, mid_block_add_attention=params.use_attn,
+        batch_norm_eps=params.latent_bn_eps, batch_norm_momentum=params.latent_bn_momentum, patch_size=[2, 2])
+
+
+
 def diffusers_config(params: AutoEncoderParams, resolution: int, scaling_factor: float, shift_factor: float,
                      latents_mean: list | None = None, latents_std: list | None = None) -> dict:
+    """AutoencoderKL's constructor arguments (diffusers_class(params) == "AutoencoderKL")."""
     levels = len(params.ch_mult)
     config = dict(
         in_channels=params.in_channels, out_channels=params.out_ch,
@@ -121,8 +174,14 @@ def to_diffusers_state_dict(state: dict[str, Tensor], params: AutoEncoderParams)
         key = diffusers_key(name, levels)
         if ".attentions.0.to_" in key and value.dim() == 4:
             value = value[:, :, 0, 0]  # 1x1 convs become diffusers' linear layers
-        out[key] = value.detach().float().contiguous()
+        out[key] = as_stored(value)
     return out
+
+
+def as_stored(value: Tensor) -> Tensor:
+    """fp32 weights on the CPU; an integer buffer (bn.num_batches_tracked) keeps its dtype."""
+    value = value.detach().cpu()
+    return (value.float() if value.is_floating_point() else value).contiguous()
 
 
 def _constant_logvar(state: dict[str, Tensor], z: int, quant_conv: bool) -> float | None:
@@ -153,6 +212,8 @@ def _fit(params: AutoEncoderParams, lookup, where: str) -> dict[str, Tensor]:
     constant = params.posterior == "constant"
     for name, like in model_state.items():
         value = lookup(name)
+        if value is None and name == "bn.num_batches_tracked":
+            value = torch.zeros((), dtype=torch.long)  # a count of no consequence (momentum is set): not required
         if value is None:
             missing.append(name)
             continue
@@ -161,7 +222,8 @@ def _fit(params: AutoEncoderParams, lookup, where: str) -> dict[str, Tensor]:
         if value.numel() != like.numel():
             wrong.append(f"{name} {list(value.shape)} vs {list(like.shape)}")
             continue
-        ours[name] = value.reshape(like.shape).float()  # attention linears / conv1d are our 1x1 convs
+        # attention linears / conv1d are our 1x1 convs; num_batches_tracked stays an integer
+        ours[name] = value.reshape(like.shape).to(like.dtype)
     if missing or wrong:
         parts = ([f"{len(missing)} missing (e.g. {', '.join(missing[:3])})"] if missing else []) + \
                 ([f"{len(wrong)} of another shape (e.g. {'; '.join(wrong[:2])})"] if wrong else [])
@@ -171,10 +233,17 @@ def _fit(params: AutoEncoderParams, lookup, where: str) -> dict[str, Tensor]:
 
 def from_diffusers_state_dict(state: dict[str, Tensor], config: dict,
                               where: str = "the folder") -> tuple[AutoEncoderParams, dict[str, Tensor]]:
-    """An AutoencoderKL's config and weights -> our params and state dict. The posterior comes back as it went
-    out: a log-variance half of `conv_out` with zero weights and one constant bias is the constant posterior
-    (variance exp(bias)); anything else (every released VAE) is a learned one. SourceError (one line) for a
-    config or weights ae.py cannot hold."""
+    """An AutoencoderKL's or AutoencoderKLFlux2's config and weights -> our params and state dict. The posterior
+    comes back as it went out: a log-variance half of `conv_out` with zero weights and one constant bias is the
+    constant posterior (variance exp(bias)); anything else (every released VAE) is a learned one. An
+    AutoencoderKLFlux2 is FLUX.2's (latent_bn) unless its config carries a scaling_factor (a narrower decoder of
+    another family, as export.export_diffusers writes it; FLUX.2's own configs have none), whose bn is then unused
+    and not loaded. SourceError (one line) for a config or weights ae.py cannot hold."""
+    kind = config.get("_class_name", "AutoencoderKL")
+    if kind not in ("AutoencoderKL", "AutoencoderKLFlux2"):
+        raise SourceError(f"{where}: a {kind}, not an AutoencoderKL or AutoencoderKLFlux2")
+    flux2 = kind == "AutoencoderKLFlux2"
+    latent_bn = flux2 and "scaling_factor" not in config
     try:
         quant = bool(config.get("use_quant_conv", True))
         if quant != bool(config.get("use_post_quant_conv", True)):
@@ -187,6 +256,10 @@ def from_diffusers_state_dict(state: dict[str, Tensor], config: dict,
         channels = list(config["block_out_channels"])
         if any(c % channels[0] for c in channels):
             raise SourceError(f"{where}: block_out_channels {channels} are not multiples of the first")
+        decoder = list(config.get("decoder_block_out_channels") or channels) if flux2 else channels
+        if latent_bn and list(config.get("patch_size", [2, 2])) != [2, 2]:
+            raise SourceError(f"{where}: patch_size {config.get('patch_size')}: FLUX.2's pipeline patchifies 2x2, "
+                              "the only patch its bn statistics are supported for")
         z = config["latent_channels"]
         variance = _constant_logvar(state, z, quant)
         params = AutoEncoderParams(
@@ -195,7 +268,10 @@ def from_diffusers_state_dict(state: dict[str, Tensor], config: dict,
             z_channels=z, use_attn=config.get("mid_block_add_attention", True),
             posterior="learned" if variance is None else "constant",
             posterior_var=0.1 if variance is None else variance,
-            norm_groups=config.get("norm_num_groups", 32), quant_conv=quant)
+            norm_groups=config.get("norm_num_groups", 32), quant_conv=quant,
+            decoder_channels=tuple(decoder) if decoder != channels else (), latent_bn=latent_bn,
+            latent_bn_eps=float(config.get("batch_norm_eps", 1e-4)),
+            latent_bn_momentum=float(config.get("batch_norm_momentum", 0.1)))
     except KeyError as e:
         raise SourceError(f"{where}: config.json has no {e}") from None
     levels = len(params.ch_mult)
@@ -206,8 +282,9 @@ def from_diffusers_state_dict(state: dict[str, Tensor], config: dict,
 # The LDM/FLUX single file: our names, with the log-variance channels of the released layout
 # ============================================================================================
 def params_from_ldm_state(state: dict[str, Tensor], where: str) -> AutoEncoderParams:
-    """The architecture of LDM/FLUX-named VAE weights, read from the tensors' shapes (GroupNorm's group count
-    is not in the weights: every released VAE uses 32)."""
+    """The architecture of LDM/FLUX-named VAE weights (quant convs at the top: from_bfl_names first), read from the
+    tensors' shapes, the decoder's widths included (GroupNorm's group count is not in the weights: every released
+    VAE uses 32; nor are FLUX.2's bn eps and momentum: BFL's constants, ae.py's defaults)."""
     def shape(key):
         if key not in state:
             raise SourceError(f"{where}: no {key}: not a VAE in the LDM/FLUX layout")
@@ -228,18 +305,45 @@ def params_from_ldm_state(state: dict[str, Tensor], where: str) -> AutoEncoderPa
     quant = "quant_conv.weight" in state
     variance = _constant_logvar(state, z, quant)
     learned = moments == 2 * z and variance is None
+    # each decoder level's width is its first block's output; a level the encoder lacks shows as a key that does
+    # not fit (_load_single_file)
+    decoder = tuple(shape(f"decoder.up.{level}.block.0.conv1.weight")[0] for level in range(levels))
+    encoder = tuple(ch * m for m in ch_mult)
     return AutoEncoderParams(in_channels=shape("encoder.conv_in.weight")[1], out_ch=shape("decoder.conv_out.weight")[0],
                              ch=ch, ch_mult=tuple(ch_mult), num_res_blocks=blocks, z_channels=z,
                              use_attn="encoder.mid.attn_1.q.weight" in state,
                              posterior="learned" if learned else "constant",
-                             posterior_var=variance if variance is not None else 0.1, quant_conv=quant)
+                             posterior_var=variance if variance is not None else 0.1, quant_conv=quant,
+                             decoder_channels=decoder if decoder != encoder else (),
+                             latent_bn="bn.running_mean" in state)
+
+
+def from_bfl_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """BFL's FLUX.2 names -> ours: `encoder.quant_conv.*` / `decoder.post_quant_conv.*` move to the top."""
+    def ours(key: str) -> str:
+        for bfl, top in BFL_QUANT_CONV_NAMES:
+            if key.startswith(bfl):
+                return top + key[len(bfl):]
+        return key
+    return {ours(k): v for k, v in state.items()}
+
+
+def to_bfl_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Ours -> BFL's FLUX.2 single-file names (the inverse of from_bfl_names)."""
+    def bfl(key: str) -> str:
+        for nested, top in BFL_QUANT_CONV_NAMES:
+            if key.startswith(top):
+                return nested + key[len(top):]
+        return key
+    return {bfl(k): v for k, v in state.items()}
 
 
 def single_file_state_dict(vae: AutoEncoder) -> dict[str, Tensor]:
     """The weights as FLUX's ae.safetensors / an SD VAE file holds them (LDM names; a constant posterior as
-    zero-weight log-variance channels, so FLUX's and LDM's code load it)."""
-    state = {k: v.detach().float().cpu().contiguous() for k, v in vae.state_dict().items()}
-    return _with_constant_logvar(state, vae.params)
+    zero-weight log-variance channels, so FLUX's and LDM's code load it). A model with bn statistics is written in
+    BFL's FLUX.2 layout (quant convs inside encoder and decoder, bn.*), which BFL's AutoEncoder loads strictly."""
+    state = _with_constant_logvar({k: as_stored(v) for k, v in vae.state_dict().items()}, vae.params)
+    return to_bfl_names(state) if vae.params.latent_bn else state
 
 
 def _read_file(path: str) -> dict[str, Tensor]:
@@ -260,7 +364,9 @@ def _read_file(path: str) -> dict[str, Tensor]:
     return state
 
 
-def _single_file_family(state: dict[str, Tensor], prefix: str, z: int, notes: list[str]) -> str:
+def _single_file_family(state: dict[str, Tensor], prefix: str, z: int, notes: list[str], latent_bn: bool) -> str:
+    if latent_bn:
+        return "flux2"  # the only family whose file carries bn statistics (whose shapes _check_family then checks)
     if prefix:  # a full checkpoint: its diffusion model says which family it is
         for family, marker in FAMILY_MARKERS:
             if any(k.startswith(marker) for k in state):
@@ -278,6 +384,23 @@ def _single_file_family(state: dict[str, Tensor], prefix: str, z: int, notes: li
                       "diffusers folder (its config.json carries the latent factors)")
 
 
+def _check_family(family: str, params: AutoEncoderParams, path: str, given: bool) -> None:
+    """SourceError (one line) where the file's shapes contradict the family: its factors (or FLUX.2's bn) would
+    normalise a latent space that is not the family's."""
+    expected = FAMILY_LATENT_CHANNELS[family]
+    flag = f"--init_family {family}" if given else f"detected as {family}"
+    if params.latent_bn and family not in BN_FAMILIES:
+        raise SourceError(f"{path}: {flag}, but the file carries FLUX.2's bn statistics ({params.z_channels} "
+                          "latent channels normalised by bn, not by scaling factors): give --init_family flux2 or "
+                          "auto")
+    if family in BN_FAMILIES and not params.latent_bn:
+        raise SourceError(f"{path}: {flag}, but the file has no bn statistics (bn.running_mean / bn.running_var), "
+                          "which FLUX.2's latents are normalised by")
+    if params.z_channels != expected:
+        raise SourceError(f"{path}: {flag}, whose latent has {expected} channels, but this file's has "
+                          f"{params.z_channels}")
+
+
 def _load_single_file(path: str, family: str) -> Source:
     full = _read_file(path)
     prefix = next((p for p in LDM_PREFIXES if f"{p}encoder.conv_in.weight" in full), "")
@@ -289,13 +412,15 @@ def _load_single_file(path: str, family: str) -> Source:
         raise SourceError(f"{path}: no VAE in it (no encoder.conv_in.weight, with or without the "
                           f"{' / '.join(LDM_PREFIXES)} prefix; its first key is {example!r}): not a VAE of the "
                           "FLUX/SD family")
-    state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)} if prefix else full
+    state = from_bfl_names({k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)} if prefix else full)
     params = params_from_ldm_state(state, path)
     notes: list[str] = []
-    if family == "auto":
-        family = _single_file_family(full, prefix, params.z_channels, notes)
+    given = family != "auto"
+    if not given:
+        family = _single_file_family(full, prefix, params.z_channels, notes, params.latent_bn)
+    _check_family(family, params, path, given)
     expected = _shapes(params)
-    extra = sorted(k for k in state if k.split(".")[0] in ("encoder", "decoder", "quant_conv", "post_quant_conv")
+    extra = sorted(k for k in state if k.split(".")[0] in ("encoder", "decoder", "quant_conv", "post_quant_conv", "bn")
                    and k not in expected)
     if extra:
         raise SourceError(f"{path}: {len(extra)} keys do not fit the architecture read from it "
@@ -314,20 +439,22 @@ def _load_diffusers_folder(path: str, family: str) -> Source:
             config = json.load(f)
     except (OSError, ValueError) as e:
         raise SourceError(f"{config_path}: unreadable ({type(e).__name__})") from None
-    if config.get("_class_name", "AutoencoderKL") != "AutoencoderKL":
-        raise SourceError(f"{path}: a {config.get('_class_name')}, not an AutoencoderKL")
+    if config.get("_class_name", "AutoencoderKL") not in ("AutoencoderKL", "AutoencoderKLFlux2"):
+        raise SourceError(f"{path}: a {config.get('_class_name')}, not an AutoencoderKL or AutoencoderKLFlux2")
     weights = [os.path.join(path, n) for n in (DIFFUSERS_WEIGHTS, DIFFUSERS_WEIGHTS_BIN)
                if os.path.isfile(os.path.join(path, n))]
     if not weights:
         raise SourceError(f"{path}: config.json but no weights ({DIFFUSERS_WEIGHTS} or {DIFFUSERS_WEIGHTS_BIN})")
     params, ours = from_diffusers_state_dict(_read_file(weights[0]), config, path)
+    # FLUX.2's config has no factors (its bn statistics are in the weights): the identity
     factors = {"scaling_factor": float(config.get("scaling_factor", 1.0)),
                "shift_factor": float(config.get("shift_factor") or 0.0),
                "latents_mean": config.get("latents_mean"), "latents_std": config.get("latents_std")}
     notes = []
     if family != "auto":
-        notes.append(f"--init_family {family} ignored: the diffusers config carries the latent factors")
-    return Source(path, "diffusers", "", params, ours, factors, "", notes)
+        notes.append(f"--init_family {family} ignored: the diffusers config carries the latent factors"
+                     + (" (FLUX.2's bn statistics, in its weights)" if params.latent_bn else ""))
+    return Source(path, "diffusers", "flux2" if params.latent_bn else "", params, ours, factors, "", notes)
 
 
 def load_source(path: str, family: str = "auto") -> Source:
@@ -339,3 +466,49 @@ def load_source(path: str, family: str = "auto") -> Source:
     if not os.path.isfile(path):
         raise SourceError(f"{path}: no such file or folder")
     return _load_single_file(path, family)
+
+
+# ============================================================================================
+# A narrower decoder for a released latent space
+# ============================================================================================
+DECODER_INITS = ("fresh", "slice")
+
+
+def narrow_decoder_model(source: Source, decoder_channels: tuple[int, ...], init: str = "fresh",
+                         seed: int = 0) -> AutoEncoder:
+    """The source's model with a decoder of other widths (one per level, highest resolution first; e.g. FLUX.2's
+    small decoder 96,192,384,384 behind the 128,256,512,512 encoder). The encoder, quant_conv, post_quant_conv and
+    the bn statistics are the source's, bitwise: the latent space and its normalisation (factors or bn) do not
+    change, so diffusion models trained on the source's latents keep working once the decoder is trained.
+    The decoder starts
+      fresh: as a new model's decoder is initialised (PyTorch's defaults, under torch.manual_seed(seed), the
+             global generator left as it was); the rule to use when it is distilled from the source's decoder;
+      slice: from the source's decoder, every tensor cut to the leading entries of each dimension (a level of k
+             channels keeps channels 0..k-1 of the wide level's, in every conv's inputs and outputs, norm affine
+             and attention projection). A warm start, not an approximation: the dropped channels' contributions
+             are gone from every sum and GroupNorm regroups the kept ones, so it decodes badly until trained.
+             Needs every width <= the source's. Where the widths' pattern differs, a block's 1x1 shortcut
+             (nin_shortcut, present when its input and output widths differ) may exist in one decoder only: the
+             wide one's is then dropped, the narrow one's starts fresh.
+    ValueError (one line) for widths the model cannot have or an unknown init."""
+    if init not in DECODER_INITS:
+        raise ValueError(f"decoder init must be one of {DECODER_INITS}, got {init!r}")
+    wide = source.params
+    params = replace(wide, decoder_channels=tuple(int(c) for c in decoder_channels))
+    if params.decoder_widths == wide.encoder_channels:
+        params = replace(params, decoder_channels=())  # the encoder's widths: the canonical form
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoEncoder(params)  # ValueError for widths the model cannot have
+    state = model.state_dict()
+    for name, value in source.state.items():
+        if not name.startswith("decoder."):
+            state[name] = value.clone()
+        elif init == "slice" and name in state:  # a 1x1 shortcut only one of them has: dropped, or kept fresh
+            narrow = state[name]
+            if any(n > w for n, w in zip(narrow.shape, value.shape)):
+                raise ValueError(f"decoder init slice needs every decoder width <= the source's "
+                                 f"{list(wide.decoder_widths)}, got {list(params.decoder_widths)}")
+            state[name] = value[tuple(slice(0, n) for n in narrow.shape)].clone()
+    model.load_state_dict(state)
+    return model.eval()
