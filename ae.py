@@ -407,9 +407,14 @@ class AutoEncoder(nn.Module):
 
 
 def decode_latents(vae: AutoEncoder, z: Tensor, mean: Tensor, logvar: Tensor | None, latent_transform=None,
-                   also_decode=None) -> tuple[Tensor, ...]:
-    """The decoding half of AutoEncoder.forward (shared with a decoder-only fine-tune's forward)."""
+                   also_decode=None, teacher: nn.Module | None = None) -> tuple[Tensor, ...]:
+    """The decoding half of AutoEncoder.forward (shared with a decoder-only fine-tune's forward): (reconstruction,
+    mean, logvar), then the decode of also_decode(z) if given, then `teacher`'s decode of the very latent the
+    reconstruction was decoded from, without gradient (a decoder being distilled from another)."""
     added = (vae.decode(also_decode(z)),) if also_decode is not None else ()
     if latent_transform is not None:
         z = latent_transform(z)
+    if teacher is not None:
+        with torch.no_grad():
+            added += (teacher.decode(z),)
     return (vae.decode(z), mean, logvar, *added)

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import data as data_lib
 import latents as latents_lib
 import pretrained
-from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoderParams
+from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoderParams, check_widths
 from common import ConfigError, OneLineParser, parse_bool
 from utils import DIFFAUG_POLICIES, DISC_NORMS, DISC_TYPES, vgg16_cache_path
 
@@ -95,10 +95,20 @@ class ModelConfig:
     do_clamp: bool = opt(False, "clamp the posterior mean to [-clamp_th, clamp_th]")
     clamp_th: float = opt(8.0, "latent clamp threshold used with --do_clamp")
     vae_quant_conv: bool = opt(False, "LDM's 1x1 quant_conv/post_quant_conv around the latent (the SD 1.x/2.x/SDXL "
-                                      "VAEs; needs --posterior learned). Set by --init_from", arch=True)
+                                      "and FLUX.2 VAEs; needs --posterior learned). Set by --init_from", arch=True)
+    vae_decoder_ch: str = opt("", "the decoder's width per level, highest resolution first (e.g. 96,192,384,384: "
+                                  "FLUX.2's small decoder behind the 128,256,512,512 encoder). '': the encoder's "
+                                  "widths. With --init_from, a narrower decoder for the source's latent space "
+                                  "(--decoder_init)", arch=True)
+    vae_latent_bn: bool = opt(False, "FLUX.2's latent normalisation: the running statistics of a BatchNorm over the "
+                                     "2x2-patchified latent, kept with the model (never trained) and exported in "
+                                     "place of scaling/shift factors. Set by --init_from", arch=True)
+    vae_latent_bn_eps: float = opt(1e-4, "the eps of --vae_latent_bn's normalisation (FLUX.2's: 1e-4). Set by "
+                                         "--init_from")
 
     def validate(self) -> None:
-        check(self, positive=("vae_ch", "vae_num_res_blocks", "vae_z_channels", "vae_norm_groups", "posterior_var"))
+        check(self, positive=("vae_ch", "vae_num_res_blocks", "vae_z_channels", "vae_norm_groups", "posterior_var",
+                              "vae_latent_bn_eps"))
         if self.do_clamp and self.clamp_th <= 0:
             raise ConfigError(f"--clamp_th must be positive with --do_clamp, got {self.clamp_th}")
         if self.vae_quant_conv and self.posterior != "learned":
@@ -109,6 +119,10 @@ class ModelConfig:
                 raise ConfigError(f"channel count {self.vae_ch} x {mult} = {self.vae_ch * mult} is not divisible by "
                                   f"the {params.norm_groups} GroupNorm groups (--vae_ch / --vae_ch_mult / "
                                   "--vae_norm_groups)")
+        try:
+            check_widths(params)
+        except ValueError as e:
+            raise ConfigError(f"--vae_decoder_ch {self.vae_decoder_ch}: {e}") from None
 
 
 @dataclass
@@ -117,16 +131,22 @@ class FinetuneConfig:
     GROUP: ClassVar[str] = "finetune"  # the --help group
     TITLE: ClassVar[str] = "Fine-tuning a released VAE ([how](finetuning.md))"  # the flag table's heading
 
-    init_from: str = opt("", "start from a released VAE: a diffusers AutoencoderKL folder, FLUX's ae.safetensors, an "
-                             "SD VAE file or a full SD checkpoint (first_stage_model.*). The architecture (the --vae_* "
-                             "flags, --posterior) and the latent factors are read from it")
+    init_from: str = opt("", "start from a released VAE: a diffusers AutoencoderKL or AutoencoderKLFlux2 folder, "
+                             "FLUX.1's or FLUX.2's ae.safetensors, an SD VAE file or a full SD checkpoint "
+                             "(first_stage_model.*). The architecture (the --vae_* flags, --posterior) and the latent "
+                             "factors (FLUX.2: its bn statistics) are read from it")
     init_family: str = opt("auto", "the family of an --init_from single file, for its latent factors (a VAE-only "
-                                   "file does not say whether it is SD's or SDXL's, FLUX's or SD3's)",
+                                   "file does not say whether it is SD's or SDXL's, FLUX.1's or SD3's; one with bn "
+                                   "statistics is FLUX.2's)",
                            pretrained.FAMILY_CHOICES)
     train_parts: str = opt("all", "all: train the whole VAE; decoder: freeze the encoder, quant_conv and the "
                                   "posterior (no_grad, eval mode, not in the optimizer, EMA or DDP), train the "
                                   "decoder: the latent space stays the source's, so export keeps its latent factors",
                            ("all", "decoder"))
+    decoder_init: str = opt("fresh", "with --init_from and a --vae_decoder_ch other than the source's: fresh (a new "
+                                     "decoder, initialised as a new model's; with --distill_weight) or slice (the "
+                                     "source decoder's leading channels of every tensor: a warm start)",
+                            pretrained.DECODER_INITS)
 
     def validate(self) -> None:
         pass  # its values are choices (argparse) and a path (run_setup checks it)
@@ -147,6 +167,10 @@ class LossConfig:
     lowpass_mse_weight: float = opt(1.0, "low-pass MSE inside the pixel branch")
     mse_pool_factor: int = opt(16, "area-pooling factor of the pooled MSE")
     lowpass_threshold: float = opt(0.8, "blurriness above which a pixel counts as low-frequency")
+    distill_weight: float = opt(0.0, "a GradNorm branch pulling the reconstruction toward the --init_from source's "
+                                     "own decoder's reconstruction of the same latent (the teacher: frozen, never "
+                                     "saved): what gives a narrower decoder (--vae_decoder_ch) its quality. Needs "
+                                     "--init_from and --train_parts decoder. 0: off")
     kl_weight: float = opt(0.003, "weight of the KL / latent penalty (constant posterior: 0.5 * mean^2). gradnorm: "
                                   "summed over the rank's latent elements and divided by the square root of their "
                                   "count, so its gradient at the latent has norm kl_weight * rms(mean) at any batch "
@@ -432,10 +456,10 @@ def public_config(cfg: Config) -> dict:
 # A run directory written with other values of these cannot be resumed (the VAE's weights would not fit).
 ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata["arch"])
 # The flags --init_from sets from its source (the architecture and the posterior's settings).
-SOURCE_FIELDS = ARCH_FIELDS + ("posterior_var", "do_clamp")
+SOURCE_FIELDS = ARCH_FIELDS + ("posterior_var", "do_clamp", "vae_latent_bn_eps")
 # What runs written before a field existed used (config.json without it): 32 groups before --vae_norm_groups,
 # no quant convs before --vae_quant_conv.
-LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False}
+LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False, "vae_decoder_ch": "", "vae_latent_bn": False}
 
 
 def ch_mult_of(model: ModelConfig) -> tuple[int, ...]:
@@ -453,7 +477,20 @@ def model_params(model: ModelConfig) -> AutoEncoderParams:
     return AutoEncoderParams(ch=model.vae_ch, ch_mult=ch_mult_of(model), num_res_blocks=model.vae_num_res_blocks,
                              z_channels=model.vae_z_channels, norm_groups=model.vae_norm_groups,
                              use_attn=model.do_attn, posterior=model.posterior, posterior_var=model.posterior_var,
-                             clamp_th=model.clamp_th if model.do_clamp else 0.0, quant_conv=model.vae_quant_conv)
+                             clamp_th=model.clamp_th if model.do_clamp else 0.0, quant_conv=model.vae_quant_conv,
+                             decoder_channels=decoder_channels_of(model), latent_bn=model.vae_latent_bn,
+                             latent_bn_eps=model.vae_latent_bn_eps)
+
+
+def decoder_channels_of(model: ModelConfig) -> tuple[int, ...]:
+    """--vae_decoder_ch as widths; () when it is empty or the encoder's own (the canonical form)."""
+    if not model.vae_decoder_ch:
+        return ()
+    try:
+        widths = tuple(int(c) for c in model.vae_decoder_ch.split(","))
+    except ValueError:
+        raise ConfigError(f"--vae_decoder_ch must be comma-separated integers, got {model.vae_decoder_ch!r}") from None
+    return () if widths == tuple(model.vae_ch * m for m in ch_mult_of(model)) else widths
 
 
 def uses_vgg16(cfg: Config) -> bool:
@@ -505,6 +542,9 @@ def validate_across_sections(cfg: Config) -> None:
                           "turns it off)")
     if cfg.run.load_path and cfg.finetune.init_from:
         raise ConfigError("give --init_from (a released VAE) or --load_path (our weights), not both")
+    if loss.distill_weight > 0 and not (cfg.finetune.init_from and cfg.finetune.train_parts == "decoder"):
+        raise ConfigError("--distill_weight needs --init_from (the teacher is its decoder) and --train_parts decoder "
+                          "(the teacher decodes the same latent as the decoder that trains)")
 
 
 def is_plain_local_path(url: str) -> bool:
@@ -778,8 +818,11 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
         (("vf_model", "vf_weights", "vf_image_size"), latents.vf_weight == 0, "with --vf_weight 0"),
         (("probe_images", "probe_heldout", "probe_steps", "probe_batch_size"), latents.probe_every_n_steps == 0,
          "with --probe_every_n_steps 0"),
-        (SOURCE_FIELDS, bool(cfg.finetune.init_from), "with --init_from (the architecture is read from the source)"),
+        (tuple(f for f in SOURCE_FIELDS if f != "vae_decoder_ch"), bool(cfg.finetune.init_from),
+         "with --init_from (the architecture is read from the source)"),
         (("init_family",), not cfg.finetune.init_from, "without --init_from"),
+        (("decoder_init",), not (cfg.finetune.init_from and "vae_decoder_ch" in given), "without --init_from and "
+                                                                                          "--vae_decoder_ch"),
     ]
     lines, named = [], set()
     for flags, ignored, why in ignored_when:

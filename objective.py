@@ -163,7 +163,7 @@ class VAEObjective(nn.Module):
                 loss_scale: Tensor | None = None, last_layer: Tensor | None = None,
                 latent: Tensor | None = None, images: Tensor | None = None,
                 added: tuple[Tensor, Tensor] | None = None,
-                shared: SharedTrunkPass | None = None) -> tuple[Tensor, dict]:
+                shared: SharedTrunkPass | None = None, teacher: Tensor | None = None) -> tuple[Tensor, dict]:
         """(the tensor to backpropagate, {metric name: value} for logging, per micro-batch). `recon` in fp32; `mean`,
         `logvar` the posterior; `real_logits`, `critic_fake_logits` the critic's logits on this micro-batch's
         images and detached reconstructions (Adversary.backward), needed from disc_start on; `accum` micro-batches
@@ -171,19 +171,20 @@ class VAEObjective(nn.Module):
         (for --loss_balance adaptive); `latent`, `images` the encoder's output with its graph and its input, for
         the alignment term (as they were before any latent regulariser transformed them); `added` (downsampled
         image, its reconstruction in fp32) for the additive scale-equivariance term (--scale_equivariance_form add);
-        `shared` the frozen trunk's features of this micro-batch (shared_trunk_pass; with --critic_trunk frozen)."""
+        `shared` the frozen trunk's features of this micro-batch (shared_trunk_pass; with --critic_trunk frozen);
+        `teacher` a frozen decoder's reconstruction of the same latent, in fp32 (--distill_weight)."""
         scale = loss_scale if loss_scale is not None else torch.ones((), device=self.device)
         # without a regulariser in between, the latent is the posterior mean and the images are x
         latent, images = (mean if latent is None else latent), (x if images is None else images)
         if self.adversary is not None and self.adversary.on_features and shared is None:
             shared = self.shared_trunk_pass(x, recon, step)
         terms = self.terms(x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent, images,
-                           added, shared)
+                           added, shared, teacher)
         adaptive_weight_max = self.adversary.cfg.adaptive_weight_max if self.adversary is not None else 1e4
         return compose(terms, self.loss_cfg.loss_balance, scale, accum, last_layer, adaptive_weight_max)
 
     def terms(self, x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent=None,
-              images=None, added=None, shared: SharedTrunkPass | None = None) -> list[Term]:
+              images=None, added=None, shared: SharedTrunkPass | None = None, teacher=None) -> list[Term]:
         """The loss terms, one block each. Their order is the order of the sums (a fixed-seed run reproduces
         bitwise only with the same order)."""
         loss = self.loss_cfg
@@ -220,6 +221,12 @@ class VAEObjective(nn.Module):
         terms.append(Term("pixel", loss.pooled_mse_weight * pooled + loss.lowpass_mse_weight * lowpass,
                           loss.mse_weight, balanced=True, logged=False,
                           logs={"loss/pooled_mse": pooled, "loss/lowpass_mse": lowpass}))
+
+        if teacher is not None:
+            # distillation: the reconstruction pulled toward the teacher decoder's of the same latent, a GradNorm
+            # branch like the pixel one (what the teacher adds: the detail a narrower decoder cannot find alone)
+            distill = (branch(loss.distill_weight) - teacher).square().mean()
+            terms.append(Term("distill", distill, loss.distill_weight, balanced=True))
 
         if added is not None:
             # Skorokhodov et al.'s alpha * L_rec(down(x), D(down(z))): the reconstruction losses (LPIPS and pixel)
@@ -455,7 +462,9 @@ def micro_step(objective: VAEObjective, model: nn.Module, x: Tensor, step: int, 
         target, to_decoder = regularisers.draw(x, step, micro)
         added = regularisers.draw_added(x, step, micro)  # (small image, latent transform) or None
         with phase("forward"), objective.autocast():
-            recon, mean, logvar, *small = model(x, latent_transform=to_decoder, also_decode=added and added[1])
+            recon, mean, logvar, *extra = model(x, latent_transform=to_decoder, also_decode=added and added[1])
+        small = extra[0] if added else None  # the added decode, then a teacher's (--distill_weight)
+        teacher = extra[-1].float() if objective.loss_cfg.distill_weight > 0 else None
         x, recon = target, recon.float()  # every loss reduces in fp32
         real_logits = fake_logits = d_loss = None
         critic_logs = {}
@@ -469,7 +478,8 @@ def micro_step(objective: VAEObjective, model: nn.Module, x: Tensor, step: int, 
         with phase("loss"), objective.critic_frozen():
             loss, logs = objective(x, recon, mean, logvar, step, real_logits, fake_logits, accum,
                                    loss_scale=loss_scale, last_layer=last_layer, latent=mean, images=images,
-                                   added=(added[0], small[0].float()) if added else None, shared=shared)
+                                   added=(added[0], small.float()) if added else None, shared=shared,
+                                   teacher=teacher)
             if backward:
                 loss.backward()
     return MicroStep(d_loss, loss.detach(), critic_logs, logs, mean, logvar)

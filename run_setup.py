@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import data as data_lib
 import pretrained
 from common import ConfigError
-from config import (AUTO_FIELDS, LEGACY_ARCH, SOURCE_FIELDS, Config, automatic_values, continue_run,
-                    continuing_note, demo_summary, is_plain_local_path, parse_flags, resolve_auto, with_values)
+from config import (AUTO_FIELDS, LEGACY_ARCH, LR_TIMES_WIDTH, SOURCE_FIELDS, Config, automatic_values, continue_run,
+                    continuing_note, demo_summary, is_plain_local_path, model_params, parse_flags, resolve_auto,
+                    with_values)
 from utils import vgg16_cache_path
 
 
@@ -44,7 +45,7 @@ def prepare_run(argv: list[str] | None = None, builds_demo_data: bool = True) ->
         if not builds_demo_data:
             data_lib.wait_for_demo_shards(os.path.join(cfg.run.output_dir, "demo_data"))
         cfg = prepare_demo(cfg)
-    cfg, source = apply_init_source(cfg)
+    cfg, source = apply_init_source(cfg, given)
     saved = saved_run_config(cfg, given | (set(SOURCE_FIELDS) if source is not None else set()))
     derived, again = {}, []
     if saved is not None:
@@ -82,9 +83,12 @@ def read_init_source(init_from: str, init_family: str) -> pretrained.Source:
         raise ConfigError(f"--init_from {e}") from None
 
 
-def apply_init_source(cfg: Config) -> tuple[Config, pretrained.Source | None]:
+def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Config, pretrained.Source | None]:
     """--init_from: load the source and take the run's architecture from it (one ConfigError line if it does not
-    load). Runs before the checks, on every rank, before any process group exists."""
+    load), but for a --vae_decoder_ch the user gave: a decoder of its own widths for the source's latent space,
+    which then trains from the rate of a new decoder of its width when it starts fresh (--decoder_init) and no
+    --learning_rate_vae is given (a tenth of that for a fine-tune). Runs before the checks, on every rank, before
+    any process group exists."""
     init_from = cfg.finetune.init_from
     if not init_from:
         return cfg, None
@@ -105,8 +109,16 @@ def apply_init_source(cfg: Config) -> tuple[Config, pretrained.Source | None]:
                           "channels; this trainer reads RGB images")
     arch = dict(vae_ch=p.ch, vae_ch_mult=",".join(str(m) for m in p.ch_mult), vae_num_res_blocks=p.num_res_blocks,
                 vae_z_channels=p.z_channels, vae_norm_groups=p.norm_groups, do_attn=p.use_attn, posterior=p.posterior,
-                posterior_var=p.posterior_var, vae_quant_conv=p.quant_conv, do_clamp=False)
-    return with_values(cfg, **arch), source
+                posterior_var=p.posterior_var, vae_quant_conv=p.quant_conv, do_clamp=False,
+                vae_decoder_ch=",".join(str(c) for c in p.decoder_channels), vae_latent_bn=p.latent_bn,
+                vae_latent_bn_eps=p.latent_bn_eps)
+    if "vae_decoder_ch" in given:  # a decoder of its own widths for the source's latent space
+        arch.pop("vae_decoder_ch")
+    cfg = with_values(cfg, **arch)
+    widths = model_params(cfg.model).decoder_widths
+    if widths != p.decoder_widths and cfg.finetune.decoder_init == "fresh" and "learning_rate_vae" not in given:
+        cfg = with_values(cfg, learning_rate_vae=LR_TIMES_WIDTH / widths[0])  # a new decoder, not a fine-tune
+    return cfg, source
 
 
 def saved_run_config(cfg: Config, explicit: set[str]) -> dict | None:

@@ -49,11 +49,12 @@ class EMA:
 class DecoderOnly(torch.nn.Module):
     """--train_parts decoder: the encoder, quant_conv and the posterior are frozen (no requires_grad, eval mode)
     and run under no_grad; only post_quant_conv and the decoder train. Wrapped in DDP in place of the VAE, so DDP's
-    buckets hold the decoder's gradients only (DDP skips parameters that do not require grad)."""
+    buckets hold the decoder's gradients only (DDP skips parameters that do not require grad). `teacher`
+    (--distill_weight): a frozen decoder whose decode of the same latent comes last in the forward's outputs."""
 
-    def __init__(self, vae: AutoEncoder):
+    def __init__(self, vae: AutoEncoder, teacher: TeacherDecoder | None = None):
         super().__init__()
-        self.vae = vae
+        self.vae, self.teacher = vae, teacher
         self.frozen = [vae.encoder] + ([vae.quant_conv] if vae.params.quant_conv else [])
         for module in self.frozen:
             module.requires_grad_(False).eval()
@@ -64,7 +65,26 @@ class DecoderOnly(torch.nn.Module):
             module.eval()  # evaluation calls vae.train() on its way out
         with torch.no_grad():
             mean, logvar = self.vae.encode_moments(x)
-        return decode_latents(self.vae, self.vae.sample(mean, logvar), mean, logvar, latent_transform, also_decode)
+        return decode_latents(self.vae, self.vae.sample(mean, logvar), mean, logvar, latent_transform, also_decode,
+                              self.teacher)
+
+
+class TeacherDecoder(torch.nn.Module):
+    """The --init_from source's own decoder (with its post_quant_conv), frozen and in eval mode, that a decoder of
+    other widths is distilled from (--distill_weight). Part of no checkpoint: a resumed run reads it from the source
+    again."""
+
+    def __init__(self, source_model: AutoEncoder):
+        super().__init__()
+        self.decoder = source_model.decoder
+        self.post_quant_conv = source_model.post_quant_conv if source_model.params.quant_conv else None
+        self.requires_grad_(False).eval()
+
+    def train(self, mode: bool = True) -> "TeacherDecoder":
+        return super().train(False)  # frozen: DecoderOnly's train() must not switch it
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.post_quant_conv(z) if self.post_quant_conv is not None else z)
 
 
 class VAETraining:
@@ -74,9 +94,9 @@ class VAETraining:
 
     def __init__(self, vae: AutoEncoder, optim: OptimConfig, make_optimizer, wrap_ddp, device: torch.device,
                  train_parts: str = "all", precision: str = "fp32", compile: bool = False,
-                 alignment: torch.nn.Module | None = None):
+                 alignment: torch.nn.Module | None = None, teacher: TeacherDecoder | None = None):
         self.vae, self.optim, self.train_parts = vae, optim, train_parts
-        self.trained = DecoderOnly(vae) if train_parts == "decoder" else vae
+        self.trained = DecoderOnly(vae, teacher) if train_parts == "decoder" else vae
         # --vf_weight: the alignment's projection trains beside the VAE (its own checkpoint entry)
         self.projection = ProjectionTraining(alignment.projection, optim, make_optimizer) if alignment else None
         if self.projection is not None:

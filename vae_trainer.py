@@ -41,7 +41,7 @@ from config import (Config, config_warnings, cpu_use_line, model_params, public_
 from objective import AMP_DTYPES, Adversary, VAEObjective, build_critic, micro_step
 from run_log import Metrics
 from run_setup import prepare_run, read_init_source
-from train_state import NonFiniteGuard, VAETraining, adamw, wrap_ddp
+from train_state import NonFiniteGuard, TeacherDecoder, VAETraining, adamw, wrap_ddp
 from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, fetch_weights, load_vgg16_features,
                    warn_random_vgg)
 
@@ -50,24 +50,40 @@ from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, fetch_
 # Building the parts from the config (the only functions outside config.py that take all of it)
 # ============================================================================================
 def build_vae(cfg: Config, device: torch.device, memory_format, init_weights: bool,
-              source: pretrained.Source | None = None, log=print) -> tuple[AutoEncoder, dict | None]:
+              source: pretrained.Source | None = None, log=print
+              ) -> tuple[AutoEncoder, dict | None, TeacherDecoder | None]:
     """The autoencoder on the device, with --load_path's or --init_from's weights when `init_weights` (not
-    resuming); and the description of the --init_from source it was initialised from (None otherwise)."""
-    vae, described = AutoEncoder(model_params(cfg.model)), None
+    resuming: a decoder of other widths than the source's starts as --decoder_init says); the description of the
+    --init_from source it was initialised from (None otherwise); and, with --distill_weight, the source's own
+    decoder as the teacher (read from the source again on resume)."""
+    ft = cfg.finetune
+    vae, described, teacher = AutoEncoder(model_params(cfg.model)), None, None
     if cfg.run.load_path and init_weights:
         checkpoint.load_vae_weights_into(vae, cfg.run.load_path)
         log(f"initialised VAE weights from {cfg.run.load_path}")
-    if cfg.finetune.init_from and init_weights:
-        if source is None:
-            source = read_init_source(cfg.finetune.init_from, cfg.finetune.init_family)
-        vae.load_state_dict(source.state)
+    if ft.init_from and (init_weights or cfg.loss.distill_weight > 0) and source is None:
+        source = read_init_source(ft.init_from, ft.init_family)
+    if ft.init_from and init_weights:
+        widths = vae.params.decoder_widths
+        if widths != source.params.decoder_widths:  # a decoder of its own widths for the source's latent space
+            vae.load_state_dict(pretrained.narrow_decoder_model(source, widths, ft.decoder_init,
+                                                                cfg.optim.seed).state_dict())
+        else:
+            vae.load_state_dict(source.state)
         described = source.describe()
         for note in source.notes:
             log(f"note: {note}")
         family = f", {source.family}" if source.family else ""
-        log(f"initialised the VAE from {cfg.finetune.init_from} ({source.layout}{family})")
+        decoder = (f"; a decoder of widths {','.join(map(str, widths))} ({ft.decoder_init})"
+                   if widths != source.params.decoder_widths else "")
+        log(f"initialised the VAE from {ft.init_from} ({source.layout}{family}){decoder}")
+    if cfg.loss.distill_weight > 0:
+        wide = AutoEncoder(source.params)
+        wide.load_state_dict(source.state)
+        teacher = TeacherDecoder(wide).to(device, memory_format=memory_format)
+        log(f"distilling from the decoder of {ft.init_from} (widths {','.join(map(str, wide.params.decoder_widths))})")
     vae.set_grad_checkpointing(cfg.speed.grad_checkpointing)
-    return vae.to(device, memory_format=memory_format), described
+    return vae.to(device, memory_format=memory_format), described, teacher
 
 
 def vgg16_for_run(cfg: Config, info: DistInfo, eval_on: bool, log) -> tuple[dict | None, bool]:
@@ -207,6 +223,22 @@ def owed_at(step: int, cfg: Config, eval_on: bool, info: DistInfo) -> tuple[bool
     return any_rank(owed[0], info), any_rank(owed[1], info)
 
 
+def work_left(resume: tuple[str, dict] | None, cfg: Config, eval_on: bool, info: DistInfo,
+              run_lock: checkpoint.RunLock | None) -> tuple[bool, bool]:
+    """What a run resumed from `resume` still owes at its step (owed_at), or RunComplete (the lock released) when it
+    has reached --max_steps with nothing owed, or gone past it: nothing is trained and nothing written."""
+    if resume is None:
+        return False, False
+    reached, max_steps = int(resume[1]["run"]["step"]), cfg.optim.max_steps
+    owed = owed_at(reached, cfg, eval_on, info)
+    if reached > max_steps or reached == max_steps and not any(owed):
+        if run_lock is not None:
+            run_lock.release()
+        raise RunComplete(f"{cfg.run.run_dir} is at step {reached} and --max_steps is {max_steps}: nothing to train, "
+                          "nothing changed (a larger --max_steps continues it)")
+    return owed
+
+
 def first_error(error: str | None, info: DistInfo) -> str | None:
     """The first rank's error, on every rank (all take part)."""
     errors = [error]
@@ -259,15 +291,9 @@ class Trainer:
         # Nothing is written to it before every check that can refuse the run has passed (start_run_dir, below).
         self.run_lock = run_lock or (checkpoint.RunLock(self.run_dir) if info.is_main else None)
         resume, set_aside = checkpoint.find_resume(cfg.run, cfg.model, info, self.log, self.run_lock)
-        reached = int(resume[1]["run"]["step"]) if resume is not None else 0
         # an evaluation or probe due at the resumed step that a stop interrupted (its record missing) is redone
-        self.owed = owed_at(reached, cfg, self.eval_on, info) if resume is not None else (False, False)
+        self.owed = work_left(resume, cfg, self.eval_on, info, self.run_lock)
         max_steps = cfg.optim.max_steps
-        if resume is not None and (reached > max_steps or reached == max_steps and not any(self.owed)):
-            if self.run_lock is not None:
-                self.run_lock.release()
-            raise RunComplete(f"{self.run_dir} is at step {reached} and --max_steps is {max_steps}: nothing to "
-                              "train, nothing changed (a larger --max_steps continues it)")
 
         # networks: built from the same seed on every rank (DDP also broadcasts rank 0's weights), in this
         # order (random initialisations draw from the global RNG)
@@ -275,7 +301,8 @@ class Trainer:
         # --init_from: what the run started from (path, layout, family, latent factors), in config.json and every
         # checkpoint; export keeps its factors after a decoder-only fine-tune
         self.init_source = resume[1]["run"].get("init_source") if resume is not None else None
-        self.vae, source_described = build_vae(cfg, self.device, self.memory_format, resume is None, source, self.log)
+        self.vae, source_described, teacher = build_vae(cfg, self.device, self.memory_format, resume is None, source,
+                                                        self.log)
         self.init_source = source_described or self.init_source
         vgg_features, with_lpips = vgg16_for_run(cfg, info, self.eval_on, self.log)
         self.objective = build_objective(cfg, vgg_features, with_lpips, self.device, self.memory_format,
@@ -289,7 +316,7 @@ class Trainer:
         make_optimizer = partial(adamw, cfg.optim)
         self.training = VAETraining(self.vae, cfg.optim, make_optimizer, self.wrap_ddp, self.device,
                                     cfg.finetune.train_parts, cfg.speed.precision, cfg.speed.compile,
-                                    self.objective.alignment)
+                                    self.objective.alignment, teacher)
         self.regularisers = build_regularisers(cfg, info.rank, self.vae.downsample_factor)
         if cfg.speed.memory_check:  # before the critic's DDP wrapper (the probes run its forward without a backward)
             warning = memory.check_every_rank(

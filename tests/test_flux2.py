@@ -270,36 +270,103 @@ def test_params_of_older_checkpoints_load_and_widths_are_checked():
         AutoEncoder(AutoEncoderParams(ch=32, ch_mult=(1, 2), decoder_channels=(32,)))
 
 
-# ------------------------------------------------------------------------------------ the bn statistics in training
-@pytest.mark.timeout(180)
-def test_bn_statistics_survive_decoder_only_training_under_ddp_and_export(tmp_path, capsys):
-    """Two DDP ranks train the decoder of a FLUX.2 model through train_state (DecoderOnly in DDP, AdamW, EMA):
-    the bn buffers stay bitwise the source's on both ranks, in the weights and the EMA, the optimizer holds none of
-    them, and the checkpoint's diffusers export carries them (no note: the encoder was frozen)."""
-    source = as_model(pretrained.load_source(bfl_single_file(tmp_path)))
-    torch.save({"model_params": source.params.to_dict(), "vae": source.state_dict()}, tmp_path / "source.pt")
-    proc = run_cli("tests/latent_bn_ddp.py", [str(tmp_path), str(tmp_path / "source.pt")], nproc=2, timeout=150)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
-    bn = {k: v for k, v in source.state_dict().items() if k.startswith("bn.")}
-    for ckpt in ranks:
-        for key in ("vae", "ema"):
-            assert all(torch.equal(ckpt[key][k], v) for k, v in bn.items()), key
-        decoder = [k for k in ckpt["vae"] if k.startswith("decoder.")]
-        assert all(not torch.equal(ckpt["vae"][k], source.state_dict()[k]) for k in decoder if k.endswith("weight"))
-        trained = [k for k, v in source.named_parameters() if k.startswith(("decoder.", "post_quant_conv."))]
-        assert len(ckpt["optimizer_vae"]["param_groups"][0]["params"]) == len(trained)
-    assert all(torch.equal(ranks[0]["vae"][k], ranks[1]["vae"][k]) for k in ranks[0]["vae"])  # DDP kept them equal
-
-    assert export.main(["--ckpt", str(tmp_path / "rank0.pt"), "--out", str(tmp_path / "out"), "--ema"]) == 0
-    out = capsys.readouterr()
-    assert json.loads(out.out)["latent_norm"] == "bn" and "note:" not in out.err
-    assert_same_bn(source, load_flux2(tmp_path / "out"))
-    again = pretrained.load_source(str(tmp_path / "out"))  # the EMA weights, bn included, as the checkpoint holds them
-    assert all(torch.equal(again.state[k], v) for k, v in ranks[0]["ema"].items())
+# ------------------------------------------------------------------------------------ through the trainer
+def trainer_args(folder, shard_url, runs, name, *extra) -> list[str]:
+    """vae_trainer.py's flags for a short fine-tune of the released model in `folder` (64 px: an 8 x 8 latent)."""
+    return ["--init_from", str(folder), "--dataset_url", shard_url, "--output_dir", str(runs), "--run_name", name,
+            "--vae_resolution", "64", "--batch_size", "2", "--num_workers", "1", "--shuffle_buffer", "8",
+            "--max_steps", "2", "--warmup_steps", "1", "--perceptual_weight", "0", "--vgg16_weights", "random",
+            "--wandb_mode", "disabled", "--evaluate_every_n_steps", "0", "--log_every_n_steps", "1", *extra]
 
 
-# ------------------------------------------------------------------------------------ re-estimating the statistics
+def final_checkpoint(runs, name, step=2) -> dict:
+    import checkpoint
+    return checkpoint.load_checkpoint(str(runs / name / "checkpoints" / f"step_{step:08d}.pt"))
+
+
+@pytest.mark.timeout(300)
+def test_flux2_decoder_only_fine_tune_under_torchrun_keeps_its_latent_space_bitwise(tmp_path, shard_url, capsys):
+    """`torchrun --nproc_per_node=2 vae_trainer.py --init_from <AutoencoderKLFlux2 folder> --train_parts decoder`:
+    the encoder, quant_conv and the bn statistics stay bitwise the source's (weights and EMA; the two ranks
+    verified equal), the decoder trains; the export is an AutoencoderKLFlux2 with the source's bn statistics
+    (no re-estimation: the encoder was frozen) that computes what our model computes."""
+    random_flux2().save_pretrained(tmp_path / "flux2")
+    source = pretrained.load_source(str(tmp_path / "flux2"))
+    runs = tmp_path / "runs"
+    proc = run_cli("vae_trainer.py", trainer_args(tmp_path / "flux2", shard_url, runs, "ft", "--train_parts",
+                                                  "decoder"), nproc=2, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "(weights identical on all ranks)" in proc.stdout
+    ckpt = final_checkpoint(runs, "ft")
+    assert ckpt["run"]["ranks_in_sync"] is True and ckpt["run"]["model_params"]["latent_bn"] is True
+    frozen = [k for k in source.state if k.startswith(("encoder.", "quant_conv.", "bn."))]
+    assert any(k.startswith("bn.") for k in frozen) and any(k.startswith("quant_conv.") for k in frozen)
+    for key in ("vae", "ema"):
+        assert all(torch.equal(ckpt["training"][key][k], source.state[k]) for k in frozen), key
+    assert not torch.equal(ckpt["training"]["vae"]["decoder.conv_out.weight"], source.state["decoder.conv_out.weight"])
+
+    assert export.main(["--ckpt", str(runs / "ft"), "--out", str(tmp_path / "out"), "--ema"]) == 0
+    assert json.loads(capsys.readouterr().out)["latent_norm"] == "bn"
+    exported = load_flux2(tmp_path / "out")
+    ours = AutoEncoder(source.params)
+    ours.load_state_dict(ckpt["training"]["ema"])
+    assert_same_bn(ours, exported)
+    assert_computes_like(ours, exported)
+
+
+def test_a_narrower_decoder_distilled_from_the_released_one_trains_and_exports(tmp_path, shard_url, capsys):
+    """--vae_decoder_ch (BFL's small decoder, at this test's width) with --distill_weight: the decoder starts fresh
+    behind the released encoder, the teacher term (loss/distill) is logged and counted, the encoder and bn stay the
+    source's, and the export is an AutoencoderKLFlux2 with decoder_block_out_channels that decodes as ours does."""
+    import vae_trainer
+    random_flux2().save_pretrained(tmp_path / "flux2")
+    source = pretrained.load_source(str(tmp_path / "flux2"))
+    runs = tmp_path / "runs"
+    widths = ",".join(map(str, SMALL_DECODER))
+    assert vae_trainer.main(trainer_args(tmp_path / "flux2", shard_url, runs, "small", "--train_parts", "decoder",
+                                         "--vae_decoder_ch", widths, "--distill_weight", "1", "--num_workers",
+                                         "0")) == 0
+    out = capsys.readouterr().out
+    assert f"a decoder of widths {widths} (fresh)" in out and "distilling from the decoder of" in out
+    records = [json.loads(line) for line in open(runs / "small" / "metrics.jsonl")]
+    assert all(r["loss/distill"] > 0 for r in records)
+    assert records[-1]["loss/total"] == pytest.approx(sum(
+        records[-1][f"loss/{k}"] * w for k, w in (("pooled_mse", 1), ("lowpass_mse", 1), ("kl", 0.003),
+                                                  ("distill", 1))), rel=1e-5)
+    ckpt = final_checkpoint(runs, "small")
+    assert ckpt["training"]["vae"]["decoder.conv_in.weight"].shape[0] == SMALL_DECODER[-1]
+    kept = [k for k in source.state if not k.startswith(("decoder.", "post_quant_conv."))]
+    assert all(torch.equal(ckpt["training"]["vae"][k], source.state[k]) for k in kept)
+    assert export.main(["--ckpt", str(runs / "small"), "--out", str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["decoder_block_out_channels"] == list(SMALL_DECODER)
+    ours = AutoEncoder(AutoEncoderParams.from_dict(ckpt["run"]["model_params"]))
+    ours.load_state_dict(ckpt["training"]["vae"])
+    assert_computes_like(ours, load_flux2(tmp_path / "out"))
+
+
+def test_a_narrow_decoder_for_a_run_of_the_wide_one_and_a_teacher_without_its_source_are_refused(tmp_path,
+                                                                                                shard_url, capsys):
+    """A run directory holding the wide decoder's checkpoints cannot be continued with a narrower decoder (its
+    weights would not fit: one line naming the field); --distill_weight without a frozen encoder has no latent the
+    teacher and the student share."""
+    import vae_trainer
+    random_flux2().save_pretrained(tmp_path / "flux2")
+    runs = tmp_path / "runs"
+    args = trainer_args(tmp_path / "flux2", shard_url, runs, "wide", "--train_parts", "decoder", "--num_workers", "0",
+                        "--max_steps", "1")
+    assert vae_trainer.main(args) == 0
+    capsys.readouterr()
+    assert vae_trainer.main(args + ["--max_steps", "2", "--vae_decoder_ch", ",".join(map(str, SMALL_DECODER))]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was written with a different architecture (vae_decoder_ch: '' -> '32,64,96,96')" \
+        in err[0], err
+    assert vae_trainer.main(trainer_args(tmp_path / "flux2", shard_url, runs, "other", "--distill_weight", "1")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --distill_weight needs --init_from (the teacher is its decoder) and --train_parts decoder "
+                   "(the teacher decodes the same latent as the decoder that trains)"]
+
+
 def photo_folders(root) -> tuple[str, str]:
     """scikit-image's photos split as the demo splits them: whole photos held out, none a crop of a training one."""
     import skimage
