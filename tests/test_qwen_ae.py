@@ -255,6 +255,53 @@ def test_grad_checkpointing_is_exact(checkpoint_reference, mode, decoder_levels,
     assert vae.encoder._level(0)[0] is vae.encoder.down_blocks[0]
 
 
+# ------------------------------------------------------------------------------------------------------- export
+@pytest.mark.parametrize("kind", list(CLASSES))
+def test_export_writes_the_source_layout_back(kind, tmp_path):
+    """A 'trained' model exported into its source's layout: diffusers loads it and decodes (one frame) what our model
+    decodes; each 3D kernel's other temporal slices and the time_convs are the source's; the statistics are kept, or
+    replaced when given; the export loads back into the same 2D weights."""
+    import diffusers
+    source_dir = saved(diffusers_vae(kind), tmp_path / "source")
+    vae = as_model(pretrained.load_source(source_dir))
+    torch.manual_seed(1)
+    with torch.no_grad():  # training moved every weight
+        for p in vae.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    export.export_wan_diffusers(vae, source_dir, str(tmp_path / "out"))
+    class_name = CLASSES[kind][0]
+    exported = getattr(diffusers, class_name).from_pretrained(tmp_path / "out", low_cpu_mem_usage=False).eval()
+    assert type(exported).__name__ == class_name
+    assert exported.config.latents_mean == TINY["latents_mean"] and exported.config.latents_std == TINY["latents_std"]
+    compare_with_diffusers(vae, exported, images(), f"{kind} export")
+
+    source_state = pretrained._read_file(os.path.join(source_dir, pretrained.DIFFUSERS_WEIGHTS))
+    exported_state = exported.state_dict()
+    assert set(exported_state) == set(source_state)
+    assert any(".time_conv." in k for k in source_state)
+    for name, value in source_state.items():
+        if ".time_conv." in name:
+            assert torch.equal(exported_state[name], value), name
+        elif value.dim() == 5:
+            assert torch.equal(exported_state[name][:, :, :-1], value[:, :, :-1]), name
+    again = pretrained.load_source(str(tmp_path / "out"))
+    assert all(torch.equal(again.state[k], v) for k, v in vae.state_dict().items())
+
+    mean, std = [0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]
+    export.export_wan_diffusers(vae, source_dir, str(tmp_path / "restat"), latents_mean=mean, latents_std=std)
+    config = json.loads((tmp_path / "restat" / "config.json").read_text())
+    assert (config["latents_mean"], config["latents_std"]) == (mean, std)
+
+
+def test_export_refuses_another_source(tmp_path):
+    vae = as_model(pretrained.load_source(saved(diffusers_vae(), tmp_path / "source")))
+    other = saved(diffusers_vae(base_dim=8), tmp_path / "other")
+    with pytest.raises(ValueError, match="is not the model's"):
+        export.export_wan_diffusers(vae, other, str(tmp_path / "out"))
+    with pytest.raises(ValueError, match="3 entries for 4 latent channels"):
+        export.export_wan_diffusers(vae, str(tmp_path / "source"), str(tmp_path / "out"), latents_mean=[0.0] * 3)
+
+
 # ------------------------------------------------------------------------------------------------- bad sources
 def _edited(folder, tmp_path, name: str, **config_changes) -> str:
     """A copy of a saved folder with its config.json edited."""
