@@ -182,6 +182,9 @@ def test_interface_of_ae_autoencoder():
     with torch.no_grad():
         assert torch.equal(recon, vae.decode(torch.zeros_like(mean)))  # the latent_transform's latent
         assert torch.equal(vae.encode(x), mean) and torch.equal(vae(x, sample=False)[0], vae.decode(mean))
+    with torch.no_grad():  # the log-variance is clamped to LDM's range, as diffusers' DiagonalGaussianDistribution
+        vae.quant_conv.bias[4:] = -100.0
+        assert torch.equal(vae.encode_moments(x)[1], torch.full_like(mean, ae.LOGVAR_RANGE[0]))
     # decoder.conv_out.weight is the decoder's last weight (the adaptive GAN weight's reference)
     order = []
     hooks = [m.register_forward_hook(lambda m, i, o: order.append(m)) for m in vae.decoder.modules()
@@ -207,9 +210,10 @@ def test_fp32_islands_under_bf16_autocast():
         h = vae.encoder.conv_in(x)
         assert h.dtype == torch.bfloat16
         assert torch.equal(norm(h), (F.normalize(h.float(), dim=1) * 4.0 * norm.gamma).to(torch.bfloat16))
+        moments = vae.encoder(x)  # the moments head (norm_out, conv_out) in fp32 after a bf16 body
         mean, logvar = vae.encode_moments(x)
         z = vae.sample(mean, logvar)
-    assert mean.dtype == logvar.dtype == z.dtype == torch.float32
+    assert moments.dtype == mean.dtype == logvar.dtype == z.dtype == torch.float32
 
 
 @pytest.fixture(scope="module")
@@ -322,6 +326,10 @@ def test_bad_sources_are_one_line(tmp_path):
                                 decoder_base_dim=None), tmp_path / "wan22")
     original = {"decoder.middle.0.residual.0.gamma": torch.ones(4, 1, 1, 1), "encoder.conv1.weight": torch.zeros(1)}
     save_file(original, tmp_path / "qwen_image_vae.safetensors")
+    extra = _edited(good, tmp_path, "extra")  # a weight no block of this config has
+    weights = pretrained._read_file(os.path.join(extra, pretrained.DIFFUSERS_WEIGHTS))
+    save_file({**weights, "decoder.up_blocks.2.upsamplers.0.resample.1.weight": torch.zeros(8, 16, 3, 3)},
+              os.path.join(extra, pretrained.DIFFUSERS_WEIGHTS))
     os.makedirs(tmp_path / "pipeline")
     os.symlink(good, tmp_path / "pipeline" / "vae")
     cases = {
@@ -330,6 +338,7 @@ def test_bad_sources_are_one_line(tmp_path):
         _edited(good, tmp_path, "attention", attn_scales=[1.0]): "attn_scales",
         _edited(good, tmp_path, "stats", latents_mean=[0.0] * 16): "latents_mean has 16 entries for z_dim 4",
         _edited(good, tmp_path, "z8", z_dim=8, latents_mean=None, latents_std=None): "keys do not fit",
+        extra: "1 unexpected (e.g. decoder.up_blocks.2.upsamplers.0.resample.1.weight)",
         _edited(good, tmp_path, "hunyuan", _class_name="AutoencoderKLHunyuanVideo"): "a video VAE",
         _edited(good, tmp_path, "qwen2", _class_name="AutoencoderKLQwenImage21"): "Qwen-Image 2's VAE",
         str(tmp_path / "qwen_image_vae.safetensors"): "original single-file layout",
