@@ -1,4 +1,4 @@
-"""Qwen-Image's VAE, the Wan 2.1 video VAE, as a 2D image autoencoder with ae.AutoEncoder's interface.
+"""Qwen-Image's VAE, the Wan 2.1 video VAE (and Wan 2.2's), as a 2D image autoencoder with ae.AutoEncoder's interface.
 
 diffusers' AutoencoderKLQwenImage (and AutoencoderKLWan, the same network) is a video VAE: causal Conv3d layers that
 pad time with two zero frames in front, RMS norms, a 1x1x1 quant_conv/post_quant_conv around the latent, f8 with 16
@@ -10,6 +10,10 @@ latent channels. An image is its first frame, and for one frame every piece coll
 - the spatial resamplers and the mid attention are 2D convolutions in diffusers already.
 Parameter names are diffusers' (`encoder.down_blocks.3.resample.1.weight`, `decoder.up_blocks.0.resnets.1.norm1.gamma`,
 `encoder.mid_block.attentions.0.to_qkv.weight`, ...), so the conversion is a reshape per tensor, never a renaming.
+Wan 2.2's VAE (AutoencoderKLWan with is_residual and patch_size 2: f16, z48) collapses the same way, with two more
+pieces: the image enters as 2x2 patches stacked on the channels, and each level is one residual block whose
+parameter-free shortcut averages (down) or duplicates (up) channel groups; on a first frame a level that halves time
+averages with the zero frame of the causal padding, and keeps the last of the duplicated frames, as diffusers does.
 
 Numerics. Everything but the causal convolutions runs diffusers' torch ops in diffusers' order and memory layout
 (FrameConv2d), so those parts are bitwise equal on any machine. A Conv2d and the single-frame Conv3d are different
@@ -39,14 +43,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ae import GRAD_CHECKPOINTING, LOGVAR_RANGE, AutoEncoder, _run_level, decode_latents
+from ae import LOGVAR_RANGE, AutoEncoder, _run_level, decode_latents
 
 
 @dataclass
 class WanImageParams:
-    """Architecture of the Wan 2.1 family's VAE on one frame. Defaults are Qwen-Image's VAE (diffusers'
+    """Architecture of the Wan family's VAE on one frame. Defaults are Qwen-Image's VAE (diffusers'
     AutoencoderKLQwenImage: base_dim 96, z_dim 16, dim_mult 1,2,4,4, 2 blocks a level, f8). The names follow
-    ae.AutoEncoderParams where the concept is the same (ch = diffusers' base_dim, z_channels = z_dim)."""
+    ae.AutoEncoderParams where the concept is the same (ch = diffusers' base_dim, z_channels = z_dim); in_channels and
+    out_ch are the image's channels (diffusers' in_channels/out_channels count the patchified ones).
+    Wan 2.2's VAE (AutoencoderKLWan is_residual, patch_size 2: f16, z48) is patch_size 2 with level_shortcuts."""
     in_channels: int = 3
     out_ch: int = 3
     ch: int = 96
@@ -56,6 +62,14 @@ class WanImageParams:
     # Wan's decoder_base_dim: the decoder's own base width (None: ch, as every Wan 2.1 / Qwen-Image release)
     decoder_ch: int | None = None
     dropout: float = 0.0
+    # Wan 2.2: the image enters the encoder as patch_size x patch_size patches stacked on the channels (and leaves the
+    # decoder so), a factor patch_size more downsampling
+    patch_size: int = 1
+    # Wan 2.2 (is_residual): each level is one block with a parameter-free shortcut around it, channel groups
+    # averaged down / duplicated up; on a first frame a level that halves time averages with a zero frame, so which
+    # levels do (diffusers' temperal_downsample, one per level but the last) shapes the image computation
+    level_shortcuts: bool = False
+    temporal_downsample: tuple[bool, ...] = ()
 
     # what checkpoints record beside the fields, so a loader builds this model and not ae.AutoEncoder
     family: ClassVar[str] = "wan"
@@ -67,14 +81,18 @@ class WanImageParams:
     def __post_init__(self):
         if self.decoder_ch is None:
             self.decoder_ch = self.ch
+        self.ch_mult, self.temporal_downsample = tuple(self.ch_mult), tuple(self.temporal_downsample)
+        if self.level_shortcuts and len(self.temporal_downsample) != len(self.ch_mult) - 1:
+            raise ValueError(f"level_shortcuts needs temporal_downsample for each of the {len(self.ch_mult) - 1} "
+                             f"downsampling levels, got {self.temporal_downsample}")
 
     @property
     def downsample_factor(self) -> int:
-        return 2 ** (len(self.ch_mult) - 1)
+        return 2 ** (len(self.ch_mult) - 1) * self.patch_size
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["ch_mult"] = list(self.ch_mult)
+        d["ch_mult"], d["temporal_downsample"] = list(self.ch_mult), list(self.temporal_downsample)
         return {"family": self.family, **d}
 
     @classmethod
@@ -83,7 +101,6 @@ class WanImageParams:
         family = d.pop("family", cls.family)
         if family != cls.family:
             raise ValueError(f"model_params of family {family!r}, not {cls.family!r}")
-        d["ch_mult"] = tuple(d["ch_mult"])
         return cls(**d)
 
 
@@ -188,12 +205,12 @@ class Downsample(nn.Module):
 
 
 class Upsample(nn.Module):
-    """Nearest-neighbour x2, then a conv that halves the channels (Wan 2.1's decoder narrows at each upsampling)."""
+    """Nearest-neighbour x2, then a conv; Wan 2.1's decoder halves the channels there (out_dim None), Wan 2.2's not."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, out_dim: int | None = None):
         super().__init__()
         self.resample = nn.Sequential(nn.Upsample(scale_factor=2.0, mode="nearest-exact"),
-                                      nn.Conv2d(dim, dim // 2, 3, padding=1))
+                                      nn.Conv2d(dim, dim // 2 if out_dim is None else out_dim, 3, padding=1))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.resample(x)
@@ -206,20 +223,122 @@ class UpBlock(nn.Module):
             [ResidualBlock(in_dim if i == 0 else out_dim, out_dim, dropout) for i in range(num_res_blocks + 1)])
         self.upsamplers = nn.ModuleList([Upsample(out_dim)]) if upsample else None
 
-    def modules_in_order(self) -> list[nn.Module]:
+    def segments(self) -> list[nn.Module]:
+        """What checkpointing runs as one segment each: every block and the upsampler."""
         return list(self.resnets) + (list(self.upsamplers) if self.upsamplers is not None else [])
+
+
+# Wan 2.2's levels: a residual block per level, with parameter-free shortcuts (diffusers' AvgDown3D / DupUp3D on a
+# first frame, the same copies and sums)
+class AverageDownShortcut(nn.Module):
+    """Space(-and-time)-to-depth, then the mean of each group of consecutive channels. A level that halves time pads
+    one zero frame in front of the first frame (diffusers' causal padding), so half of each group's entries are 0:
+    they are kept, and the mean sums what diffusers sums."""
+
+    def __init__(self, in_channels: int, out_channels: int, temporal: bool, spatial: bool):
+        super().__init__()
+        self.out_channels = out_channels
+        self.factor_t, self.factor_s = 2 if temporal else 1, 2 if spatial else 1
+        factor = self.factor_t * self.factor_s ** 2
+        if in_channels * factor % out_channels:
+            raise ValueError(f"{in_channels} channels x {factor} do not split into {out_channels} groups")
+        self.group_size = in_channels * factor // out_channels
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, c, height, width = x.shape
+        ft, fs = self.factor_t, self.factor_s
+        frames = torch.cat([x.new_zeros(b, c, ft - 1, height, width), x.unsqueeze(2)], dim=2)
+        frames = frames.view(b, c, ft, height // fs, fs, width // fs, fs).permute(0, 1, 2, 4, 6, 3, 5).contiguous()
+        return frames.view(b, self.out_channels, self.group_size, height // fs, width // fs).mean(dim=2)
+
+
+class DuplicateUpShortcut(nn.Module):
+    """Each channel repeated, then depth-to-space(-and-time); of a level's frames a first frame keeps the last one
+    (diffusers drops the first factor_t - 1)."""
+
+    def __init__(self, in_channels: int, out_channels: int, temporal: bool):
+        super().__init__()
+        self.out_channels, self.factor_t = out_channels, 2 if temporal else 1
+        factor = self.factor_t * 4
+        if out_channels * factor % in_channels:
+            raise ValueError(f"{out_channels} channels x {factor} are no multiple of {in_channels}")
+        self.repeats = out_channels * factor // in_channels
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, _, height, width = x.shape
+        x = x.repeat_interleave(self.repeats, dim=1).view(b, self.out_channels, self.factor_t, 2, 2, height, width)
+        return x[:, :, -1].permute(0, 1, 4, 2, 5, 3).reshape(b, self.out_channels, 2 * height, 2 * width)
+
+
+class ResidualDownBlock(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int, num_res_blocks: int, dropout: float, temporal: bool,
+                 downsample: bool):
+        super().__init__()
+        self.avg_shortcut = AverageDownShortcut(in_dim, out_dim, temporal, downsample)
+        self.resnets = nn.ModuleList(
+            [ResidualBlock(in_dim if i == 0 else out_dim, out_dim, dropout) for i in range(num_res_blocks)])
+        self.downsampler = Downsample(out_dim) if downsample else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x
+        for resnet in self.resnets:
+            h = resnet(h)
+        if self.downsampler is not None:
+            h = self.downsampler(h)
+        return h + self.avg_shortcut(x)
+
+
+class ResidualUpBlock(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int, num_res_blocks: int, dropout: float, temporal: bool,
+                 upsample: bool):
+        super().__init__()
+        self.avg_shortcut = DuplicateUpShortcut(in_dim, out_dim, temporal) if upsample else None
+        self.resnets = nn.ModuleList(
+            [ResidualBlock(in_dim if i == 0 else out_dim, out_dim, dropout) for i in range(num_res_blocks + 1)])
+        self.upsampler = Upsample(out_dim, out_dim) if upsample else None
+
+    def segments(self) -> list[nn.Module]:
+        return [self]  # the shortcut spans the level: one checkpoint segment
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x
+        for resnet in self.resnets:
+            h = resnet(h)
+        if self.upsampler is not None:
+            h = self.upsampler(h) + self.avg_shortcut(x)
+        return h
+
+
+def patchify(x: Tensor, patch_size: int) -> Tensor:
+    """(B, C, H, W) -> (B, C * p * p, H / p, W / p), channels ordered (C, column in the patch, row), as diffusers'."""
+    if patch_size == 1:
+        return x
+    b, c, height, width = x.shape
+    p = patch_size
+    x = x.view(b, c, height // p, p, width // p, p).permute(0, 1, 5, 3, 2, 4).contiguous()
+    return x.view(b, c * p * p, height // p, width // p)
+
+
+def unpatchify(x: Tensor, patch_size: int) -> Tensor:
+    if patch_size == 1:
+        return x
+    b, cpp, height, width = x.shape
+    p = patch_size
+    x = x.view(b, cpp // (p * p), p, p, height, width).permute(0, 1, 4, 3, 5, 2).contiguous()
+    return x.view(b, cpp // (p * p), height * p, width * p)
 
 
 # ============================================================================================
 # encoder and decoder
 # ============================================================================================
 class Encoder(nn.Module):
-    """diffusers' flat `down_blocks` list (each level's residual blocks, then a downsampler but in the last level);
-    `level_blocks[i]` indexes resolution level i's entries for checkpointing. (diffusers' `attn_scales` would put
-    attention blocks in that list, but its encoder cannot run them: they do not take the feature cache.)"""
+    """diffusers' `down_blocks`: Wan 2.1's flat list (each level's residual blocks, then a downsampler but in the last
+    level), or Wan 2.2's one block a level; `level_blocks[i]` indexes resolution level i's entries for checkpointing.
+    (diffusers' `attn_scales` would put attention blocks in the flat list, but its encoder cannot run them: they do
+    not take the feature cache.)"""
 
     def __init__(self, in_channels: int, ch: int, ch_mult: tuple[int, ...], num_res_blocks: int, out_channels: int,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, level_shortcuts: bool = False, temporal_downsample: tuple[bool, ...] = ()):
         super().__init__()
         self.num_resolutions = len(ch_mult)
         self.checkpoint_levels: set[int] = set()
@@ -229,6 +348,13 @@ class Encoder(nn.Module):
         self.level_blocks: list[range] = []
         for level, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
             start = len(self.down_blocks)
+            if level_shortcuts:  # Wan 2.2: the level is one block (its shortcut spans it: one checkpoint segment)
+                last = level == self.num_resolutions - 1
+                self.down_blocks.append(ResidualDownBlock(in_dim, out_dim, num_res_blocks, dropout,
+                                                          temporal=not last and temporal_downsample[level],
+                                                          downsample=not last))
+                self.level_blocks.append(range(start, start + 1))
+                continue
             for _ in range(num_res_blocks):
                 self.down_blocks.append(ResidualBlock(in_dim, out_dim, dropout))
                 in_dim = out_dim
@@ -258,7 +384,7 @@ class Decoder(nn.Module):
     checkpoint levels) is up_blocks[num_resolutions - 1 - i]."""
 
     def __init__(self, ch: int, out_ch: int, ch_mult: tuple[int, ...], num_res_blocks: int, z_channels: int,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, level_shortcuts: bool = False, temporal_downsample: tuple[bool, ...] = ()):
         super().__init__()
         self.num_resolutions = len(ch_mult)
         self.checkpoint_levels: set[int] = set()
@@ -266,16 +392,21 @@ class Decoder(nn.Module):
         self.conv_in = FrameConv2d(z_channels, dims[0])
         self.mid_block = MidBlock(dims[0], dropout)
         self.up_blocks = nn.ModuleList()
+        temporal_upsample = tuple(temporal_downsample[::-1])
         for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
+            upsample = i != self.num_resolutions - 1
+            if level_shortcuts:  # Wan 2.2
+                self.up_blocks.append(ResidualUpBlock(in_dim, out_dim, num_res_blocks, dropout,
+                                                      temporal=upsample and temporal_upsample[i], upsample=upsample))
+                continue
             if i > 0:
                 in_dim //= 2  # the previous block's upsampler halved its channels
-            self.up_blocks.append(UpBlock(in_dim, out_dim, num_res_blocks, dropout,
-                                          upsample=i != self.num_resolutions - 1))
+            self.up_blocks.append(UpBlock(in_dim, out_dim, num_res_blocks, dropout, upsample))
         self.norm_out = RMSNorm32(dims[-1])
         self.conv_out = FrameConv2d(dims[-1], out_ch)
 
     def _level(self, level: int) -> list[nn.Module]:
-        return self.up_blocks[self.num_resolutions - 1 - level].modules_in_order()
+        return self.up_blocks[self.num_resolutions - 1 - level].segments()
 
     def forward(self, z: Tensor) -> Tensor:
         h = self.mid_block(self.conv_in(z))
@@ -285,19 +416,21 @@ class Decoder(nn.Module):
 
 
 class WanImageAutoEncoder(nn.Module):
-    """The Wan 2.1 / Qwen-Image VAE on images (B, C, H, W), with ae.AutoEncoder's interface (params,
-    downsample_factor, encode_moments, sample, posterior_std, encode, decode, forward, set_grad_checkpointing)."""
+    """The Qwen-Image / Wan 2.1 (or Wan 2.2) VAE on images (B, C, H, W), with ae.AutoEncoder's interface (params,
+    downsample_factor, encode_moments, sample, posterior_std, encode, decode, forward, set_grad_checkpointing,
+    encoder/decoder with their checkpoint_levels, decoder.conv_out as the last layer, quant_conv)."""
 
     def __init__(self, params: WanImageParams):
         super().__init__()
         self.params = params
         moments = 2 * params.z_channels
-        self.encoder = Encoder(params.in_channels, params.ch, params.ch_mult, params.num_res_blocks, moments,
-                               params.dropout)
+        patch_area = params.patch_size ** 2
+        self.encoder = Encoder(params.in_channels * patch_area, params.ch, params.ch_mult, params.num_res_blocks,
+                               moments, params.dropout, params.level_shortcuts, params.temporal_downsample)
         self.quant_conv = nn.Conv2d(moments, moments, 1)
         self.post_quant_conv = nn.Conv2d(params.z_channels, params.z_channels, 1)
-        self.decoder = Decoder(params.decoder_ch, params.out_ch, params.ch_mult, params.num_res_blocks,
-                               params.z_channels, params.dropout)
+        self.decoder = Decoder(params.decoder_ch, params.out_ch * patch_area, params.ch_mult, params.num_res_blocks,
+                               params.z_channels, params.dropout, params.level_shortcuts, params.temporal_downsample)
 
     @property
     def downsample_factor(self) -> int:
@@ -309,7 +442,7 @@ class WanImageAutoEncoder(nn.Module):
 
     def encode_moments(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Posterior mean and log-variance (clamped to LDM's range, as diffusers' DiagonalGaussianDistribution)."""
-        h = self.encoder(x)
+        h = self.encoder(patchify(x, self.params.patch_size))
         with torch.autocast(h.device.type, enabled=False):  # part of the fp32 moments head
             h = self.quant_conv(h.float())
         mean, logvar = h.chunk(2, dim=1)
@@ -329,7 +462,7 @@ class WanImageAutoEncoder(nn.Module):
     def decode(self, z: Tensor) -> Tensor:
         """The image; clamped to [-1, 1] in eval mode as diffusers' decode clamps, raw in training mode (the
         clamp's zero gradient would strand pixels beyond the range: module docstring)."""
-        image = self.decoder(self.post_quant_conv(z))
+        image = unpatchify(self.decoder(self.post_quant_conv(z)), self.params.patch_size)
         return image if self.training else image.clamp(-1.0, 1.0)
 
     def forward(self, x: Tensor, sample: bool = True, latent_transform: Callable[[Tensor], Tensor] | None = None,
@@ -372,11 +505,6 @@ def params_from_diffusers_config(config: dict, where: str) -> WanImageParams:
     """An AutoencoderKLQwenImage / AutoencoderKLWan config -> our params (diffusers' defaults where a key is
     missing); SourceError (one line) for a config this 2D model cannot honour."""
     class_name = config.get("_class_name")
-    if class_name == "AutoencoderKLWan" and (config.get("is_residual") or config.get("patch_size")):
-        raise _source_error(
-            f"{where}: Wan 2.2's VAE (is_residual {config.get('is_residual')}, patch_size {config.get('patch_size')}: "
-            "f16, residual down/up blocks over a 2x2 patchified image) is not supported; Wan 2.1's and Qwen-Image's "
-            "VAEs are")
     dim_mult = list(config.get("dim_mult", [1, 2, 4, 4]))
     temporal = list(config.get("temperal_downsample", [False, True, True]))
     if not dim_mult or not all(isinstance(m, int) and m > 0 for m in dim_mult):
@@ -389,9 +517,15 @@ def params_from_diffusers_config(config: dict, where: str) -> WanImageParams:
         raise _source_error(f"{where}: attn_scales {config['attn_scales']}: diffusers' encoder cannot run those "
                             "attention blocks (they take no feature cache), and no release has them")
     base = config.get("base_dim", 96)
+    patch_size, level_shortcuts = 1, False
     if class_name == "AutoencoderKLWan":
         in_channels, out_channels = config.get("in_channels", 3), config.get("out_channels", 3)
         decoder_ch = config.get("decoder_base_dim") or base
+        patch_size, level_shortcuts = config.get("patch_size") or 1, bool(config.get("is_residual", False))
+        if in_channels % patch_size ** 2 or out_channels % patch_size ** 2:
+            raise _source_error(f"{where}: in_channels {in_channels} / out_channels {out_channels} are not the "
+                                f"channels of {patch_size}x{patch_size} patches")
+        in_channels, out_channels = in_channels // patch_size ** 2, out_channels // patch_size ** 2
     else:  # AutoencoderKLQwenImage: one input_channels for the image in and out
         in_channels = out_channels = config.get("input_channels", 3)
         decoder_ch = base
@@ -401,7 +535,10 @@ def params_from_diffusers_config(config: dict, where: str) -> WanImageParams:
             raise _source_error(f"{where}: {name} has {len(config[name])} entries for z_dim {z}")
     return WanImageParams(in_channels=in_channels, out_ch=out_channels, ch=base, ch_mult=tuple(dim_mult),
                           num_res_blocks=config.get("num_res_blocks", 2), z_channels=z, decoder_ch=decoder_ch,
-                          dropout=float(config.get("dropout", 0.0)))
+                          dropout=float(config.get("dropout", 0.0)), patch_size=patch_size,
+                          level_shortcuts=level_shortcuts,
+                          # the first frame depends on it only through Wan 2.2's shortcuts
+                          temporal_downsample=tuple(map(bool, temporal)) if level_shortcuts else ())
 
 
 def _one_frame(value: Tensor, like: Tensor) -> Tensor | None:
@@ -417,8 +554,11 @@ def _one_frame(value: Tensor, like: Tensor) -> Tensor | None:
 def from_diffusers_state_dict(state: dict[str, Tensor], params: WanImageParams, where: str) -> dict[str, Tensor]:
     """diffusers' weights -> ours (the same names); SourceError (one line) naming the keys that do not fit. The
     source's time_conv weights are the only ones left out (the first frame never runs them)."""
-    with torch.device("meta"):
-        ours = WanImageAutoEncoder(params).state_dict()
+    try:
+        with torch.device("meta"):
+            ours = WanImageAutoEncoder(params).state_dict()
+    except ValueError as e:  # a shortcut's channel groups that do not divide
+        raise _source_error(f"{where}: not a VAE diffusers can build ({e})") from None
     converted, missing, wrong = {}, [], []
     for name, like in ours.items():
         if name not in state:

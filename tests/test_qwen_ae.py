@@ -25,7 +25,17 @@ TINY = dict(base_dim=16, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal
             latents_mean=[0.1, -0.2, 0.3, -0.4], latents_std=[1.5, 2.0, 2.5, 3.0])
 CLASSES = {"qwen": ("AutoencoderKLQwenImage", {}),
            # Wan's own option: a decoder of another base width
-           "wan": ("AutoencoderKLWan", {"decoder_base_dim": 24})}
+           "wan": ("AutoencoderKLWan", {"decoder_base_dim": 24}),
+           # Wan 2.2's structure (TI2V-5B: base 160, decoder 256, z 48, dim_mult 1,2,4,4, f16): 2x2 patches, residual
+           # levels. Time halves at the first level: the encoder's shortcut there averages with a zero frame, and the
+           # decoder's, which narrows there (2 input channels per output channel), shows which frame a first frame keeps
+           "wan22": ("AutoencoderKLWan", {"decoder_base_dim": 24, "is_residual": True, "patch_size": 2,
+                                          "in_channels": 12, "out_channels": 12, "dim_mult": [1, 1, 2, 2],
+                                          "temperal_downsample": [True, False, False]})}
+# what each loads as (beside ch 16, one block a level, z 4)
+EXPECTED = {"qwen": {"ch_mult": (1, 2, 2)}, "wan": {"ch_mult": (1, 2, 2), "decoder_ch": 24},
+            "wan22": {"ch_mult": (1, 1, 2, 2), "decoder_ch": 24, "patch_size": 2, "level_shortcuts": True,
+                      "temporal_downsample": (True, False, False)}}
 # float32 rounding: a Conv2d and the single-frame Conv3d are different kernels, which may sum in another order
 # (qwen_ae.py's docstring); a wrong slice or block is off by O(1)
 TOL = 1e-5
@@ -138,16 +148,15 @@ def test_diffusers_folder_loads_and_computes_what_diffusers_computes(kind, tmp_p
     reference = diffusers_vae(kind)
     source = pretrained.load_source(saved(reference, tmp_path / kind))
     assert isinstance(source.params, WanImageParams) and source.layout == "diffusers"
-    expected = WanImageParams(ch=16, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4,
-                              decoder_ch=CLASSES[kind][1].get("decoder_base_dim", 16))
-    assert source.params == expected and source.params.downsample_factor == 4
+    expected = WanImageParams(ch=16, num_res_blocks=1, z_channels=4, **EXPECTED[kind])
+    assert source.params == expected and source.params.downsample_factor == (16 if kind == "wan22" else 4)
     assert source.factors == {"scaling_factor": 1.0, "shift_factor": 0.0, "latents_mean": TINY["latents_mean"],
                               "latents_std": TINY["latents_std"]}
     # the Wan video VAE says what image training leaves to its later frames
-    assert any("later video frames" in note for note in source.notes) == (kind == "wan")
+    assert any("later video frames" in note for note in source.notes) == kind.startswith("wan")
     vae = as_model(source)
     compare_with_diffusers(vae, reference, images(), kind)
-    compare_with_diffusers(vae, reference, images(1, 24, seed=6), f"{kind} 24px")
+    compare_with_diffusers(vae, reference, images(1, 48, seed=6), f"{kind} 48px, batch 1")
 
 
 def test_decode_clamps_in_eval_only(tmp_path):
@@ -216,12 +225,14 @@ def test_fp32_islands_under_bf16_autocast():
     assert moments.dtype == mean.dtype == logvar.dtype == z.dtype == torch.float32
 
 
-@pytest.fixture(scope="module")
-def checkpoint_reference():
+@pytest.fixture(scope="module", params=["wan2.1", "wan2.2"])
+def checkpoint_reference(request):
     torch.manual_seed(0)
+    structure = {"wan2.1": {}, "wan2.2": dict(patch_size=2, level_shortcuts=True, temporal_downsample=(True, False))
+                 }[request.param]
     # dropout on: the checkpointed recomputation must draw the same masks
-    vae = WanImageAutoEncoder(WanImageParams(ch=16, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4,
-                                             dropout=0.1)).train()
+    vae = WanImageAutoEncoder(WanImageParams(ch=16, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4, dropout=0.1,
+                                             **structure)).train()
     x = images(2, 16)
     return vae, x, *_gradients(vae, x)
 
@@ -254,9 +265,13 @@ def test_grad_checkpointing_is_exact(checkpoint_reference, mode, decoder_levels,
             torch.testing.assert_close(g, grads_ref[name], rtol=1e-5, atol=1e-6 * grads_ref[name].abs().max().item())
     finally:
         vae.set_grad_checkpointing("none")
-    # level 0 is the highest resolution in both, as in ae.py: the decoder's last up block, the encoder's first level
-    assert vae.decoder._level(0)[0] is vae.decoder.up_blocks[-1].resnets[0]
+    # level 0 is the highest resolution in both, as in ae.py: the decoder's last up block, the encoder's first level;
+    # Wan 2.2's level is one segment (its shortcut spans it), Wan 2.1's a segment per block and resampler
+    residual = vae.params.level_shortcuts
+    highest = vae.decoder.up_blocks[-1]
+    assert vae.decoder._level(0) == ([highest] if residual else list(highest.resnets))
     assert vae.encoder._level(0)[0] is vae.encoder.down_blocks[0]
+    assert len(vae.encoder._level(0)) == (1 if residual else 2)
 
 
 # ------------------------------------------------------------------------------------------------------- export
@@ -322,8 +337,7 @@ def _edited(folder, tmp_path, name: str, **config_changes) -> str:
 def test_bad_sources_are_one_line(tmp_path):
     from safetensors.torch import save_file
     good = saved(diffusers_vae(), tmp_path / "good")
-    wan22 = saved(diffusers_vae("wan", is_residual=True, patch_size=2, in_channels=12, out_channels=12,
-                                decoder_base_dim=None), tmp_path / "wan22")
+    wan22 = saved(diffusers_vae("wan22"), tmp_path / "wan22")
     original = {"decoder.middle.0.residual.0.gamma": torch.ones(4, 1, 1, 1), "encoder.conv1.weight": torch.zeros(1)}
     save_file(original, tmp_path / "qwen_image_vae.safetensors")
     extra = _edited(good, tmp_path, "extra")  # a weight no block of this config has
@@ -333,7 +347,8 @@ def test_bad_sources_are_one_line(tmp_path):
     os.makedirs(tmp_path / "pipeline")
     os.symlink(good, tmp_path / "pipeline" / "vae")
     cases = {
-        wan22: "Wan 2.2's VAE",
+        _edited(wan22, tmp_path, "patches", in_channels=10): "in_channels 10 / out_channels 12 are not the channels "
+                                                              "of 2x2 patches",
         _edited(good, tmp_path, "levels", temperal_downsample=[False, True, True]): "temperal_downsample has 3 entries",
         _edited(good, tmp_path, "attention", attn_scales=[1.0]): "attn_scales",
         _edited(good, tmp_path, "stats", latents_mean=[0.0] * 16): "latents_mean has 16 entries for z_dim 4",
