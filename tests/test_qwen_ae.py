@@ -159,6 +159,38 @@ def test_diffusers_folder_loads_and_computes_what_diffusers_computes(kind, tmp_p
     compare_with_diffusers(vae, reference, images(1, 48, seed=6), f"{kind} 48px, batch 1")
 
 
+def test_released_structures_convert():
+    """At release size, on the meta device: Qwen-Image's VAE (diffusers' defaults) is WanImageParams' defaults, and a
+    Wan 2.2 TI2V-5B structure (base 160, decoder 256, z 48, f16) converts; every weight fits."""
+    from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
+    wan22 = dict(base_dim=160, decoder_base_dim=256, z_dim=48, is_residual=True, patch_size=2, in_channels=12,
+                 out_channels=12, scale_factor_spatial=16, latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
+    for cls, config, factor in ((AutoencoderKLQwenImage, {}, 8), (AutoencoderKLWan, wan22, 16)):
+        with torch.device("meta"):
+            reference = cls(**config)
+        params = qwen_ae.params_from_diffusers_config({**reference.config, "_class_name": cls.__name__}, cls.__name__)
+        assert params.downsample_factor == factor and params.z_channels == reference.config.z_dim
+        if cls is AutoencoderKLQwenImage:
+            assert params == WanImageParams()
+        state = qwen_ae.from_diffusers_state_dict(reference.state_dict(), params, cls.__name__)
+        assert set(state) == {k for k in reference.state_dict() if ".time_conv." not in k}
+
+
+def test_channels_last_model_computes_the_same():
+    """The trainer's --channels_last: a model moved to channels-last runs its convolutions so (FrameConv2d follows
+    its weights) and agrees with the contiguous model to float32 rounding."""
+    torch.manual_seed(0)
+    vae = WanImageAutoEncoder(WanImageParams(ch=16, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4)).eval()
+    channels_last = WanImageAutoEncoder(vae.params).eval()
+    channels_last.load_state_dict(vae.state_dict())
+    channels_last.to(memory_format=torch.channels_last)
+    x = images()
+    with torch.no_grad():
+        ours = channels_last(x.contiguous(memory_format=torch.channels_last), sample=False)[0]
+        assert ours.is_contiguous(memory_format=torch.channels_last)
+        assert_matches(ours, vae(x, sample=False)[0], "channels-last")
+
+
 def test_decode_clamps_in_eval_only(tmp_path):
     """diffusers clamps the decoded image to [-1, 1] inside the model: so does decode in eval mode. In training the
     output is raw, so a pixel beyond the range still has a gradient."""
