@@ -283,12 +283,11 @@ def _single_file_family(state: dict[str, Tensor], prefix: str, z: int, notes: li
 
 def _load_single_file(path: str, family: str) -> Source:
     full = _read_file(path)
+    # diffusers' names (AutoencoderKL's and the Wan family's) have an encoder.conv_in.weight too: told apart first
+    if "encoder.mid_block.resnets.0.conv1.weight" in full:
+        raise SourceError(f"{path}: diffusers-named weights without their config: give the folder with config.json")
     prefix = next((p for p in LDM_PREFIXES if f"{p}encoder.conv_in.weight" in full), "")
     if not prefix and "encoder.conv_in.weight" not in full:
-        if any(k in full for k in ("encoder.down_blocks.0.resnets.0.conv1.weight",  # AutoencoderKL's
-                                   "encoder.mid_block.resnets.0.norm1.gamma")):  # the Wan family's
-            raise SourceError(f"{path}: diffusers-named weights without their config: give the folder with "
-                              "config.json")
         if "decoder.middle.0.residual.0.gamma" in full:  # the original Wan repository's names (diffusers' marker)
             raise SourceError(f"{path}: a Wan 2.1 / Qwen-Image VAE in its original single-file layout: give its "
                               "diffusers folder instead (config.json + diffusion_pytorch_model.safetensors, as in "

@@ -376,6 +376,7 @@ def test_bad_sources_are_one_line(tmp_path):
     weights = pretrained._read_file(os.path.join(extra, pretrained.DIFFUSERS_WEIGHTS))
     save_file({**weights, "decoder.up_blocks.2.upsamplers.0.resample.1.weight": torch.zeros(8, 16, 3, 3)},
               os.path.join(extra, pretrained.DIFFUSERS_WEIGHTS))
+    weights_alone = os.path.join(good, pretrained.DIFFUSERS_WEIGHTS)  # the weights file given for the folder
     os.makedirs(tmp_path / "pipeline")
     os.symlink(good, tmp_path / "pipeline" / "vae")
     cases = {
@@ -389,6 +390,7 @@ def test_bad_sources_are_one_line(tmp_path):
         _edited(good, tmp_path, "hunyuan", _class_name="AutoencoderKLHunyuanVideo"): "a video VAE",
         _edited(good, tmp_path, "qwen2", _class_name="AutoencoderKLQwenImage21"): "Qwen-Image 2's VAE",
         str(tmp_path / "qwen_image_vae.safetensors"): "original single-file layout",
+        weights_alone: "diffusers-named weights without their config",
         str(tmp_path / "pipeline"): f"give its VAE, {tmp_path / 'pipeline' / 'vae'}",
     }
     for path, expected in cases.items():
