@@ -1,7 +1,8 @@
-"""qwen_ae.py: Qwen-Image's / Wan 2.1's VAE as a 2D image autoencoder. Against diffusers' own AutoencoderKLQwenImage and
-AutoencoderKLWan (tiny random configs, saved with save_pretrained) on one frame: the causal Conv3d is a Conv2d with the
-kernel's last temporal slice; loading computes what diffusers computes; export writes a folder diffusers loads and
-decodes as we do; checkpointing is exact; bad sources are one line. References are computed in the same process."""
+"""qwen_ae.py: Qwen-Image's / Wan 2.1's (and Wan 2.2's) VAE as a 2D image autoencoder. Against diffusers' own
+AutoencoderKLQwenImage and AutoencoderKLWan (tiny random configs, saved with save_pretrained) on one frame: the causal
+Conv3d is a Conv2d with the kernel's last temporal slice; loading computes what diffusers computes; export writes a
+folder diffusers loads and decodes as we do; checkpointing is exact; bad sources are one line. References are computed
+in the same process."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ from qwen_ae import WanImageAutoEncoder, WanImageParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# a quarter-width Qwen-Image structure in 3 levels (f4): base 16, z 4, one block a level, a temporal level
+# Qwen-Image's structure made small (base 16 for 96, z 4 for 16, 3 levels: f4, one block a level), a temporal level
 TINY = dict(base_dim=16, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, True],
             latents_mean=[0.1, -0.2, 0.3, -0.4], latents_std=[1.5, 2.0, 2.5, 3.0])
 CLASSES = {"qwen": ("AutoencoderKLQwenImage", {}),
