@@ -44,6 +44,7 @@ import torch
 import data as data_lib
 import evaluate
 import pretrained
+import qwen_ae
 from ae import AutoEncoder
 from checkpoint import SAFETENSORS_WEIGHTS, load_autoencoder, load_diffusers_export, load_model  # noqa: F401
 from common import ConfigError, OneLineParser
@@ -152,6 +153,41 @@ def export_single_file(vae: AutoEncoder, out_dir: str, scaling_factor: float | N
     save_file(pretrained.single_file_state_dict(vae), path, metadata=metadata)
     honour_umask(path)
     return path
+
+
+# ============================================================================================
+# diffusers AutoencoderKLQwenImage / AutoencoderKLWan: the 2D model back into its source's 3D layout
+# ============================================================================================
+def export_wan_diffusers(vae: qwen_ae.WanImageAutoEncoder, source_dir: str, out_dir: str,
+                         latents_mean: list[float] | None = None, latents_std: list[float] | None = None) -> None:
+    """Write `out_dir` as the diffusers folder `source_dir` is (its class and config), with the trained weights: each
+    2D kernel into the last temporal slice of its causal 3D kernel, the other slices and the temporal resamplers'
+    time_conv kept from the source (the first frame never uses them, so training could not learn them). The config's
+    latents_mean/latents_std stay the source's unless given (re-estimated statistics). Loaded strictly into the
+    diffusers class before saving: a key or shape mismatch fails here. ValueError (one line) for a source that is
+    not the one the model was trained from."""
+    import diffusers
+    with open(os.path.join(source_dir, "config.json")) as f:
+        config = json.load(f)
+    if config.get("_class_name") not in qwen_ae.DIFFUSERS_CLASSES:
+        raise ValueError(f"{source_dir}: a {config.get('_class_name')}, not one of {qwen_ae.DIFFUSERS_CLASSES}")
+    params = qwen_ae.params_from_diffusers_config(config, source_dir)
+    if params != vae.params:
+        raise ValueError(f"{source_dir}: its architecture {params} is not the model's {vae.params}")
+    for name, values in (("latents_mean", latents_mean), ("latents_std", latents_std)):
+        if values is not None:
+            if len(values) != vae.params.z_channels:
+                raise ValueError(f"{name} has {len(values)} entries for {vae.params.z_channels} latent channels")
+            config[name] = [float(v) for v in values]
+    weights = [os.path.join(source_dir, n) for n in (DIFFUSERS_WEIGHTS, pretrained.DIFFUSERS_WEIGHTS_BIN)
+               if os.path.isfile(os.path.join(source_dir, n))]
+    if not weights:  # the kept temporal slices come from them
+        raise ValueError(f"{source_dir}: no {DIFFUSERS_WEIGHTS}: the export needs the source's weights")
+    model = getattr(diffusers, config["_class_name"]).from_config(config)
+    model.load_state_dict(qwen_ae.to_diffusers_state_dict(vae.state_dict(), pretrained._read_file(weights[0])),
+                          strict=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    honour_umask(os.path.join(out_dir, DIFFUSERS_WEIGHTS))
 
 
 # ============================================================================================

@@ -23,7 +23,9 @@ flux2/src/flux2/autoencoder.py defines the single file):
       (`encoder.quant_conv.*`, `decoder.post_quant_conv.*`), and `bn.running_mean`, `bn.running_var` (and
       `bn.num_batches_tracked`, which BFL's strict load_state_dict expects); eps 1e-4 and momentum 0.1 are BFL's
       constants, not in the file.
-Imports only ae.py: the trainer, export.py and bench.py all use it without an import cycle.
+A diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder (Qwen-Image's and Wan 2.1's VAE) loads into qwen_ae.py's
+2D model (its params a qwen_ae.WanImageParams). Imports only ae.py and qwen_ae.py (model code): the trainer, export.py
+and bench.py all use it without an import cycle.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+import qwen_ae
 from ae import AutoEncoder, AutoEncoderParams
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -72,8 +75,8 @@ class Source:
     path: str
     layout: str  # "diffusers" (a folder) or "single_file"
     family: str  # sd | sdxl | sd3 | flux | flux2, or "" (a diffusers folder: its config carries the factors)
-    params: AutoEncoderParams
-    state: dict[str, Tensor]  # in ae.py's (LDM/FLUX) names
+    params: AutoEncoderParams | qwen_ae.WanImageParams
+    state: dict[str, Tensor]  # in ae.py's (LDM/FLUX) names; a Wan-family source's in qwen_ae.py's (diffusers') names
     factors: dict  # scaling_factor, shift_factor, latents_mean, latents_std (None where the source has none);
     # FLUX.2's bn statistics are not factors: they are in `state` (bn.running_mean / bn.running_var) and `params`
     prefix: str = ""  # the VAE keys' prefix in a full checkpoint
@@ -403,11 +406,15 @@ def _check_family(family: str, params: AutoEncoderParams, path: str, given: bool
 
 def _load_single_file(path: str, family: str) -> Source:
     full = _read_file(path)
+    # diffusers' names (AutoencoderKL's and the Wan family's) have an encoder.conv_in.weight too: told apart first
+    if "encoder.mid_block.resnets.0.conv1.weight" in full:
+        raise SourceError(f"{path}: diffusers-named weights without their config: give the folder with config.json")
     prefix = next((p for p in LDM_PREFIXES if f"{p}encoder.conv_in.weight" in full), "")
     if not prefix and "encoder.conv_in.weight" not in full:
-        if "encoder.down_blocks.0.resnets.0.conv1.weight" in full:
-            raise SourceError(f"{path}: diffusers-named weights without their config: give the folder with "
-                              "config.json")
+        if "decoder.middle.0.residual.0.gamma" in full:  # the original Wan repository's names (diffusers' marker)
+            raise SourceError(f"{path}: a Wan 2.1 / Qwen-Image VAE in its original single-file layout: give its "
+                              "diffusers folder instead (config.json + diffusion_pytorch_model.safetensors, as in "
+                              "Qwen/Qwen-Image's vae/)")
         example = next(iter(full), "none")
         raise SourceError(f"{path}: no VAE in it (no encoder.conv_in.weight, with or without the "
                           f"{' / '.join(LDM_PREFIXES)} prefix; its first key is {example!r}): not a VAE of the "
@@ -433,24 +440,33 @@ def _load_single_file(path: str, family: str) -> Source:
 def _load_diffusers_folder(path: str, family: str) -> Source:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
+        if os.path.isfile(os.path.join(path, "vae", "config.json")):  # a whole pipeline (model_index.json)
+            raise SourceError(f"{path}: a pipeline folder: give its VAE, {os.path.join(path, 'vae')}")
         raise SourceError(f"{path}: a folder without config.json: not a diffusers AutoencoderKL folder")
     try:
         with open(config_path) as f:
             config = json.load(f)
     except (OSError, ValueError) as e:
         raise SourceError(f"{config_path}: unreadable ({type(e).__name__})") from None
-    if config.get("_class_name", "AutoencoderKL") not in ("AutoencoderKL", "AutoencoderKLFlux2"):
-        raise SourceError(f"{path}: a {config.get('_class_name')}, not an AutoencoderKL or AutoencoderKLFlux2")
+    class_name = config.get("_class_name", "AutoencoderKL")
+    if class_name not in ("AutoencoderKL", "AutoencoderKLFlux2") + qwen_ae.DIFFUSERS_CLASSES:
+        raise SourceError(f"{path}: a {class_name}, {qwen_ae.unsupported_class(class_name)}")
     weights = [os.path.join(path, n) for n in (DIFFUSERS_WEIGHTS, DIFFUSERS_WEIGHTS_BIN)
                if os.path.isfile(os.path.join(path, n))]
     if not weights:
         raise SourceError(f"{path}: config.json but no weights ({DIFFUSERS_WEIGHTS} or {DIFFUSERS_WEIGHTS_BIN})")
-    params, ours = from_diffusers_state_dict(_read_file(weights[0]), config, path)
-    # FLUX.2's config has no factors (its bn statistics are in the weights): the identity
-    factors = {"scaling_factor": float(config.get("scaling_factor", 1.0)),
-               "shift_factor": float(config.get("shift_factor") or 0.0),
-               "latents_mean": config.get("latents_mean"), "latents_std": config.get("latents_std")}
     notes = []
+    if class_name in qwen_ae.DIFFUSERS_CLASSES:  # Qwen-Image's / Wan 2.1's VAE: qwen_ae.py's 2D model
+        try:
+            params, ours, factors, notes = qwen_ae.from_diffusers(config, _read_file(weights[0]), path)
+        except qwen_ae.UnfitSource as e:
+            raise SourceError(str(e)) from None
+    else:
+        params, ours = from_diffusers_state_dict(_read_file(weights[0]), config, path)
+        # FLUX.2's config has no factors (its bn statistics are in the weights): the identity
+        factors = {"scaling_factor": float(config.get("scaling_factor", 1.0)),
+                   "shift_factor": float(config.get("shift_factor") or 0.0),
+                   "latents_mean": config.get("latents_mean"), "latents_std": config.get("latents_std")}
     if family != "auto":
         notes.append(f"--init_family {family} ignored: the diffusers config carries the latent factors"
                      + (" (FLUX.2's bn statistics, in its weights)" if params.latent_bn else ""))
