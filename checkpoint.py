@@ -30,7 +30,8 @@ import torch.distributed as dist
 from ae import AutoEncoder, AutoEncoderParams
 from common import ConfigError, DistInfo, atomic_write
 from config import ARCH_FIELDS, LEGACY_ARCH, ModelConfig, RunConfig
-from pretrained import DIFFUSERS_WEIGHTS, from_diffusers_state_dict
+import qwen_ae
+from pretrained import DIFFUSERS_WEIGHTS, build_model, from_diffusers_state_dict, load_source, params_from_dict
 
 # A run directory written with other values of config.ARCH_FIELDS (the ModelConfig fields marked `arch`) cannot
 # be resumed: the VAE's weights would not fit. The GAN settings are not among them: switching the critic on after
@@ -161,7 +162,7 @@ def load_vae_weights_into(vae: torch.nn.Module, path: str) -> None:
         raise ConfigError(f"--load_path {path} does not fit this architecture: {len(shapes)} tensors differ in "
                           f"shape, e.g. {name} {list(theirs)} in the file vs {list(ours)} here (--vae_ch, "
                           "--vae_ch_mult, --vae_z_channels, ... must match the weights)")
-    theirs, ours = recorded_norm_groups(path, file), vae.params.norm_groups
+    theirs, ours = recorded_norm_groups(path, file), getattr(vae.params, "norm_groups", None)  # (none: Wan's RMS)
     if theirs is not None and theirs != ours:
         raise ConfigError(f"--load_path {path} was trained with {theirs} GroupNorm groups, this model has {ours}: "
                           f"add --vae_norm_groups {theirs}")
@@ -435,8 +436,12 @@ def load_diffusers_export(path: str) -> tuple[AutoEncoder, dict]:
     from safetensors.torch import load_file
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    params, state = from_diffusers_state_dict(load_file(os.path.join(path, DIFFUSERS_WEIGHTS)), config)
-    vae = AutoEncoder(params)
+    if config.get("_class_name") in qwen_ae.DIFFUSERS_CLASSES:  # the Wan family's own layout
+        source = load_source(path)
+        params, state = source.params, source.state
+    else:
+        params, state = from_diffusers_state_dict(load_file(os.path.join(path, DIFFUSERS_WEIGHTS)), config)
+    vae = build_model(params)
     vae.load_state_dict(state)
     return vae.eval(), config
 
@@ -447,8 +452,9 @@ def load_autoencoder(path: str) -> tuple[AutoEncoder, dict]:
     from safetensors.torch import load_file
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    fields = {f.name for f in dataclasses.fields(AutoEncoderParams)}
-    vae = AutoEncoder(AutoEncoderParams.from_dict({k: v for k, v in config.items() if k in fields}))
+    fields = {f.name for f in dataclasses.fields(
+        qwen_ae.WanImageParams if config.get("family") == "wan" else AutoEncoderParams)} | {"family"}
+    vae = build_model(params_from_dict({k: v for k, v in config.items() if k in fields}))
     vae.load_state_dict(load_file(os.path.join(path, SAFETENSORS_WEIGHTS)))
     return vae.eval(), config
 
@@ -494,7 +500,7 @@ def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
     if ema and not trained_weights(state, ema=True):
         raise ConfigError(f"--ema: {path} holds no EMA weights (trained with --ema_decay 0?)")
     try:
-        vae = AutoEncoder(AutoEncoderParams.from_dict(run["model_params"]))
+        vae = build_model(params_from_dict(run["model_params"]))
         vae.load_state_dict(trained_weights(state, ema))
     except (TypeError, ValueError, RuntimeError) as e:
         reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__

@@ -80,6 +80,10 @@ class ModelConfig:
     GROUP: ClassVar[str] = "model"  # the --help group
     TITLE: ClassVar[str] = "Model"  # the flag table's heading
 
+    vae_family: str = opt("ldm", "ldm: the LDM/FLUX autoencoder of ae.py (FLUX.1, FLUX.2, SD, SDXL, SD3); wan: the "
+                                 "Wan 2.1 family of qwen_ae.py (Qwen-Image's VAE, Wan 2.1/2.2's on images), whose "
+                                 "architecture only --init_from (or the run's checkpoints) gives. Set by --init_from",
+                          ("ldm", "wan"), arch=True)
     vae_ch: int = opt(128, "base channel count", arch=True)
     vae_ch_mult: str = opt("1,2,4,4", "channel multiplier per level; downsampling = 2^(levels-1)", arch=True)
     vae_num_res_blocks: int = opt(2, "ResnetBlocks per level", arch=True)
@@ -105,10 +109,19 @@ class ModelConfig:
                                      "place of scaling/shift factors. Set by --init_from", arch=True)
     vae_latent_bn_eps: float = opt(1e-4, "the eps of --vae_latent_bn's normalisation (FLUX.2's: 1e-4). Set by "
                                          "--init_from")
+    vae_patch_size: int = opt(1, "the image enters the encoder as P x P pixel patches stacked on the channels (Wan "
+                                 "2.2's VAE: 2), for a downsample factor 2^(levels-1) x P. Set by --init_from",
+                              arch=True)
 
     def validate(self) -> None:
         check(self, positive=("vae_ch", "vae_num_res_blocks", "vae_z_channels", "vae_norm_groups", "posterior_var",
-                              "vae_latent_bn_eps"))
+                              "vae_latent_bn_eps", "vae_patch_size"))
+        ch_mult_of(self)  # one line for a malformed --vae_ch_mult, in either family
+        if self.vae_family == "wan":  # the rest is the LDM family's: the Wan family's comes from its source
+            return
+        if self.vae_patch_size != 1:
+            raise ConfigError(f"--vae_patch_size {self.vae_patch_size}: the LDM family's encoder reads pixels (1); "
+                              "patches are the Wan family's (Wan 2.2)")
         if self.do_clamp and self.clamp_th <= 0:
             raise ConfigError(f"--clamp_th must be positive with --do_clamp, got {self.clamp_th}")
         if self.vae_quant_conv and self.posterior != "learned":
@@ -459,7 +472,8 @@ ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadat
 SOURCE_FIELDS = ARCH_FIELDS + ("posterior_var", "do_clamp", "vae_latent_bn_eps")
 # What runs written before a field existed used (config.json without it): 32 groups before --vae_norm_groups,
 # no quant convs before --vae_quant_conv.
-LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False, "vae_decoder_ch": "", "vae_latent_bn": False}
+LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False, "vae_decoder_ch": "", "vae_latent_bn": False,
+               "vae_family": "ldm", "vae_patch_size": 1}
 
 
 def ch_mult_of(model: ModelConfig) -> tuple[int, ...]:
@@ -472,8 +486,17 @@ def ch_mult_of(model: ModelConfig) -> tuple[int, ...]:
     return mult
 
 
+def downsample_factor_of(model: ModelConfig) -> int:
+    """The latent grid's downsampling, in either family: 2^(levels - 1) x the pixel patch."""
+    return 2 ** (len(ch_mult_of(model)) - 1) * model.vae_patch_size
+
+
 def model_params(model: ModelConfig) -> AutoEncoderParams:
-    """ae.py's architecture of the model section."""
+    """ae.py's architecture of the model section (the LDM family's; the Wan family's comes from its source or the
+    run's checkpoints: vae_trainer.model_architecture)."""
+    if model.vae_family != "ldm":
+        raise ConfigError(f"--vae_family {model.vae_family}: its architecture is read from --init_from (a diffusers "
+                          "AutoencoderKLQwenImage / AutoencoderKLWan folder) or the run's checkpoints")
     return AutoEncoderParams(ch=model.vae_ch, ch_mult=ch_mult_of(model), num_res_blocks=model.vae_num_res_blocks,
                              z_channels=model.vae_z_channels, norm_groups=model.vae_norm_groups,
                              use_attn=model.do_attn, posterior=model.posterior, posterior_var=model.posterior_var,
@@ -510,7 +533,7 @@ def min_loss_image_size(cfg: Config) -> int:
 
 def scale_equivariance_sizes(cfg: Config) -> list[int]:
     """The latent sizes a scale-equivariance step may decode (latents.equivariance_sizes)."""
-    factor = model_params(cfg.model).downsample_factor
+    factor = downsample_factor_of(cfg.model)
     return latents_lib.equivariance_sizes(cfg.data.vae_resolution // factor, factor,
                                           cfg.latents.scale_equivariance_mode, cfg.loss.mse_pool_factor,
                                           min_loss_image_size(cfg))
@@ -519,7 +542,7 @@ def scale_equivariance_sizes(cfg: Config) -> list[int]:
 def validate_across_sections(cfg: Config) -> None:
     """The checks that read two sections or more."""
     data, model, loss, critic, latents = cfg.data, cfg.model, cfg.loss, cfg.critic, cfg.latents
-    factor = model_params(model).downsample_factor
+    factor = downsample_factor_of(model)
     if data.vae_resolution % factor:
         raise ConfigError(f"--vae_resolution {data.vae_resolution} is not divisible by the downsample factor "
                           f"{factor} of --vae_ch_mult {model.vae_ch_mult}")
@@ -542,6 +565,9 @@ def validate_across_sections(cfg: Config) -> None:
                           "turns it off)")
     if cfg.run.load_path and cfg.finetune.init_from:
         raise ConfigError("give --init_from (a released VAE) or --load_path (our weights), not both")
+    if model.vae_family != "ldm" and (loss.distill_weight > 0 or cfg.finetune.decoder_init != "fresh"):
+        raise ConfigError("--distill_weight and --decoder_init are for a narrower decoder of the LDM family's "
+                          f"latent spaces (FLUX.2, FLUX.1, SD, SDXL, SD3), not --vae_family {model.vae_family}")
     if loss.distill_weight > 0 and not (cfg.finetune.init_from and cfg.finetune.train_parts == "decoder"):
         raise ConfigError("--distill_weight needs --init_from (the teacher is its decoder) and --train_parts decoder "
                           "(the teacher decodes the same latent as the decoder that trains)")

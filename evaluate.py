@@ -344,7 +344,7 @@ class Validator:
         models = [("eval", vae)]
         if ema_state is not None:
             if self.ema_model is None:
-                self.ema_model = AutoEncoder(vae.params).to(self.device, memory_format=self.memory_format)
+                self.ema_model = type(vae)(vae.params).to(self.device, memory_format=self.memory_format)
             self.ema_model.load_state_dict(ema_state)
             models.append(("eval_ema", self.ema_model))
         for prefix, model in models:

@@ -274,6 +274,55 @@ def export_latent_bn(args, vae: AutoEncoder, info: dict, resolution: int) -> int
     return 0
 
 
+def export_wan(args, vae: qwen_ae.WanImageAutoEncoder, info: dict, resolution: int) -> int:
+    """main() for a Wan-family model (Qwen-Image's VAE): its pipelines normalise each latent channel by the
+    config's latents_mean/latents_std, and read no scaling factor. After a decoder-only fine-tune the source's
+    statistics are kept; --dataset_url re-estimates them (after a run that trained the encoder). The diffusers
+    layout is the source's own folder with the trained weights (export_wan_diffusers: it needs the source)."""
+    try:
+        if args.scaling_factor is not None or args.shift_factor is not None:
+            raise ConfigError("a Wan-family VAE (Qwen-Image's) is normalised per channel by latents_mean/latents_std, "
+                              "not by --scaling_factor / --shift_factor (--dataset_url re-estimates them)")
+        if args.format == "single_file":
+            raise ConfigError("a Wan-family VAE exports as its diffusers folder (--format diffusers) or ours "
+                              "(--format safetensors): this trainer writes no single file of it")
+        source = info.get("init_source") or {}
+        if args.format == "diffusers" and not os.path.isdir(source.get("path") or ""):
+            raise ConfigError(f"--format diffusers writes the source's layout back and keeps its earlier temporal "
+                              f"slices: the run's --init_from folder {source.get('path')} is needed and is not there")
+        if args.dataset_url:
+            data_lib.probe_remote_shards(data_lib.list_shards(args.dataset_url))
+        if os.path.isfile(args.out):
+            raise ConfigError(f"--out {args.out} is a file")
+        summary = {"out": args.out, "format": args.format, "checkpoint": info["checkpoint"], "step": info["step"],
+                   "ema": args.ema, "resolution": resolution, "latent_norm": "per_channel"}
+        latents_mean, latents_std = source.get("latents_mean"), source.get("latents_std")
+        if args.dataset_url:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            stats = evaluate.latent_stats(vae.to(device), args.dataset_url, resolution, batch_size=args.batch_size,
+                                          device=device, max_images=args.latent_stats_images)
+            vae.cpu()
+            latents_mean, latents_std = stats["channel_mean"], stats["channel_std"]
+            summary["latent_stats"] = stats
+        elif info.get("train_parts") != "decoder":
+            print("note: latents_mean/latents_std are the source's; if this run trained the encoder they describe the "
+                  "latents of the encoder it started from: give --dataset_url to re-estimate them", file=sys.stderr)
+        if args.format == "diffusers":
+            try:
+                export_wan_diffusers(vae, source["path"], args.out, latents_mean, latents_std)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            summary["serves"] = "Qwen-Image and Wan pipelines ((z - latents_mean) / latents_std per channel)"
+        else:
+            export_safetensors(vae, args.out, resolution, step=info["step"], latents_mean=latents_mean,
+                               latents_std=latents_std)
+    except (ConfigError, data_lib.DatasetError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -292,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         resolution = args.resolution or info["resolution"]
         if not resolution or resolution % vae.downsample_factor:
             raise ConfigError(f"--resolution must be a positive multiple of {vae.downsample_factor}, got {resolution}")
+        if isinstance(vae, qwen_ae.WanImageAutoEncoder):
+            return export_wan(args, vae, info, resolution)
         if vae.params.latent_bn:
             return export_latent_bn(args, vae, info, resolution)
         if args.dataset_url:

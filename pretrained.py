@@ -467,10 +467,24 @@ def _load_diffusers_folder(path: str, family: str) -> Source:
         factors = {"scaling_factor": float(config.get("scaling_factor", 1.0)),
                    "shift_factor": float(config.get("shift_factor") or 0.0),
                    "latents_mean": config.get("latents_mean"), "latents_std": config.get("latents_std")}
+    latent_bn = getattr(params, "latent_bn", False)  # (the Wan family normalises by latents_mean/latents_std)
     if family != "auto":
         notes.append(f"--init_family {family} ignored: the diffusers config carries the latent factors"
-                     + (" (FLUX.2's bn statistics, in its weights)" if params.latent_bn else ""))
-    return Source(path, "diffusers", "flux2" if params.latent_bn else "", params, ours, factors, "", notes)
+                     + (" (FLUX.2's bn statistics, in its weights)" if latent_bn else ""))
+    return Source(path, "diffusers", "flux2" if latent_bn else "", params, ours, factors, "", notes)
+
+
+def params_from_dict(d: dict) -> AutoEncoderParams | qwen_ae.WanImageParams:
+    """The architecture a checkpoint's or an export's model_params describe: qwen_ae's for the Wan family (their
+    "family" key), ae's otherwise (every checkpoint written before the Wan family existed)."""
+    return qwen_ae.WanImageParams.from_dict(d) if d.get("family") == "wan" else AutoEncoderParams.from_dict(d)
+
+
+def build_model(params: AutoEncoderParams | qwen_ae.WanImageParams) -> AutoEncoder | qwen_ae.WanImageAutoEncoder:
+    """The model of an architecture, of the family it is: the one place that chooses the model class."""
+    if isinstance(params, qwen_ae.WanImageParams):
+        return qwen_ae.WanImageAutoEncoder(params)
+    return AutoEncoder(params)
 
 
 def load_source(path: str, family: str = "auto") -> Source:

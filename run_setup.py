@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import data as data_lib
 import pretrained
+import qwen_ae
 from common import ConfigError
 from config import (AUTO_FIELDS, LEGACY_ARCH, LR_TIMES_WIDTH, SOURCE_FIELDS, Config, automatic_values, continue_run,
                     continuing_note, demo_summary, is_plain_local_path, model_params, parse_flags, resolve_auto,
@@ -50,6 +51,9 @@ def prepare_run(argv: list[str] | None = None, builds_demo_data: bool = True) ->
     derived, again = {}, []
     if saved is not None:
         cfg, derived, again = continue_run(cfg, given, saved)
+    if cfg.model.vae_family != "ldm" and source is None and saved is None:
+        raise ConfigError(f"--vae_family {cfg.model.vae_family}: its architecture is read from --init_from (a "
+                          "diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder) or the run being continued")
     derived.update(automatic_values(cfg, given))
     cfg = resolve_auto(cfg)
     cfg.validate()
@@ -107,7 +111,17 @@ def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Confi
     if (p.in_channels, p.out_ch) != (3, 3):
         raise ConfigError(f"--init_from {init_from}: a VAE of {p.in_channels} input / {p.out_ch} output "
                           "channels; this trainer reads RGB images")
-    arch = dict(vae_ch=p.ch, vae_ch_mult=",".join(str(m) for m in p.ch_mult), vae_num_res_blocks=p.num_res_blocks,
+    if isinstance(p, qwen_ae.WanImageParams):  # its architecture travels in the source and the checkpoints; these
+        # flags show it and let a resume check it (no GroupNorm: RMS norms, hence 1 group)
+        if "vae_decoder_ch" in given:
+            raise ConfigError(f"--vae_decoder_ch: a decoder of other widths is for the LDM family's latent spaces, "
+                              f"not {init_from}'s (the Wan family)")
+        decoder = "" if p.decoder_ch == p.ch else ",".join(str(p.decoder_ch * m) for m in p.ch_mult)
+        return with_values(cfg, vae_family="wan", vae_ch=p.ch, vae_ch_mult=",".join(str(m) for m in p.ch_mult),
+                           vae_num_res_blocks=p.num_res_blocks, vae_z_channels=p.z_channels, vae_norm_groups=1,
+                           do_attn=True, posterior="learned", vae_quant_conv=True, do_clamp=False,
+                           vae_decoder_ch=decoder, vae_latent_bn=False, vae_patch_size=p.patch_size), source
+    arch = dict(vae_family="ldm", vae_patch_size=1, vae_ch=p.ch, vae_ch_mult=",".join(str(m) for m in p.ch_mult), vae_num_res_blocks=p.num_res_blocks,
                 vae_z_channels=p.z_channels, vae_norm_groups=p.norm_groups, do_attn=p.use_attn, posterior=p.posterior,
                 posterior_var=p.posterior_var, vae_quant_conv=p.quant_conv, do_clamp=False,
                 vae_decoder_ch=",".join(str(c) for c in p.decoder_channels), vae_latent_bn=p.latent_bn,

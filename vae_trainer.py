@@ -49,23 +49,36 @@ from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, fetch_
 # ============================================================================================
 # Building the parts from the config (the only functions outside config.py that take all of it)
 # ============================================================================================
-def build_vae(cfg: Config, device: torch.device, memory_format, init_weights: bool,
+def model_architecture(cfg: Config, source: pretrained.Source | None, resume: tuple[str, dict] | None):
+    """The model's architecture: the flags' for the LDM family; the Wan family's from its --init_from source, or
+    from the checkpoint a run resumes from (the source may have moved since)."""
+    if cfg.model.vae_family == "ldm":
+        return model_params(cfg.model)
+    if source is not None:
+        return source.params
+    return pretrained.params_from_dict(resume[1]["run"]["model_params"])
+
+
+def build_vae(cfg: Config, device: torch.device, memory_format, resume: tuple[str, dict] | None = None,
               source: pretrained.Source | None = None, log=print
               ) -> tuple[AutoEncoder, dict | None, TeacherDecoder | None]:
-    """The autoencoder on the device, with --load_path's or --init_from's weights when `init_weights` (not
-    resuming: a decoder of other widths than the source's starts as --decoder_init says); the description of the
-    --init_from source it was initialised from (None otherwise); and, with --distill_weight, the source's own
-    decoder as the teacher (read from the source again on resume)."""
-    ft = cfg.finetune
-    vae, described, teacher = AutoEncoder(model_params(cfg.model)), None, None
+    """The autoencoder on the device, with --load_path's or --init_from's weights when not resuming (a decoder of
+    other widths than the source's starts as --decoder_init says); the description of the --init_from source it was
+    initialised from (None otherwise); and, with --distill_weight, the source's own decoder as the teacher (read
+    from the source again on resume)."""
+    ft, init_weights = cfg.finetune, resume is None
+    if ft.init_from and (init_weights or cfg.loss.distill_weight > 0) and source is None:
+        source = read_init_source(ft.init_from, ft.init_family)
+    vae = pretrained.build_model(model_architecture(cfg, source, resume))
+    described, teacher = None, None
     if cfg.run.load_path and init_weights:
         checkpoint.load_vae_weights_into(vae, cfg.run.load_path)
         log(f"initialised VAE weights from {cfg.run.load_path}")
-    if ft.init_from and (init_weights or cfg.loss.distill_weight > 0) and source is None:
-        source = read_init_source(ft.init_from, ft.init_family)
     if ft.init_from and init_weights:
-        widths = vae.params.decoder_widths
-        if widths != source.params.decoder_widths:  # a decoder of its own widths for the source's latent space
+        # a decoder of its own widths for the source's latent space (the LDM family's)
+        widths = vae.params.decoder_widths if isinstance(vae, AutoEncoder) else None
+        narrow = widths is not None and widths != source.params.decoder_widths
+        if narrow:
             vae.load_state_dict(pretrained.narrow_decoder_model(source, widths, ft.decoder_init,
                                                                 cfg.optim.seed).state_dict())
         else:
@@ -74,8 +87,7 @@ def build_vae(cfg: Config, device: torch.device, memory_format, init_weights: bo
         for note in source.notes:
             log(f"note: {note}")
         family = f", {source.family}" if source.family else ""
-        decoder = (f"; a decoder of widths {','.join(map(str, widths))} ({ft.decoder_init})"
-                   if widths != source.params.decoder_widths else "")
+        decoder = f"; a decoder of widths {','.join(map(str, widths))} ({ft.decoder_init})" if narrow else ""
         log(f"initialised the VAE from {ft.init_from} ({source.layout}{family}){decoder}")
     if cfg.loss.distill_weight > 0:
         wide = AutoEncoder(source.params)
@@ -301,7 +313,7 @@ class Trainer:
         # --init_from: what the run started from (path, layout, family, latent factors), in config.json and every
         # checkpoint; export keeps its factors after a decoder-only fine-tune
         self.init_source = resume[1]["run"].get("init_source") if resume is not None else None
-        self.vae, source_described, teacher = build_vae(cfg, self.device, self.memory_format, resume is None, source,
+        self.vae, source_described, teacher = build_vae(cfg, self.device, self.memory_format, resume, source,
                                                         self.log)
         self.init_source = source_described or self.init_source
         vgg_features, with_lpips = vgg16_for_run(cfg, info, self.eval_on, self.log)

@@ -399,3 +399,106 @@ def test_bad_sources_are_one_line(tmp_path):
             pretrained.load_source(path)
         message = str(error.value)
         assert expected in message and "\n" not in message and message.startswith(path), (path, message)
+
+
+# ------------------------------------------------------------------------------------ through the trainer
+def trainer_args(folder, shard_url, runs, name, *extra) -> list[str]:
+    """vae_trainer.py's flags for a short fine-tune of the Qwen-Image-structured model in `folder` (64 px)."""
+    return ["--init_from", str(folder), "--dataset_url", shard_url, "--output_dir", str(runs), "--run_name", name,
+            "--vae_resolution", "64", "--batch_size", "2", "--num_workers", "1", "--shuffle_buffer", "8",
+            "--max_steps", "2", "--warmup_steps", "1", "--perceptual_weight", "0", "--vgg16_weights", "random",
+            "--wandb_mode", "disabled", "--evaluate_every_n_steps", "0", "--mse_pool_factor", "4", *extra]
+
+
+@pytest.mark.timeout(300)
+def test_qwen_image_decoder_only_fine_tune_under_torchrun_keeps_the_encoder_and_exports_back(tmp_path, shard_url,
+                                                                                            capsys):
+    """`torchrun --nproc_per_node=2 vae_trainer.py --init_from <AutoencoderKLQwenImage folder> --train_parts
+    decoder`: the encoder and quant_conv stay bitwise the source's (weights and EMA, the two ranks verified equal),
+    the decoder trains; the export is the source's diffusers layout with the source's latents_mean/latents_std,
+    loads in AutoencoderKLQwenImage.from_pretrained and decodes one frame as our model decodes it."""
+    import checkpoint
+    from conftest import run_cli
+    from diffusers import AutoencoderKLQwenImage
+    folder = saved(diffusers_vae("qwen"), tmp_path / "qwen")
+    source = pretrained.load_source(folder)
+    runs = tmp_path / "runs"
+    proc = run_cli("vae_trainer.py", trainer_args(folder, shard_url, runs, "ft", "--train_parts", "decoder"), nproc=2,
+                   timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "(weights identical on all ranks)" in proc.stdout
+    ckpt = checkpoint.load_checkpoint(str(runs / "ft" / "checkpoints" / "step_00000002.pt"))
+    assert ckpt["run"]["ranks_in_sync"] is True and ckpt["run"]["model_params"]["family"] == "wan"
+    assert ckpt["run"]["config"]["vae_family"] == "wan"
+    frozen = [k for k in source.state if k.startswith(("encoder.", "quant_conv."))]
+    for key in ("vae", "ema"):
+        assert all(torch.equal(ckpt["training"][key][k], source.state[k]) for k in frozen), key
+    assert not torch.equal(ckpt["training"]["vae"]["decoder.conv_out.weight"], source.state["decoder.conv_out.weight"])
+
+    assert export.main(["--ckpt", str(runs / "ft"), "--out", str(tmp_path / "out"), "--ema"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["latent_norm"] == "per_channel" and "Qwen-Image" in summary["serves"]
+    exported = AutoencoderKLQwenImage.from_pretrained(tmp_path / "out").eval()
+    assert (exported.config.latents_mean, exported.config.latents_std) == (TINY["latents_mean"], TINY["latents_std"])
+    ours = WanImageAutoEncoder(source.params)
+    ours.load_state_dict(ckpt["training"]["ema"])
+    z = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert_matches(ours.eval().decode(z), exported.decode(z[:, :, None]).sample[:, :, 0], "decode")
+
+
+def test_qwen_image_statistics_re_estimated_after_a_full_fine_tune_normalise_in_its_pipeline(tmp_path, shard_url,
+                                                                                             photos_dir, capsys):
+    """After a run that trained the encoder, export --dataset_url re-estimates latents_mean/latents_std, and the
+    latents Qwen-Image's own img2img pipeline makes of those images (its _encode_vae_image: a posterior sample,
+    then (z - latents_mean) / latents_std per channel) have zero mean and unit variance per channel. The source's
+    posterior is made nearly deterministic (log-variance -20, as a trained VAE's nearly is), so the pipeline's
+    sample is its mean."""
+    import vae_trainer
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageImg2ImgPipeline
+
+    import data as data_lib
+    reference = diffusers_vae("qwen")
+    with torch.no_grad():
+        reference.quant_conv.bias[TINY["z_dim"]:] = -20.0
+    folder = saved(reference, tmp_path / "qwen")
+    runs = tmp_path / "runs"
+    assert vae_trainer.main(trainer_args(folder, shard_url, runs, "full", "--num_workers", "0")) == 0
+    capsys.readouterr()
+    assert export.main(["--ckpt", str(runs / "full"), "--out", str(tmp_path / "out"), "--dataset_url", photos_dir,
+                        "--resolution", "32", "--latent_stats_images", "8", "--batch_size", "4"]) == 0
+    stats = json.loads(capsys.readouterr().out)["latent_stats"]
+    assert stats["channel_mean"] != TINY["latents_mean"]
+    vae = AutoencoderKLQwenImage.from_pretrained(tmp_path / "out").eval()
+    pipe = QwenImageImg2ImgPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None,
+                                    tokenizer=None, transformer=None)
+    images = torch.cat([data_lib.to_model_input(b, torch.device("cpu"), channels_last=False)
+                        for _, b in data_lib.iter_eval_batches(photos_dir, 32, 4)])
+    with torch.no_grad():
+        z = pipe._encode_vae_image(images[:, :, None], torch.Generator().manual_seed(0))[:, :, 0].double()
+    assert z.mean(dim=(0, 2, 3)).abs().max() < 1e-3
+    assert z.std(dim=(0, 2, 3), unbiased=False).tolist() == pytest.approx([1.0] * TINY["z_dim"], abs=1e-3)
+
+
+def test_the_wan_family_refuses_what_it_cannot_do_in_one_line(tmp_path, shard_url, capsys):
+    """A narrower decoder and its teacher are the LDM family's; a Wan-family run needs its source's architecture;
+    its export has no single-file layout."""
+    import vae_trainer
+    folder = saved(diffusers_vae("qwen"), tmp_path / "qwen")
+    runs = tmp_path / "runs"
+    for extra, message in ((["--vae_decoder_ch", "8,16,16"], "--vae_decoder_ch: a decoder of other widths is for "
+                                                               "the LDM family's latent spaces"),
+                           (["--train_parts", "decoder", "--distill_weight", "1"], "--distill_weight and "
+                                                                                    "--decoder_init are for a "
+                                                                                    "narrower decoder")):
+        assert vae_trainer.main(trainer_args(folder, shard_url, runs, "x", *extra)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert vae_trainer.main(["--vae_family", "wan", "--dataset_url", shard_url, "--output_dir", str(runs)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "its architecture is read from --init_from" in err[0], err
+    assert vae_trainer.main(trainer_args(folder, shard_url, runs, "one", "--num_workers", "0", "--max_steps",
+                                         "1")) == 0
+    capsys.readouterr()
+    assert export.main(["--ckpt", str(runs / "one"), "--out", str(tmp_path / "o"), "--format", "single_file"]) == 2
+    assert "this trainer writes no single file of it" in capsys.readouterr().err
