@@ -233,6 +233,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_data_and_out(args) -> None:
+    """One line if --dataset_url cannot be read or --out is a file, before anything is computed or written."""
+    if args.dataset_url:
+        data_lib.probe_remote_shards(data_lib.list_shards(args.dataset_url))
+    if os.path.isfile(args.out):
+        raise ConfigError(f"--out {args.out} is a file")
+
+
+def export_summary(args, info: dict, resolution: int) -> dict:
+    """What every export's JSON line says of itself."""
+    return {"out": args.out, "format": args.format, "checkpoint": info["checkpoint"], "step": info["step"],
+            "ema": args.ema, "resolution": resolution}
+
+
 def export_latent_bn(args, vae: AutoEncoder, info: dict, resolution: int) -> int:
     """main() for a model that normalises its latents by FLUX.2's bn statistics, not by factors: --dataset_url
     re-estimates them (evaluate.latent_bn_stats: after a run that trained the encoder), else they are exported as
@@ -245,12 +259,8 @@ def export_latent_bn(args, vae: AutoEncoder, info: dict, resolution: int) -> int
         if args.dataset_url and resolution % (2 * vae.downsample_factor):
             raise ConfigError(f"--resolution must be a multiple of {2 * vae.downsample_factor} to re-estimate the bn "
                               f"statistics (2x2 patches of the latent), got {resolution}")
-        if args.dataset_url:
-            data_lib.probe_remote_shards(data_lib.list_shards(args.dataset_url))
-        if os.path.isfile(args.out):
-            raise ConfigError(f"--out {args.out} is a file")
-        summary = {"out": args.out, "format": args.format, "checkpoint": info["checkpoint"], "step": info["step"],
-                   "ema": args.ema, "resolution": resolution, "latent_norm": "bn"}
+        check_data_and_out(args)
+        summary = {**export_summary(args, info, resolution), "latent_norm": "bn"}
         if args.dataset_url:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             stats = evaluate.latent_bn_stats(vae.to(device), args.dataset_url, resolution, batch_size=args.batch_size,
@@ -290,12 +300,8 @@ def export_wan(args, vae: qwen_ae.WanImageAutoEncoder, info: dict, resolution: i
         if args.format == "diffusers" and not os.path.isdir(source.get("path") or ""):
             raise ConfigError(f"--format diffusers writes the source's layout back and keeps its earlier temporal "
                               f"slices: the run's --init_from folder {source.get('path')} is needed and is not there")
-        if args.dataset_url:
-            data_lib.probe_remote_shards(data_lib.list_shards(args.dataset_url))
-        if os.path.isfile(args.out):
-            raise ConfigError(f"--out {args.out} is a file")
-        summary = {"out": args.out, "format": args.format, "checkpoint": info["checkpoint"], "step": info["step"],
-                   "ema": args.ema, "resolution": resolution, "latent_norm": "per_channel"}
+        check_data_and_out(args)
+        summary = {**export_summary(args, info, resolution), "latent_norm": "per_channel"}
         latents_mean, latents_std = source.get("latents_mean"), source.get("latents_std")
         if args.dataset_url:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -345,13 +351,9 @@ def main(argv: list[str] | None = None) -> int:
             return export_wan(args, vae, info, resolution)
         if vae.params.latent_bn:
             return export_latent_bn(args, vae, info, resolution)
-        if args.dataset_url:
-            data_lib.probe_remote_shards(data_lib.list_shards(args.dataset_url))
-        if os.path.isfile(args.out):
-            raise ConfigError(f"--out {args.out} is a file")
+        check_data_and_out(args)
 
-        summary = {"out": args.out, "format": args.format, "checkpoint": info["checkpoint"], "step": info["step"],
-                   "ema": args.ema, "resolution": resolution}
+        summary = export_summary(args, info, resolution)
         source = info.get("init_source") or {}
         keep_source = info.get("train_parts") == "decoder" and bool(source) and not args.dataset_url
         latents_mean = latents_std = None

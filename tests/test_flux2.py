@@ -27,15 +27,8 @@ ENCODER = (32, 64, 128, 128)
 SMALL_DECODER = (32, 64, 96, 96)
 FLUX2 = dict(block_out_channels=ENCODER, layers_per_block=2, norm_num_groups=32, latent_channels=32,
              down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4)
-# The other families' structure and factors (tests/test_finetune.py), at the same width and group size
-FAMILIES = {
-    "sd": dict(latent_channels=4, use_quant_conv=True, use_post_quant_conv=True, scaling_factor=0.18215),
-    "sdxl": dict(latent_channels=4, use_quant_conv=True, use_post_quant_conv=True, scaling_factor=0.13025),
-    "sd3": dict(latent_channels=16, use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5305,
-                shift_factor=0.0609),
-    "flux": dict(latent_channels=16, use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611,
-                 shift_factor=0.1159),
-}
+# The other families' structure and factors, at the same width and group size
+from test_finetune import FAMILIES  # noqa: E402
 # BFL's FLUX.2 single file (black-forest-labs/flux2, src/flux2/autoencoder.py) keeps the quant convs inside the
 # encoder and decoder; diffusers' scripts/convert_flux2_to_diffusers.py (DIFFUSERS_VAE_TO_FLUX2_MAPPING) maps them,
 # and the bn statistics, onto AutoencoderKLFlux2's names: diffusers' name -> BFL's
