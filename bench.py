@@ -45,7 +45,8 @@ Sections
           included), wall time and peak memory, each decode in a fresh process (the encoder dropped), the two
           alternating for --decode_rounds rounds. CPU: fp32, one timed decode per round, peak RSS; CUDA: fp32 and
           bf16, 3 warm-up and 10 timed decodes per round, torch.cuda.max_memory_allocated.
-  decoder_quality (only when named in --sections) What the teacher buys a narrower decoder, with real commands:
+  decoder_quality (only when named in --sections) What the teacher buys a narrower decoder, with real commands
+          (a --decoder_runs_dir that holds finished runs resumes them: only what is missing trains):
           `vae_trainer.py --demo --max_steps --wide_steps` is the "released" wide VAE, `export.py --ema --format
           diffusers` makes it an --init_from source; behind its frozen encoder (--train_parts decoder) three runs of
           --decoder_steps steps each, concurrently (one thread each): the wide decoder fine-tuned, a decoder of
@@ -220,7 +221,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--narrow_widths", default="24,48,48",
                    help="the narrower decoder's widths (the demo's are 32,64,64; multiples of its 8 GroupNorm groups)")
     g.add_argument("--decoder_seeds", default="0", help="comma-separated seeds: each trains every decoder run once")
-    g.add_argument("--decoder_grid", default="", help="write the held-out reconstructions' grid (PNG) here")
+    g.add_argument("--decoder_grid", default="",
+                   help="write the held-out reconstructions' grid (PNG; the first seed's runs) here")
     g.add_argument("--decoder_runs_dir", default="",
                    help="keep the runs, exports, logs and evaluations here (default: a temporary folder)")
     p.add_argument("--_memory_case", default=None, help=argparse.SUPPRESS)  # internal: one memory case, as JSON
@@ -1494,7 +1496,11 @@ def reconstruction_rows(grid_png: str, tile: int, pad: int = 2) -> list[Image.Im
 
 def labelled_grid(rows: list[tuple[str, Image.Image]], scale: int = 3, label_width: int = 150) -> Image.Image:
     """Rows of images, each enlarged `scale` x (nearest: the pixels as they are), a label on the left."""
-    from PIL import ImageDraw
+    from PIL import ImageDraw, ImageFont
+    try:
+        font = ImageFont.load_default(size=15)  # Pillow >= 10.1 with FreeType
+    except (TypeError, OSError, ImportError):
+        font = ImageFont.load_default()
     rows = [(label, row.resize((row.width * scale, row.height * scale), Image.Resampling.NEAREST))
             for label, row in rows]
     gap = 4
@@ -1504,7 +1510,7 @@ def labelled_grid(rows: list[tuple[str, Image.Image]], scale: int = 3, label_wid
     for label, row in rows:
         out.paste(row, (label_width, y))
         for i, line in enumerate(label.split("\n")):
-            draw.text((6, y + row.height // 2 - 12 + 12 * i), line, fill="black")
+            draw.text((6, y + row.height // 2 - 18 + 18 * i), line, fill="black", font=font)
         y += row.height + gap
     return out
 
@@ -1600,7 +1606,9 @@ def bench_decoder_quality(args, tmp, report: Report) -> dict:
         rows.append([run, ",".join(map(str, widths if kind == "narrow" else source.params.decoder_widths)),
                      n_params[kind] / 1e3, f"{flops[kind] / flops['wide']:.3f}x",
                      0 if run == "wide_released" else args.decoder_steps, entry.get("learning_rate_vae", "-"),
-                     entry["psnr"], entry["ssim"], entry.get("raw_psnr", "-"), entry.get("raw_ssim", "-")])
+                     f"{entry['psnr']:.2f}", f"{entry['ssim']:.3f}",
+                     f"{entry['raw_psnr']:.2f}" if "raw_psnr" in entry else "-",
+                     f"{entry['raw_ssim']:.3f}" if "raw_ssim" in entry else "-"])
     report.table(f"Narrower decoders behind the demo VAE's frozen encoder (the demo trained {args.wide_steps} steps, "
                  f"EMA exported); {len(data_lib.DEMO_TEST)} held-out photos at {common['vae_resolution']} px, "
                  f"evaluate.py --ema; VGG16 {vgg}",
@@ -1610,16 +1618,20 @@ def bench_decoder_quality(args, tmp, report: Report) -> dict:
         r = out["runs"]
         out[f"teacher_psnr_gain_s{seed}"] = r[f"narrow_teacher_s{seed}"]["psnr"] - r[f"narrow_s{seed}"]["psnr"]
         out[f"teacher_ssim_gain_s{seed}"] = r[f"narrow_teacher_s{seed}"]["ssim"] - r[f"narrow_s{seed}"]["ssim"]
+    for metric in ("psnr", "ssim"):
+        out[f"teacher_{metric}_gain_mean"] = float(np.mean([out[f"teacher_{metric}_gain_s{s}"] for s in seeds]))
+    report.line("  teacher's gain (narrow + teacher - narrow): " + ", ".join(
+        f"seed {s} {out[f'teacher_psnr_gain_s{s}']:+.2f} dB, SSIM {out[f'teacher_ssim_gain_s{s}']:+.3f}" for s in seeds))
     report.line("  wall s: " + ", ".join(f"{k} {v:.0f}" for k, v in wall.items()))
     if args.decoder_grid:
         tile = common["vae_resolution"]
         labels = {"wide_released": "wide, released\n(the teacher)", "wide_finetuned": "wide, decoder\nfine-tuned",
-                  "narrow_teacher": f"{','.join(map(str, widths))}\n+ teacher", "narrow": f"{','.join(map(str, widths))}\nno teacher"}
+                  "narrow_teacher": f"{','.join(map(str, widths))}\n+ teacher",
+                  "narrow": f"{','.join(map(str, widths))}\nwithout teacher"}
         grid_rows = [("input", reconstruction_rows(os.path.join(root, "eval", "wide_released", "reconstructions.png"),
                                                    tile)[0])]
-        for run in evaluated:
+        for run in [r for r in evaluated if r == "wide_released" or r.endswith(f"_s{seeds[0]}")]:
             label = labels[run if run == "wide_released" else run.rsplit("_s", 1)[0]]
-            label += "" if run == "wide_released" or len(seeds) == 1 else f" (seed {run.rsplit('_s', 1)[1]})"
             grid_rows.append((label, reconstruction_rows(os.path.join(root, "eval", run, "reconstructions.png"),
                                                          tile)[1]))
         os.makedirs(os.path.dirname(os.path.abspath(args.decoder_grid)), exist_ok=True)
