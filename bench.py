@@ -47,8 +47,8 @@ Sections
           bf16, 3 warm-up and 10 timed decodes per round, torch.cuda.max_memory_allocated.
   decoder_quality (only when named in --sections) What the teacher buys a narrower decoder, with real commands
           (a --decoder_runs_dir that holds finished runs resumes them: only what is missing trains):
-          `vae_trainer.py --demo --max_steps --wide_steps` is the "released" wide VAE, `export.py --ema --format
-          diffusers` makes it an --init_from source; behind its frozen encoder (--train_parts decoder) three runs of
+          `vae_trainer.py --demo --max_steps N` (N: --wide_steps) is the "released" wide VAE, `export.py --ema
+          --format diffusers` makes it an --init_from source; behind its frozen encoder (--train_parts decoder) three runs of
           --decoder_steps steps each, concurrently (one thread each): the wide decoder fine-tuned, a decoder of
           --narrow_widths started fresh with --distill_weight 1, and without; `evaluate.py --ema` on the demo's 4
           held-out photos at 64 px (PSNR, SSIM; LPIPS with pretrained VGG16 only); --decoder_grid writes their
@@ -1333,7 +1333,9 @@ def run_decode_case(case: dict) -> dict:
     params = AutoEncoderParams.from_dict(case["params"])
     torch.manual_seed(0)
     vae = AutoEncoder(params)
-    vae.encoder = None  # decode only: the encoder's weights are no part of a decode's memory
+    vae.encoder = None  # decode only: the encoder's weights (and quant_conv's) are no part of a decode's memory
+    if params.quant_conv:
+        vae.quant_conv = None
     vae.eval().to(device)
     size = case["resolution"] // params.downsample_factor
     z = torch.randn(case["batch"], params.z_channels, size, size, device=device)
@@ -1461,7 +1463,7 @@ def decoder_quality_flags(vgg: str) -> dict:
 
 
 def run_logged(cmd: list[str], log_path: str, env: dict) -> subprocess.Popen:
-    log = open(log_path, "w")
+    log = open(log_path, "a")  # a run resumed in --decoder_runs_dir keeps its first log
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=HERE)
     proc.log, proc.started = log, time.time()
     return proc
