@@ -39,6 +39,20 @@ Sections
           hyperparameters written with our flags (bench.reference_flags), and plain MSE with the reference's
           learning rate (the floor). Held-out PSNR/SSIM/LPIPS from each run's final evaluation on the 4
           held-out photos. VGG16 is the pretrained one when torchvision's cache has it, else random for all.
+  decoders (only when named in --sections) FLUX.2's decoder (widths 128,256,512,512 behind 32 latent channels and
+          quant convs) against BFL's small one (96,192,384,384), random weights, one decode of a 1024 px image
+          (--decode_resolution, --decode_batch): FLOPs per image (FlopCounterMode on fake tensors, attention
+          included), wall time and peak memory, each decode in a fresh process (the encoder dropped), the two
+          alternating for --decode_rounds rounds. CPU: fp32, one timed decode per round, peak RSS; CUDA: fp32 and
+          bf16, 3 warm-up and 10 timed decodes per round, torch.cuda.max_memory_allocated.
+  decoder_quality (only when named in --sections) What the teacher buys a narrower decoder, with real commands
+          (a --decoder_runs_dir that holds finished runs resumes them: only what is missing trains):
+          `vae_trainer.py --demo --max_steps N` (N: --wide_steps) is the "released" wide VAE, `export.py --ema
+          --format diffusers` makes it an --init_from source; behind its frozen encoder (--train_parts decoder) three runs of
+          --decoder_steps steps each, concurrently (one thread each): the wide decoder fine-tuned, a decoder of
+          --narrow_widths started fresh with --distill_weight 1, and without; `evaluate.py --ema` on the demo's 4
+          held-out photos at 64 px (PSNR, SSIM; LPIPS with pretrained VGG16 only); --decoder_grid writes their
+          reconstructions as one PNG.
 
 Headline keys of --json (the target each is checked against)
   pipeline_fraction_of_decode  PNG: our loader's img/s / the raw decode's img/s            (>= 0.90)
@@ -57,6 +71,9 @@ Headline keys of --json (the target each is checked against)
   quality_psnr_over_floor      held-out PSNR, defaults - plain MSE, dB                      (>= -1)
   quality_ssim_over_reference, quality_ssim_over_floor  the same for SSIM           (>= 0.03, >= -0.03)
   finetune_decoder_memory_saving_512  1 - peak increase(decoder only) / peak increase(full), 512 px (no target)
+  small_decoder_{flop,time,peak,increase}_ratio_<device>_<precision>  decoders: BFL's small decoder / FLUX.2's,
+                               FLOPs, median time, peak memory, peak - memory before the decode (no target)
+  narrow_decoder_teacher_{psnr,ssim}_gain_s<seed>  decoder_quality: narrow + teacher - narrow (no target)
 The peak increase is the peak minus the memory in use right before the first training step, i.e. what
 the step itself needs (activations, gradients, optimizer state), the part checkpointing acts on.
 
@@ -114,6 +131,7 @@ BENCH_FLAGS = dict(num_workers=0, shuffle_buffer=2, vgg16_weights="random", wand
                    evaluate_every_n_steps=0, inception_weights="none", num_samples=1, disc_start=0,
                    save_every_n_steps=10**9, log_every_n_steps=10**9, max_steps=10**9)
 CKPT_LEVELS = ("none", "decoder_hr", "hr", "decoder", "all")
+SECTIONS = ("data", "train", "memory", "gpu", "quality", "finetune", "latents", "decoders", "decoder_quality")
 TARGETS = {  # key: (comparison, threshold)
     "pipeline_fraction_of_decode": (">=", 0.90),
     "train_step_speedup": (">=", 1.3),
@@ -140,9 +158,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout (the human tables go to stderr)")
     p.add_argument("--sections", default="data,train,memory,gpu",
-                   help="comma-separated subset of data,train,memory,gpu,quality,finetune (default: all but quality, "
-                        "which trains for one to two hours on 2 CPU cores, and finetune, ~5 minutes; gpu runs on "
-                        "CUDA only)")
+                   help="comma-separated subset of " + ",".join(SECTIONS) + " (default: data,train,memory,gpu; "
+                        "quality trains for one to two hours on 2 CPU cores, finetune takes ~5 minutes, decoders "
+                        "and decoder_quality several; gpu runs on CUDA only)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if available, else cpu")
     p.add_argument("--threads", type=int, default=0,
@@ -189,7 +207,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--quality_steps", type=int, default=400, help="training steps of each quality run")
     g.add_argument("--quality_precision", choices=("fp32", "bf16"), default="fp32",
                    help="--precision of all three quality runs (bf16: 2.5x faster on a CPU with AMX)")
+    g = p.add_argument_group("decoders")
+    g.add_argument("--decode_resolution", type=int, default=1024, help="image size of the decoders section's decode")
+    g.add_argument("--decode_batch", type=int, default=1, help="images per decode")
+    g.add_argument("--decode_rounds", type=int, default=0,
+                   help="rounds of the decoders section, each decoder in a fresh process per round (default 3; 1 with "
+                        "--quick); per round one timed decode on a CPU, 3 warm-up and 10 timed ones on CUDA")
+    g.add_argument("--decode_precision", default="",
+                   help="comma-separated fp32,bf16 (default fp32 on a CPU, fp32,bf16 on CUDA)")
+    g = p.add_argument_group("decoder_quality")
+    g.add_argument("--wide_steps", type=int, default=600, help="steps of the demo run that is the released wide VAE")
+    g.add_argument("--decoder_steps", type=int, default=400, help="steps of each decoder run behind its encoder")
+    g.add_argument("--narrow_widths", default="24,48,48",
+                   help="the narrower decoder's widths (the demo's are 32,64,64; multiples of its 8 GroupNorm groups)")
+    g.add_argument("--decoder_seeds", default="0", help="comma-separated seeds: each trains every decoder run once")
+    g.add_argument("--decoder_grid", default="",
+                   help="write the held-out reconstructions' grid (PNG; the first seed's runs) here")
+    g.add_argument("--decoder_runs_dir", default="",
+                   help="keep the runs, exports, logs and evaluations here (default: a temporary folder)")
     p.add_argument("--_memory_case", default=None, help=argparse.SUPPRESS)  # internal: one memory case, as JSON
+    p.add_argument("--_decode_case", default=None, help=argparse.SUPPRESS)  # internal: one decode case, as JSON
     args = p.parse_args(argv)
 
     def default(name, full, quick):
@@ -203,6 +240,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     default("memory_resolutions", "256,512", "512")
     default("memory_steps", 2, 1)
     default("memory_levels", ",".join(CKPT_LEVELS), "none,decoder_hr,hr")
+    default("decode_rounds", 3, 1)
     if args.ckpt_time_rounds is None:
         args.ckpt_time_rounds = 1 if args.quick else 3
     if args.quick:
@@ -210,9 +248,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quality:
         args.sections = "quality"
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(args.sections) - {"data", "train", "memory", "gpu", "quality", "finetune", "latents"}
+    unknown = set(args.sections) - set(SECTIONS)
     if unknown:
         p.error(f"unknown section(s): {', '.join(sorted(unknown))}")
+    args.decode_precision = [s.strip() for s in args.decode_precision.split(",") if s.strip()]
+    if set(args.decode_precision) - {"fp32", "bf16"}:
+        p.error("--decode_precision: fp32, bf16 or both")
+    try:
+        [int(w) for w in args.narrow_widths.split(",")] + [int(s) for s in args.decoder_seeds.split(",")]
+    except ValueError:
+        p.error("--narrow_widths and --decoder_seeds are comma-separated integers")
     try:
         args.height, args.width = (int(v) for v in args.image_size.lower().split("x"))
         args.memory_resolutions = [int(r) for r in str(args.memory_resolutions).split(",")]
@@ -1229,6 +1274,376 @@ def bench_finetune(args, url, tmp, device, report: Report) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Section: narrower decoders (issue 25): what a decode costs, and what the teacher buys
+# ----------------------------------------------------------------------------------------------------
+# FLUX.2's VAE (diffusers' AutoencoderKLFlux2 defaults, BFL's ae.safetensors): the LDM layout at 128,256,512,512
+# behind 32 latent channels, quant convs and the bn statistics; BFL's small decoder has widths 96,192,384,384.
+FLUX2_PARAMS = dict(ch=128, ch_mult=(1, 2, 4, 4), num_res_blocks=2, z_channels=32, posterior="learned",
+                    quant_conv=True, latent_bn=True)
+FLUX2_SMALL_DECODER = (96, 192, 384, 384)
+
+
+def flop_counter():
+    """torch's FlopCounterMode (convolutions, matmuls, attention: 2 FLOPs per multiply-add), also counting the
+    CPU kernel of scaled_dot_product_attention, which torch's table leaves out (on CUDA it counts the flash and
+    efficient kernels), so a count is the same on every device."""
+    from torch.utils import flop_counter as fc
+
+    def sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
+        return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
+    return fc.FlopCounterMode(display=False, custom_mapping={
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flops})
+
+
+def decode_flops(params, latent_shape: tuple[int, ...]) -> dict[str, float]:
+    """FLOPs of one AutoEncoder.decode (post_quant_conv and the decoder) of a latent of `latent_shape`, counted on
+    fake tensors: exact, no compute, no memory, independent of the machine. {"total", "attention"}."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ae import AutoEncoder
+    with FakeTensorMode():
+        vae = AutoEncoder(params)
+        z = torch.empty(*latent_shape)
+        with flop_counter() as counter, torch.no_grad():
+            vae.decode(z)
+    counts = counter.get_flop_counts()["Global"]
+    attention = sum(v for k, v in counts.items() if "attention" in str(k))
+    return {"total": float(counter.get_total_flops()), "attention": float(attention)}
+
+
+def decoder_parameters(params) -> int:
+    """Parameters the decode runs through: post_quant_conv (where the model has it) and the decoder."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ae import AutoEncoder
+    with FakeTensorMode():
+        vae = AutoEncoder(params)
+        modules = [vae.decoder] + ([vae.post_quant_conv] if params.quant_conv else [])
+        return sum(p.numel() for m in modules for p in m.parameters())
+
+
+def run_decode_case(case: dict) -> dict:
+    """One decoder's decode in this (fresh) process: the encoder dropped (only what a decode runs is in memory),
+    random weights, a random latent; `reps` timed decodes after `warmup` untimed ones (and one small decode that
+    loads the kernels). Memory: CUDA's max_memory_allocated, else the process's peak RSS (VmHWM)."""
+    from ae import AutoEncoder, AutoEncoderParams
+    device = torch.device(case["device"])
+    if case.get("threads"):
+        torch.set_num_threads(case["threads"])
+    params = AutoEncoderParams.from_dict(case["params"])
+    torch.manual_seed(0)
+    vae = AutoEncoder(params)
+    vae.encoder = None  # decode only: the encoder's weights (and quant_conv's) are no part of a decode's memory
+    if params.quant_conv:
+        vae.quant_conv = None
+    vae.eval().to(device)
+    size = case["resolution"] // params.downsample_factor
+    z = torch.randn(case["batch"], params.z_channels, size, size, device=device)
+
+    def decode(latent):
+        amp = (torch.autocast(device.type, dtype=torch.bfloat16) if case["precision"] == "bf16"
+               else contextlib.nullcontext())
+        with torch.inference_mode(), amp:
+            out = vae.decode(latent)
+        synchronize(device)
+        return out
+
+    decode(z[..., :8, :8])
+    for _ in range(case["warmup"]):
+        decode(z)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    else:
+        before = current_rss()
+    times = []
+    for _ in range(case["reps"]):
+        synchronize(device)
+        t0 = time.perf_counter()
+        out = decode(z)
+        times.append(time.perf_counter() - t0)
+        del out
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss()
+    weights = sum(p.numel() * p.element_size() for p in vae.parameters() if p is not None)
+    return {"decode_s": times, "before_mib": mib(before), "peak_mib": mib(peak), "increase_mib": mib(peak - before),
+            "weights_mib": mib(weights), "threads": torch.get_num_threads()}
+
+
+def spawn_decode_case(case: dict) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--_decode_case", json.dumps(case)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"decode case {case['name']} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_decoders(args, device, report: Report) -> dict:
+    """FLUX.2's decoder (128,256,512,512) against BFL's small one (96,192,384,384), random weights, batch
+    --decode_batch at --decode_resolution: FLOPs per image (fake tensors), and wall time and peak memory per
+    decode, each decode in a fresh process, the two variants alternating round by round (rotated order)."""
+    from dataclasses import replace
+
+    from ae import AutoEncoderParams
+    wide = AutoEncoderParams(**FLUX2_PARAMS)
+    variants = {"wide": wide, "narrow": replace(wide, decoder_channels=FLUX2_SMALL_DECODER)}
+    res, batch = args.decode_resolution, args.decode_batch
+    latent = (1, wide.z_channels, res // wide.downsample_factor, res // wide.downsample_factor)
+    flops = {name: decode_flops(p, latent) for name, p in variants.items()}
+    n_params = {name: decoder_parameters(p) for name, p in variants.items()}
+    cuda = device.type == "cuda"
+    precisions = args.decode_precision or (["fp32", "bf16"] if cuda else ["fp32"])
+    reps, warmup = (10, 3) if cuda else (1, 0)  # on a CPU one 1024 px decode of the wide decoder takes minutes
+    runs = {f"{name}_{precision}": [] for precision in precisions for name in variants}
+    names = list(runs)
+    for r in range(args.decode_rounds):
+        for key in names[r % len(names):] + names[:r % len(names)]:
+            name, precision = key.rsplit("_", 1)
+            report.line(f"  round {r + 1}/{args.decode_rounds}: {name} decoder, {precision}, {res} px, batch {batch} "
+                        "(fresh process) ...")
+            runs[key].append(spawn_decode_case({
+                "name": key, "device": str(device), "threads": args.threads, "params": variants[name].to_dict(),
+                "resolution": res, "batch": batch, "precision": precision, "reps": reps, "warmup": warmup}))
+    out = {"resolution": res, "batch": batch, "device": device.type, "rounds": args.decode_rounds,
+           "reps_per_round": reps, "warmup_per_round": warmup, "variants": {}, "runs": {}}
+    rows = []
+    for key, cases in runs.items():
+        name, precision = key.rsplit("_", 1)
+        times = [t for c in cases for t in c["decode_s"]]
+        entry = {"decoder_channels": list(variants[name].decoder_widths), "decoder_params": n_params[name],
+                 "gflop_per_image": flops[name]["total"] / 1e9, "attention_gflop": flops[name]["attention"] / 1e9,
+                 "median_s_per_image": median(times) / batch, "decode_s": [round(t, 4) for t in times],
+                 "peak_mib": max(c["peak_mib"] for c in cases), "increase_mib": max(c["increase_mib"] for c in cases),
+                 "before_mib": median([c["before_mib"] for c in cases]), "weights_mib": cases[0]["weights_mib"],
+                 "threads": cases[0]["threads"]}
+        out["runs"][key] = entry
+    for precision in precisions:
+        w, n = out["runs"][f"wide_{precision}"], out["runs"][f"narrow_{precision}"]
+        out["variants"][precision] = {
+            "flop_ratio": n["gflop_per_image"] / w["gflop_per_image"],
+            "time_ratio": n["median_s_per_image"] / w["median_s_per_image"],
+            "peak_ratio": n["peak_mib"] / w["peak_mib"], "increase_ratio": n["increase_mib"] / w["increase_mib"]}
+        for name, e in (("wide", w), ("narrow", n)):
+            ratio = (lambda k: f"{n[k] / w[k]:.3f}x") if name == "narrow" else (lambda k: "1x")
+            rows.append([name, precision, ",".join(map(str, e["decoder_channels"])), e["decoder_params"] / 1e6,
+                         e["gflop_per_image"], ratio("gflop_per_image"), e["median_s_per_image"],
+                         f"{min(e['decode_s']) / batch:.3g}-{max(e['decode_s']) / batch:.3g}", ratio("median_s_per_image"),
+                         e["peak_mib"], e["increase_mib"], ratio("increase_mib")])
+    memory = "torch.cuda.max_memory_allocated" if cuda else "peak RSS (VmHWM) of the process"
+    report.table(f"FLUX.2 decoders, random weights, decode of a 1x{latent[1]}x{latent[2]}x{latent[3]} latent "
+                 f"({res} px), batch {batch}, {device.type} "
+                 f"({torch.cuda.get_device_name(device) if cuda else cpu_model()}, "
+                 f"{out['runs'][names[0]]['threads']} threads); {args.decode_rounds} rounds x {reps} decodes",
+                 ["decoder", "precision", "widths", "M params", "GFLOP/img", "x wide", "median s/img", "range s",
+                  "x wide", "peak MiB", "decode MiB", "x wide"], rows)
+    report.line(f"  GFLOP: FlopCounterMode on fake tensors (attention included: wide "
+                f"{flops['wide']['attention'] / 1e9:.0f}, narrow {flops['narrow']['attention'] / 1e9:.0f}); peak: "
+                f"{memory}; decode MiB = peak - memory in use before the decode (weights and latent)")
+    return out
+
+
+# quality: the demo's model as the "released" wide VAE, then decoders trained behind its frozen encoder
+DECODER_QUALITY_VARIANTS = ("wide_finetuned", "narrow_teacher", "narrow")
+
+
+def decoder_quality_flags(vgg: str) -> dict:
+    """The demo's recipe (config.DEMO) for a decoder-only run, without its architecture (--init_from's) and its
+    learning rate (the trainer's rule: a new decoder's rate for a fresh one, a tenth for a fine-tune): pixel losses
+    only without pretrained VGG16 (as the demo), LPIPS and the critic with them."""
+    demo = config_lib.DEMO
+    keep = ("vae_resolution", "batch_size", "shuffle_buffer", "warmup_steps", "mse_pool_factor", "mse_weight",
+            "ema_decay", "eval_max_images")
+    flags = {k: demo[k] for k in keep}
+    if vgg == "torchvision":
+        flags.update({k: demo[k] for k in ("perceptual_weight", "do_ganloss", "disc_start", "gan_weight")})
+    else:
+        flags.update(perceptual_weight=0.0, do_ganloss=False)
+    return flags
+
+
+def run_logged(cmd: list[str], log_path: str, env: dict) -> subprocess.Popen:
+    log = open(log_path, "a")  # a run resumed in --decoder_runs_dir keeps its first log
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=HERE)
+    proc.log, proc.started = log, time.time()
+    return proc
+
+
+def wait_logged(procs: dict[str, subprocess.Popen]) -> dict[str, float]:
+    """Wait for every process ({what it does: process}); each one's wall seconds, taken when it ended."""
+    wall, running = {}, dict(procs)
+    while running:
+        for what, proc in list(running.items()):
+            if proc.poll() is None:
+                continue
+            wall[what] = round(time.time() - proc.started, 1)
+            proc.log.close()
+            del running[what]
+            if proc.returncode != 0:
+                for other in running.values():
+                    other.kill()
+                with open(proc.log.name) as f:
+                    raise RuntimeError(f"{what} failed (exit {proc.returncode}), log {proc.log.name}:\n"
+                                       f"{f.read()[-3000:]}")
+        time.sleep(0.5)
+    return {what: wall[what] for what in procs}
+
+
+def reconstruction_rows(grid_png: str, tile: int, pad: int = 2) -> list[Image.Image]:
+    """The rows of evaluate.py's reconstructions.png (torchvision make_grid: inputs, then reconstructions)."""
+    grid = Image.open(grid_png).convert("RGB")
+    rows = (grid.height - pad) // (tile + pad)
+    return [grid.crop((0, pad + i * (tile + pad), grid.width, pad + i * (tile + pad) + tile)) for i in range(rows)]
+
+
+def labelled_grid(rows: list[tuple[str, Image.Image]], scale: int = 3, label_width: int = 150) -> Image.Image:
+    """Rows of images, each enlarged `scale` x (nearest: the pixels as they are), a label on the left."""
+    from PIL import ImageDraw, ImageFont
+    try:
+        font = ImageFont.load_default(size=15)  # Pillow >= 10.1 with FreeType
+    except (TypeError, OSError, ImportError):
+        font = ImageFont.load_default()
+    rows = [(label, row.resize((row.width * scale, row.height * scale), Image.Resampling.NEAREST))
+            for label, row in rows]
+    gap = 4
+    out = Image.new("RGB", (label_width + max(r.width for _, r in rows),
+                            sum(r.height + gap for _, r in rows) - gap), "white")
+    draw, y = ImageDraw.Draw(out), 0
+    for label, row in rows:
+        out.paste(row, (label_width, y))
+        for i, line in enumerate(label.split("\n")):
+            draw.text((6, y + row.height // 2 - 18 + 18 * i), line, fill="black", font=font)
+        y += row.height + gap
+    return out
+
+
+def bench_decoder_quality(args, tmp, report: Report) -> dict:
+    """A narrower decoder trained with and without the teacher, against the wide decoder, at equal steps: every
+    step a real command. The demo's model trained --wide_steps steps (`vae_trainer.py --demo`) is the "released"
+    wide VAE, exported as a diffusers folder (`export.py --ema`) so that it serves as --init_from; then, behind its
+    frozen encoder (--train_parts decoder), --decoder_steps steps each of: the wide decoder fine-tuned; a decoder of
+    --narrow_widths started fresh with --distill_weight 1; the same without. Held-out PSNR/SSIM by `evaluate.py`
+    (EMA weights) on the demo's 4 held-out photos at 64 px, and a grid of their reconstructions."""
+    from dataclasses import replace
+
+    import pretrained
+    root = args.decoder_runs_dir or os.path.join(tmp, "decoder_quality")
+    os.makedirs(root, exist_ok=True)
+    threads = args.threads or os.cpu_count()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    vgg = "torchvision" if os.path.isfile(vgg16_cache_path()) else "random"
+    widths = [int(w) for w in args.narrow_widths.split(",")]
+    seeds = [int(s) for s in args.decoder_seeds.split(",")]
+    wall = {}
+
+    # 1. the "released" wide VAE: the demo (its model and recipe) for --wide_steps steps, exported with its EMA
+    steps = args.wide_steps
+    report.line(f"  training the wide VAE: python vae_trainer.py --demo --max_steps {steps} ... (log in {root})")
+    wide = run_logged([sys.executable, "vae_trainer.py", "--demo", "--max_steps", str(steps), "--output_dir", root,
+                       "--run_name", "wide", "--save_every_n_steps", str(steps), "--evaluate_every_n_steps",
+                       str(steps), "--inception_weights", "none", "--wandb_mode", "disabled", "--seed",
+                       str(args.seed)], os.path.join(root, "wide.log"), env)
+    wall.update(wait_logged({"train wide": wide}))
+    train_url, test_url = data_lib.ensure_demo_shards(os.path.join(root, "demo_data"))  # built by the demo run
+    released = os.path.join(root, "wide_vae")
+    wall.update(wait_logged({"export wide": run_logged(
+        [sys.executable, "export.py", "--ckpt", os.path.join(root, "wide"), "--ema", "--out", released,
+         "--format", "diffusers"], os.path.join(root, "export.log"), env)}))
+
+    # 2. decoders behind its frozen encoder, concurrently (one thread each: the same load for all)
+    common = dict(decoder_quality_flags(vgg), init_from=released, train_parts="decoder", dataset_url=train_url,
+                  test_dataset_url=test_url, max_steps=args.decoder_steps, save_every_n_steps=args.decoder_steps,
+                  evaluate_every_n_steps=args.decoder_steps, log_every_n_steps=50, vgg16_weights=vgg,
+                  inception_weights="none", wandb_mode="disabled", num_workers=1, num_threads=1, output_dir=root)
+    narrow = dict(vae_decoder_ch=",".join(map(str, widths)), decoder_init="fresh")
+    variant_flags = {"wide_finetuned": {}, "narrow_teacher": dict(narrow, distill_weight=1.0), "narrow": narrow}
+    procs = {}
+    for seed in seeds:
+        for name in DECODER_QUALITY_VARIANTS:
+            run = f"{name}_s{seed}"
+            argv = trainer_argv({**common, **variant_flags[name], "seed": seed, "run_name": run})
+            procs[run] = run_logged([sys.executable, "vae_trainer.py", *argv], os.path.join(root, f"{run}.log"),
+                                    {**env, "OMP_NUM_THREADS": "1"})
+    report.line(f"  training {len(procs)} decoders concurrently, {args.decoder_steps} steps each: "
+                f"{', '.join(procs)} ...")
+    wall.update(wait_logged({f"train {run}": proc for run, proc in procs.items()}))
+
+    # 3. held-out PSNR/SSIM by evaluate.py, and the reconstructions' grid
+    lpips_weights = "torchvision" if vgg == "torchvision" else "none"
+    evaluated = {}
+    for run, ckpt, ema in [("wide_released", released, False)] + [(run, os.path.join(root, run), True)
+                                                                     for run in procs]:
+        out_dir = os.path.join(root, "eval", run)
+        cmd = [sys.executable, "evaluate.py", "--ckpt", ckpt, "--dataset_url", test_url, "--resolution",
+               str(common["vae_resolution"]), "--vgg16_weights", lpips_weights, "--inception_weights", "none",
+               "--out", out_dir] + (["--ema"] if ema else [])
+        wall.update(wait_logged({f"evaluate {run}": run_logged(cmd, os.path.join(root, f"eval_{run}.log"), env)}))
+        with open(os.path.join(out_dir, "metrics.json")) as f:
+            evaluated[run] = json.load(f)
+
+    # 4. what each decoder costs at this size, and what the runs were
+    source = pretrained.load_source(released)
+    size = common["vae_resolution"] // source.params.downsample_factor
+    latent = (1, source.params.z_channels, size, size)
+    narrow_params = replace(source.params, decoder_channels=tuple(widths))
+    flops = {"wide": decode_flops(source.params, latent)["total"], "narrow": decode_flops(narrow_params, latent)["total"]}
+    n_params = {"wide": decoder_parameters(source.params), "narrow": decoder_parameters(narrow_params)}
+    out = {"config": {"wide_steps": args.wide_steps, "decoder_steps": args.decoder_steps, "seeds": seeds,
+                      "narrow_widths": widths, "wide_widths": list(source.params.decoder_widths), "vgg16_weights": vgg,
+                      "lpips": lpips_weights != "none", "flags": common, "held_out": list(data_lib.DEMO_TEST),
+                      "resolution": common["vae_resolution"]},
+           "decode_gflop": {k: v / 1e9 for k, v in flops.items()}, "decoder_params": n_params,
+           "flop_ratio": flops["narrow"] / flops["wide"], "wall_s": wall, "runs": {}}
+    rows = []
+    for run, metrics in evaluated.items():
+        kind = "wide" if run.startswith("wide") else "narrow"
+        entry = {"psnr": metrics["psnr"], "ssim": metrics["ssim"], "lpips": metrics.get("lpips"),
+                 "n_images": metrics["n_images"], "ema": metrics["ema"]}
+        if run != "wide_released":
+            with open(os.path.join(root, run, "config.json")) as f:
+                entry["learning_rate_vae"] = json.load(f)["learning_rate_vae"]
+            final = final_eval(os.path.join(root, run))  # the trainer's own last evaluation, of the raw weights
+            entry.update(raw_psnr=final.get("eval/psnr"), raw_ssim=final.get("eval/ssim"))
+        out["runs"][run] = entry
+        rows.append([run, ",".join(map(str, widths if kind == "narrow" else source.params.decoder_widths)),
+                     n_params[kind] / 1e3, f"{flops[kind] / flops['wide']:.3f}x",
+                     0 if run == "wide_released" else args.decoder_steps, entry.get("learning_rate_vae", "-"),
+                     f"{entry['psnr']:.2f}", f"{entry['ssim']:.3f}",
+                     f"{entry['raw_psnr']:.2f}" if "raw_psnr" in entry else "-",
+                     f"{entry['raw_ssim']:.3f}" if "raw_ssim" in entry else "-"])
+    report.table(f"Narrower decoders behind the demo VAE's frozen encoder (the demo trained {args.wide_steps} steps, "
+                 f"EMA exported); {len(data_lib.DEMO_TEST)} held-out photos at {common['vae_resolution']} px, "
+                 f"evaluate.py --ema; VGG16 {vgg}",
+                 ["run", "decoder widths", "k params", "decode FLOPs", "steps", "lr", "PSNR dB", "SSIM",
+                  "PSNR raw", "SSIM raw"], rows)
+    for seed in seeds:
+        r = out["runs"]
+        out[f"teacher_psnr_gain_s{seed}"] = r[f"narrow_teacher_s{seed}"]["psnr"] - r[f"narrow_s{seed}"]["psnr"]
+        out[f"teacher_ssim_gain_s{seed}"] = r[f"narrow_teacher_s{seed}"]["ssim"] - r[f"narrow_s{seed}"]["ssim"]
+    for metric in ("psnr", "ssim"):
+        out[f"teacher_{metric}_gain_mean"] = float(np.mean([out[f"teacher_{metric}_gain_s{s}"] for s in seeds]))
+    report.line("  teacher's gain (narrow + teacher - narrow): " + ", ".join(
+        f"seed {s} {out[f'teacher_psnr_gain_s{s}']:+.2f} dB, SSIM {out[f'teacher_ssim_gain_s{s}']:+.3f}" for s in seeds))
+    report.line("  wall s: " + ", ".join(f"{k} {v:.0f}" for k, v in wall.items()))
+    if args.decoder_grid:
+        tile = common["vae_resolution"]
+        labels = {"wide_released": "wide, released\n(the teacher)", "wide_finetuned": "wide, decoder\nfine-tuned",
+                  "narrow_teacher": f"{','.join(map(str, widths))}\n+ teacher",
+                  "narrow": f"{','.join(map(str, widths))}\nwithout teacher"}
+        grid_rows = [("input", reconstruction_rows(os.path.join(root, "eval", "wide_released", "reconstructions.png"),
+                                                   tile)[0])]
+        for run in [r for r in evaluated if r == "wide_released" or r.endswith(f"_s{seeds[0]}")]:
+            label = labels[run if run == "wide_released" else run.rsplit("_s", 1)[0]]
+            grid_rows.append((label, reconstruction_rows(os.path.join(root, "eval", run, "reconstructions.png"),
+                                                         tile)[1]))
+        os.makedirs(os.path.dirname(os.path.abspath(args.decoder_grid)), exist_ok=True)
+        labelled_grid(grid_rows).save(args.decoder_grid, optimize=True)
+        report.line(f"  grid of the held-out reconstructions: {args.decoder_grid}")
+        out["grid"] = args.decoder_grid
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
 # Section 4: FLUX size on a GPU, bf16 vs fp32
 # ----------------------------------------------------------------------------------------------------
 def bench_gpu(args, url, tmp, device, report: Report) -> dict:
@@ -1313,6 +1728,17 @@ def summarize(results: dict) -> dict:
                 keys[f"quality_{metric}_{name}"] = q["variants"][name][metric]
             keys[f"quality_{metric}_over_reference"] = q[f"{metric}_over_reference"]
             keys[f"quality_{metric}_over_floor"] = q[f"{metric}_over_floor"]
+    dec = results.get("decoders")
+    if dec:
+        for precision, ratios in dec["variants"].items():
+            for what, ratio in ratios.items():
+                keys[f"small_decoder_{what}_{dec['device']}_{precision}"] = ratio
+    dq = results.get("decoder_quality")
+    if dq:
+        keys["narrow_decoder_flop_ratio"] = dq["flop_ratio"]
+        for key, value in dq.items():
+            if key.startswith("teacher_"):
+                keys[f"narrow_decoder_{key}"] = value
     g = results.get("gpu")
     if g:
         keys["gpu_bf16_speedup_flux_256"] = g["bf16_speedup_256"]
@@ -1327,6 +1753,11 @@ def main(argv=None) -> int:
     if args._memory_case:  # a child process of the memory section
         with contextlib.redirect_stdout(sys.stderr):
             result = run_memory_case(json.loads(args._memory_case))
+        print(json.dumps(result), flush=True)
+        return 0
+    if args._decode_case:  # a child process of the decoders section
+        with contextlib.redirect_stdout(sys.stderr):
+            result = run_decode_case(json.loads(args._decode_case))
         print(json.dumps(result), flush=True)
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -1355,7 +1786,7 @@ def main(argv=None) -> int:
                 f"{torch.__version__}, {torch.get_num_threads()} threads); VGG16 weights random (timing only)")
     # Trainer construction and the data tools print progress lines: keep stdout for the JSON object
     with contextlib.redirect_stdout(report.stream), tempfile.TemporaryDirectory(prefix="vae_bench_") as tmp:
-        if set(args.sections) - {"quality"}:
+        if set(args.sections) - {"quality", "decoders", "decoder_quality"}:
             report.line(f"generating {args.images} photo-like {args.height}x{args.width} images as PNG and JPEG "
                         "shards ...")
             datasets = make_datasets(tmp, args.images, args.height, args.width, args.seed)
@@ -1374,6 +1805,10 @@ def main(argv=None) -> int:
             results["quality"] = bench_quality(args, tmp, report)
         if "latents" in args.sections:
             results["latents"] = bench_latents(args, train_url, tmp, device, report)
+        if "decoders" in args.sections:
+            results["decoders"] = bench_decoders(args, device, report)
+        if "decoder_quality" in args.sections:
+            results["decoder_quality"] = bench_decoder_quality(args, tmp, report)
         if "gpu" in args.sections and device.type == "cuda":
             results["gpu"] = bench_gpu(args, train_url, tmp, device, report)
         elif "gpu" in args.sections:

@@ -1,0 +1,77 @@
+"""bench.py's narrower-decoder sections (issue 25 item 3): what they count and how they read evaluate.py's output.
+No timing is asserted (the GUIDE: speed is bench.py's, never a test's); these check the counting and the plumbing."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import bench
+from ae import AutoEncoder, AutoEncoderParams
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(120)]
+
+# a small model of FLUX.2's structure: quant convs, the learned posterior, bn, mid attention
+SMALL = AutoEncoderParams(ch=32, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=8, norm_groups=8,
+                          posterior="learned", quant_conv=True, latent_bn=True)
+
+
+def test_decode_flops_count_the_cpu_attention_kernel_and_match_a_real_decode():
+    """On fake tensors the count is a real CPU decode's, plus the mid-block attention that torch's own table leaves
+    out on a CPU (its _scaled_dot_product_flash_attention_for_cpu): 2 x 2 x tokens^2 x channels."""
+    from torch.utils.flop_counter import FlopCounterMode
+    latent = (1, SMALL.z_channels, 8, 8)
+    counted = bench.decode_flops(SMALL, latent)
+    tokens, channels = 8 * 8, SMALL.decoder_widths[-1]
+    assert counted["attention"] == 4 * tokens ** 2 * channels
+    vae = AutoEncoder(SMALL).eval()
+    z = torch.randn(latent)
+    with FlopCounterMode(display=False) as plain, torch.no_grad():
+        vae.decode(z)
+    with bench.flop_counter() as ours, torch.no_grad():
+        vae.decode(z)
+    assert ours.get_total_flops() == counted["total"] == plain.get_total_flops() + counted["attention"]
+
+
+def test_a_narrower_decoder_costs_about_its_width_squared():
+    narrow = dataclasses.replace(SMALL, decoder_channels=(24, 48, 48))
+    latent = (1, SMALL.z_channels, 16, 16)
+    ratio = bench.decode_flops(narrow, latent)["total"] / bench.decode_flops(SMALL, latent)["total"]
+    assert 0.75 ** 2 < ratio < 0.75
+    assert bench.decoder_parameters(narrow) == sum(
+        p.numel() for name, p in AutoEncoder(narrow).named_parameters() if name.startswith(("decoder.", "post_quant")))
+
+
+def test_a_decode_case_reports_time_and_memory_of_the_decoder_alone():
+    """run_decode_case (a fresh process's work, here in this one): the encoder dropped, the timed decodes and the
+    memory (VmHWM on Linux) reported."""
+    case = {"name": "small_fp32", "device": "cpu", "threads": 1, "params": SMALL.to_dict(), "resolution": 64,
+            "batch": 1, "precision": "fp32", "reps": 2, "warmup": 0}
+    result = bench.run_decode_case(case)
+    assert len(result["decode_s"]) == 2 and min(result["decode_s"]) > 0
+    assert result["peak_mib"] >= result["before_mib"] > 0 and result["increase_mib"] >= 0
+    decoder_only = bench.decoder_parameters(SMALL) * 4 / 2 ** 20  # fp32 weights of what a decode runs
+    assert result["weights_mib"] == pytest.approx(decoder_only)
+
+
+def test_reconstruction_rows_read_evaluate_grids(tmp_path):
+    """The rows of evaluate.py's reconstructions.png (make_grid: inputs, then reconstructions) come back as they
+    were written, and the labelled grid stacks them enlarged."""
+    import torchvision
+    from PIL import Image
+
+    from evaluate import to_uint8
+    gen = torch.Generator().manual_seed(0)
+    inputs, recons = (torch.rand(3, 3, 16, 16, generator=gen) * 2 - 1 for _ in range(2))
+    grid = to_uint8(torchvision.utils.make_grid(torch.cat([inputs, recons]), nrow=3, padding=2, pad_value=-1.0))
+    path = tmp_path / "reconstructions.png"
+    Image.fromarray(grid.permute(1, 2, 0).numpy()).save(path)
+    rows = bench.reconstruction_rows(str(path), tile=16)
+    assert len(rows) == 2
+    for row, images in zip(rows, (inputs, recons)):
+        pixels = torch.from_numpy(bench.np.array(row)).permute(2, 0, 1)
+        for i in range(3):
+            assert torch.equal(pixels[:, :, 2 + 18 * i: 2 + 18 * i + 16], to_uint8(images[i]))
+    labelled = bench.labelled_grid([("input", rows[0]), ("recon", rows[1])], scale=2, label_width=40)
+    assert labelled.size == (40 + rows[0].width * 2, 2 * 16 * 2 + 4)
