@@ -182,8 +182,8 @@ class LossConfig:
     lowpass_threshold: float = opt(0.8, "blurriness above which a pixel counts as low-frequency")
     distill_weight: float = opt(0.0, "a GradNorm branch pulling the reconstruction toward the --init_from source's "
                                      "own decoder's reconstruction of the same latent (the teacher: frozen, never "
-                                     "saved): what gives a narrower decoder (--vae_decoder_ch) its quality. Needs "
-                                     "--init_from and --train_parts decoder. 0: off")
+                                     "saved), for a narrower decoder (--vae_decoder_ch); what it buys: "
+                                     "BENCHMARKS.md section 8. Needs --init_from and --train_parts decoder. 0: off")
     kl_weight: float = opt(0.003, "weight of the KL / latent penalty (constant posterior: 0.5 * mean^2). gradnorm: "
                                   "summed over the rank's latent elements and divided by the square root of their "
                                   "count, so its gradient at the latent has norm kl_weight * rms(mean) at any batch "
