@@ -297,7 +297,9 @@ class Trainer:
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = cfg.speed.allow_tf32
             torch.backends.cudnn.allow_tf32 = cfg.speed.allow_tf32
-            torch.backends.cudnn.benchmark = True
+            # cuDNN's autotuner stays as the user left it (off by default): on an H100 it bought nothing for this
+            # model (FLUX width, 256 px, batch 8: 1.025 s fp32 and 0.169 s bf16 per step either way), and after the
+            # memory check's probe steps the first autotuned step ran for minutes (BENCHMARKS.md section 4)
 
         # The run directory is this job's (rank 0 holds its lock until the run ends): a second job is refused here.
         # Nothing is written to it before every check that can refuse the run has passed (start_run_dir, below).
