@@ -98,9 +98,7 @@ def train_loader(url: str, **kwargs):
     try:
         yield loader
     finally:
-        iterator = getattr(loader, "_iter", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
+        loader.close()
         del loader
         gc.collect()
 
@@ -833,6 +831,38 @@ def test_train_loader_reads_under_every_start_method(solid_shards, start_method)
     finally:
         multiprocessing.set_start_method(default, force=True)
     assert len(batches) == 6 and all(b.shape == (2, 3, 32, 32) for b in batches)
+
+
+IGNORE_STOP_SIGNALS = data.ignore_stop_signals
+
+
+def abort_at_exit(worker_id: int = 0) -> None:
+    """A data worker that aborts as it exits (what a C++ runtime's std::terminate does: seen once in CI under spawn,
+    'terminate called without an active exception' while the workers were being shut down)."""
+    import faulthandler
+    import multiprocessing.util
+    IGNORE_STOP_SIGNALS(worker_id)
+    faulthandler.disable()  # (pytest's traceback dump of an abort asked for)
+    multiprocessing.util.Finalize(None, os.abort, exitpriority=100)
+
+
+def test_closing_the_loader_survives_a_worker_that_dies_on_its_way_out(solid_shards, monkeypatch):
+    """Closing the loader ends its workers; one that dies on its way out (it was leaving anyway) must not turn the
+    close into 'RuntimeError: DataLoader worker ... is killed by signal: Aborted' after a run's last checkpoint."""
+    import multiprocessing
+    monkeypatch.setattr(data, "ignore_stop_signals", abort_at_exit)
+    default = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("fork", force=True)  # the patched init reaches the workers
+    try:
+        loader = data.TrainLoader(solid_shards, resolution=R, batch_size=2, seed=0, rank=0, world_size=1,
+                                  num_workers=2, shuffle_buffer=2)
+        take(loader, 4)
+        workers = list(loader._iter._workers)
+        loader.close()
+    finally:
+        multiprocessing.set_start_method(default, force=True)
+    assert all(not w.is_alive() for w in workers)
+    assert sorted(w.exitcode for w in workers) == [-signal.SIGABRT] * 2  # they did die as asked
 
 
 @pytest.mark.timeout(150)
