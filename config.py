@@ -165,6 +165,11 @@ class FinetuneConfig:
                                   "posterior (no_grad, eval mode, not in the optimizer, EMA or DDP), train the "
                                   "decoder: the latent space stays the source's, so export keeps its latent factors",
                            ("all", "decoder"))
+    last_stage_trains: str = opt("all", "in the last stage of a --train_resolutions schedule of 2+ stages (DC-AE's "
+                                        "high-resolution adaptation): all, or N: only the decoder's N highest-"
+                                        "resolution levels (their up blocks) with norm_out and conv_out train (0: "
+                                        "those two alone); everything else is frozen from the stage's first step "
+                                        "(no gradient, its AdamW moments kept; DDP wraps what trains)")
     decoder_init: str = opt("fresh", "with --init_from and a --vae_decoder_ch other than the source's: fresh (a new "
                                      "decoder, initialised as a new model's; with --distill_weight) or slice (the "
                                      "source decoder's leading channels of every tensor: a warm start)",
@@ -580,11 +585,33 @@ def check_train_resolutions(cfg: Config, factor: int) -> None:
                           "fractions of --vae_resolution's latent); train it at one resolution")
 
 
+def last_stage_levels(cfg: Config) -> int | None:
+    """--last_stage_trains as a count of the decoder's highest levels (None: all); ConfigError (one line) for a
+    value that is neither, or one the run cannot use."""
+    value = cfg.finetune.last_stage_trains
+    if value == "all":
+        return None
+    levels = len(ch_mult_of(cfg.model))
+    if not value.isdigit() or int(value) > levels:
+        raise ConfigError(f"--last_stage_trains {value!r}: all, or a count of the decoder's highest levels from 0 "
+                          f"to {levels} (--vae_ch_mult {cfg.model.vae_ch_mult})")
+    if len(resolution_schedule(cfg).stages) < 2:
+        raise ConfigError(f"--last_stage_trains {value} needs a --train_resolutions schedule of 2 stages or more "
+                          "(it freezes the rest in the last one)")
+    if cfg.model.vae_family != "ldm":
+        raise ConfigError(f"--last_stage_trains {value}: the decoder's levels are the LDM family's (ae.py), not "
+                          f"--vae_family {cfg.model.vae_family}'s")
+    if cfg.latents.vf_weight > 0:
+        raise ConfigError(f"--last_stage_trains {value} freezes the encoder that --vf_weight aligns: use one of them")
+    return int(value)
+
+
 def validate_across_sections(cfg: Config) -> None:
     """The checks that read two sections or more."""
     data, model, loss, critic, latents = cfg.data, cfg.model, cfg.loss, cfg.critic, cfg.latents
     factor = downsample_factor_of(model)
     check_train_resolutions(cfg, factor)
+    last_stage_levels(cfg)
     if data.vae_resolution % factor:
         raise ConfigError(f"--vae_resolution {data.vae_resolution} is not divisible by the downsample factor "
                           f"{factor} of --vae_ch_mult {model.vae_ch_mult}")

@@ -36,8 +36,8 @@ from ae import AutoEncoder
 from alignment import AlignmentLoss, fetch_foundation_weights
 from checkpoint import checkpoint_files
 from common import ConfigError, DistInfo, capture_rng, init_distributed, restore_rng
-from config import (Config, config_warnings, cpu_use_line, model_params, public_config, resolution_schedule,
-                    scale_equivariance_sizes, uses_vgg16)
+from config import (Config, config_warnings, cpu_use_line, last_stage_levels, model_params, public_config,
+                    resolution_schedule, scale_equivariance_sizes, uses_vgg16)
 from objective import AMP_DTYPES, Adversary, VAEObjective, build_critic, micro_step
 from run_log import Metrics
 from run_setup import prepare_run, read_init_source
@@ -372,6 +372,10 @@ class Trainer:
         self.state = checkpoint.Registry(training=self.training, adversary=self.adversary, guard=self.guard, run=self,
                                          vf_projection=self.training.projection)
 
+        # --last_stage_trains: the decoder's highest levels alone train from the last stage's first step
+        levels = last_stage_levels(cfg)
+        self.last_stage = None if levels is None else (self.schedule.stages[-1][0], levels)
+        self.in_last_stage = False
         data_state, self.resumed_from = None, None
         # a stop between steps saves the stream's position and the RNG from before the step it abandons (None: now)
         self.data_position, self.rng_position = None, None
@@ -461,6 +465,7 @@ class Trainer:
         t_start, steps_since = time.time(), 0
         last_saved = self.step if self.resumed_from else -1
         while self.step < max_steps:
+            self.enter_last_stage_if_due()  # at its first step, or a run resumed inside it before its first
             position, batches, data_error = read_step_batches(self.loader, cfg.optim.grad_accum)
             if any_rank(batches is None, info):  # agreed before the step, whose collectives a save would cross
                 return stop_without_batches(self, position, data_error, last_saved)
@@ -496,6 +501,18 @@ class Trainer:
                 self.probe()  # every rank takes part
         self.log(f"done: {max_steps} steps; checkpoints in {self.ckpt_dir}, samples in {self.report.sample_dir}")
         return 0
+
+    def enter_last_stage_if_due(self) -> None:
+        """--last_stage_trains N: from the last stage's first step, only the decoder's N highest-resolution levels,
+        norm_out and conv_out train (DC-AE's high-resolution adaptation); every rank reaches it at the same step."""
+        if self.last_stage is None or self.step < self.last_stage[0] or self.in_last_stage:
+            return
+        decoder, levels = self.vae.decoder, self.last_stage[1]
+        trained = self.training.train_only([decoder.up[i] for i in range(levels)] + [decoder.norm_out,
+                                                                                   decoder.conv_out])
+        self.in_last_stage = True
+        self.log(f"step {self.step}: the last stage trains the decoder's {levels} highest levels, norm_out and "
+                 f"conv_out ({trained / 1e6:.2f}M parameters); the rest is frozen (--last_stage_trains)")
 
     def train_step(self, batches: list[torch.Tensor] | None = None) -> None:
         """One optimizer step over --grad_accum micro-batches (`batches`, or the loader's), each through the step's

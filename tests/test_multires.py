@@ -198,7 +198,7 @@ def test_two_ranks_train_every_step_at_the_same_size(shard_url, tmp_path):
 
 def _same_checkpoints(a: str, b: str) -> None:
     ca, cb = (torch.load(p, weights_only=True) for p in (a, b))
-    for entry in ("training", "adversary"):
+    for entry in ("training", "adversary") if ca["adversary"] is not None else ("training",):
         for key in ("vae", "ema", "critic", "lecam"):
             if key in ca[entry] and ca[entry][key] is not None:
                 for name, value in ca[entry][key].items():
@@ -226,3 +226,34 @@ def test_stop_inside_the_schedule_and_across_its_stage_change_resumes_bitwise(sh
     assert last.returncode == 0 and "at step 5" in last.stdout, last.stderr[-2000:]
     _same_checkpoints(os.path.join(tmp_path, "ref", "checkpoints", "step_00000007.pt"),
                       os.path.join(tmp_path, "cut", "checkpoints", "step_00000007.pt"))
+
+
+def test_the_last_stage_trains_the_decoders_top_and_resumes_inside_it_bitwise_under_two_ranks(shard_url, tmp_path):
+    """--last_stage_trains 1 under torchrun (2 gloo ranks): from the last stage's first step (4) only decoder.up.0,
+    norm_out and conv_out change, the frozen parameters keep their AdamW moments; a run stopped at step 5 (inside
+    the last stage) and resumed, built frozen from its start, ends bitwise equal to the uninterrupted run, whose DDP
+    wrapper was rebuilt at the stage change."""
+    freeze = ["--last_stage_trains", "1"]
+    ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 6, 2, *freeze), nproc=2)
+    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
+    assert "step 4: the last stage trains the decoder's 1 highest levels" in ref.stdout
+    cut = run_cli("tests/faulty_trainer.py", _args(shard_url, tmp_path, "cut", 6, 100, *freeze), nproc=2,
+                  env=cli_env(VAE_TRAINER_SIGTERM_AT="4"))
+    assert cut.returncode == 0 and "checkpoint written at step 5" in cut.stdout, cut.stderr[-3000:]
+    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 6, 100, *freeze), nproc=2)
+    assert again.returncode == 0 and "at step 5" in again.stdout, again.stderr[-3000:]
+    assert "step 5: the last stage trains" in again.stdout
+    _same_checkpoints(os.path.join(tmp_path, "ref", "checkpoints", "step_00000006.pt"),
+                      os.path.join(tmp_path, "cut", "checkpoints", "step_00000006.pt"))
+
+    import ae
+    names = [n for n, _ in ae.AutoEncoder(config.model_params(config.parse_config(TINY).model)).named_parameters()]
+    top = ("decoder.up.0.", "decoder.norm_out.", "decoder.conv_out.")
+    at = {step: torch.load(os.path.join(tmp_path, "ref", "checkpoints", f"step_{step:08d}.pt"), weights_only=True)
+          ["training"] for step in (2, 4, 6)}
+    for i, name in enumerate(names):
+        trains = name.startswith(top)
+        assert not torch.equal(at[2]["vae"][name], at[4]["vae"][name]), name  # every parameter trained before
+        assert torch.equal(at[4]["vae"][name], at[6]["vae"][name]) != trains, name
+        moments = (at[4]["optimizer"]["state"][i]["exp_avg"], at[6]["optimizer"]["state"][i]["exp_avg"])
+        assert torch.equal(*moments) != trains, name  # frozen: its moments kept as they were
