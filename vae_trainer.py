@@ -346,11 +346,7 @@ class Trainer:
         self.validator = (evaluate_lib.Validator(
             cfg.eval, cfg.data, self.objective.lpips, self.device, info, self.memory_format, self.log,
             channels_last=cfg.speed.channels_last, grid_images=cfg.run.num_samples) if self.eval_on else None)
-        # --train_resolutions: the step's crop size (and its batch), drawn per step by the same pure function the
-        # data workers use
-        self.schedule = resolution_schedule(cfg)
-        if cfg.speed.compile:
-            compile_for_sizes(len(self.schedule.sizes))
+        self.schedule, self.last_stage = resolution_stages(cfg)  # --train_resolutions, --last_stage_trains
         if cfg.speed.compile and self.adversary is not None:
             self.adversary.critic.compile()
         make_optimizer = partial(adamw, cfg.optim)
@@ -372,10 +368,6 @@ class Trainer:
         self.state = checkpoint.Registry(training=self.training, adversary=self.adversary, guard=self.guard, run=self,
                                          vf_projection=self.training.projection)
 
-        # --last_stage_trains: the decoder's highest levels alone train from the last stage's first step
-        levels = last_stage_levels(cfg)
-        self.last_stage = None if levels is None else (self.schedule.stages[-1][0], levels)
-        self.in_last_stage = False
         data_state, self.resumed_from = None, None
         # a stop between steps saves the stream's position and the RNG from before the step it abandons (None: now)
         self.data_position, self.rng_position = None, None
@@ -465,7 +457,7 @@ class Trainer:
         t_start, steps_since = time.time(), 0
         last_saved = self.step if self.resumed_from else -1
         while self.step < max_steps:
-            self.enter_last_stage_if_due()  # at its first step, or a run resumed inside it before its first
+            before_step(self)
             position, batches, data_error = read_step_batches(self.loader, cfg.optim.grad_accum)
             if any_rank(batches is None, info):  # agreed before the step, whose collectives a save would cross
                 return stop_without_batches(self, position, data_error, last_saved)
@@ -502,26 +494,11 @@ class Trainer:
         self.log(f"done: {max_steps} steps; checkpoints in {self.ckpt_dir}, samples in {self.report.sample_dir}")
         return 0
 
-    def enter_last_stage_if_due(self) -> None:
-        """--last_stage_trains N: from the last stage's first step, only the decoder's N highest-resolution levels,
-        norm_out and conv_out train (DC-AE's high-resolution adaptation); every rank reaches it at the same step."""
-        if self.last_stage is None or self.step < self.last_stage[0] or self.in_last_stage:
-            return
-        decoder, levels = self.vae.decoder, self.last_stage[1]
-        trained = self.training.train_only([decoder.up[i] for i in range(levels)] + [decoder.norm_out,
-                                                                                   decoder.conv_out])
-        self.in_last_stage = True
-        self.log(f"step {self.step}: the last stage trains the decoder's {levels} highest levels, norm_out and "
-                 f"conv_out ({trained / 1e6:.2f}M parameters); the rest is frozen (--last_stage_trains)")
-
     def train_step(self, batches: list[torch.Tensor] | None = None) -> None:
         """One optimizer step over --grad_accum micro-batches (`batches`, or the loader's), each through the step's
         one dataflow (objective.micro_step); then both optimizer steps, which the guard skips if anything blew up."""
         accum = self.cfg.optim.grad_accum
         step_loss = torch.zeros((), device=self.device)  # this step's losses, for the guard
-        if self.cfg.data.train_resolutions:  # the schedule in metrics.jsonl (the window's mean size)
-            self.metrics.add(**{"train/resolution": torch.full((), float(self.schedule.size_at(self.step)),
-                                                               device=self.device)})
         for micro in range(accum):
             batch = batches[micro] if batches is not None else next(self.loader)
             x = data_lib.to_model_input(batch, self.device, self.cfg.speed.channels_last)
@@ -607,6 +584,37 @@ class Trainer:
         self.report.close()
         if self.run_lock is not None:
             self.run_lock.release()
+
+
+def resolution_stages(cfg: Config) -> tuple[data_lib.ResolutionSchedule, tuple[int, int] | None]:
+    """The --train_resolutions schedule (each step's size: the data workers compute the same), and with
+    --last_stage_trains N (its first step, N); --compile set up for the schedule's sizes."""
+    schedule, levels = resolution_schedule(cfg), last_stage_levels(cfg)
+    if cfg.speed.compile:
+        compile_for_sizes(len(schedule.sizes))
+    return schedule, None if levels is None else (schedule.stages[-1][0], levels)
+
+
+def before_step(trainer: Trainer) -> None:
+    """Before each step: its size in the metrics (--train_resolutions: metrics.jsonl's train/resolution is each
+    window's mean size), and the last stage's freeze when its first step has come (a resumed run: before its first
+    step)."""
+    if trainer.cfg.data.train_resolutions:
+        size = trainer.schedule.size_at(trainer.step)
+        trainer.metrics.add(**{"train/resolution": torch.full((), float(size), device=trainer.device)})
+    if trainer.last_stage is not None and trainer.step >= trainer.last_stage[0]:
+        enter_last_stage(trainer)
+
+
+def enter_last_stage(trainer: Trainer) -> None:
+    """--last_stage_trains N: from the last stage's first step, only the decoder's N highest-resolution levels,
+    norm_out and conv_out train (DC-AE's high-resolution adaptation); every rank reaches it at the same step."""
+    decoder, levels = trainer.vae.decoder, trainer.last_stage[1]
+    trained = trainer.training.train_only([decoder.up[i] for i in range(levels)] + [decoder.norm_out,
+                                                                                  decoder.conv_out])
+    trainer.last_stage = None
+    trainer.log(f"step {trainer.step}: the last stage trains the decoder's {levels} highest levels, norm_out and "
+                f"conv_out ({trained / 1e6:.2f}M parameters); the rest is frozen (--last_stage_trains)")
 
 
 def stop_without_batches(trainer: Trainer, position: dict, data_error: str | None, last_saved: int) -> int:
