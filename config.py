@@ -61,7 +61,16 @@ class DataConfig:
     batch_size: int = opt(8, "images per GPU per micro-step")
     num_workers: int = opt(-1, "dataloader worker processes per rank. -1: auto, from the CPU cores this rank has "
                                "(cpu_use: half of them, at most 4, at least 1)")
-    vae_resolution: int = opt(256, "training crop size in pixels")
+    vae_resolution: int = opt(256, "training crop size in pixels; with --train_resolutions the reference size, "
+                                   "at which a micro-batch holds --batch_size images (evaluation and sample grids "
+                                   "stay at this size)")
+    train_resolutions: str = opt("", "multi-resolution training: a schedule of stages separated by ';', each "
+                                     "[STEP:]SIZE[,SIZE...] (the first from step 0), e.g. 192,256,320 or "
+                                     "256;20000:384,448,512. Each optimizer step draws its crop size uniformly from "
+                                     "its stage's sizes, seeded by --seed and the step (the same on every rank and "
+                                     "on resume), and a micro-batch at size s holds max(1, round(batch_size x "
+                                     "(vae_resolution / s)^2)) images: about constant pixels per step. '': "
+                                     "--vae_resolution alone (docs/training.md, 'Train at 256, serve at 1024')")
     shuffle_buffer: int = opt(1000, "samples held (as raw bytes) in each worker's shuffle buffer")
     resize_prob: float = opt(0.5, "probability of resizing the shorter side to the crop size before cropping "
                                   "(a whole-image view); otherwise crops are taken at native scale")
@@ -156,6 +165,11 @@ class FinetuneConfig:
                                   "posterior (no_grad, eval mode, not in the optimizer, EMA or DDP), train the "
                                   "decoder: the latent space stays the source's, so export keeps its latent factors",
                            ("all", "decoder"))
+    last_stage_trains: str = opt("all", "in the last stage of a --train_resolutions schedule of 2+ stages (DC-AE's "
+                                        "high-resolution adaptation): all, or N: only the decoder's N highest-"
+                                        "resolution levels (their up blocks) with norm_out and conv_out train (0: "
+                                        "those two alone); everything else is frozen from the stage's first step "
+                                        "(no gradient, its AdamW moments kept; DDP wraps what trains)")
     decoder_init: str = opt("fresh", "with --init_from and a --vae_decoder_ch other than the source's: fresh (a new "
                                      "decoder, initialised as a new model's; with --distill_weight) or slice (the "
                                      "source decoder's leading channels of every tensor: a warm start)",
@@ -539,10 +553,65 @@ def scale_equivariance_sizes(cfg: Config) -> list[int]:
                                           min_loss_image_size(cfg))
 
 
+def resolution_schedule(cfg: Config) -> data_lib.ResolutionSchedule:
+    """The run's --train_resolutions schedule (its reference alone when the flag is empty); ConfigError (one line)
+    for a malformed one."""
+    data = cfg.data
+    try:
+        return data_lib.ResolutionSchedule.parse(data.train_resolutions, data.vae_resolution, data.batch_size,
+                                                 cfg.optim.seed)
+    except ValueError as e:
+        raise ConfigError(f"--train_resolutions {data.train_resolutions!r}: {e}") from None
+
+
+def check_train_resolutions(cfg: Config, factor: int) -> None:
+    """One line for a --train_resolutions size the model or the losses cannot take, or a flag that assumes one
+    training size."""
+    data, loss, critic = cfg.data, cfg.loss, cfg.critic
+    if not data.train_resolutions:
+        return
+    schedule = resolution_schedule(cfg)
+    flag = f"--train_resolutions {data.train_resolutions!r}"
+    for size in schedule.sizes:
+        if size % factor or size % loss.mse_pool_factor:
+            raise ConfigError(f"{flag}: size {size} is not a multiple of the downsample factor {factor} and of "
+                              f"--mse_pool_factor {loss.mse_pool_factor}")
+        if loss.perceptual_weight > 0 and size < LPIPS_MIN_SIZE:
+            raise ConfigError(f"{flag}: size {size} is below LPIPS' smallest input, {LPIPS_MIN_SIZE} px")
+        if critic.do_ganloss and size < CRITIC_MIN_SIZE:
+            raise ConfigError(f"{flag}: size {size} is below the critic's smallest input, {CRITIC_MIN_SIZE} px")
+    if cfg.latents.scale_equivariance_prob > 0 and schedule.sizes != [data.vae_resolution]:
+        raise ConfigError(f"{flag}: --scale_equivariance_prob assumes one training latent size (its sizes are "
+                          "fractions of --vae_resolution's latent); train it at one resolution")
+
+
+def last_stage_levels(cfg: Config) -> int | None:
+    """--last_stage_trains as a count of the decoder's highest levels (None: all); ConfigError (one line) for a
+    value that is neither, or one the run cannot use."""
+    value = cfg.finetune.last_stage_trains
+    if value == "all":
+        return None
+    levels = len(ch_mult_of(cfg.model))
+    if not value.isdigit() or int(value) > levels:
+        raise ConfigError(f"--last_stage_trains {value!r}: all, or a count of the decoder's highest levels from 0 "
+                          f"to {levels} (--vae_ch_mult {cfg.model.vae_ch_mult})")
+    if len(resolution_schedule(cfg).stages) < 2:
+        raise ConfigError(f"--last_stage_trains {value} needs a --train_resolutions schedule of 2 stages or more "
+                          "(it freezes the rest in the last one)")
+    if cfg.model.vae_family != "ldm":
+        raise ConfigError(f"--last_stage_trains {value}: the decoder's levels are the LDM family's (ae.py), not "
+                          f"--vae_family {cfg.model.vae_family}'s")
+    if cfg.latents.vf_weight > 0:
+        raise ConfigError(f"--last_stage_trains {value} freezes the encoder that --vf_weight aligns: use one of them")
+    return int(value)
+
+
 def validate_across_sections(cfg: Config) -> None:
     """The checks that read two sections or more."""
     data, model, loss, critic, latents = cfg.data, cfg.model, cfg.loss, cfg.critic, cfg.latents
     factor = downsample_factor_of(model)
+    check_train_resolutions(cfg, factor)
+    last_stage_levels(cfg)
     if data.vae_resolution % factor:
         raise ConfigError(f"--vae_resolution {data.vae_resolution} is not divisible by the downsample factor "
                           f"{factor} of --vae_ch_mult {model.vae_ch_mult}")

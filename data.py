@@ -401,6 +401,66 @@ def to_model_input(batch: torch.Tensor, device: torch.device, channels_last: boo
 
 
 # --------------------------------------------------------------------------------------------
+# Multi-resolution training: which crop size (and how many images) each optimizer step takes
+# --------------------------------------------------------------------------------------------
+class ResolutionSchedule:
+    """--train_resolutions: stages separated by ';', each `[STEP:]SIZE[,SIZE...]` (the first starts at step 0), e.g.
+    `256`, `192,256,320`, `256;20000:384,448,512`. Each optimizer step draws its crop size uniformly from its stage's
+    sizes with a generator seeded by (seed, step) only: every rank, every data worker and a resumed run compute the
+    same size for a step, and all micro-batches of a step share it. At size s a micro-batch holds
+    max(1, round(batch_size * (reference / s)^2)) images (reference: --vae_resolution, where it holds --batch_size),
+    so the pixels per step stay about constant. Pure: no state, no global RNG."""
+
+    def __init__(self, stages: list[tuple[int, tuple[int, ...]]], reference: int, batch_size: int, seed: int):
+        self.stages, self.reference, self.batch_size, self.seed = stages, reference, batch_size, seed
+
+    @classmethod
+    def parse(cls, spec: str, reference: int, batch_size: int, seed: int = 0) -> "ResolutionSchedule":
+        """The schedule of `spec` ('': the reference size alone); ValueError (one line) for a malformed one."""
+        if not spec.strip():
+            return cls([(0, (reference,))], reference, batch_size, seed)
+        stages: list[tuple[int, tuple[int, ...]]] = []
+        for i, part in enumerate(spec.split(";")):
+            start, colon, sizes = part.strip().rpartition(":")
+            try:
+                begin = int(start) if colon else 0
+                values = tuple(int(s) for s in sizes.split(","))
+            except ValueError:
+                raise ValueError(f"stage {part.strip()!r} is not [STEP:]SIZE[,SIZE...]") from None
+            if min(values) <= 0:
+                raise ValueError(f"stage {part.strip()!r}: sizes must be positive")
+            if i == 0 and begin != 0:
+                raise ValueError(f"the first stage starts at step 0, not {begin}")
+            if i > 0 and (not colon or begin <= stages[-1][0]):
+                raise ValueError(f"stage {part.strip()!r}: a later stage needs STEP: greater than the previous "
+                                 f"stage's ({stages[-1][0]})")
+            stages.append((begin, tuple(dict.fromkeys(values))))
+        return cls(stages, reference, batch_size, seed)
+
+    @property
+    def sizes(self) -> list[int]:
+        """Every size of every stage, ascending."""
+        return sorted({s for _, sizes in self.stages for s in sizes})
+
+    def stage_at(self, step: int) -> int:
+        """The index of the stage `step` belongs to."""
+        return max(i for i, (begin, _) in enumerate(self.stages) if begin <= step)
+
+    def size_at(self, step: int) -> int:
+        """The crop size of optimizer step `step`: a stage of one size draws nothing."""
+        sizes = self.stages[self.stage_at(step)][1]
+        if len(sizes) == 1:
+            return sizes[0]
+        return sizes[_rng(self.seed, "resolution", step).randrange(len(sizes))]
+
+    def batch_for(self, size: int) -> int:
+        """Images per micro-batch at `size`: about the reference's pixels."""
+        if size == self.reference:
+            return self.batch_size
+        return max(1, round(self.batch_size * (self.reference / size) ** 2))
+
+
+# --------------------------------------------------------------------------------------------
 # The resumable training stream
 # --------------------------------------------------------------------------------------------
 def _rng(*parts) -> random.Random:
@@ -516,7 +576,9 @@ class _WorkerStream:
                     found[(shard_idx, idx)] = sample
         return [((s, i), found[(s, i)]) for s, i in keys if (s, i) in found]
 
-    def next_image(self) -> np.ndarray:
+    def next_image(self, resolution: int | None = None) -> np.ndarray:
+        """The next training crop, `resolution` px square (default: the stream's)."""
+        resolution = resolution or self.resolution
         while True:
             while len(self.buffer) < self.buffer_size:
                 self.buffer.append(next(self.raw))
@@ -527,7 +589,7 @@ class _WorkerStream:
             self.buffer.pop()
             self.drawn += 1
             try:
-                image = decode_crop(_pick_image(sample), self.resolution, rng, self.resize_prob, self.max_pixels)
+                image = decode_crop(_pick_image(sample), resolution, rng, self.resize_prob, self.max_pixels)
                 self.failures = 0
                 return image
             except SkipSample as skip:
@@ -546,11 +608,15 @@ class _WorkerStream:
 
 
 class TrainStream(IterableDataset):
-    """Yields dicts {images: uint8 (B, 3, R, R), worker: logical worker id, state, counters}."""
+    """Yields dicts {images: uint8 (B, 3, R, R), worker: logical worker id, state, counters}. With a `schedule`
+    (ResolutionSchedule), R and B are those of the step each batch belongs to: logical worker w produces the
+    batches of global index b = first_batch + ... with b % W == w, micro-batch b belongs to optimizer step
+    b // grad_accum, and the worker computes that step's size itself (the schedule is pure)."""
 
     def __init__(self, shards: list, resolution: int, batch_size: int, seed, rank: int, world_size: int,
                  num_workers: int, shuffle_buffer: int, resize_prob: float, max_pixels: int,
-                 worker_states: dict | None = None, worker_offset: int = 0, retry_s: float = 1800.0):
+                 worker_states: dict | None = None, worker_offset: int = 0, retry_s: float = 1800.0,
+                 schedule: ResolutionSchedule | None = None, grad_accum: int = 1, first_batch: int = 0):
         super().__init__()
         self.retry_s = retry_s
         # the trainer's stop check, set on the copy the trainer's own process iterates (--num_workers 0); None in
@@ -561,6 +627,14 @@ class TrainStream(IterableDataset):
         self.shuffle_buffer, self.resize_prob, self.max_pixels = shuffle_buffer, resize_prob, max_pixels
         self.worker_states = worker_states or {}
         self.worker_offset = worker_offset
+        self.schedule, self.grad_accum, self.first_batch = schedule, max(1, grad_accum), first_batch
+
+    def step_shape(self, batch_index: int) -> tuple[int, int]:
+        """(crop size, images) of the micro-batch of global index `batch_index`."""
+        if self.schedule is None:
+            return self.resolution, self.batch_size
+        size = self.schedule.size_at(batch_index // self.grad_accum)
+        return size, self.schedule.batch_for(size)
 
     def __iter__(self):
         info = get_worker_info()
@@ -573,9 +647,14 @@ class TrainStream(IterableDataset):
                                self.shuffle_buffer, self.resize_prob, self.max_pixels,
                                self.worker_states.get(logical), self.retry_s,
                                self.should_stop if info is None else None)
+        # DataLoader takes batch first_batch + k from physical worker k % W: this one's are every W-th from
+        # first_batch + physical
+        batch_index = self.first_batch + physical
         while True:
+            size, count = self.step_shape(batch_index)
+            batch_index += self.num_workers
             try:
-                images = np.stack([stream.next_image() for _ in range(self.batch_size)])
+                images = np.stack([stream.next_image(size) for _ in range(count)])
             except DatasetError as e:  # crosses the worker boundary as data: one line, not a traceback
                 yield {"error": str(e)}
                 return
@@ -672,7 +751,9 @@ class TrainLoader:
     def __init__(self, url: str, resolution: int, batch_size: int, seed: int, rank: int, world_size: int,
                  num_workers: int = 4, shuffle_buffer: int = 1000, resize_prob: float = 0.5,
                  max_pixels: int = 100_000_000, pin_memory: bool = False, state: dict | None = None,
-                 shard_retry_minutes: float = 30.0):
+                 shard_retry_minutes: float = 30.0, schedule: ResolutionSchedule | None = None, grad_accum: int = 1):
+        """`schedule`: each step's crop size and images (--train_resolutions; None: `resolution` and `batch_size`
+        throughout), the step of a batch counted with `grad_accum` micro-batches per step."""
         self.num_workers = max(0, num_workers)
         logical_workers = max(1, self.num_workers)
         shards = list_shards(url)
@@ -687,7 +768,8 @@ class TrainLoader:
         self.few_shards = len(shards) < world_size * logical_workers
         dataset = TrainStream(shards, resolution, batch_size, stream_seed, rank, world_size, logical_workers,
                               shuffle_buffer, resize_prob, max_pixels, self.worker_states,
-                              self.batches % logical_workers, retry_s=60.0 * shard_retry_minutes)
+                              self.batches % logical_workers, retry_s=60.0 * shard_retry_minutes,
+                              schedule=schedule, grad_accum=grad_accum, first_batch=self.batches)
         # with workers, the wait for a batch is cut into WAIT_POLL_S slices (DataLoader's timeout), so that a stop
         # request is seen while the workers back off through an outage (should_stop, set by the trainer)
         kwargs = (dict(prefetch_factor=4, persistent_workers=True, timeout=WAIT_POLL_S) if self.num_workers > 0
@@ -705,11 +787,14 @@ class TrainLoader:
 
     @classmethod
     def of(cls, data, seed: int, rank: int, world_size: int, pin_memory: bool = False,
-           state: dict | None = None) -> "TrainLoader":
-        """The loader of a run's data section (config.DataConfig)."""
+           state: dict | None = None, grad_accum: int = 1) -> "TrainLoader":
+        """The loader of a run's data section (config.DataConfig); with --train_resolutions each step's size and
+        batch follow its schedule (seeded by `seed` and the step)."""
+        schedule = (ResolutionSchedule.parse(data.train_resolutions, data.vae_resolution, data.batch_size, seed)
+                    if data.train_resolutions else None)
         return cls(data.dataset_url, data.vae_resolution, data.batch_size, seed, rank, world_size, data.num_workers,
                    data.shuffle_buffer, data.resize_prob, data.max_image_pixels, pin_memory=pin_memory, state=state,
-                   shard_retry_minutes=data.shard_retry_minutes)
+                   shard_retry_minutes=data.shard_retry_minutes, schedule=schedule, grad_accum=grad_accum)
 
     def __iter__(self):
         return self

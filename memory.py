@@ -39,9 +39,29 @@ class StepShape:
     grad_checkpointing: str = "none"  # ae.GRAD_CHECKPOINTING
 
     @classmethod
-    def of(cls, data, optim, speed) -> "StepShape":
-        """The shape of a run's step, from its data, optimisation and speed sections."""
-        return cls(data.batch_size, data.vae_resolution, optim.grad_accum, speed.precision, speed.grad_checkpointing)
+    def of(cls, data, optim, speed, resolution: int | None = None) -> "StepShape":
+        """The shape of a run's step, from its data, optimisation and speed sections: at --vae_resolution, or at
+        `resolution` with the micro-batch --train_resolutions gives that size."""
+        if resolution is None or resolution == data.vae_resolution:
+            return cls(data.batch_size, data.vae_resolution, optim.grad_accum, speed.precision,
+                       speed.grad_checkpointing)
+        import data as data_lib
+        batch = data_lib.ResolutionSchedule.parse("", data.vae_resolution, data.batch_size).batch_for(resolution)
+        return cls(batch, resolution, optim.grad_accum, speed.precision, speed.grad_checkpointing)
+
+    @classmethod
+    def to_check(cls, data, optim, speed) -> list["StepShape"]:
+        """The step shapes the memory check estimates: the one size of a run, or under --train_resolutions the
+        LARGEST size with its micro-batch and, where another holds more pixels per micro-batch (the rounding of
+        the batch scaling, its floor of one image), that costliest one too."""
+        if not data.train_resolutions:
+            return [cls.of(data, optim, speed)]
+        import data as data_lib
+        sizes = data_lib.ResolutionSchedule.parse(data.train_resolutions, data.vae_resolution, data.batch_size).sizes
+        shapes = [cls.of(data, optim, speed, size) for size in sizes]
+        largest = shapes[-1]
+        costliest = max(shapes, key=lambda s: (s.batch_size * s.resolution ** 2, s.resolution))
+        return [largest] + ([costliest] if costliest != largest else [])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,22 +312,24 @@ def _training_state_untouched(vae: nn.Module, objective):
                 torch.cuda.empty_cache()  # the probes' blocks, before the real step allocates its own
 
 
-def check_before_training(vae: nn.Module, objective, shape: StepShape, device, ema: bool = True, **features
-                          ) -> tuple[str | None, bool]:
+def check_before_training(vae: nn.Module, objective, shape: StepShape | list[StepShape], device, ema: bool = True,
+                          **features) -> tuple[str | None, bool]:
     """(line, refuse) before the first step: None if the step fits; else fit_message's line and whether the
     estimate exceeds the available memory by more than its own error (REFUSE_ABOVE: the run would die).
-    `features`: estimate_step_memory's model, regularisers, eval_copy and probe_copy."""
+    `shape`: a step's, or several (StepShape.to_check: the sizes of --train_resolutions), of which the one that
+    needs the most is judged. `features`: estimate_step_memory's model, regularisers, eval_copy and probe_copy."""
     def estimate(s: StepShape) -> StepMemory:
         return estimate_step_memory(vae, objective, s, ema, **features)
+    shapes = shape if isinstance(shape, list) else [shape]
     with _training_state_untouched(vae, objective):
-        needed = estimate(shape)
+        needed, shape = max(((estimate(s), s) for s in shapes), key=lambda pair: pair[0].total)
         available = available_memory(device)
         line = fit_message(needed, available, shape, estimate)
     return line, line is not None and needed.total > REFUSE_ABOVE * available[0]
 
 
-def check_every_rank(vae: nn.Module, objective, shape: StepShape, device, ema: bool, group=None, **features
-                     ) -> str | None:
+def check_every_rank(vae: nn.Module, objective, shape: StepShape | list[StepShape], device, ema: bool, group=None,
+                     **features) -> str | None:
     """Before the first step and before anything is written: raises WontFit if the step clearly will not fit
     (REFUSE_ABOVE) on any rank, returns a warning line if it may not, else None. Every rank estimates for its own
     device (the probes' LeCam update all-reduces, so all must run them); under torchrun the verdicts are gathered."""

@@ -29,7 +29,10 @@ class EMA:
     @torch.no_grad()
     def update(self, model: torch.nn.Module, step: int, skip: torch.Tensor) -> None:
         decay = min(self.decay, (1 + step) / (10 + step))
-        params = [p.detach().float() for p in model.parameters() if p.requires_grad]
+        # the parameters that trained at the start, also those a later stage froze (--last_stage_trains: their
+        # average keeps converging on their now fixed value)
+        named = dict(model.named_parameters())
+        params = [named[n].detach().float() for n in self.names]
         delta = torch._foreach_sub(params, self.shadow)
         torch._foreach_mul_(delta, (1.0 - decay) * (1.0 - skip))
         torch._foreach_add_(self.shadow, delta)
@@ -105,12 +108,26 @@ class VAETraining:
         if compile:
             vae.encoder.compile()  # the inner modules, never the DDP wrapper
             vae.decoder.compile()
+        self.wrap_ddp = wrap_ddp
         self.ddp = wrap_ddp(self.trained)
         # the VAE's frozen parts (--train_parts decoder) stay out: no state, and weight decay never moves them
         self.optimizer = make_optimizer([p for p in vae.parameters() if p.requires_grad], optim.learning_rate_vae)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, cosine_with_warmup(optim.warmup_steps, optim.max_steps, optim.min_lr_ratio))
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+    def train_only(self, modules: list[torch.nn.Module]) -> int:
+        """Freeze every VAE parameter outside `modules` (--last_stage_trains) and wrap for DDP again, so that its
+        buckets hold only what trains (a frozen parameter gets no gradient, which DDP would wait for). The optimizer
+        keeps every parameter: fused AdamW skips one without a gradient, so its moments stay and weight decay stops
+        moving it. Every rank calls it at the same step. Returns the count of parameters that still train."""
+        keep = {id(p) for m in modules for p in m.parameters()}
+        for p in self.vae.parameters():
+            if id(p) not in keep:
+                p.requires_grad_(False)
+        self.ddp = None  # the old wrapper's reducer (its gradient hooks) goes before the new one is built
+        self.ddp = self.wrap_ddp(self.trained)
+        return sum(p.numel() for p in self.vae.parameters() if p.requires_grad)
 
     def replicated(self) -> torch.nn.Module:
         """What DDP must keep equal on every rank: the VAE and the --vf_weight projection (checked at each save)."""

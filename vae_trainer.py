@@ -36,8 +36,8 @@ from ae import AutoEncoder
 from alignment import AlignmentLoss, fetch_foundation_weights
 from checkpoint import checkpoint_files
 from common import ConfigError, DistInfo, capture_rng, init_distributed, restore_rng
-from config import (Config, config_warnings, cpu_use_line, model_params, public_config, scale_equivariance_sizes,
-                    uses_vgg16)
+from config import (Config, config_warnings, cpu_use_line, last_stage_levels, model_params, public_config,
+                    resolution_schedule, scale_equivariance_sizes, uses_vgg16)
 from objective import AMP_DTYPES, Adversary, VAEObjective, build_critic, micro_step
 from run_log import Metrics
 from run_setup import prepare_run, read_init_source
@@ -145,6 +145,21 @@ def build_objective(cfg: Config, vgg_features: dict | None = None, with_lpips: b
     return VAEObjective(cfg.loss, cfg.latents, lpips, adversary, alignment, precision, device, memory_format)
 
 
+def compile_for_sizes(sizes: int) -> None:
+    """--compile with --train_resolutions: one static graph per crop size. Dynamo would otherwise turn the
+    second shape it meets into a dynamic-shape graph (slower kernels, and a recompile at the change) and stop
+    recompiling at its limit of 8 graphs per module (evaluation's and the sample grid's shapes count too). Each
+    size costs one compilation per module when first met; the steps at that size then run at the static speed."""
+    if sizes <= 1:
+        return
+    import torch._dynamo.config as dynamo_config
+    dynamo_config.automatic_dynamic_shapes = False
+    limit = sizes + 8  # the sizes, and the other shapes (evaluation's batches, the grid) a run met before
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
+
+
 def build_regularisers(cfg: Config, rank: int, downsample_factor: int) -> latents_lib.LatentRegularisers:
     latents = cfg.latents
     return latents_lib.LatentRegularisers(
@@ -164,6 +179,12 @@ def start_lines(cfg: Config, vae: AutoEncoder, info: DistInfo, run_dir: str) -> 
         frozen = "the encoder and quant_conv are" if cfg.model.vae_quant_conv else "the encoder is"
         lines.append(f"training the decoder only: {trained / 1e6:.1f}M of {n_params / 1e6:.1f}M parameters; "
                      f"{frozen} frozen")
+    if cfg.data.train_resolutions:
+        schedule = resolution_schedule(cfg)
+        stages = "; ".join(f"from step {begin}: " + ", ".join(f"{size} px x {schedule.batch_for(size)}" for size in sizes)
+                           for begin, sizes in schedule.stages)
+        lines.append(f"multi-resolution training (--train_resolutions {cfg.data.train_resolutions}), size x images "
+                     f"per micro-batch: {stages}")
     lines.append(f"run dir {run_dir} | {info.world_size} x {info.device.type} | VAE {n_params / 1e6:.1f}M params | "
                  f"f{vae.downsample_factor} z{cfg.model.vae_z_channels} {cfg.model.posterior} posterior | "
                  f"{cfg.speed.precision} | batch {cfg.data.batch_size} x {cfg.optim.grad_accum} accum x "
@@ -325,6 +346,7 @@ class Trainer:
         self.validator = (evaluate_lib.Validator(
             cfg.eval, cfg.data, self.objective.lpips, self.device, info, self.memory_format, self.log,
             channels_last=cfg.speed.channels_last, grid_images=cfg.run.num_samples) if self.eval_on else None)
+        self.schedule, self.last_stage = resolution_stages(cfg)  # --train_resolutions, --last_stage_trains
         if cfg.speed.compile and self.adversary is not None:
             self.adversary.critic.compile()
         make_optimizer = partial(adamw, cfg.optim)
@@ -334,7 +356,7 @@ class Trainer:
         self.regularisers = build_regularisers(cfg, info.rank, self.vae.downsample_factor)
         if cfg.speed.memory_check:  # before the critic's DDP wrapper (the probes run its forward without a backward)
             warning = memory.check_every_rank(
-                self.vae, self.objective, memory.StepShape.of(cfg.data, cfg.optim, cfg.speed), self.device,
+                self.vae, self.objective, memory.StepShape.to_check(cfg.data, cfg.optim, cfg.speed), self.device,
                 self.training.ema is not None, info.ctrl_group, model=self.training.trained,
                 regularisers=self.regularisers, eval_copy=self.eval_on and self.training.ema is not None,
                 probe_copy=bool(cfg.latents.probe_every_n_steps))
@@ -353,7 +375,8 @@ class Trainer:
         if resume is not None:
             data_state = self.state.load_state_dict(*resume, log=self.log)["run"]
         self.loader = data_lib.TrainLoader.of(cfg.data, cfg.optim.seed, info.rank, info.world_size,
-                                              pin_memory=self.device.type == "cuda", state=data_state)
+                                              pin_memory=self.device.type == "cuda", state=data_state,
+                                              grad_accum=cfg.optim.grad_accum)
         if self.loader.few_shards and info.is_main:
             self.log(f"note: fewer shards than data workers ({info.world_size} x {max(1, cfg.data.num_workers)}): "
                      "every worker reads every shard, in its own order")
@@ -434,6 +457,7 @@ class Trainer:
         t_start, steps_since = time.time(), 0
         last_saved = self.step if self.resumed_from else -1
         while self.step < max_steps:
+            before_step(self)
             position, batches, data_error = read_step_batches(self.loader, cfg.optim.grad_accum)
             if any_rank(batches is None, info):  # agreed before the step, whose collectives a save would cross
                 return stop_without_batches(self, position, data_error, last_saved)
@@ -562,6 +586,37 @@ class Trainer:
             self.run_lock.release()
 
 
+def resolution_stages(cfg: Config) -> tuple[data_lib.ResolutionSchedule, tuple[int, int] | None]:
+    """The --train_resolutions schedule (each step's size: the data workers compute the same), and with
+    --last_stage_trains N (its first step, N); --compile set up for the schedule's sizes."""
+    schedule, levels = resolution_schedule(cfg), last_stage_levels(cfg)
+    if cfg.speed.compile:
+        compile_for_sizes(len(schedule.sizes))
+    return schedule, None if levels is None else (schedule.stages[-1][0], levels)
+
+
+def before_step(trainer: Trainer) -> None:
+    """Before each step: its size in the metrics (--train_resolutions: metrics.jsonl's train/resolution is each
+    window's mean size), and the last stage's freeze when its first step has come (a resumed run: before its first
+    step)."""
+    if trainer.cfg.data.train_resolutions:
+        size = trainer.schedule.size_at(trainer.step)
+        trainer.metrics.add(**{"train/resolution": torch.full((), float(size), device=trainer.device)})
+    if trainer.last_stage is not None and trainer.step >= trainer.last_stage[0]:
+        enter_last_stage(trainer)
+
+
+def enter_last_stage(trainer: Trainer) -> None:
+    """--last_stage_trains N: from the last stage's first step, only the decoder's N highest-resolution levels,
+    norm_out and conv_out train (DC-AE's high-resolution adaptation); every rank reaches it at the same step."""
+    decoder, levels = trainer.vae.decoder, trainer.last_stage[1]
+    trained = trainer.training.train_only([decoder.up[i] for i in range(levels)] + [decoder.norm_out,
+                                                                                  decoder.conv_out])
+    trainer.last_stage = None
+    trainer.log(f"step {trainer.step}: the last stage trains the decoder's {levels} highest levels, norm_out and "
+                f"conv_out ({trained / 1e6:.2f}M parameters); the rest is frozen (--last_stage_trains)")
+
+
 def stop_without_batches(trainer: Trainer, position: dict, data_error: str | None, last_saved: int) -> int:
     """Some rank has no batches for the trainer's next step. Every rank is here, before that step, so the
     checkpoint's collectives line up: it is written at the last completed step, with each stream's position before
@@ -586,7 +641,8 @@ def stop_out_of_memory(trainer: Trainer, error: torch.OutOfMemoryError, last_sav
     cfg = trainer.cfg
     trainer.training.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
     torch.cuda.empty_cache()  # a no-op without CUDA
-    line = memory.out_of_memory_message(error, memory.StepShape.of(cfg.data, cfg.optim, cfg.speed), trainer.step + 1)
+    shape = memory.StepShape.of(cfg.data, cfg.optim, cfg.speed, trainer.schedule.size_at(trainer.step))
+    line = memory.out_of_memory_message(error, shape, trainer.step + 1)
     trainer.report.print(f"error: {line}", file=sys.stderr)
     if not trainer.info.distributed and trainer.step > 0 and trainer.step != last_saved:
         trainer.save_unless_in_bad_streak(stopping=True)

@@ -1,0 +1,26 @@
+"""vae_trainer.py that records, per rank, the shape of every micro-batch each optimizer step trains on (the
+multi-resolution tests compare them across ranks); the production code has no hook for it. Run it like
+vae_trainer.py (plain python or under torchrun); VAE_TRAINER_RECORD names a folder that receives
+batches_rank<R>.jsonl, one line {"step", "shapes"} per step."""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import vae_trainer  # noqa: E402
+
+train_step = vae_trainer.Trainer.train_step
+
+
+def recording_train_step(self, batches=None):
+    path = os.path.join(os.environ["VAE_TRAINER_RECORD"], f"batches_rank{self.info.rank}.jsonl")
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": self.step, "shapes": [list(b.shape) for b in batches]}) + "\n")
+    train_step(self, batches)
+
+
+vae_trainer.Trainer.train_step = recording_train_step
+
+if __name__ == "__main__":
+    sys.exit(vae_trainer.main())

@@ -1,0 +1,259 @@
+"""Multi-resolution training (issue 26 items 2-3): the --train_resolutions schedule, the batch scaling, the data
+workers' per-step crop size (0 and 2 workers, resumed), the memory check at the largest size, a default run bitwise
+today's, and the real CLI: the same size on both ranks of a torchrun run, and a stop/resume inside the schedule and
+across its stage change bitwise the uninterrupted run."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import common
+import config
+import data
+import memory
+import vae_trainer
+from conftest import TINY, cli_env, run_cli
+
+pytestmark = pytest.mark.timeout(480)
+
+SCHEDULE = "32,48,64;4:48,64"  # TINY's 64 px reference; a stage change at step 4
+
+
+def schedule(spec=SCHEDULE, reference=64, batch=2, seed=42):
+    return data.ResolutionSchedule.parse(spec, reference, batch, seed)
+
+
+# ------------------------------------------------------------------------------------------ the schedule itself
+def test_schedule_stages_and_seeded_per_step_draws():
+    s = schedule()
+    assert s.stages == [(0, (32, 48, 64)), (4, (48, 64))] and s.sizes == [32, 48, 64]
+    sizes = [s.size_at(step) for step in range(200)]
+    assert set(sizes[:4]) <= {32, 48, 64} and set(sizes[4:]) == {48, 64}
+    assert set(sizes[:200]) == {32, 48, 64}  # every size of a stage is drawn
+    # a pure function of (seed, step): another object, another order of calls, the same sizes; another seed others
+    again = schedule()
+    assert [again.size_at(step) for step in reversed(range(200))] == sizes[::-1]
+    assert [schedule(seed=7).size_at(step) for step in range(200)] != sizes
+    assert schedule("").stages == [(0, (64,))] and schedule("").size_at(5) == 64
+
+
+def test_batch_scaling_keeps_the_pixels_per_step():
+    """At size s a micro-batch holds max(1, round(batch_size * (reference / s)^2)) images."""
+    s = schedule("192,256,320,512,1024", reference=256, batch=8)
+    assert {size: s.batch_for(size) for size in s.sizes} == {192: 14, 256: 8, 320: 5, 512: 2, 1024: 1}
+    for size in (192, 256, 320, 512):
+        assert s.batch_for(size) * size ** 2 == pytest.approx(8 * 256 ** 2, rel=0.1)
+    assert schedule().batch_for(32) == 8 and schedule().batch_for(48) == 4  # TINY's sizes, as the tests below use
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("64;0:32", "greater than the previous"), ("5:64", "first stage starts at step 0"), ("64;x:32", "is not"),
+    ("64;8:32;4:48", "greater than the previous"), ("64,0", "positive"), ("64,36", "not a multiple"),
+    ("64,12", "not a multiple"),
+])
+def test_bad_schedules_are_one_line_config_errors(spec, message):
+    cfg = config.parse_config([*TINY, "--train_resolutions", spec, "--mse_pool_factor", "8"])
+    with pytest.raises(common.ConfigError, match=message):
+        cfg.validate()
+
+
+def test_sizes_the_losses_cannot_take_and_scale_equivariance_are_refused():
+    cfg = config.parse_config([*TINY, "--train_resolutions", "8,64", "--mse_pool_factor", "4"])
+    with pytest.raises(common.ConfigError, match="below LPIPS' smallest input"):
+        cfg.validate()
+    cfg = config.parse_config([*TINY, "--train_resolutions", "16,64", "--do_ganloss"])
+    with pytest.raises(common.ConfigError, match="below the critic's smallest input"):
+        cfg.validate()
+    cfg = config.parse_config([*TINY, "--train_resolutions", "32,64", "--scale_equivariance_prob", "0.5"])
+    with pytest.raises(common.ConfigError, match="assumes one training latent size"):
+        cfg.validate()
+    config.parse_config([*TINY, "--train_resolutions", "64", "--scale_equivariance_prob", "0.5"]).validate()
+
+
+# ------------------------------------------------------------------------------------------ the data workers
+def _shapes(loader, count):
+    out = [tuple(next(loader).shape) for _ in range(count)]
+    return out
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_loader_with_0_and_2_workers_gives_the_schedules_sizes_and_resumes_exactly(shard_url, accum):
+    """Each micro-batch has its step's size and batch (step = batch index // grad_accum), with the data in the
+    trainer's process or in 2 worker processes; a loader restored from a state saved after an odd number of batches
+    (the workers rotated) continues bitwise as the uninterrupted one."""
+    s = schedule()
+    expected = [(s.batch_for(s.size_at(b // accum)), 3, s.size_at(b // accum), s.size_at(b // accum))
+                for b in range(12)]
+    for workers in (0, 2):
+        loader = data.TrainLoader(shard_url, 64, 2, 42, 0, 1, workers, 8, schedule=s, grad_accum=accum)
+        try:
+            head = [next(loader) for _ in range(5)]
+            state = loader.state_dict()
+            tail = [next(loader) for _ in range(7)]
+        finally:
+            loader.close()
+        assert [tuple(b.shape) for b in head + tail] == expected, workers
+        resumed = data.TrainLoader(shard_url, 64, 2, 42, 0, 1, workers, 8, state=state, schedule=s,
+                                   grad_accum=accum)
+        try:
+            again = [next(resumed) for _ in range(7)]
+        finally:
+            resumed.close()
+        assert all(torch.equal(a, b) for a, b in zip(tail, again)), workers
+
+
+def test_one_size_schedule_reads_todays_batches(shard_url):
+    """--train_resolutions equal to --vae_resolution draws nothing: the very batches of the loader without it."""
+    batches = {}
+    for name, s in (("none", None), ("same", schedule("64")), ("empty", schedule(""))):
+        loader = data.TrainLoader(shard_url, 64, 2, 42, 0, 1, 0, 8, schedule=s, grad_accum=2)
+        try:
+            batches[name] = [next(loader) for _ in range(6)]
+        finally:
+            loader.close()
+    for name in ("same", "empty"):
+        assert all(torch.equal(a, b) for a, b in zip(batches["none"], batches[name])), name
+
+
+def test_a_default_run_is_bitwise_one_with_the_reference_size_as_its_schedule(shard_url, tmp_path, one_torch_thread):
+    """In process: 3 steps of the default trainer and of one with --train_resolutions 64 (TINY's --vae_resolution)
+    end in the same weights, optimizer moments and EMA."""
+    states = {}
+    for name, extra in (("default", []), ("schedule", ["--train_resolutions", "64"])):
+        cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), "--run_name", name,
+                                   *TINY, "--num_workers", "0", "--evaluate_every_n_steps", "0", "--max_steps", "3",
+                                   "--save_every_n_steps", "100", "--log_every_n_steps", "100", *extra])
+        cfg.validate()
+        trainer = vae_trainer.Trainer(cfg, common.DistInfo())
+        try:
+            assert trainer.train() == 0
+            states[name] = trainer.training.state_dict()
+        finally:
+            trainer.close()
+    a, b = states["default"], states["schedule"]
+    for key in ("vae", "ema"):
+        assert all(torch.equal(a[key][n], b[key][n]) for n in a[key]), key
+    for pid, state in a["optimizer"]["state"].items():
+        assert all(torch.equal(v, b["optimizer"]["state"][pid][k]) for k, v in state.items())
+
+
+# ------------------------------------------------------------------------------------------ the memory check
+def test_the_memory_check_judges_the_largest_size(shard_url, tmp_path, monkeypatch, one_torch_thread):
+    """StepShape.to_check: the largest size with its micro-batch, and the one with the most pixels per micro-batch
+    when another. With as much memory as the reference step comfortably needs, a schedule reaching 512 px is
+    refused, naming 512 px; the reference alone fits."""
+    cfg = config.parse_config([*TINY, "--train_resolutions", "32,48,64"])
+    shapes = memory.StepShape.to_check(cfg.data, cfg.optim, cfg.speed)
+    assert [(s.resolution, s.batch_size) for s in shapes] == [(64, 2), (48, 4)]  # 4 x 48^2 > 2 x 64^2
+    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, "--num_workers",
+                               "0", "--evaluate_every_n_steps", "0", "--memory_check", "false",
+                               "--train_resolutions", "64;2:64,512"])
+    cfg.validate()
+    shapes = memory.StepShape.to_check(cfg.data, cfg.optim, cfg.speed)
+    assert [(s.resolution, s.batch_size) for s in shapes] == [(512, 1)]
+    trainer = vae_trainer.Trainer(cfg, common.DistInfo())
+    try:
+        reference = memory.StepShape.of(cfg.data, cfg.optim, cfg.speed)
+        needed = memory.estimate_step_memory(trainer.vae, trainer.objective, reference).total
+        monkeypatch.setattr(memory, "available_memory", lambda device: (2 * needed, "RAM available"))
+        assert memory.check_before_training(trainer.vae, trainer.objective, [reference], "cpu") == (None, False)
+        line, refuse = memory.check_before_training(trainer.vae, trainer.objective, shapes, "cpu")
+    finally:
+        trainer.close()
+    assert refuse and "batch 1 x 512 px" in line
+
+
+# ------------------------------------------------------------------------------------------ real runs
+def _args(url, out, run, steps, save, *extra):
+    return ["--dataset_url", url, "--output_dir", str(out), "--run_name", run, "--max_steps", str(steps),
+            "--save_every_n_steps", str(save), "--log_every_n_steps", "2", "--evaluate_every_n_steps", "0",
+            "--keep_last_k", "20", *TINY, "--train_resolutions", SCHEDULE, *extra]
+
+
+def _records(folder, rank):
+    with open(os.path.join(folder, f"batches_rank{rank}.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_two_ranks_train_every_step_at_the_same_size(shard_url, tmp_path):
+    """torchrun, 2 gloo ranks, --grad_accum 2: every micro-batch of a step, on both ranks, has the size the schedule
+    draws for that step and its scaled batch; metrics.jsonl's train/resolution is each window's mean size."""
+    record = tmp_path / "record"
+    record.mkdir()
+    proc = run_cli("tests/recording_trainer.py", _args(shard_url, tmp_path, "ddp", 6, 6, "--grad_accum", "2"),
+                   nproc=2, env=cli_env(VAE_TRAINER_RECORD=str(record)))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    s = schedule()
+    expected = [{"step": step, "shapes": [[s.batch_for(s.size_at(step)), 3, s.size_at(step), s.size_at(step)]] * 2}
+                for step in range(6)]
+    assert _records(record, 0) == _records(record, 1) == expected
+    assert len({s.size_at(step) for step in range(6)}) > 1  # the run did change sizes
+    with open(tmp_path / "ddp" / "metrics.jsonl") as f:
+        logged = [json.loads(line)["train/resolution"] for line in f]
+    assert logged == [(s.size_at(i) + s.size_at(i + 1)) / 2 for i in (0, 2, 4)]
+
+
+def _same_checkpoints(a: str, b: str) -> None:
+    ca, cb = (torch.load(p, weights_only=True) for p in (a, b))
+    for entry in ("training", "adversary") if ca["adversary"] is not None else ("training",):
+        for key in ("vae", "ema", "critic", "lecam"):
+            if key in ca[entry] and ca[entry][key] is not None:
+                for name, value in ca[entry][key].items():
+                    assert torch.equal(value, cb[entry][key][name]), f"{entry}.{key}.{name}"
+        for pid, state in ca[entry]["optimizer"]["state"].items():
+            for name, value in state.items():
+                assert torch.equal(value, cb[entry]["optimizer"]["state"][pid][name]), f"{entry}[{pid}].{name}"
+    for mine, theirs in zip(ca["run"]["ranks"], cb["run"]["ranks"]):  # the data streams' positions, torch's RNG
+        assert mine["data"] == theirs["data"] and torch.equal(mine["rng"]["torch"], theirs["rng"]["torch"])
+
+
+def test_stop_inside_the_schedule_and_across_its_stage_change_resumes_bitwise(shard_url, tmp_path):
+    """One process, 2 data workers, the critic on: SIGTERM stops the run at step 3 (inside the first stage, an odd
+    number of batches read: the workers rotated) and again at step 5 (the resumed run crossed the stage change at
+    step 4); the third invocation finishes. Every tensor of the step-7 checkpoint equals the uninterrupted run's."""
+    gan = ["--do_ganloss", "--disc_start", "1", "--lecam_weight", "0.1", "--num_workers", "2"]
+    ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 7, 7, *gan))
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    for stopped_at in (3, 5):
+        cut = run_cli("tests/faulty_trainer.py", _args(shard_url, tmp_path, "cut", 7, 100, *gan),
+                      env=cli_env(VAE_TRAINER_SIGTERM_AT="2,4"))
+        assert cut.returncode == 0, cut.stderr[-2000:]
+        assert f"checkpoint written at step {stopped_at}" in cut.stdout, cut.stdout[-2000:]
+    last = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 7, 100, *gan))
+    assert last.returncode == 0 and "at step 5" in last.stdout, last.stderr[-2000:]
+    _same_checkpoints(os.path.join(tmp_path, "ref", "checkpoints", "step_00000007.pt"),
+                      os.path.join(tmp_path, "cut", "checkpoints", "step_00000007.pt"))
+
+
+def test_the_last_stage_trains_the_decoders_top_and_resumes_inside_it_bitwise_under_two_ranks(shard_url, tmp_path):
+    """--last_stage_trains 1 under torchrun (2 gloo ranks): from the last stage's first step (4) only decoder.up.0,
+    norm_out and conv_out change, the frozen parameters keep their AdamW moments; a run stopped at step 5 (inside
+    the last stage) and resumed, built frozen from its start, ends bitwise equal to the uninterrupted run, whose DDP
+    wrapper was rebuilt at the stage change."""
+    freeze = ["--last_stage_trains", "1"]
+    ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 6, 2, *freeze), nproc=2)
+    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
+    assert "step 4: the last stage trains the decoder's 1 highest levels" in ref.stdout
+    cut = run_cli("tests/faulty_trainer.py", _args(shard_url, tmp_path, "cut", 6, 100, *freeze), nproc=2,
+                  env=cli_env(VAE_TRAINER_SIGTERM_AT="4"))
+    assert cut.returncode == 0 and "checkpoint written at step 5" in cut.stdout, cut.stderr[-3000:]
+    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 6, 100, *freeze), nproc=2)
+    assert again.returncode == 0 and "at step 5" in again.stdout, again.stderr[-3000:]
+    assert "step 5: the last stage trains" in again.stdout
+    _same_checkpoints(os.path.join(tmp_path, "ref", "checkpoints", "step_00000006.pt"),
+                      os.path.join(tmp_path, "cut", "checkpoints", "step_00000006.pt"))
+
+    import ae
+    names = [n for n, _ in ae.AutoEncoder(config.model_params(config.parse_config(TINY).model)).named_parameters()]
+    top = ("decoder.up.0.", "decoder.norm_out.", "decoder.conv_out.")
+    at = {step: torch.load(os.path.join(tmp_path, "ref", "checkpoints", f"step_{step:08d}.pt"), weights_only=True)
+          ["training"] for step in (2, 4, 6)}
+    for i, name in enumerate(names):
+        trains = name.startswith(top)
+        assert not torch.equal(at[2]["vae"][name], at[4]["vae"][name]), name  # every parameter trained before
+        assert torch.equal(at[4]["vae"][name], at[6]["vae"][name]) != trains, name
+        moments = (at[4]["optimizer"]["state"][i]["exp_avg"], at[6]["optimizer"]["state"][i]["exp_avg"])
+        assert torch.equal(*moments) != trains, name  # frozen: its moments kept as they were
