@@ -54,6 +54,16 @@ Sections
           held-out photos at 64 px (PSNR, SSIM; LPIPS with pretrained VGG16 only); --decoder_grid writes their
           reconstructions as one PNG.
 
+  resolutions (only when named in --sections) Train at one size or several, serve at larger ones (issue 26), with
+          real commands: three `vae_trainer.py --demo --max_steps N` runs (N: --res_steps), concurrently, one thread
+          each, the same photos, seed and pixels per step: at 64 px alone; with --train_resolutions 64,96,128 (the
+          batch scaled to the pixels: 4, 2, 1 images); and staged (64 px, then 96,128 from 2N/3 with
+          --last_stage_trains 1). `evaluate.py --ema` of each at 64, 128 and 256 px (1x, 2x, 4x) on the demo's held-out
+          photos and on --res_heldout_url (e.g. mate-backgrounds' nature photos as shards): PSNR, SSIM, LPIPS (random
+          VGG16 without the pretrained weights: say so), seconds per step. Then whether the aspect of an input changes
+          what the 64 px model reconstructs (aspect_study): the same 64x64 region of each held-out photo given as a
+          square, inside a 64x96 and a 96x64 input, and inside the whole photo at 96 px on its shorter side.
+
 Headline keys of --json (the target each is checked against)
   pipeline_fraction_of_decode  PNG: our loader's img/s / the raw decode's img/s            (>= 0.90)
   train_step_speedup           img/s with every speed switch on (no host syncs, channels_last, and
@@ -98,6 +108,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections import Counter
 
 import numpy as np
 import torch
@@ -131,7 +142,8 @@ BENCH_FLAGS = dict(num_workers=0, shuffle_buffer=2, vgg16_weights="random", wand
                    evaluate_every_n_steps=0, inception_weights="none", num_samples=1, disc_start=0,
                    save_every_n_steps=10**9, log_every_n_steps=10**9, max_steps=10**9)
 CKPT_LEVELS = ("none", "decoder_hr", "hr", "decoder", "all")
-SECTIONS = ("data", "train", "memory", "gpu", "quality", "finetune", "latents", "decoders", "decoder_quality")
+SECTIONS = ("data", "train", "memory", "gpu", "quality", "finetune", "latents", "decoders", "decoder_quality",
+            "resolutions")
 TARGETS = {  # key: (comparison, threshold)
     "pipeline_fraction_of_decode": (">=", 0.90),
     "train_step_speedup": (">=", 1.3),
@@ -225,6 +237,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="write the held-out reconstructions' grid (PNG; the first seed's runs) here")
     g.add_argument("--decoder_runs_dir", default="",
                    help="keep the runs, exports, logs and evaluations here (default: a temporary folder)")
+    g = p.add_argument_group("resolutions")
+    g.add_argument("--res_steps", type=int, default=600, help="steps of each run of the resolutions section")
+    g.add_argument("--res_heldout_url", default="",
+                   help="more held-out photos (shards or a folder) for the resolutions section's evaluation")
+    g.add_argument("--res_runs_dir", default="",
+                   help="keep the resolutions section's runs here (default: a temporary folder); finished runs are "
+                        "not trained again")
     p.add_argument("--_memory_case", default=None, help=argparse.SUPPRESS)  # internal: one memory case, as JSON
     p.add_argument("--_decode_case", default=None, help=argparse.SUPPRESS)  # internal: one decode case, as JSON
     args = p.parse_args(argv)
@@ -1517,6 +1536,104 @@ def labelled_grid(rows: list[tuple[str, Image.Image]], scale: int = 3, label_wid
     return out
 
 
+RES_RUNS = {  # the resolutions section's runs: name -> extra flags (the schedule's switch step filled in)
+    "single 64": [],
+    "multi 64,96,128": ["--train_resolutions", "64,96,128"],
+    "staged 64 -> 96,128": ["--train_resolutions", "64;{switch}:96,128", "--last_stage_trains", "1"],
+}
+RES_SERVE = (64, 128, 256)  # evaluated at the training size, 2x and 4x
+
+
+def bench_resolutions(args, tmp, report: Report) -> dict:
+    """Single-resolution against multi-resolution and staged training of the demo's model at equal steps and pixels
+    per step, each evaluated at 1x, 2x and 4x its reference size on held-out photos (every step a real command); and
+    the aspect study on the single-size model."""
+    root = args.res_runs_dir or os.path.join(tmp, "resolutions")
+    os.makedirs(root, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    steps = args.res_steps
+    procs = {}
+    for name, extra in RES_RUNS.items():
+        run = name.split()[0]
+        if os.path.isfile(os.path.join(root, run, "checkpoints", f"step_{steps:08d}.pt")):
+            continue
+        flags = [f.format(switch=2 * steps // 3) for f in extra]
+        report.line(f"  training {name}: python vae_trainer.py --demo --max_steps {steps} {' '.join(flags)} ...")
+        procs[f"train {name}"] = run_logged(
+            [sys.executable, "vae_trainer.py", "--demo", "--max_steps", str(steps), "--output_dir", root, "--run_name",
+             run, "--save_every_n_steps", str(steps), "--evaluate_every_n_steps", str(steps), "--inception_weights",
+             "none", "--wandb_mode", "disabled", "--num_threads", "1", "--seed", str(args.seed), *flags],
+            os.path.join(root, f"{run}.log"), env)
+    wall = wait_logged(procs)
+    _, demo_test = data_lib.ensure_demo_shards(os.path.join(root, "demo_data"))  # built by the first run
+    heldout = {"demo": demo_test, **({"extra": args.res_heldout_url} if args.res_heldout_url else {})}
+    vgg = "torchvision" if os.path.isfile(vgg16_cache_path()) else "random"
+    out = {"steps": steps, "vgg16": vgg, "wall_s": wall, "runs": {}}
+    rows = []
+    for name in RES_RUNS:
+        run_dir = os.path.join(root, name.split()[0])
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            logged = [r for r in map(json.loads, f) if "img_per_s" in r]
+        # img/s counts images of the reference size (4 a step, the demo's batch), whatever size a step trained at
+        result = {"s_per_step": 4 / logged[-1]["img_per_s_avg"], "eval": {}}
+        for set_name, url in heldout.items():
+            for size in RES_SERVE:
+                proc = subprocess.run(
+                    [sys.executable, "evaluate.py", "--ckpt", run_dir, "--ema", "--dataset_url", url, "--resolution",
+                     str(size), "--vgg16_weights", vgg, "--inception_weights", "none", "--batch_size", "2"],
+                    cwd=HERE, env=env, capture_output=True, text=True, check=True)
+                metrics = json.loads(proc.stdout)
+                result["eval"][f"{set_name}@{size}"] = {k: metrics.get(k) for k in ("psnr", "ssim", "lpips", "images")}
+                rows.append([name, set_name, size, metrics.get("psnr"), metrics.get("ssim"), metrics.get("lpips")])
+        out["runs"][name] = result
+    report.table(f"Held-out reconstruction after {steps} steps (EMA; LPIPS with {vgg} VGG16)",
+                 ["run", "photos", "px", "PSNR", "SSIM", "LPIPS"], rows)
+    out["aspect"] = aspect_study(os.path.join(root, "single"), list(heldout.values()), report)
+    return out
+
+
+def aspect_study(run_dir: str, urls: list[str], report: Report) -> dict:
+    """Whether aspect-ratio buckets could matter to a convolutional VAE: does the shape of the input change what a
+    model trained on squares reconstructs? The same 64x64 region (the centre of each held-out photo resized to 96 px
+    on its shorter side) reconstructed from the square alone, from a 64x96 and a 96x64 input around it, and from the
+    whole photo; PSNR over that region (and over each whole input)."""
+    import checkpoint
+    vae, _ = checkpoint.load_model(run_dir, ema=True)
+    f = vae.downsample_factor
+    photos = []
+    for url in urls:
+        for shard in data_lib.list_shards(url):
+            for _, sample in data_lib.iter_shard(shard, Counter()):
+                img = Image.fromarray(data_lib.load_rgb(data_lib._pick_image(sample)))
+                scale = 96 / min(img.size)
+                img = img.resize((max(96, round(img.width * scale)), max(96, round(img.height * scale))),
+                                 Image.Resampling.BICUBIC)
+                photos.append(torch.from_numpy(np.array(img)).permute(2, 0, 1))
+    cases = {"square 64x64": (0, 0, 64, 64), "wide 64x96": (0, -16, 64, 96), "tall 96x64": (-16, 0, 96, 64)}
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in [*cases, "whole photo"]}
+
+    def psnr(a, b) -> float:
+        return float(10 * torch.log10(4.0 / ((a - b) ** 2).mean()))
+    for photo in photos:
+        x = photo[None].float() / 127.5 - 1
+        h, w = (s // f * f for s in x.shape[-2:])
+        x = x[:, :, :h, :w]
+        top, left = h // 2 - 32, w // 2 - 32
+        target = x[:, :, top:top + 64, left:left + 64]
+        for name, (dt, dl, hh, ww) in {**cases, "whole photo": (-top, -left, h, w)}.items():
+            t, l = top + dt, left + dl
+            with torch.no_grad():
+                recon = vae.decode(vae.encode(x[:, :, t:t + hh, l:l + ww])).clamp(-1, 1)
+            results[name].append((psnr(recon[:, :, -dt:-dt + 64, -dl:-dl + 64], target),
+                                  psnr(recon, x[:, :, t:t + hh, l:l + ww])))
+    out = {name: {"region_psnr": [round(r, 2) for r, _ in v], "region_psnr_mean": float(np.mean([r for r, _ in v])),
+                  "input_psnr_mean": float(np.mean([w for _, w in v]))} for name, v in results.items()}
+    report.table(f"The same 64x64 region of {len(photos)} held-out photos, by the shape of the input (EMA)",
+                 ["input", "region PSNR (mean)", "whole input PSNR (mean)"],
+                 [[name, v["region_psnr_mean"], v["input_psnr_mean"]] for name, v in out.items()])
+    return out
+
+
 def bench_decoder_quality(args, tmp, report: Report) -> dict:
     """A narrower decoder trained with and without the teacher, against the wide decoder, at equal steps: every
     step a real command. The demo's model trained --wide_steps steps (`vae_trainer.py --demo`) is the "released"
@@ -1786,7 +1903,7 @@ def main(argv=None) -> int:
                 f"{torch.__version__}, {torch.get_num_threads()} threads); VGG16 weights random (timing only)")
     # Trainer construction and the data tools print progress lines: keep stdout for the JSON object
     with contextlib.redirect_stdout(report.stream), tempfile.TemporaryDirectory(prefix="vae_bench_") as tmp:
-        if set(args.sections) - {"quality", "decoders", "decoder_quality"}:
+        if set(args.sections) - {"quality", "decoders", "decoder_quality", "resolutions"}:
             report.line(f"generating {args.images} photo-like {args.height}x{args.width} images as PNG and JPEG "
                         "shards ...")
             datasets = make_datasets(tmp, args.images, args.height, args.width, args.seed)
@@ -1809,6 +1926,8 @@ def main(argv=None) -> int:
             results["decoders"] = bench_decoders(args, device, report)
         if "decoder_quality" in args.sections:
             results["decoder_quality"] = bench_decoder_quality(args, tmp, report)
+        if "resolutions" in args.sections:
+            results["resolutions"] = bench_resolutions(args, tmp, report)
         if "gpu" in args.sections and device.type == "cuda":
             results["gpu"] = bench_gpu(args, train_url, tmp, device, report)
         elif "gpu" in args.sections:
