@@ -369,10 +369,7 @@ class EvalConfig:
 
     def validate(self) -> None:
         check(self, positive=("eval_max_images",), non_negative=("evaluate_every_n_steps", "eval_tile_size"))
-        for size in parse_sizes(self.eval_resolutions, "eval_resolutions"):
-            if size < LPIPS_MIN_SIZE:
-                raise ConfigError(f"--eval_resolutions {self.eval_resolutions}: {size} px is smaller than "
-                                  f"{LPIPS_MIN_SIZE} px, the smallest image LPIPS takes")
+        parse_sizes(self.eval_resolutions, "eval_resolutions")  # the sizes themselves: validate_across_sections
         if self.eval_tile_size and not 0 <= self.eval_tile_overlap < self.eval_tile_size:
             raise ConfigError(f"--eval_tile_overlap must be >= 0 and smaller than --eval_tile_size "
                               f"{self.eval_tile_size}, got {self.eval_tile_overlap}")
