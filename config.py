@@ -374,9 +374,19 @@ class EvalConfig:
     eval_max_images: int = opt(256, "images of the test set used by evaluation during training")
     inception_weights: str = opt("torchvision", "FID Inception-v3 for rFID during evaluation: torchvision (torch "
                                                 "hub's cache), a local PATH, random (tests only) or none")
+    eval_resolutions: str = opt("", "comma-separated crop sizes in pixels to evaluate at besides --vae_resolution "
+                                    "(e.g. 512,1024: the sizes the VAE will serve), logged as eval/psnr@512 and the "
+                                    "like; the un-suffixed keys stay --vae_resolution's. '': the training size only")
+    eval_tile_size: int = opt(0, "evaluation at sizes above this many pixels encodes and decodes in tiles of this "
+                                 "size (evaluate.py's tiling), for sizes whose whole image does not fit. 0: off")
+    eval_tile_overlap: int = opt(128, "with --eval_tile_size: overlap of neighbouring tiles, pixels")
 
     def validate(self) -> None:
-        check(self, positive=("eval_max_images",), non_negative=("evaluate_every_n_steps",))
+        check(self, positive=("eval_max_images",), non_negative=("evaluate_every_n_steps", "eval_tile_size"))
+        parse_sizes(self.eval_resolutions, "eval_resolutions")  # the sizes themselves: validate_across_sections
+        if self.eval_tile_size and not 0 <= self.eval_tile_overlap < self.eval_tile_size:
+            raise ConfigError(f"--eval_tile_overlap must be >= 0 and smaller than --eval_tile_size "
+                              f"{self.eval_tile_size}, got {self.eval_tile_overlap}")
 
 
 @dataclass
@@ -530,6 +540,33 @@ def decoder_channels_of(model: ModelConfig) -> tuple[int, ...]:
     return () if widths == tuple(model.vae_ch * m for m in ch_mult_of(model)) else widths
 
 
+def parse_sizes(text: str, flag: str) -> tuple[int, ...]:
+    """Comma-separated pixel sizes ('': none), in the order given, each once; one line for anything else."""
+    sizes: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if not part.isdigit() or int(part) <= 0:
+            raise ConfigError(f"--{flag} {text}: {part!r} is not a positive whole number of pixels")
+        if int(part) not in sizes:
+            sizes.append(int(part))
+    return tuple(sizes)
+
+
+def eval_sizes(ev: EvalConfig, training_size: int) -> tuple[int, ...]:
+    """The crop sizes evaluation runs at: the training size first (its keys un-suffixed), then each other size of
+    --eval_resolutions in the order given."""
+    return (training_size,) + tuple(s for s in parse_sizes(ev.eval_resolutions, "eval_resolutions")
+                                    if s != training_size)
+
+
+def eval_size_problem(size: int, factor: int) -> str | None:
+    """Why a crop size cannot be evaluated by a model of this downsample factor, or None."""
+    if size % factor:
+        return f"not a multiple of the downsample factor {factor}"
+    if size < LPIPS_MIN_SIZE:
+        return f"smaller than {LPIPS_MIN_SIZE} px, the smallest image LPIPS (and SSIM's 11x11 window) takes"
+    return None
+
+
 def uses_vgg16(cfg: Config) -> bool:
     """Whether a loss trains on VGG16 features: LPIPS with a weight, or the VGG16 critic."""
     return cfg.loss.perceptual_weight > 0 or (cfg.critic.do_ganloss and cfg.critic.discriminator == "vgg16")
@@ -632,6 +669,14 @@ def validate_across_sections(cfg: Config) -> None:
     if loss.perceptual_weight > 0 and data.vae_resolution < LPIPS_MIN_SIZE:
         raise ConfigError(f"--vae_resolution must be at least {LPIPS_MIN_SIZE} for LPIPS (--perceptual_weight 0 "
                           "turns it off)")
+    for size in eval_sizes(cfg.eval, data.vae_resolution)[1:]:
+        problem = eval_size_problem(size, factor)
+        if problem:
+            raise ConfigError(f"--eval_resolutions {cfg.eval.eval_resolutions}: {size} px is {problem}")
+    ev = cfg.eval
+    if ev.eval_tile_size and (ev.eval_tile_size % factor or ev.eval_tile_overlap % factor):
+        raise ConfigError(f"--eval_tile_size {ev.eval_tile_size} and --eval_tile_overlap {ev.eval_tile_overlap} must "
+                          f"be multiples of the downsample factor {factor}")
     if cfg.run.load_path and cfg.finetune.init_from:
         raise ConfigError("give --init_from (a released VAE) or --load_path (our weights), not both")
     if model.vae_family != "ldm" and (loss.distill_weight > 0 or cfg.finetune.decoder_init != "fresh"):
@@ -882,6 +927,10 @@ GAN_FLAGS = ("discriminator", "disc_type", "disc_norm", "gen_loss", "gan_weight"
              "learning_rate_disc", "lecam_weight", "adaptive_weight_max")
 
 
+# Flags that only matter when evaluation runs.
+EVAL_FLAGS = ("eval_max_images", "inception_weights", "eval_resolutions", "eval_tile_size", "eval_tile_overlap")
+
+
 def config_warnings(cfg: Config, given: set[str]) -> list[str]:
     """One-line warnings for a valid but probably unintended config: flags the user gave that the chosen
     configuration ignores (one line per cause; defaults and --demo's values are never named), and schedules
@@ -899,9 +948,12 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
         (("posterior_var",), model.posterior != "constant", f"with --posterior {model.posterior} (the encoder "
                                                             "predicts the variance)"),
         # --evaluate_every_n_steps 0 is the off switch: consistent with no test set, never "ignored"
-        (("evaluate_every_n_steps",) * (ev.evaluate_every_n_steps > 0) + ("eval_max_images", "inception_weights"),
+        (("evaluate_every_n_steps",) * (ev.evaluate_every_n_steps > 0) + EVAL_FLAGS,
          not cfg.data.test_dataset_url, "without --test_dataset_url"),
-        (("eval_max_images", "inception_weights"), ev.evaluate_every_n_steps == 0, "with --evaluate_every_n_steps 0"),
+        (EVAL_FLAGS, ev.evaluate_every_n_steps == 0, "with --evaluate_every_n_steps 0"),
+        (("eval_tile_overlap",), ev.eval_tile_size == 0, "without --eval_tile_size"),
+        (("eval_tile_size", "eval_tile_overlap"), ev.eval_tile_size >= max(eval_sizes(ev, cfg.data.vae_resolution)),
+         "when no evaluated size (--vae_resolution, --eval_resolutions) is above --eval_tile_size"),
         (("project_name",), cfg.run.wandb_mode == "disabled", "with --wandb_mode disabled"),
         (("scale_equivariance_mode", "scale_equivariance_rotate", "scale_equivariance_form",
           "scale_equivariance_weight"), latents.scale_equivariance_prob == 0, "with --scale_equivariance_prob 0"),

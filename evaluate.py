@@ -35,7 +35,7 @@ import latents as latents_lib
 from ae import AutoEncoder, patchify_latents
 from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
 from common import ConfigError, DistInfo, OneLineParser, init_distributed
-from config import DataConfig, EvalConfig
+from config import DataConfig, EvalConfig, eval_size_problem, eval_sizes, parse_sizes
 from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, fetch_weights,
                    hub_cache_path, load_vgg16_features, warn_random_vgg, warn_random_weights)
 
@@ -247,7 +247,7 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
                    lpips_model: nn.Module | None = None, inception: nn.Module | None = None,
                    autocast: Callable | None = None, channels_last: bool = False, grid_images: int = GRID_IMAGES,
                    max_pixels: int = 100_000_000, log: Callable | None = None,
-                   latent_diagnostics: bool = False) -> dict:
+                   latent_diagnostics: bool = False, tile_size: int = 0, tile_overlap: int = 0) -> dict:
     """PSNR, SSIM, LPIPS and rFID of `vae` on the center crops of `url`, in one pass.
 
     Every rank must call this (it all-reduces on the default process group, on `device`). The result,
@@ -257,6 +257,8 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
     `self.autocast`); every metric is computed in fp32/fp64. Reconstructions are clamped to [-1, 1];
     PSNR/SSIM/LPIPS use them unquantised, the Inception sees them as uint8 like the inputs.
     `latent_diagnostics` adds latents.LatentDiagnostics' keys (`latent_*`, `image_*`) from the same pass.
+    `tile_size` > 0 and below `resolution`: encode and decode in tiles of that many pixels overlapping by
+    `tile_overlap` (tiled_encode / tiled_decode, as `reconstruct`), for crops too large to pass whole.
     """
     autocast = autocast or contextlib.nullcontext
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # psnr, ssim, lpips, images
@@ -270,8 +272,12 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
             url, resolution, batch_size, rank, world_size, max_images, max_pixels), start=1):
         x = data_lib.to_model_input(batch, device, channels_last)
         with autocast():
-            z = vae.encode(x)
-            recon = vae.decode(z)
+            if 0 < tile_size < resolution:
+                z = tiled_encode(vae, x, tile_size, tile_overlap)
+                recon = tiled_decode(vae, z, tile_size, tile_overlap)
+            else:
+                z = vae.encode(x)
+                recon = vae.decode(z)
         if diagnostics is not None:
             diagnostics.update(z.float(), x.float())
         recon = recon.float().clamp(-1.0, 1.0)
@@ -321,11 +327,24 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
     return out
 
 
+def size_suffix(size: int, primary: int) -> str:
+    """The key suffix of an evaluation at `size` when `primary` is the size whose keys go un-suffixed:
+    '' or '@512' (eval/psnr@512, psnr@512)."""
+    return "" if size == primary else f"@{size}"
+
+
+def eval_batch_size(batch_size: int, size: int, primary: int) -> int:
+    """Images per evaluation batch at `size`: above the primary size, fewer, so that a batch holds about the
+    pixels of a primary-size batch (at least one image); at or below it, `batch_size`."""
+    return batch_size if size <= primary else max(1, batch_size * primary * primary // (size * size))
+
+
 class Validator:
     """Evaluation during training (torchtitan's validator): PSNR, SSIM, LPIPS and rFID on the fixed test subset,
     for the weights and (given) their EMA, with the FID network loaded once. Every rank takes part (the images are
     sharded); what it returns is shown by run_log.Reporter.evaluation. From the evaluation section and the data's
-    (the test set, its crop size, the batch)."""
+    (the test set, its crop size, the batch). Each size of --eval_resolutions other than the training size is
+    evaluated too, its keys suffixed `@SIZE` (size_suffix); latent diagnostics and grids are the training size's."""
 
     def __init__(self, ev: EvalConfig, data: DataConfig, lpips_model: nn.Module | None, device: torch.device,
                  info: DistInfo, memory_format=torch.contiguous_format, log=print, channels_last: bool = True,
@@ -337,6 +356,7 @@ class Validator:
         self.inception = metric_networks("none", ev.inception_weights, device, info.local_rank, log=log,
                                          group=info.ctrl_group)[1]
         self.ema_model: AutoEncoder | None = None  # holds the EMA weights, built at the first evaluation
+        self.sizes = eval_sizes(ev, data.vae_resolution)  # the training size first
 
     def run(self, vae: AutoEncoder, ema_state: dict[str, Tensor] | None, autocast) -> tuple[dict, dict]:
         """({eval/<metric>, eval_ema/<metric>: value}, {eval, eval_ema: uint8 grid of inputs over reconstructions})."""
@@ -348,14 +368,21 @@ class Validator:
             self.ema_model.load_state_dict(ema_state)
             models.append(("eval_ema", self.ema_model))
         for prefix, model in models:
-            res = evaluate_model(
-                model, data.test_dataset_url, data.vae_resolution, batch_size=data.batch_size, device=self.device,
-                rank=self.rank, world_size=self.world_size, max_images=self.ev.eval_max_images,
-                lpips_model=self.lpips, inception=self.inception, autocast=autocast,
-                channels_last=self.channels_last, grid_images=self.grid_images, max_pixels=data.max_image_pixels,
-                latent_diagnostics=True)
-            grids[prefix] = res.pop("grid")
-            results.update({f"{prefix}/{k}": v for k, v in res.items() if not k.endswith("_missing")})
+            for size in self.sizes:
+                training_size = size == data.vae_resolution
+                res = evaluate_model(
+                    model, data.test_dataset_url, size, device=self.device, rank=self.rank,
+                    batch_size=eval_batch_size(data.batch_size, size, data.vae_resolution),
+                    world_size=self.world_size, max_images=self.ev.eval_max_images, lpips_model=self.lpips,
+                    inception=self.inception, autocast=autocast, channels_last=self.channels_last,
+                    grid_images=self.grid_images, max_pixels=data.max_image_pixels,
+                    latent_diagnostics=training_size, tile_size=self.ev.eval_tile_size,
+                    tile_overlap=self.ev.eval_tile_overlap)
+                grid = res.pop("grid")
+                if training_size:
+                    grids[prefix] = grid
+                suffix = size_suffix(size, data.vae_resolution)
+                results.update({f"{prefix}/{k}{suffix}": v for k, v in res.items() if not k.endswith("_missing")})
         return results, grids
 
 
@@ -546,9 +573,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", required=True, help="run directory (its latest readable checkpoint), checkpoint "
                                                  "file, or an export.py folder (--format diffusers or safetensors)")
     p.add_argument("--dataset_url", default="", help="held-out shards or image folder (metrics, --latent_stats)")
-    p.add_argument("--resolution", type=int, default=0, help="crop size (default: the checkpoint's vae_resolution)")
+    p.add_argument("--resolution", default="", help="crop size, or comma-separated sizes (256,512,1024): the first's "
+                                                    "metrics are psnr, ssim, ...; each other's psnr@SIZE, ssim@SIZE, "
+                                                    "... (default: the checkpoint's vae_resolution)")
     p.add_argument("--max_images", type=int, default=0, help="use the first N images (default: all)")
-    p.add_argument("--batch_size", type=int, default=16, help="images per batch per process")
+    p.add_argument("--batch_size", type=int, default=16, help="images per batch per process (at a --resolution "
+                                                              "larger than the first, fewer: about the pixels of one "
+                                                              "batch at the first, at least one image)")
     p.add_argument("--ema", action="store_true", help="use the checkpoint's EMA weights")
     p.add_argument("--out", default="", help="also write metrics.json and reconstructions.png here")
     p.add_argument("--vgg16_weights", default="torchvision",
@@ -561,33 +592,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the latent shift_factor / scaling_factor (FLUX: z' = (z - shift) * scale) instead")
     p.add_argument("--images", default="", help="reconstruct every image in this folder (any size) ...")
     p.add_argument("--reconstruct_to", default="", help="... into this folder, as PNG: NAME.EXT -> NAME.EXT.png")
-    p.add_argument("--tile_size", type=int, default=1024, help="--images: encode/decode larger images in tiles "
-                                                               "of this many pixels (0: never tile)")
-    p.add_argument("--tile_overlap", type=int, default=128, help="--images: overlap of neighbouring tiles, pixels")
+    p.add_argument("--tile_size", type=int, default=None, help="encode/decode larger images (--images) or crops "
+                                                             "(metrics) in tiles of this many pixels (0: never tile; "
+                                                             "default: 1024 for --images, 0 for metrics: the numbers "
+                                                             "of training's evaluation without --eval_tile_size)")
+    p.add_argument("--tile_overlap", type=int, default=128, help="overlap of neighbouring tiles, pixels")
     return p
 
 
-def validate(args, vae: AutoEncoder, resolution: int | None) -> None:
-    f = vae.downsample_factor
+def tile_size_of(args) -> int:
+    """--tile_size, its default made concrete: 1024 for --images, 0 (whole crops) for metrics."""
+    return args.tile_size if args.tile_size is not None else (1024 if args.images else 0)
+
+
+def validate(args, vae: AutoEncoder, resolutions: tuple[int, ...]) -> None:
+    f, tile_size = vae.downsample_factor, tile_size_of(args)
     if bool(args.images) != bool(args.reconstruct_to):
         raise ConfigError("--images and --reconstruct_to go together")
     if args.images and args.latent_stats:
         raise ConfigError("--latent_stats works on --dataset_url, not on --images")
+    if tile_size < 0 or (tile_size and (tile_size % f or args.tile_overlap % f)):
+        raise ConfigError(f"--tile_size and --tile_overlap must be multiples of the downsample factor {f}")
+    if tile_size and not 0 <= args.tile_overlap < tile_size:
+        raise ConfigError("--tile_overlap must be >= 0 and smaller than --tile_size")
     if args.images:
         if not os.path.isdir(args.images):
             raise ConfigError(f"--images {args.images}: not a directory")
-        if args.tile_size < 0 or (args.tile_size and (args.tile_size % f or args.tile_overlap % f)):
-            raise ConfigError(f"--tile_size and --tile_overlap must be multiples of the downsample factor {f}")
-        if args.tile_size and not 0 <= args.tile_overlap < args.tile_size:
-            raise ConfigError("--tile_overlap must be >= 0 and smaller than --tile_size")
         return
     if not args.dataset_url:
         raise ConfigError("give --dataset_url (metrics, --latent_stats) or --images with --reconstruct_to")
     data_lib.probe_remote_shards(data_lib.list_shards(args.dataset_url))  # DatasetError: one line
-    if not resolution or resolution <= 0 or resolution % f:
-        raise ConfigError(f"--resolution must be a positive multiple of the downsample factor {f}, got {resolution}")
-    if resolution < 16:
-        raise ConfigError(f"--resolution must be at least 16 (SSIM uses 11x11 windows), got {resolution}")
+    for resolution in resolutions or (None,):
+        if not resolution or resolution <= 0 or resolution % f:
+            raise ConfigError(f"--resolution must be a positive multiple of the downsample factor {f}, got "
+                              f"{resolution}")
+        problem = eval_size_problem(resolution, f)
+        if problem:
+            raise ConfigError(f"--resolution {resolution}: {problem}")
+    if args.latent_stats and len(resolutions) > 1:
+        raise ConfigError(f"--latent_stats takes one --resolution, got {args.resolution}")
     if args.batch_size <= 0 or args.max_images < 0:
         raise ConfigError("--batch_size must be positive and --max_images >= 0")
     for flag in ("vgg16_weights", "inception_weights"):
@@ -606,8 +649,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         vae, info = load_model(args.ckpt, args.ema)
-        resolution = args.resolution or info["resolution"]
-        validate(args, vae, resolution)
+        resolutions = parse_sizes(args.resolution, "resolution") or (info["resolution"],)
+        validate(args, vae, resolutions)
+        resolution, tile_size = resolutions[0], tile_size_of(args)
     except (ConfigError, data_lib.DatasetError) as e:
         log(f"error: {e}")
         return 2
@@ -620,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
                   world_size=dist_info.world_size, max_images=args.max_images or None, autocast=autocast)
     try:
         if args.images:
-            n = reconstruct_folder(vae, args.images, args.reconstruct_to, dist_info.device, args.tile_size,
+            n = reconstruct_folder(vae, args.images, args.reconstruct_to, dist_info.device, tile_size,
                                    args.tile_overlap, dist_info.rank, dist_info.world_size, autocast, log)
             count = torch.tensor(n, dtype=torch.float64, device=dist_info.device)  # NCCL reduces device tensors only
             _all_reduce(count)
@@ -630,14 +674,25 @@ def main(argv: list[str] | None = None) -> int:
         else:
             lpips_model, inception, missing = metric_networks(args.vgg16_weights, args.inception_weights,
                                                               dist_info.device, dist_info.local_rank, log)
-            result = evaluate_model(vae, args.dataset_url, resolution, lpips_model=lpips_model, inception=inception,
-                                    log=log, **common)
-            result.update({f"{k}_missing": v for k, v in missing.items()})
-            if result["n_images"] == 0:
-                raise data_lib.DatasetError(f"{args.dataset_url}: no readable image to evaluate")
+            result = {}
+            for size in resolutions:  # the first size's keys un-suffixed, the others' @SIZE (as the trainer's)
+                res = evaluate_model(vae, args.dataset_url, size, lpips_model=lpips_model, inception=inception,
+                                     log=log, tile_size=tile_size, tile_overlap=args.tile_overlap,
+                                     **{**common, "batch_size": eval_batch_size(args.batch_size, size, resolution)})
+                if res["n_images"] == 0:
+                    raise data_lib.DatasetError(f"{args.dataset_url}: no readable image to evaluate")
+                if size == resolution:
+                    result.update(res)
+                    result.update({f"{k}_missing": v for k, v in missing.items()})
+                else:
+                    suffix = size_suffix(size, resolution)
+                    result.update({f"{k}{suffix}": v for k, v in res.items() if k != "grid"
+                                   and not k.endswith("_missing")})
         result.update(checkpoint=info["checkpoint"], step=info["step"], ema=args.ema, world_size=dist_info.world_size)
         if not args.images:
             result["resolution"] = resolution
+            if len(resolutions) > 1:
+                result["resolutions"] = list(resolutions)
         if not args.images and not args.latent_stats:
             result.update(vgg16_weights=args.vgg16_weights, inception_weights=args.inception_weights)
         grid = result.pop("grid", None)

@@ -72,10 +72,20 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return steps, values
 
 
+def eval_size_suffixes(records: list[dict]) -> list[str]:
+    """The @SIZE suffixes of the evaluation keys (--eval_resolutions: eval/psnr@512), smallest size first."""
+    sizes = {int(k.rsplit("@", 1)[1]) for r in records for k in r
+             if k.startswith(("eval/", "eval_ema/")) and k.rsplit("@", 1)[-1].isdigit() and "@" in k}
+    return [f"@{size}" for size in sorted(sizes)]
+
+
 def panels_with_data(records: list[dict]) -> list[tuple[str, list, bool]]:
-    """The PANELS that `records` have data for: (title, [(label, steps, values)], log scale)."""
-    panels = []
+    """The PANELS that `records` have data for: (title, [(label, steps, values)], log scale). An evaluation key
+    gets a line per evaluated size in its panel: the training size's as labelled, the others' labelled @SIZE."""
+    panels, suffixes = [], eval_size_suffixes(records)
     for title, keys, log_scale in PANELS:
+        keys = keys + [(key + suffix, f"{label} {suffix}") for suffix in suffixes for key, label in keys
+                       if key.startswith(("eval/", "eval_ema/"))]
         lines = [(label, *series(records, key)) for key, label in keys]
         lines = [line for line in lines if line[1]]
         if lines:

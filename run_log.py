@@ -392,14 +392,16 @@ class Reporter:
                 import wandb
                 self.wandb.log({f"{prefix}/grid": wandb.Image(path)}, step=step)
 
-        def fmt(prefix):
-            vals = [f"{k} {results[f'{prefix}/{k}']:.4f}" for k in ("psnr", "ssim", "lpips", "rfid")
-                    if results.get(f"{prefix}/{k}") is not None]
-            return " ".join(vals) + f" ({results[f'{prefix}/n_images']} images)"
-        line = f"eval step {step} | {fmt('eval')}"
-        if "eval_ema" in grids:
-            line += f" | ema {fmt('eval_ema')}"
-        self.print(line)
+        def fmt(prefix, suffix):
+            vals = [f"{k} {results[f'{prefix}/{k}{suffix}']:.4f}" for k in ("psnr", "ssim", "lpips", "rfid")
+                    if results.get(f"{prefix}/{k}{suffix}") is not None]
+            return " ".join(vals) + f" ({results[f'{prefix}/n_images{suffix}']} images)"
+        # the training size's line, then one per other size of --eval_resolutions (its keys end in @SIZE)
+        for suffix in [""] + [k[len("eval/n_images"):] for k in results if k.startswith("eval/n_images@")]:
+            line = f"eval{' ' + suffix if suffix else ''} step {step} | {fmt('eval', suffix)}"
+            if "eval_ema" in grids:
+                line += f" | ema {fmt('eval_ema', suffix)}"
+            self.print(line)
         self.print(f"latents step {step} | high-frequency energy {results['eval/latent_hf_fraction']:.3f} "
                    f"(image at latent size {results['eval/image_hf_fraction']:.3f}) | channel std spread "
                    f"{results['eval/latent_channel_std_spread']:.2f}")
