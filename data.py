@@ -611,12 +611,15 @@ class TrainStream(IterableDataset):
     """Yields dicts {images: uint8 (B, 3, R, R), worker: logical worker id, state, counters}. With a `schedule`
     (ResolutionSchedule), R and B are those of the step each batch belongs to: logical worker w produces the
     batches of global index b = first_batch + ... with b % W == w, micro-batch b belongs to optimizer step
-    b // grad_accum, and the worker computes that step's size itself (the schedule is pure)."""
+    b // grad_accum, or first_step + (b - first_batch) // grad_accum from the trainer's step at a step's start (a
+    run resumed with another --grad_accum counts its new steps from there), and the worker computes that step's size itself (the
+    schedule is pure)."""
 
     def __init__(self, shards: list, resolution: int, batch_size: int, seed, rank: int, world_size: int,
                  num_workers: int, shuffle_buffer: int, resize_prob: float, max_pixels: int,
                  worker_states: dict | None = None, worker_offset: int = 0, retry_s: float = 1800.0,
-                 schedule: ResolutionSchedule | None = None, grad_accum: int = 1, first_batch: int = 0):
+                 schedule: ResolutionSchedule | None = None, grad_accum: int = 1, first_batch: int = 0,
+                 first_step: int | None = None):
         super().__init__()
         self.retry_s = retry_s
         # the trainer's stop check, set on the copy the trainer's own process iterates (--num_workers 0); None in
@@ -628,12 +631,15 @@ class TrainStream(IterableDataset):
         self.worker_states = worker_states or {}
         self.worker_offset = worker_offset
         self.schedule, self.grad_accum, self.first_batch = schedule, max(1, grad_accum), first_batch
+        self.first_step = first_step  # None: every step had grad_accum micro-batches, step = b // grad_accum
 
     def step_shape(self, batch_index: int) -> tuple[int, int]:
         """(crop size, images) of the micro-batch of global index `batch_index`."""
         if self.schedule is None:
             return self.resolution, self.batch_size
-        size = self.schedule.size_at(batch_index // self.grad_accum)
+        step = (batch_index // self.grad_accum if self.first_step is None  # (at a step's start: the trainer's
+                else self.first_step + (batch_index - self.first_batch) // self.grad_accum)  # position is one)
+        size = self.schedule.size_at(step)
         return size, self.schedule.batch_for(size)
 
     def __iter__(self):
@@ -751,9 +757,11 @@ class TrainLoader:
     def __init__(self, url: str, resolution: int, batch_size: int, seed: int, rank: int, world_size: int,
                  num_workers: int = 4, shuffle_buffer: int = 1000, resize_prob: float = 0.5,
                  max_pixels: int = 100_000_000, pin_memory: bool = False, state: dict | None = None,
-                 shard_retry_minutes: float = 30.0, schedule: ResolutionSchedule | None = None, grad_accum: int = 1):
+                 shard_retry_minutes: float = 30.0, schedule: ResolutionSchedule | None = None, grad_accum: int = 1,
+                 step: int | None = None):
         """`schedule`: each step's crop size and images (--train_resolutions; None: `resolution` and `batch_size`
-        throughout), the step of a batch counted with `grad_accum` micro-batches per step."""
+        throughout), the step of a batch counted with `grad_accum` micro-batches per step from `step`, the trainer's
+        step at the stream's position, a step's start (default: from batch 0)."""
         self.num_workers = max(0, num_workers)
         logical_workers = max(1, self.num_workers)
         shards = list_shards(url)
@@ -769,7 +777,7 @@ class TrainLoader:
         dataset = TrainStream(shards, resolution, batch_size, stream_seed, rank, world_size, logical_workers,
                               shuffle_buffer, resize_prob, max_pixels, self.worker_states,
                               self.batches % logical_workers, retry_s=60.0 * shard_retry_minutes,
-                              schedule=schedule, grad_accum=grad_accum, first_batch=self.batches)
+                              schedule=schedule, grad_accum=grad_accum, first_batch=self.batches, first_step=step)
         # with workers, the wait for a batch is cut into WAIT_POLL_S slices (DataLoader's timeout), so that a stop
         # request is seen while the workers back off through an outage (should_stop, set by the trainer)
         kwargs = (dict(prefetch_factor=4, persistent_workers=True, timeout=WAIT_POLL_S) if self.num_workers > 0
@@ -787,14 +795,14 @@ class TrainLoader:
 
     @classmethod
     def of(cls, data, seed: int, rank: int, world_size: int, pin_memory: bool = False,
-           state: dict | None = None, grad_accum: int = 1) -> "TrainLoader":
+           state: dict | None = None, grad_accum: int = 1, step: int | None = None) -> "TrainLoader":
         """The loader of a run's data section (config.DataConfig); with --train_resolutions each step's size and
         batch follow its schedule (seeded by `seed` and the step)."""
         schedule = (ResolutionSchedule.parse(data.train_resolutions, data.vae_resolution, data.batch_size, seed)
                     if data.train_resolutions else None)
         return cls(data.dataset_url, data.vae_resolution, data.batch_size, seed, rank, world_size, data.num_workers,
                    data.shuffle_buffer, data.resize_prob, data.max_image_pixels, pin_memory=pin_memory, state=state,
-                   shard_retry_minutes=data.shard_retry_minutes, schedule=schedule, grad_accum=grad_accum)
+                   shard_retry_minutes=data.shard_retry_minutes, schedule=schedule, grad_accum=grad_accum, step=step)
 
     def __iter__(self):
         return self

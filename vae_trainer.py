@@ -376,7 +376,7 @@ class Trainer:
             data_state = self.state.load_state_dict(*resume, log=self.log)["run"]
         self.loader = data_lib.TrainLoader.of(cfg.data, cfg.optim.seed, info.rank, info.world_size,
                                               pin_memory=self.device.type == "cuda", state=data_state,
-                                              grad_accum=cfg.optim.grad_accum)
+                                              grad_accum=cfg.optim.grad_accum, step=self.step)
         if self.loader.few_shards and info.is_main:
             self.log(f"note: fewer shards than data workers ({info.world_size} x {max(1, cfg.data.num_workers)}): "
                      "every worker reads every shard, in its own order")

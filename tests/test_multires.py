@@ -105,6 +105,26 @@ def test_loader_with_0_and_2_workers_gives_the_schedules_sizes_and_resumes_exact
         assert all(torch.equal(a, b) for a, b in zip(tail, again)), workers
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_run_resumed_with_another_grad_accum_keeps_each_steps_micro_batches_at_one_size(shard_url, workers):
+    """The stream's position counts micro-batches; a run resumed with another --grad_accum continues from the
+    trainer's step, so every micro-batch of a step still has that step's size (counting steps as batches //
+    grad_accum from the start put 4 micro-batches of step 3 at 64 px where 48 was drawn, and split step 4 in two)."""
+    s = schedule()
+    loader = data.TrainLoader(shard_url, 64, 2, 42, 0, 1, workers, 8, schedule=s, grad_accum=2)
+    try:
+        [next(loader) for _ in range(6)]  # steps 0-2 at --grad_accum 2
+        state = loader.state_dict()
+    finally:
+        loader.close()
+    resumed = data.TrainLoader(shard_url, 64, 2, 42, 0, 1, workers, 8, state=state, schedule=s, grad_accum=4, step=3)
+    try:
+        sizes = [next(resumed).shape[-1] for _ in range(12)]  # steps 3-5 at --grad_accum 4
+    finally:
+        resumed.close()
+    assert sizes == [s.size_at(step) for step in (3, 4, 5) for _ in range(4)]
+
+
 def test_one_size_schedule_reads_todays_batches(shard_url):
     """--train_resolutions equal to --vae_resolution draws nothing: the very batches of the loader without it."""
     batches = {}
