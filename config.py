@@ -620,6 +620,10 @@ def check_train_resolutions(cfg: Config, factor: int) -> None:
     if cfg.latents.scale_equivariance_prob > 0 and schedule.sizes != [data.vae_resolution]:
         raise ConfigError(f"{flag}: --scale_equivariance_prob assumes one training latent size (its sizes are "
                           "fractions of --vae_resolution's latent); train it at one resolution")
+    if cfg.latents.vf_weight > 0 and cfg.finetune.train_parts != "decoder" and schedule.sizes != [data.vae_resolution]:
+        raise ConfigError(f"{flag}: --vf_weight aligns the latent with a foundation model that always sees the image "
+                          "at --vf_image_size, its feature grid stretched to the latent's, a target that changes "
+                          "with each training size; train the alignment at one resolution")
 
 
 def last_stage_levels(cfg: Config) -> int | None:
@@ -984,6 +988,11 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
     if cfg.finetune.train_parts == "decoder" and not (cfg.finetune.init_from or cfg.run.load_path):
         lines.append("warning: --train_parts decoder without --init_from or --load_path: the encoder stays random "
                      "(unless resumed)")
+    stages = resolution_schedule(cfg).stages
+    if len(stages) > 1 and stages[-1][0] >= optim.max_steps:
+        lines.append(f"warning: --train_resolutions' last stage starts at step {stages[-1][0]} >= --max_steps "
+                     f"{optim.max_steps}: it never trains" + (" (nor does --last_stage_trains freeze anything)"
+                                                              if cfg.finetune.last_stage_trains != "all" else ""))
     if critic.do_ganloss and critic.disc_start >= optim.max_steps:
         lines.append(f"warning: --disc_start {critic.disc_start} >= --max_steps {optim.max_steps}: the generator "
                      "never gets the adversarial term (the critic still trains)")

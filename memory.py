@@ -51,17 +51,14 @@ class StepShape:
 
     @classmethod
     def to_check(cls, data, optim, speed) -> list["StepShape"]:
-        """The step shapes the memory check estimates: the one size of a run, or under --train_resolutions the
-        LARGEST size with its micro-batch and, where another holds more pixels per micro-batch (the rounding of
-        the batch scaling, its floor of one image), that costliest one too."""
+        """The step shapes the memory check estimates: the one size of a run, or under --train_resolutions every
+        size with its micro-batch, the largest first (a smaller size holds more images, and the floor of one image
+        more pixels: any of them can need the most; the sizes are few)."""
         if not data.train_resolutions:
             return [cls.of(data, optim, speed)]
         import data as data_lib
         sizes = data_lib.ResolutionSchedule.parse(data.train_resolutions, data.vae_resolution, data.batch_size).sizes
-        shapes = [cls.of(data, optim, speed, size) for size in sizes]
-        largest = shapes[-1]
-        costliest = max(shapes, key=lambda s: (s.batch_size * s.resolution ** 2, s.resolution))
-        return [largest] + ([costliest] if costliest != largest else [])
+        return [cls.of(data, optim, speed, size) for size in reversed(sizes)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -154,7 +154,7 @@ def compile_for_sizes(sizes: int) -> None:
         return
     import torch._dynamo.config as dynamo_config
     dynamo_config.automatic_dynamic_shapes = False
-    limit = sizes + 8  # the sizes, and the other shapes (evaluation's batches, the grid) a run met before
+    limit = 2 * sizes + 8  # each size twice (the last stage's freeze can retrace), evaluation's and the grid's
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))

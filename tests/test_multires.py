@@ -71,6 +71,14 @@ def test_sizes_the_losses_cannot_take_and_scale_equivariance_are_refused():
     with pytest.raises(common.ConfigError, match="assumes one training latent size"):
         cfg.validate()
     config.parse_config([*TINY, "--train_resolutions", "64", "--scale_equivariance_prob", "0.5"]).validate()
+    cfg = config.parse_config([*TINY, "--train_resolutions", "32,64", "--vf_weight", "0.1"])
+    with pytest.raises(common.ConfigError, match="--vf_weight aligns the latent"):
+        cfg.validate()
+    cfg = config.parse_config([*TINY, "--train_resolutions", "64;100:64,128", "--last_stage_trains", "1",
+                               "--max_steps", "100"])
+    cfg.validate()
+    assert any("last stage starts at step 100 >= --max_steps 100" in line and "--last_stage_trains" in line
+               for line in config.config_warnings(cfg, {"train_resolutions", "last_stage_trains", "max_steps"}))
 
 
 # ------------------------------------------------------------------------------------------ the data workers
@@ -162,18 +170,18 @@ def test_a_default_run_is_bitwise_one_with_the_reference_size_as_its_schedule(sh
 
 # ------------------------------------------------------------------------------------------ the memory check
 def test_the_memory_check_judges_the_largest_size(shard_url, tmp_path, monkeypatch, one_torch_thread):
-    """StepShape.to_check: the largest size with its micro-batch, and the one with the most pixels per micro-batch
-    when another. With as much memory as the reference step comfortably needs, a schedule reaching 512 px is
+    """StepShape.to_check: every size with its micro-batch, the largest first (a smaller size holds more images:
+    what does not grow with the pixels grows with them; the floor of one image holds more pixels). With as much memory as the reference step comfortably needs, a schedule reaching 512 px is
     refused, naming 512 px; the reference alone fits."""
     cfg = config.parse_config([*TINY, "--train_resolutions", "32,48,64"])
     shapes = memory.StepShape.to_check(cfg.data, cfg.optim, cfg.speed)
-    assert [(s.resolution, s.batch_size) for s in shapes] == [(64, 2), (48, 4)]  # 4 x 48^2 > 2 x 64^2
+    assert [(s.resolution, s.batch_size) for s in shapes] == [(64, 2), (48, 4), (32, 8)]
     cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, "--num_workers",
                                "0", "--evaluate_every_n_steps", "0", "--memory_check", "false",
                                "--train_resolutions", "64;2:64,512"])
     cfg.validate()
     shapes = memory.StepShape.to_check(cfg.data, cfg.optim, cfg.speed)
-    assert [(s.resolution, s.batch_size) for s in shapes] == [(512, 1)]
+    assert [(s.resolution, s.batch_size) for s in shapes] == [(512, 1), (64, 2)]
     trainer = vae_trainer.Trainer(cfg, common.DistInfo())
     try:
         reference = memory.StepShape.of(cfg.data, cfg.optim, cfg.speed)
