@@ -835,8 +835,11 @@ class TrainLoader:
             try:
                 self._iter._shutdown_workers()
             except RuntimeError as e:
-                # a worker that died on its way out (CI saw a spawn worker abort at exit: 'terminate called without
-                # an active exception'): it was leaving anyway, and the shutdown's own cleanup has run (a finally)
+                # a worker that died on its way out: it was leaving anyway, and the shutdown's own cleanup has run (a
+                # finally). Under spawn and forkserver (not fork) a worker's interpreter finalizes as it exits, and
+                # torch's worker does not wait for its queue's feeder thread: one still pickling a prefetched batch
+                # (inside torch's C++ share_fd) is ended by Python < 3.14 with pthread_exit, which aborts the process,
+                # 'terminate called without an active exception' (3 of 30 workers here; seen in CI)
                 if not str(e).startswith("DataLoader worker"):
                     raise
             for worker in getattr(self._iter, "_workers", []):

@@ -34,7 +34,7 @@ import data as data_lib
 import latents as latents_lib
 from ae import AutoEncoder, patchify_latents
 from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
-from common import ConfigError, DistInfo, OneLineParser, init_distributed
+from common import ConfigError, DistInfo, OneLineParser, close_distributed, init_distributed
 from config import DataConfig, EvalConfig, eval_size_problem, eval_sizes, parse_sizes
 from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, fetch_weights,
                    hub_cache_path, load_vgg16_features, warn_random_vgg, warn_random_weights)
@@ -705,8 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"error: {e}")
         return 2
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_distributed(dist_info)
 
 
 def write_outputs(out_dir: str, result: dict, grid: Tensor | None) -> None:

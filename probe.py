@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import data as data_lib
 import evaluate
 import latents as latents_lib
-from common import ConfigError, OneLineParser, init_distributed
+from common import ConfigError, OneLineParser, close_distributed, init_distributed
 from config import DataConfig, LatentsConfig
 
 PRESETS = {"tiny": dict(dim=64, depth=2, heads=2), "small": dict(dim=192, depth=6, heads=3),
@@ -513,8 +513,7 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_distributed(info)
 
 
 def format_table(results: list[dict]) -> str:

@@ -35,7 +35,7 @@ import run_log
 from ae import AutoEncoder
 from alignment import AlignmentLoss, fetch_foundation_weights
 from checkpoint import checkpoint_files
-from common import ConfigError, DistInfo, capture_rng, init_distributed, restore_rng
+from common import ConfigError, DistInfo, capture_rng, close_distributed, init_distributed, restore_rng
 from config import (Config, config_warnings, cpu_use_line, last_stage_levels, model_params, public_config,
                     resolution_schedule, scale_equivariance_sizes, uses_vgg16)
 from objective import AMP_DTYPES, Adversary, VAEObjective, build_critic, micro_step
@@ -690,8 +690,8 @@ def main(argv: list[str] | None = None) -> int:
                 checkpoint.remove_run_dir_if_unused(trainer.run_dir)
         if run_lock is not None:
             run_lock.release()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        trainer = None  # its DDP model and savers hold the process groups: close_distributed ends them
+        close_distributed(info)
 
 
 if __name__ == "__main__":

@@ -837,8 +837,9 @@ IGNORE_STOP_SIGNALS = data.ignore_stop_signals
 
 
 def abort_at_exit(worker_id: int = 0) -> None:
-    """A data worker that aborts as it exits (what a C++ runtime's std::terminate does: seen once in CI under spawn,
-    'terminate called without an active exception' while the workers were being shut down)."""
+    """A data worker that aborts as it exits: what a spawn or forkserver worker does when its interpreter finalizes
+    while the queue's feeder thread is inside torch's C++ (seen in CI: 'terminate called without an active
+    exception' while the workers were being shut down; TrainLoader.close)."""
     import faulthandler
     import multiprocessing.util
     IGNORE_STOP_SIGNALS(worker_id)

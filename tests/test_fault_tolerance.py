@@ -149,7 +149,7 @@ WORKER = ("import common, torch, torch.distributed as dist\n"
           "t = torch.tensor([info.rank + 1.0])\n"
           "dist.all_reduce(t)\n"
           "print('sum', int(t.item()), flush=True)\n"
-          "dist.destroy_process_group()\n")
+          "common.close_distributed(info)\n")
 
 
 def test_workers_meet_when_the_nodes_restart_counts_differ(tmp_path):
@@ -188,6 +188,54 @@ def test_workers_meet_when_the_nodes_restart_counts_differ(tmp_path):
 
     attempt([0, 0], 0.0)
     attempt([0, 1], 3.0)  # rank 0 starts 3 s after rank 1, which meanwhile reads the first attempt's keys
+
+
+def gloo_threads() -> int:
+    """The worker threads of the live gloo process groups in this process (torch names them)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return names.count("pt_gloo_runloop")
+
+
+def one_rank_job(monkeypatch) -> None:
+    """The environment torchrun gives a job of one rank: the entry points form a real gloo group of one."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
+        monkeypatch.setenv(key, str(value))
+
+
+def test_closing_the_process_groups_ends_their_threads(monkeypatch):
+    """destroy_process_group() left a group referenced by the DistInfo alive, and its gloo threads ran on into the
+    interpreter's exit: a thread still releasing a finished all_reduce's tensors then aborted the process
+    ("terminate called without an active exception", exit -6: CI's failure in the test above)."""
+    import torch.distributed as dist
+    one_rank_job(monkeypatch)
+    before = gloo_threads()
+    info = common.init_distributed()
+    t = torch.ones(1)
+    dist.all_reduce(t, group=info.ctrl_group)
+    assert gloo_threads() > before  # the group runs its threads
+    common.close_distributed(info)
+    assert gloo_threads() == before and not dist.is_initialized()
+
+
+def test_the_trainer_ends_its_process_groups_before_it_returns(shard_url, tmp_path, monkeypatch):
+    """The trainer's DDP modules and savers hold the groups too: when main() returns, none may be left running. (A job
+    of one rank runs the code of many: DDP, the stop agreement, the gathers.)"""
+    one_rank_job(monkeypatch)
+    monkeypatch.setattr(common.DistInfo, "distributed", property(lambda self: True))
+    before = gloo_threads()
+    assert vae_trainer.main(_args(shard_url, tmp_path, "r", 1, 1, *GAN)) == 0
+    assert (tmp_path / "r" / "checkpoints" / "step_00000001.pt").exists()
+    assert gloo_threads() == before
 
 
 def test_sigterm_on_one_rank_stops_all_and_resumes_exactly(shard_url, tmp_path, two_rank_reference):

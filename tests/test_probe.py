@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 import export
 import probe
 from ae import AutoEncoder, AutoEncoderParams
+from common import DistInfo, close_distributed
 from conftest import cli_env, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -192,7 +193,7 @@ def _rank_worker(rank, world, init_file, out):
     try:
         torch.save(_heldout_and_in_loop(rank, world), f"{out}.{rank}")
     finally:
-        dist.destroy_process_group()
+        close_distributed(DistInfo())  # the probe's DDP may hold the group until the interpreter exits: end it now
 
 
 @pytest.mark.timeout(90)
