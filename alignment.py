@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import socket
 
-import timm
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -40,6 +39,7 @@ def fetch_foundation_weights(model: str, weights: str, download: bool = True) ->
     same cache entry at once. Other --vf_weights values, and the waiting ranks (download False), need nothing."""
     if weights != "timm" or not download or model not in VF_MODELS:
         return
+    import timm
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
     repo = timm.models.get_pretrained_cfg(VF_MODELS[model]).hf_hub_id
     if isinstance(try_to_load_from_cache(repo, "model.safetensors"), str):
@@ -82,6 +82,7 @@ def build_foundation_net(model: str, weights: str, image_size: int) -> nn.Module
     (tests only; loudly announced). WeightsUnavailable carries a one-line reason."""
     if model not in VF_MODELS:
         raise WeightsUnavailable(f"--vf_model {model}: not one of {', '.join(VF_MODELS)}")
+    import timm  # here, not at the top: 0.7 s of every start-up (it imports wandb), for runs with --vf_weight only
     name, kwargs = VF_MODELS[model], dict(img_size=image_size, num_classes=0)
     if weights == "timm":
         try:

@@ -72,9 +72,11 @@ def test_fp16_uses_loss_scaling_and_tracks_fp32(shard_url, tmp_path, fixed_batch
     """fp16: one GradScaler per optimizer; GradNorm's branches receive the loss scale as a weight (its
     normalisation would otherwise erase it). The first steps overflow at the default scale of 2^16 and are
     skipped while the scaler backs off (standard dynamic loss scaling); losses track fp32; the scaled,
-    unscaled and guarded steps make no host syncs. fp16 convolutions are slow on CPUs: a small model."""
-    small = ["--vae_ch_mult", "1,2", "--vae_resolution", "32", "--do_ganloss", "--disc_start", "0"]
-    batches = [b[:2, :, :32, :32] for b in fixed_batches[:3]]
+    unscaled and guarded steps make no host syncs. fp16 convolutions are slow on CPUs, their backward 100x fp32's: a
+    small model, one image."""
+    small = ["--vae_ch", "16", "--vae_ch_mult", "1,2", "--vae_resolution", "32", "--batch_size", "1", "--do_ganloss",
+             "--disc_start", "0"]
+    batches = [b[:1, :, :32, :32] for b in fixed_batches[:2]]
     results, scalers = {}, {}
     for prec in ("fp32", "fp16"):
         trainer = make_trainer(shard_url, tmp_path / prec, "--precision", prec, *small)
@@ -84,7 +86,6 @@ def test_fp16_uses_loss_scaling_and_tracks_fp32(shard_url, tmp_path, fixed_batch
         if prec == "fp16":
             with count_host_syncs() as counts:
                 trainer.train_step()
-                trainer.train_step()
             assert counts == {name: 0 for name in HOST_SYNCS}, counts
             results[prec].append(trainer.metrics.reduce(trainer.info))
         scalers[prec] = (trainer.training.scaler, trainer.adversary.scaler)
@@ -93,8 +94,8 @@ def test_fp16_uses_loss_scaling_and_tracks_fp32(shard_url, tmp_path, fixed_batch
     ref, low = results["fp32"][0], results["fp16"][0]  # the first forward: same weights
     for key in ("loss/perceptual", "loss/pooled_mse", "loss/lowpass_mse", "loss/kl", "loss/disc"):
         assert low[key] == pytest.approx(ref[key], rel=0.05, abs=1e-3), (key, ref[key], low[key])
-    skipped = results["fp16"][0]["guard/skipped_vae"] + 2 * results["fp16"][1]["guard/skipped_vae"]
-    assert scalers["fp16"][0].get_scale() == 65536.0 / 2 ** round(skipped)  # each overflow halved the scale
+    skipped = results["fp16"][0]["guard/skipped_vae"] + results["fp16"][1]["guard/skipped_vae"]
+    assert skipped > 0 and scalers["fp16"][0].get_scale() == 65536.0 / 2 ** round(skipped)  # each overflow halved it
     assert all(torch.isfinite(torch.tensor(r["loss/total"])) for r in results["fp16"])
 
 
