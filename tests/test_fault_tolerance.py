@@ -309,15 +309,16 @@ def test_sigterm_to_the_process_group_saves_and_the_same_command_resumes(shard_u
     assert _ckpt(tmp_path, "pre", 8)["run"]["step"] == 8
 
 
-def test_truncated_newest_checkpoint_falls_back_to_previous(shard_url, tmp_path):
-    assert run_cli("vae_trainer.py", _args(shard_url, tmp_path, "t", 4, 2)).returncode == 0
+def test_truncated_newest_checkpoint_falls_back_to_previous(shard_url, tmp_path, capsys):
+    assert vae_trainer.main(_args(shard_url, tmp_path, "t", 4, 2)) == 0
     newest = tmp_path / "t" / "checkpoints" / "step_00000004.pt"
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) // 2])  # a crash mid-write of a non-atomic writer
-    proc = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "t", 6, 2))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "step_00000004.pt is unreadable" in proc.stdout
-    assert "step_00000002.pt at step 2" in proc.stdout
+    capsys.readouterr()
+    assert vae_trainer.main(_args(shard_url, tmp_path, "t", 6, 2)) == 0
+    out = capsys.readouterr().out
+    assert "step_00000004.pt is unreadable" in out
+    assert "step_00000002.pt at step 2" in out
     assert _ckpt(tmp_path, "t", 6)["run"]["step"] == 6
     assert _ckpt(tmp_path, "t", 4)["run"]["step"] == 4  # rewritten whole
 
@@ -494,21 +495,31 @@ def test_checkpoint_with_pickled_code_is_refused_not_executed(shard_url, tmp_pat
         assert not marker.exists(), "loading a checkpoint ran code"
 
 
-def test_run_dir_of_another_architecture_is_refused_unless_forced(shard_url, tmp_path):
-    assert run_cli("vae_trainer.py", _args(shard_url, tmp_path, "arch", 2, 2)).returncode == 0
+def _run_dir_at_step_2(run, args: list[str]) -> None:
+    """What a run of `args` leaves after step 2, as far as the choice to resume reads it (its config.json and a
+    checkpoint's recipe): the start-up decisions are tested without training the run first."""
+    cfg = config.parse_config(args)
+    os.makedirs(run / "checkpoints")
+    (run / "config.json").write_text(json.dumps(config.public_config(cfg)))
+    torch.save({"format_version": 2, "run": {"step": 2, "config": config.public_config(cfg)}},
+               run / "checkpoints" / "step_00000002.pt")
+
+
+def test_run_dir_of_another_architecture_is_refused_unless_forced(shard_url, tmp_path, capsys):
+    _run_dir_at_step_2(tmp_path / "arch", _args(shard_url, tmp_path, "arch"))
     other = _args(shard_url, tmp_path, "arch", 2, 2, "--vae_z_channels", "8")
-    proc = run_cli("vae_trainer.py", other)
-    assert proc.returncode == 1
-    lines = proc.stderr.strip().splitlines()
+    capsys.readouterr()
+    assert vae_trainer.main(other) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "different architecture" in lines[0] and "vae_z_channels: 4 -> 8" in lines[0]
-    forced = run_cli("vae_trainer.py", other + ["--force"])
-    assert forced.returncode == 0, forced.stderr[-2000:]
+    assert vae_trainer.main(other + ["--force"]) == 0
     aside = [d for d in os.listdir(tmp_path / "arch") if d.startswith("checkpoints.incompatible-")]
-    assert len(aside) == 1 and os.listdir(tmp_path / "arch" / aside[0])  # nothing lost
+    assert len(aside) == 1 and os.listdir(tmp_path / "arch" / aside[0]) == ["step_00000002.pt"]  # nothing lost
     assert _ckpt(tmp_path, "arch", 2)["run"]["config"]["vae_z_channels"] == 8
     # switching the GAN on later is not an architecture change: it resumes
-    gan = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "arch", 4, 2, "--vae_z_channels", "8", *GAN))
-    assert gan.returncode == 0 and "at step 2" in gan.stdout, gan.stderr[-2000:]
+    capsys.readouterr()
+    assert vae_trainer.main(_args(shard_url, tmp_path, "arch", 4, 2, "--vae_z_channels", "8", *GAN)) == 0
+    assert "at step 2" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(150)
@@ -517,11 +528,7 @@ def test_force_over_another_architecture_with_two_ranks_and_a_late_rank(shard_ur
     listed them after rank 0 had set them aside, skipped the barrier rank 0 waited at, and the collectives
     paired up wrongly: a hang. Now rank 0 alone decides and acts, and broadcasts the decision."""
     run = tmp_path / "arch2"
-    z4 = config.parse_config(_args(shard_url, tmp_path, "arch2"))
-    os.makedirs(run / "checkpoints")
-    (run / "config.json").write_text(json.dumps(config.public_config(z4)))
-    torch.save({"format_version": 2, "run": {"step": 2, "config": config.public_config(z4)}},
-               run / "checkpoints" / "step_00000002.pt")
+    _run_dir_at_step_2(run, _args(shard_url, tmp_path, "arch2"))
     proc = run_cli("tests/trainer_with_slow_rank1.py",
                    _args(shard_url, tmp_path, "arch2", 2, 2, "--vae_z_channels", "8", "--force"), nproc=2,
                    env=cli_env(VAE_TEST_RANK1_DELAY_S=3), timeout=120)
@@ -598,10 +605,11 @@ def test_fp16_stopped_and_resumed_equals_uninterrupted(shard_url, tmp_path):
             assert torch.equal(value, b["training"]["optimizer"]["state"][pid][key]), (pid, key)
 
 
-def test_resume_never_refuses_a_run_dir_with_checkpoints(shard_url, tmp_path):
-    assert run_cli("vae_trainer.py", _args(shard_url, tmp_path, "n", 2, 2)).returncode == 0
-    proc = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "n", 4, 2, "--resume", "never"))
-    assert proc.returncode == 1 and "--resume never" in proc.stderr
+def test_resume_never_refuses_a_run_dir_with_checkpoints(shard_url, tmp_path, capsys):
+    _run_dir_at_step_2(tmp_path / "n", _args(shard_url, tmp_path, "n"))
+    assert vae_trainer.main(_args(shard_url, tmp_path, "n", 4, 2, "--resume", "never")) == 1
+    assert "--resume never" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "n" / "checkpoints") == ["step_00000002.pt"]  # nothing written, nothing moved
 
 
 def test_secrets_never_land_in_outputs(shard_url, tmp_path):
