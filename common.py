@@ -9,6 +9,7 @@ import difflib
 import gc
 import os
 import random
+import traceback
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +111,13 @@ def close_distributed(info: DistInfo) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+
+
+def release_frames(error: BaseException) -> None:
+    """Clear the locals of the frames an escaping `error` passes through. Its traceback holds them (and at the top
+    level, sys.last_traceback keeps it to the end): a trainer's `self` there keeps its DDP modules and process
+    groups alive into the interpreter's exit, past close_distributed. The traceback still prints in full."""
+    traceback.clear_frames(error.__traceback__)
 
 
 def agree_on_attempt(store: Any, rank: int, world: int, poll_s: float = 5.0) -> str:

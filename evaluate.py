@@ -34,7 +34,7 @@ import data as data_lib
 import latents as latents_lib
 from ae import AutoEncoder, patchify_latents
 from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
-from common import ConfigError, DistInfo, OneLineParser, close_distributed, init_distributed
+from common import ConfigError, DistInfo, OneLineParser, close_distributed, init_distributed, release_frames
 from config import DataConfig, EvalConfig, eval_size_problem, eval_sizes, parse_sizes
 from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, fetch_weights,
                    hub_cache_path, load_vgg16_features, warn_random_vgg, warn_random_weights)
@@ -704,6 +704,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, WeightsUnavailable, data_lib.DatasetError) as e:
         log(f"error: {e}")
         return 2
+    except BaseException as e:  # propagates, without holding the process groups
+        release_frames(e)
+        raise
     finally:
         close_distributed(dist_info)
 

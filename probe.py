@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import data as data_lib
 import evaluate
 import latents as latents_lib
-from common import ConfigError, OneLineParser, close_distributed, init_distributed
+from common import ConfigError, OneLineParser, close_distributed, init_distributed, release_frames
 from config import DataConfig, LatentsConfig
 
 PRESETS = {"tiny": dict(dim=64, depth=2, heads=2), "small": dict(dim=192, depth=6, heads=3),
@@ -512,6 +512,9 @@ def main(argv=None) -> int:
         if info.is_main:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except BaseException as e:  # propagates, without holding the process groups
+        release_frames(e)
+        raise
     finally:
         close_distributed(info)
 

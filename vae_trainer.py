@@ -35,7 +35,8 @@ import run_log
 from ae import AutoEncoder
 from alignment import AlignmentLoss, fetch_foundation_weights
 from checkpoint import checkpoint_files
-from common import ConfigError, DistInfo, capture_rng, close_distributed, init_distributed, restore_rng
+from common import (ConfigError, DistInfo, capture_rng, close_distributed, init_distributed, release_frames,
+                    restore_rng)
 from config import (Config, config_warnings, cpu_use_line, last_stage_levels, model_params, public_config,
                     resolution_schedule, scale_equivariance_sizes, uses_vgg16)
 from objective import AMP_DTYPES, Adversary, VAEObjective, build_critic, micro_step
@@ -683,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
         failed = True
         return 1
+    except BaseException as e:  # a bug, or a second Ctrl-C: it propagates, without holding the process groups
+        release_frames(e)
+        raise
     finally:
         if trainer is not None:
             trainer.close()
@@ -690,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
                 checkpoint.remove_run_dir_if_unused(trainer.run_dir)
         if run_lock is not None:
             run_lock.release()
-        trainer = None  # its DDP model and savers hold the process groups: close_distributed ends them
+        trainer = None  # its DDP modules hold the process group: close_distributed ends it
         close_distributed(info)
 
 

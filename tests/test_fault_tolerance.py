@@ -227,14 +227,23 @@ def test_closing_the_process_groups_ends_their_threads(monkeypatch):
     assert gloo_threads() == before and not dist.is_initialized()
 
 
-def test_the_trainer_ends_its_process_groups_before_it_returns(shard_url, tmp_path, monkeypatch):
-    """The trainer's DDP modules and savers hold the groups too: when main() returns, none may be left running. (A job
-    of one rank runs the code of many: DDP, the stop agreement, the gathers.)"""
+@pytest.mark.parametrize("ending", ["finished", "a bug"])
+def test_the_trainer_ends_its_process_groups_before_it_returns(shard_url, tmp_path, monkeypatch, ending):
+    """The trainer's DDP modules hold the group too, and an escaping error's traceback holds the trainer's frames
+    (and at the top level to the interpreter's exit): when main() returns or raises, no group may be left running.
+    (A job of one rank runs the code of many: DDP, the stop agreement, the gathers.)"""
     one_rank_job(monkeypatch)
     monkeypatch.setattr(common.DistInfo, "distributed", property(lambda self: True))
     before = gloo_threads()
-    assert vae_trainer.main(_args(shard_url, tmp_path, "r", 1, 1, *GAN)) == 0
-    assert (tmp_path / "r" / "checkpoints" / "step_00000001.pt").exists()
+    if ending == "finished":
+        assert vae_trainer.main(_args(shard_url, tmp_path, "r", 1, 1, *GAN)) == 0
+        assert (tmp_path / "r" / "checkpoints" / "step_00000001.pt").exists()
+    else:
+        def a_bug(self):
+            raise RuntimeError("a bug")
+        monkeypatch.setattr(vae_trainer.Trainer, "train", a_bug)
+        with pytest.raises(RuntimeError, match="a bug"):
+            vae_trainer.main(_args(shard_url, tmp_path, "r", 1, 1, *GAN))
     assert gloo_threads() == before
 
 
