@@ -569,7 +569,7 @@ def test_precision_can_change_on_resume(shard_url, tmp_path):
     fp32 goes back. GAN on: the critic's scaler too. fp16 convolutions are slow on CPUs: a small model. The
     first fp16 steps overflow and are skipped (the scaler backs off), so the fp16 leg saves on a stop
     request, which is honoured inside a streak of skipped steps."""
-    small = [*GAN, "--vae_ch", "16", "--vae_ch_mult", "1,2", "--vae_resolution", "32"]
+    small = [*GAN, "--vae_ch", "16", "--vae_ch_mult", "1,2", "--vae_resolution", "32", "--batch_size", "1"]
     legs = [(1, "fp32", {}), (3, "fp16", {"VAE_TRAINER_SIGTERM_AT": "1"}), (3, "fp32", {})]
     for steps, precision, env in legs:
         proc = run_cli(FAULTY, _args(shard_url, tmp_path, "prec", steps, 1, *small, "--precision", precision),
@@ -594,7 +594,8 @@ def test_fp16_stopped_and_resumed_equals_uninterrupted(shard_url, tmp_path):
     resume that restarted the scale would skip its first steps again and drift from the uninterrupted run.
     (fp16 autocast runs on CPU; fp16 convolutions are slow there, their backward 100x fp32's: a small model, no
     critic.)"""
-    small = ["--vae_ch", "16", "--vae_ch_mult", "1,2", "--vae_resolution", "32", "--precision", "fp16"]
+    small = ["--vae_ch", "16", "--vae_ch_mult", "1,2", "--vae_resolution", "32", "--batch_size", "1", "--precision",
+             "fp16"]
     ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 10, 10, *small))
     assert ref.returncode == 0, ref.stderr[-2000:]
     # its first 6 steps are skipped (2^16 -> 2^10); a checkpoint is not written inside that streak
