@@ -4,6 +4,7 @@ file writes, and capturing/restoring the RNG states a checkpoint carries."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import difflib
 import gc
@@ -113,11 +114,19 @@ def close_distributed(info: DistInfo) -> None:
     gc.collect()
 
 
-def release_frames(error: BaseException) -> None:
-    """Clear the locals of the frames an escaping `error` passes through. Its traceback holds them (and at the top
-    level, sys.last_traceback keeps it to the end): a trainer's `self` there keeps its DDP modules and process
-    groups alive into the interpreter's exit, past close_distributed. The traceback still prints in full."""
-    traceback.clear_frames(error.__traceback__)
+@contextlib.contextmanager
+def closing_distributed(info: DistInfo):
+    """A command's body under torchrun: close_distributed when it ends, however it ends. An error that escapes has its
+    frames' locals cleared first: its traceback holds them (and at the top level, sys.last_traceback keeps it to the
+    end), and a trainer's `self` there would keep its DDP modules and process groups alive into the interpreter's
+    exit, past close_distributed. The traceback still prints in full."""
+    try:
+        yield
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        close_distributed(info)
 
 
 def agree_on_attempt(store: Any, rank: int, world: int, poll_s: float = 5.0) -> str:

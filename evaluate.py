@@ -34,7 +34,7 @@ import data as data_lib
 import latents as latents_lib
 from ae import AutoEncoder, patchify_latents
 from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
-from common import ConfigError, DistInfo, OneLineParser, close_distributed, init_distributed, release_frames
+from common import ConfigError, DistInfo, OneLineParser, closing_distributed, init_distributed
 from config import DataConfig, EvalConfig, eval_size_problem, eval_sizes, parse_sizes
 from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, fetch_weights,
                    hub_cache_path, load_vgg16_features, warn_random_vgg, warn_random_weights)
@@ -662,53 +662,51 @@ def main(argv: list[str] | None = None) -> int:
         autocast = lambda: torch.autocast(dist_info.device.type, dtype=torch.bfloat16)  # noqa: E731
     common = dict(batch_size=args.batch_size, device=dist_info.device, rank=dist_info.rank,
                   world_size=dist_info.world_size, max_images=args.max_images or None, autocast=autocast)
-    try:
-        if args.images:
-            n = reconstruct_folder(vae, args.images, args.reconstruct_to, dist_info.device, tile_size,
-                                   args.tile_overlap, dist_info.rank, dist_info.world_size, autocast, log)
-            count = torch.tensor(n, dtype=torch.float64, device=dist_info.device)  # NCCL reduces device tensors only
-            _all_reduce(count)
-            result = {"reconstructed": int(count.item()), "reconstruct_to": args.reconstruct_to}
-        elif args.latent_stats:
-            result = latent_stats(vae, args.dataset_url, resolution, **common)
-        else:
-            lpips_model, inception, missing = metric_networks(args.vgg16_weights, args.inception_weights,
-                                                              dist_info.device, dist_info.local_rank, log)
-            result = {}
-            for size in resolutions:  # the first size's keys un-suffixed, the others' @SIZE (as the trainer's)
-                res = evaluate_model(vae, args.dataset_url, size, lpips_model=lpips_model, inception=inception,
-                                     log=log, tile_size=tile_size, tile_overlap=args.tile_overlap,
-                                     **{**common, "batch_size": eval_batch_size(args.batch_size, size, resolution)})
-                if res["n_images"] == 0:
-                    raise data_lib.DatasetError(f"{args.dataset_url}: no readable image to evaluate")
-                if size == resolution:
-                    result.update(res)
-                    result.update({f"{k}_missing": v for k, v in missing.items()})
-                else:
-                    suffix = size_suffix(size, resolution)
-                    result.update({f"{k}{suffix}": v for k, v in res.items() if k != "grid"
-                                   and not k.endswith("_missing")})
-        result.update(checkpoint=info["checkpoint"], step=info["step"], ema=args.ema, world_size=dist_info.world_size)
-        if not args.images:
-            result["resolution"] = resolution
-            if len(resolutions) > 1:
-                result["resolutions"] = list(resolutions)
-        if not args.images and not args.latent_stats:
-            result.update(vgg16_weights=args.vgg16_weights, inception_weights=args.inception_weights)
-        grid = result.pop("grid", None)
-        if dist_info.is_main:
-            if args.out:
-                write_outputs(args.out, result, grid)
-            print(json.dumps(result), flush=True)
-        return 0
-    except (ConfigError, WeightsUnavailable, data_lib.DatasetError) as e:
-        log(f"error: {e}")
-        return 2
-    except BaseException as e:  # propagates, without holding the process groups
-        release_frames(e)
-        raise
-    finally:
-        close_distributed(dist_info)
+    with closing_distributed(dist_info):  # however the command ends
+        try:
+            if args.images:
+                n = reconstruct_folder(vae, args.images, args.reconstruct_to, dist_info.device, tile_size,
+                                       args.tile_overlap, dist_info.rank, dist_info.world_size, autocast, log)
+                # NCCL reduces device tensors only
+                count = torch.tensor(n, dtype=torch.float64, device=dist_info.device)
+                _all_reduce(count)
+                result = {"reconstructed": int(count.item()), "reconstruct_to": args.reconstruct_to}
+            elif args.latent_stats:
+                result = latent_stats(vae, args.dataset_url, resolution, **common)
+            else:
+                lpips_model, inception, missing = metric_networks(args.vgg16_weights, args.inception_weights,
+                                                                  dist_info.device, dist_info.local_rank, log)
+                result = {}
+                for size in resolutions:  # the first size's keys un-suffixed, the others' @SIZE (as the trainer's)
+                    res = evaluate_model(vae, args.dataset_url, size, lpips_model=lpips_model, inception=inception,
+                                         log=log, tile_size=tile_size, tile_overlap=args.tile_overlap,
+                                         **{**common, "batch_size": eval_batch_size(args.batch_size, size, resolution)})
+                    if res["n_images"] == 0:
+                        raise data_lib.DatasetError(f"{args.dataset_url}: no readable image to evaluate")
+                    if size == resolution:
+                        result.update(res)
+                        result.update({f"{k}_missing": v for k, v in missing.items()})
+                    else:
+                        suffix = size_suffix(size, resolution)
+                        result.update({f"{k}{suffix}": v for k, v in res.items() if k != "grid"
+                                       and not k.endswith("_missing")})
+            result.update(checkpoint=info["checkpoint"], step=info["step"], ema=args.ema,
+                          world_size=dist_info.world_size)
+            if not args.images:
+                result["resolution"] = resolution
+                if len(resolutions) > 1:
+                    result["resolutions"] = list(resolutions)
+            if not args.images and not args.latent_stats:
+                result.update(vgg16_weights=args.vgg16_weights, inception_weights=args.inception_weights)
+            grid = result.pop("grid", None)
+            if dist_info.is_main:
+                if args.out:
+                    write_outputs(args.out, result, grid)
+                print(json.dumps(result), flush=True)
+            return 0
+        except (ConfigError, WeightsUnavailable, data_lib.DatasetError) as e:
+            log(f"error: {e}")
+            return 2
 
 
 def write_outputs(out_dir: str, result: dict, grid: Tensor | None) -> None:

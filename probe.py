@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import data as data_lib
 import evaluate
 import latents as latents_lib
-from common import ConfigError, OneLineParser, close_distributed, init_distributed, release_frames
+from common import ConfigError, OneLineParser, closing_distributed, init_distributed
 from config import DataConfig, LatentsConfig
 
 PRESETS = {"tiny": dict(dim=64, depth=2, heads=2), "small": dict(dim=192, depth=6, heads=3),
@@ -473,50 +473,47 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     info = init_distributed()
-    try:
-        os.makedirs(args.out, exist_ok=True)
-        _, INCEPTION["net"], missing = evaluate.metric_networks("none", args.inception_weights, info.device,
-                                                                info.local_rank, log=log, group=info.ctrl_group)
-        INCEPTION["missing"] = missing.get("rfid")
-        results = []
-        for spec, vae in zip(args.vae, vaes):
-            digest = vae_digest(vae)
-            vae.to(info.device)
-            lat = cached_latents(digest, spec, vae, args, info)
-            counts = torch.tensor([len(lat["train"]), len(lat["test"])], device=info.device)
-            if dist.is_initialized():
-                dist.all_reduce(counts, op=dist.ReduceOp.MIN)
-            if counts.min().item() == 0:
-                raise data_lib.DatasetError("every rank needs at least one training and one held-out image: "
-                                            "more images or fewer ranks")
-            if INCEPTION["net"] is not None and "real" not in INCEPTION:
-                INCEPTION["real"] = real_features(args, info)
-                args.fid_samples = args.fid_samples or int(INCEPTION["real"].count.item())
-            state_path = state_path_of(args, digest)
-            state = torch.load(state_path, weights_only=True) if os.path.isfile(state_path) else {}
-            if state and state.get("vae_digest") != digest:
-                raise ConfigError(f"{state_path} belongs to another VAE than {spec}: use another --out")
-            if state and state["settings"] != settings(args, info):
-                raise ConfigError(f"{args.out} holds a probe of other settings: use another --out, or the same flags")
-            results.append({**json.loads(state["result"]), "vae": spec} if state.get("result")
-                           else train_probe(digest, spec, vae, lat, args, info, log))
-            vae.cpu()
-        if info.is_main:
-            table = {"vaes": results, "settings": {k: v for k, v in vars(args).items() if k != "vae"},
-                     "world_size": info.world_size}
-            with open(os.path.join(args.out, "probe.json"), "w") as f:
-                json.dump(table, f, indent=2)
-            print(format_table(results), flush=True)
-        return 0
-    except (ConfigError, data_lib.DatasetError) as e:
-        if info.is_main:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    except BaseException as e:  # propagates, without holding the process groups
-        release_frames(e)
-        raise
-    finally:
-        close_distributed(info)
+    with closing_distributed(info):  # however the command ends
+        try:
+            os.makedirs(args.out, exist_ok=True)
+            _, INCEPTION["net"], missing = evaluate.metric_networks("none", args.inception_weights, info.device,
+                                                                    info.local_rank, log=log, group=info.ctrl_group)
+            INCEPTION["missing"] = missing.get("rfid")
+            results = []
+            for spec, vae in zip(args.vae, vaes):
+                digest = vae_digest(vae)
+                vae.to(info.device)
+                lat = cached_latents(digest, spec, vae, args, info)
+                counts = torch.tensor([len(lat["train"]), len(lat["test"])], device=info.device)
+                if dist.is_initialized():
+                    dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+                if counts.min().item() == 0:
+                    raise data_lib.DatasetError("every rank needs at least one training and one held-out image: "
+                                                "more images or fewer ranks")
+                if INCEPTION["net"] is not None and "real" not in INCEPTION:
+                    INCEPTION["real"] = real_features(args, info)
+                    args.fid_samples = args.fid_samples or int(INCEPTION["real"].count.item())
+                state_path = state_path_of(args, digest)
+                state = torch.load(state_path, weights_only=True) if os.path.isfile(state_path) else {}
+                if state and state.get("vae_digest") != digest:
+                    raise ConfigError(f"{state_path} belongs to another VAE than {spec}: use another --out")
+                if state and state["settings"] != settings(args, info):
+                    raise ConfigError(f"{args.out} holds a probe of other settings: use another --out, or the same "
+                                      "flags")
+                results.append({**json.loads(state["result"]), "vae": spec} if state.get("result")
+                               else train_probe(digest, spec, vae, lat, args, info, log))
+                vae.cpu()
+            if info.is_main:
+                table = {"vaes": results, "settings": {k: v for k, v in vars(args).items() if k != "vae"},
+                         "world_size": info.world_size}
+                with open(os.path.join(args.out, "probe.json"), "w") as f:
+                    json.dump(table, f, indent=2)
+                print(format_table(results), flush=True)
+            return 0
+        except (ConfigError, data_lib.DatasetError) as e:
+            if info.is_main:
+                print(f"error: {e}", file=sys.stderr)
+            return 2
 
 
 def format_table(results: list[dict]) -> str:

@@ -35,8 +35,7 @@ import run_log
 from ae import AutoEncoder
 from alignment import AlignmentLoss, fetch_foundation_weights
 from checkpoint import checkpoint_files
-from common import (ConfigError, DistInfo, capture_rng, close_distributed, init_distributed, release_frames,
-                    restore_rng)
+from common import ConfigError, DistInfo, capture_rng, closing_distributed, init_distributed, restore_rng
 from config import (Config, config_warnings, cpu_use_line, last_stage_levels, model_params, public_config,
                     resolution_schedule, scale_equivariance_sizes, uses_vgg16)
 from objective import AMP_DTYPES, Adversary, VAEObjective, build_critic, micro_step
@@ -667,35 +666,32 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed()
     trainer, failed = None, False
     run_lock = checkpoint.RunLock(cfg.run.run_dir) if info.is_main else None
-    try:
-        trainer = Trainer(cfg, info, source, setup.derived, run_lock)
-        source = setup.source = None  # the weights are in the model now: do not hold a second copy for the run
-        return trainer.train()
-    except RunComplete as e:
-        if info.is_main:
-            print(str(e), flush=True)
-        return 0
-    except memory.WontFit as e:  # like a refused flag: exit 2, nothing written
-        if info.is_main:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (ConfigError, WeightsUnavailable, data_lib.DatasetError) as e:
-        if info.is_main:
-            print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
-        failed = True
-        return 1
-    except BaseException as e:  # a bug, or a second Ctrl-C: it propagates, without holding the process groups
-        release_frames(e)
-        raise
-    finally:
-        if trainer is not None:
-            trainer.close()
-            if failed and info.is_main and trainer.created_run_dir:
-                checkpoint.remove_run_dir_if_unused(trainer.run_dir)
-        if run_lock is not None:
-            run_lock.release()
-        trainer = None  # its DDP modules hold the process group: close_distributed ends it
-        close_distributed(info)
+    with closing_distributed(info):  # however the run ends
+        try:
+            trainer = Trainer(cfg, info, source, setup.derived, run_lock)
+            source = setup.source = None  # the weights are in the model now: do not hold a second copy for the run
+            return trainer.train()
+        except RunComplete as e:
+            if info.is_main:
+                print(str(e), flush=True)
+            return 0
+        except memory.WontFit as e:  # like a refused flag: exit 2, nothing written
+            if info.is_main:
+                print(f"error: {e}", file=sys.stderr)
+            return 2
+        except (ConfigError, WeightsUnavailable, data_lib.DatasetError) as e:
+            if info.is_main:
+                print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
+            failed = True
+            return 1
+        finally:
+            if trainer is not None:
+                trainer.close()
+                if failed and info.is_main and trainer.created_run_dir:
+                    checkpoint.remove_run_dir_if_unused(trainer.run_dir)
+            if run_lock is not None:
+                run_lock.release()
+            trainer = None  # its DDP modules hold the process group: closing_distributed ends it
 
 
 if __name__ == "__main__":
