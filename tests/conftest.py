@@ -75,6 +75,14 @@ def cli_command(script: str, args: list[str], nproc: int = 0, extra_torchrun: li
     return [sys.executable, path, *args]
 
 
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now (for a store, a rendezvous or a shard server)."""
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a command and every process it started. Killing torchrun alone (or its process group) is
     not enough: its agent starts each rank in a session of its own, and a hung rank would outlive the test."""

@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 import data
-from conftest import run_cli
+from conftest import free_port, run_cli
 
 # data workers are processes and the CLI tests start one: a hang (a stuck worker) fails one test
 pytestmark = pytest.mark.timeout(180)
@@ -489,9 +489,7 @@ def remote(solid_shards):
     import threading
 
     server = serve_directory(os.path.dirname(solid_shards))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        dead_port = probe.getsockname()[1]
+    dead_port = free_port()
     hang = socket.socket()
     hang.bind(("127.0.0.1", 0))
     hang.listen(64)
@@ -554,13 +552,6 @@ def test_dead_or_hung_remote_shards_are_skipped_and_counted(remote, short_timeou
 
 
 OUTAGE_S = 4
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextlib.contextmanager

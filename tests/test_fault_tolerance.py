@@ -21,7 +21,7 @@ from PIL import Image
 
 import run_log
 import vae_trainer
-from conftest import FAULTY, ROOT, TINY, cli_command, cli_env, kill_tree, run_cli
+from conftest import FAULTY, ROOT, TINY, cli_command, cli_env, free_port, kill_tree, run_cli
 import ae
 import common
 import config
@@ -109,10 +109,7 @@ def test_two_nodes_one_killed_worker_re_form_resume_and_match_uninterrupted(shar
     membership change without counting it, so the nodes' TORCHELASTIC_RESTART_COUNT can differ from then on: the
     workers must meet all the same (test_workers_meet_when_the_nodes_restart_counts_differ; a namespace named by
     that count hung this test in a loaded CI run)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes", "--max-restarts=3",
             "--local-addr=127.0.0.1", os.path.join(ROOT, FAULTY), *_args(shard_url, tmp_path, "nodes", 8, 2, *GAN)]
@@ -204,11 +201,8 @@ def gloo_threads() -> int:
 
 def one_rank_job(monkeypatch) -> None:
     """The environment torchrun gives a job of one rank: the entry points form a real gloo group of one."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
+    env = dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    for key, value in env.items():
         monkeypatch.setenv(key, str(value))
 
 

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import data
 import latents
 import vae_trainer
-from conftest import FAULTY, TINY, cli_env, run_cli
+from conftest import FAULTY, TINY, cli_env, free_port, run_cli
 import common
 import config
 
@@ -84,11 +84,7 @@ def test_channel_statistics_are_exact_under_two_ranks():
     assert ref["channel_std"] == pytest.approx(expected.std(dim=(0, 2, 3), unbiased=False).tolist(), rel=1e-10)
     assert ref["channel_std_spread"] == pytest.approx(max(ref["channel_std"]) / min(ref["channel_std"]))
     out = mp.Manager().dict()
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_channel_stats_worker, args=(2, port, z, out), nprocs=2)
+    mp.spawn(_channel_stats_worker, args=(2, free_port(), z, out), nprocs=2)
     spec = latents.SpectrumStats(8, 8)
     spec.update(z)
     for rank in (0, 1):
