@@ -81,13 +81,24 @@ class AutoEncoderParams:
 
 
 class GroupNorm32(nn.GroupNorm):
-    """GroupNorm computed in fp32 whatever the autocast: its mean/variance of small activations
-    do not survive bf16/fp16 (seed note 000). The output keeps the input's dtype."""
+    """GroupNorm whose mean and variance are fp32 whatever the autocast: the statistics of small activations do not
+    survive bf16/fp16 (seed note 000). The output keeps the input's dtype.
+
+    An fp32 input is normalised in fp32. A bf16/fp16 input (under autocast) goes to PyTorch's own kernel as it is:
+    on CPU and CUDA alike it accumulates the mean and variance in fp32 and normalises in fp32, rounding only the
+    output (and gamma, beta: the kernel takes them in the input's dtype, as autocast gives every weight). An fp32 copy
+    of the input and a cast of the output back, which this class made before, cost two reads and writes of every
+    activation in forward and two more in backward for the same statistics (tests/test_copies.py; docs/precision.md).
+    Autocast is held off: its CUDA op list would cast the input to fp32."""
 
     def forward(self, x: Tensor) -> Tensor:
         with torch.autocast(x.device.type, enabled=False):
-            out = F.group_norm(x.float(), self.num_groups, self.weight.float(), self.bias.float(), self.eps)
-        return out.to(x.dtype)
+            weight, bias = self.weight, self.bias
+            if x.dtype != weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
+                weight, bias = weight.to(x.dtype), bias.to(x.dtype)
+            elif x.dtype != weight.dtype:
+                x = x.to(weight.dtype)
+            return F.group_norm(x, self.num_groups, weight, bias, self.eps)
 
 
 def Normalize(channels: int, groups: int = 32) -> nn.GroupNorm:

@@ -24,7 +24,19 @@ Sections
   finetune  (only when named in --sections) Peak memory and step time of a decoder-only fine-tune (--train_parts decoder: the encoder frozen,
           under no_grad) vs training the whole VAE, at 512 px, FLUX layout at --memory_ch, each case in a fresh
           process: full, decoder, decoder + --grad_checkpointing decoder_hr, and that in bf16.
-  gpu     CUDA only: the FLUX-size VAE in fp32 and bf16, img/s and peak memory at 256 and 512 px.
+  gpu     CUDA only: issue 30's table. For each size of --gpu_sizes (FLUX width at 256 px batch 8, the reference
+          launcher's ch 64 at 256 px batch 12, FLUX width at 512 px batch 2) and each case of GPU_CASES, in a fresh
+          process, 3 warm-up steps then the median of --gpu_steps: the reference's habits on our modules (bf16
+          autocast with GroupNorm left to autocast, LPIPS and the trainable critic in fp32 with TF32, NCHW, .item()
+          calls), eager and compiled; ours in bf16 with the frozen trunk (NCHW and channels_last, eager and compiled,
+          the eager one also under the profiler: the share of CUDA time in aten::copy_), the README's default command,
+          and strict fp32 (the old default). Compiled cases only at --gpu_compile_sizes.
+  copies  The copy, cast and layout traffic of one step (CopyCensus: ops and bytes at the dispatcher, with the copies
+          CUDA's GroupNorm and cuDNN make inside themselves added by their layout rules), FLUX width at 128 px, for
+          fp32/bf16 x NCHW/channels_last; and the CPU's bf16 step with today's GroupNorm and the fp32-copy one.
+  precision (only when named in --sections) Does fp32 with TF32 (emulated: TF32Emulation) or bf16 train as well as
+          strict fp32: `vae_trainer.py --demo` runs of --precision_steps steps for each seed of --precision_seeds,
+          held-out PSNR/SSIM at every evaluation.
   latents (only when named in --sections) What each latent feature of issue 20 costs per step, on the demo's
           model (ch 32 x 1,2,2, z 4, 64 px, batch 4; LPIPS on, no critic, fp32): the real Trainer's step with
           nothing, --scale_equivariance_prob 0.5, --latent_noise_prob 0.5, --vf_weight with DINOv2 ViT-S/14 at
@@ -71,7 +83,13 @@ Headline keys of --json (the target each is checked against)
   ckpt_memory_saving_512       1 - peak increase(decoder_hr) / peak increase(none), 512 px (>= 0.50)
   ckpt_time_cost_512           step time(decoder_hr) / step time(none) - 1, 512 px, the two
                                interleaved in one process, fastest steps               (<= 0.30)
-  gpu_bf16_speedup_flux_256    CUDA only: FLUX VAE img/s in bf16 / in fp32 at 256 px      (>= 1.7)
+  gpu_eager_speedup_flux_256   CUDA only: img/s of ours (bf16, frozen trunk, eager) / the reference's habits,
+                               eager (>= 1.6); gpu_compiled_speedup_* both compiled (>= 2.0); gpu_default_speedup_*
+                               the README's command / the reference eager (>= 1.0); gpu_copy_fraction_* aten::copy_'s
+                               share of CUDA time (<= 0.10); gpu_peak_ratio_* peak memory / the reference's (<= 0.6)
+  copies_activation_mib_<case> the census' activation copies and casts per step (no target; test_copies.py bounds it)
+  precision_tf32_minus_fp32_ema_psnr  held-out EMA PSNR at the last step, TF32 emulated - strict fp32, the worse
+                               seed (>= -0.3); precision_bf16_minus_fp32_ema_psnr the same for bf16 (no target)
   gan_step_flop_speedup        --gan: FLOPs of the reference's step / ours (issue 9's step target: >= 1.5)
   gan_step_flop_speedup_frozen --gan: FLOPs of the reference's step / the trainer's own step with
                                --critic_trunk frozen (issue 19)                           (>= 2.0)
@@ -113,6 +131,7 @@ from collections import Counter
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import config as config_lib
 import data as data_lib
@@ -143,13 +162,18 @@ BENCH_FLAGS = dict(num_workers=0, shuffle_buffer=2, vgg16_weights="random", wand
                    save_every_n_steps=10**9, log_every_n_steps=10**9, max_steps=10**9)
 CKPT_LEVELS = ("none", "decoder_hr", "hr", "decoder", "all")
 SECTIONS = ("data", "train", "memory", "gpu", "quality", "finetune", "latents", "decoders", "decoder_quality",
-            "resolutions")
+            "resolutions", "copies", "precision")
 TARGETS = {  # key: (comparison, threshold)
     "pipeline_fraction_of_decode": (">=", 0.90),
     "train_step_speedup": (">=", 1.3),
     "ckpt_memory_saving_512": (">=", 0.50),
     "ckpt_time_cost_512": ("<=", 0.30),
-    "gpu_bf16_speedup_flux_256": (">=", 1.7),
+    "gpu_eager_speedup_flux_256": (">=", 1.6),  # issue 30: bf16, frozen trunk, eager / the reference's eager step
+    "gpu_compiled_speedup_flux_256": (">=", 2.0),
+    "gpu_default_speedup_flux_256": (">=", 1.0),  # the README's command / the reference's default (eager)
+    "gpu_copy_fraction_flux_256": ("<=", 0.10),
+    "gpu_peak_ratio_flux_256": ("<=", 0.6),
+    "precision_tf32_minus_fp32_ema_psnr": (">=", -0.3),  # the default's quality, step for step (TF32 emulated)
     "gan_step_flop_speedup": (">=", 1.5),
     "gan_step_flop_speedup_frozen": (">=", 2.0),
     "gan_step_wall_speedup_frozen": (">=", 1.6),
@@ -212,8 +236,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "0: the memory cases' own step times are used)")
     g = p.add_argument_group("gpu")
     g.add_argument("--gpu_batch", type=int, default=8,
-                   help="FLUX batch at 256 px (a quarter of it, at least 1, at 512 px: the same pixels per step)")
-    g.add_argument("--gpu_steps", type=int, default=10, help="timed steps per GPU case")
+                   help="FLUX batch at 256 px; the other sizes' batches scale with it (12 at the launcher's size, 2 at "
+                        "512 px)")
+    g.add_argument("--gpu_steps", type=int, default=15, help="timed steps per GPU case")
+    g.add_argument("--gpu_sizes", default=",".join(GPU_SIZES), help="comma-separated sizes of the gpu section: " +
+                   ", ".join(f"{k} ({v[0]['vae_ch']} ch, {v[1]} px, batch {v[2]})" for k, v in GPU_SIZES.items()))
+    g.add_argument("--gpu_compile_sizes", default="flux_256",
+                   help="the sizes whose compiled cases run (each compiles for a minute or more)")
     g = p.add_argument_group("quality")
     g.add_argument("--quality", action="store_true", help="only the quality section (same as --sections quality)")
     g.add_argument("--quality_steps", type=int, default=400, help="training steps of each quality run")
@@ -244,8 +273,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--res_runs_dir", default="",
                    help="keep the resolutions section's runs here (default: a temporary folder); finished runs are "
                         "not trained again")
+    g = p.add_argument_group("precision")
+    g.add_argument("--precision_steps", type=int, default=900, help="steps of each run of the precision section")
+    g.add_argument("--precision_seeds", default="0,1", help="comma-separated seeds of the precision section")
     p.add_argument("--_memory_case", default=None, help=argparse.SUPPRESS)  # internal: one memory case, as JSON
     p.add_argument("--_decode_case", default=None, help=argparse.SUPPRESS)  # internal: one decode case, as JSON
+    p.add_argument("--_gpu_case", default=None, help=argparse.SUPPRESS)  # internal: one GPU case, as JSON
     args = p.parse_args(argv)
 
     def default(name, full, quick):
@@ -1761,31 +1794,339 @@ def bench_decoder_quality(args, tmp, report: Report) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Section: the copy, cast and layout traffic of one step, counted at the dispatcher (issue 30)
+# ----------------------------------------------------------------------------------------------------
+COPY_OPS = ("_to_copy", "copy_", "clone", "_copy_from", "_copy_from_and_resize", "contiguous")
+
+
+class CopyCensus(TorchDispatchMode):
+    """The copies, casts and layout changes of the aten ops run inside it: their count and the bytes they write,
+    each sorted as a "cast" (another dtype) or a "copy" (the same dtype: a clone, a layout change), of a parameter's
+    shape (autocast's per-step bf16 copy of each weight, its gradient's cast back: a fixed cost, not per pixel) or of
+    an activation (what grows with the batch and the resolution, and what a step on a GPU must not move).
+
+    `cuda_layouts`: also the copies that CUDA's kernels make inside themselves, which the same step on a CPU does not
+    show (PyTorch 2.x sources): native_group_norm and its backward work on NCHW-contiguous copies of their inputs off
+    the CPU and return NCHW (aten/src/ATen/native/group_norm.cpp), and cuDNN convolves input, weight and gradient in
+    one memory format, channels_last if the input or the weight is (cudnn_conv_suggest_memory_format), copying the
+    others. The census counts those as copies, and gives group_norm's outputs CUDA's NCHW layout, so that the ops
+    after it meet the layouts they meet on a GPU. Autocast's op lists differ between CPU and CUDA (CUDA's casts the
+    inputs of pow, sum and a few others to fp32): those casts, in LPIPS' feature normalisation, are not counted."""
+
+    def __init__(self, parameter_shapes=(), cuda_layouts: bool = True):
+        super().__init__()
+        self.parameter_shapes = {tuple(s) for s in parameter_shapes}
+        self.cuda_layouts = cuda_layouts
+        self.counts: Counter = Counter()  # (kind, what) -> ops; kind: cast / copy / cuda_copy; what: parameter / activation
+        self.bytes: Counter = Counter()
+
+    def _record(self, kind: str, tensor: torch.Tensor) -> None:
+        what = "parameter" if tuple(tensor.shape) in self.parameter_shapes else "activation"
+        self.counts[kind, what] += 1
+        self.bytes[kind, what] += tensor.numel() * tensor.element_size()
+
+    def _implied(self, tensors, memory_format) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_contiguous(memory_format=memory_format):
+                self._record("cuda_copy", t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if self.cuda_layouts and name in ("native_group_norm", "native_group_norm_backward"):
+            # forward: X; backward: dY, X (mean and rstd are (N, G))
+            self._implied(args[:1] if name == "native_group_norm" else args[:2], torch.contiguous_format)
+        elif self.cuda_layouts and name in ("convolution", "convolution_backward"):
+            inputs = args[:2] if name == "convolution" else args[:3]  # (input, weight) / (grad, input, weight)
+            image, weight = inputs[-2], inputs[-1]
+            channels_last = any(t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+                                and not t.is_contiguous() for t in (image, weight))
+            self._implied(inputs, torch.channels_last if channels_last else torch.contiguous_format)
+        out = func(*args, **kwargs)
+        if name in COPY_OPS:
+            source = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            written = args[0] if name == "copy_" else out
+            if name == "copy_":
+                source = args[1]
+            if isinstance(written, torch.Tensor) and source is not None:
+                self._record("cast" if written.dtype != source.dtype else "copy", written)
+        if self.cuda_layouts and name in ("native_group_norm", "native_group_norm_backward"):
+            out = tuple(o.contiguous() if isinstance(o, torch.Tensor) and o.dim() == 4 else o for o in out)
+        return out
+
+    def summary(self) -> dict:
+        """{kind/what: {"ops": n, "mib": MiB}} and the totals of activation traffic."""
+        rows = {f"{kind}/{what}": {"ops": self.counts[kind, what], "mib": mib(self.bytes[kind, what])}
+                for kind, what in sorted(self.counts)}
+        activation = [key for key in self.counts if key[1] == "activation"]
+        rows["activation_total"] = {"ops": sum(self.counts[k] for k in activation),
+                                    "mib": mib(sum(self.bytes[k] for k in activation))}
+        return rows
+
+
+def parameter_shapes(*modules) -> list[tuple[int, ...]]:
+    return [tuple(p.shape) for module in modules if module is not None for p in module.parameters()]
+
+
+def step_census(trainer, cuda_layouts: bool = True) -> CopyCensus:
+    """The copy census of one Trainer.train_step() (after one step outside it: the optimizer's state exists)."""
+    census = CopyCensus(parameter_shapes(trainer.vae, trainer.objective), cuda_layouts)
+    with census:
+        trainer.train_step()
+    trainer.step += 1
+    return census
+
+
+def bench_copies(args, url, tmp, device, report: Report) -> dict:
+    """The census of one step of the FLUX-width VAE (no attention, as issue 30's profile) with LPIPS and the frozen
+    VGG16 critic, for each precision and memory format, at 128 px (activation bytes scale with the pixels)."""
+    out, rows = {}, []
+    for precision in ("fp32", "bf16"):
+        for layout in ("false", "true"):
+            trainer = build_trainer(url, tmp, f"copies_{precision}_{layout}", torch.device("cpu"), **FLUX_CONFIG,
+                                    do_attn=False, vae_resolution=128, batch_size=2, precision=precision,
+                                    channels_last=layout, do_ganloss=True, critic_trunk="frozen", memory_check=False)
+            trainer.train_step()
+            trainer.step += 1
+            summary = step_census(trainer).summary()
+            trainer.close()
+            name = f"{precision}_{'channels_last' if layout == 'true' else 'nchw'}"
+            out[name] = summary
+            total = summary["activation_total"]
+            params = {k: v for k, v in summary.items() if k.endswith("/parameter")}
+            rows.append([precision, "channels_last" if layout == "true" else "NCHW", total["ops"], total["mib"],
+                         sum(v["ops"] for v in params.values()), sum(v["mib"] for v in params.values())])
+    report.table("Copies and casts of one step, FLUX width at 128 px, batch 2, LPIPS + frozen VGG16 critic "
+                 "(CPU dispatch count, with the copies CUDA's GroupNorm and cuDNN add)",
+                 ["precision", "VAE layout", "activation ops", "activation MiB", "parameter ops", "parameter MiB"],
+                 rows)
+    out["cpu_bf16_step_s"] = group_norm_step_times(url, tmp, report)
+    return out
+
+
+def fp32_copy_group_norm(self, x):
+    """GroupNorm32 before issue 30: an fp32 copy of the input normalised, the output cast back."""
+    with torch.autocast(x.device.type, enabled=False):
+        out = torch.nn.functional.group_norm(x.float(), self.num_groups, self.weight.float(), self.bias.float(),
+                                             self.eps)
+    return out.to(x.dtype)
+
+
+def group_norm_step_times(url, tmp, report: Report, rounds: int = 8) -> dict:
+    """The CPU's bf16 step (the train section's small config, channels_last: a CPU's default) with GroupNorm32 as
+    it is and as it was (fp32_copy_group_norm), interleaved in one process: does the CPU path get slower?"""
+    import ae
+    trainer = build_trainer(url, tmp, "gn_times", torch.device("cpu"), **TRAIN_CONFIGS["small"], precision="bf16",
+                            channels_last="true", memory_check=False)
+    variants, times = {"bf16 statistics in the kernel": ae.GroupNorm32.forward,
+                       "fp32 copy (before)": fp32_copy_group_norm}, {}
+    timed_step(trainer)
+    try:
+        for r in range(rounds):
+            for name in list(variants)[r % 2:] + list(variants)[:r % 2]:
+                ae.GroupNorm32.forward = variants[name]
+                times.setdefault(name, []).append(timed_step(trainer))
+    finally:
+        ae.GroupNorm32.forward = variants["bf16 statistics in the kernel"]
+    trainer.close()
+    out = {name: median(t) for name, t in times.items()}
+    report.table("The CPU's bf16 step by GroupNorm (small config, channels_last, interleaved)", ["GroupNorm", "s/step"],
+                 [[name, value] for name, value in out.items()])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Section: does the default precision train as well as strict fp32 (issue 30), TF32 emulated on the CPU
+# ----------------------------------------------------------------------------------------------------
+TF32_OPS = {"convolution": (0, 1), "convolution_backward": (0, 1, 2), "mm": (0, 1), "bmm": (0, 1),
+            "addmm": (1, 2), "baddbmm": (1, 2), "_scaled_dot_product_flash_attention_for_cpu": (0, 1, 2)}
+
+
+def to_tf32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 values with the mantissa cut to TF32's 10 bits (the 13 low bits zeroed: truncation, the pessimistic
+    reading of what a tensor core does with an fp32 operand; rounding to nearest would halve the error)."""
+    return (t.view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+
+class TF32Emulation(TorchDispatchMode):
+    """fp32 convolutions and matmuls (forward and backward) whose fp32 operands are cut to TF32 precision before a
+    CPU kernel multiplies them in fp32 and accumulates in fp32: what `torch.backends.cudnn.allow_tf32` and
+    `torch.backends.cuda.matmul.allow_tf32` do on an Ampere+ GPU (fp32 storage, range and accumulation, 10-bit
+    multiplicands), on a machine without one."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        operands = TF32_OPS.get(func.overloadpacket.__name__)
+        if operands:
+            args = tuple(to_tf32(a) if i in operands and isinstance(a, torch.Tensor) and a.dtype == torch.float32
+                         else a for i, a in enumerate(args))
+        return func(*args, **(kwargs or {}))
+
+
+def tf32_trainer_main(argv: list[str]) -> int:
+    """vae_trainer.py's main with every step's convolutions and matmuls at TF32 precision (TF32Emulation)."""
+    with TF32Emulation():
+        return vae_trainer.main(argv)
+
+
+def bench_precision(args, tmp, report: Report) -> dict:
+    """Strict fp32, fp32 with TF32 multiplicands (emulated: the CPU has no TF32) and bf16 autocast with fp32
+    statistics (the CPU's real bf16 kernels), each a real `vae_trainer.py --demo` run of --precision_steps steps and
+    the same seed, two at a time (one thread each), for each seed of --precision_seeds; held-out PSNR and SSIM at every
+    evaluation (the demo's 4 photos, 64 px). The question: does the precision a GPU run gets by default (fp32 with
+    TF32) train as well as strict fp32, step for step."""
+    root = os.path.join(tmp, "precision")
+    data_lib.ensure_demo_shards(os.path.join(root, "demo_data"))  # once, before the runs that share it
+    steps, seeds = args.precision_steps, [int(s) for s in args.precision_seeds.split(",")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    every = max(1, steps // 3)
+    variants = {"fp32": [sys.executable, "vae_trainer.py"],
+                "tf32": [sys.executable, "-c", "import sys, bench; sys.exit(bench.tf32_trainer_main(sys.argv[1:]))"],
+                "bf16": [sys.executable, "vae_trainer.py"]}
+    jobs = []
+    for seed in seeds:
+        for name, cmd in variants.items():
+            run = f"{name}_s{seed}"
+            argv = ["--demo", "--max_steps", str(steps), "--seed", str(seed), "--output_dir", root, "--run_name", run,
+                    "--evaluate_every_n_steps", str(every), "--save_every_n_steps", str(steps), "--num_workers", "1",
+                    "--num_threads", "1", "--precision", "bf16" if name == "bf16" else "fp32"]
+            jobs.append((run, cmd + argv))
+    wall, parallel = {}, max(1, min(len(jobs), (os.cpu_count() or 2)))
+    for i in range(0, len(jobs), parallel):
+        batch = jobs[i:i + parallel]
+        report.line("  training " + ", ".join(run for run, _ in batch) + f" ({steps} demo steps each) ...")
+        procs = {run: run_logged(cmd, os.path.join(root, f"{run}.log"), env) for run, cmd in batch}
+        wall.update(wait_logged(procs))
+    out, rows = {"steps": steps, "seeds": seeds, "wall_s": wall}, []
+    for run, _ in jobs:
+        with open(os.path.join(root, run, "metrics.jsonl")) as f:
+            evals = [r for r in map(json.loads, f) if "eval/psnr" in r]
+        out[run] = {int(r["step"]): {k: r[k] for k in ("eval/psnr", "eval/ssim", "eval_ema/psnr", "eval_ema/ssim")}
+                    for r in evals}
+        for r in evals:
+            rows.append([run, int(r["step"]), r["eval/psnr"], r["eval/ssim"], r["eval_ema/psnr"]])
+    for name in ("tf32", "bf16"):
+        gaps = [out[f"{name}_s{seed}"][steps]["eval_ema/psnr"] - out[f"fp32_s{seed}"][steps]["eval_ema/psnr"]
+                for seed in seeds]
+        out[f"{name}_minus_fp32_final_ema_psnr"] = gaps
+    report.table(f"Held-out quality per step by precision (demo model, {steps} steps, seeds {seeds}; TF32 emulated "
+                 "by truncating the fp32 operands of every convolution and matmul to 10 mantissa bits)",
+                 ["run", "step", "PSNR", "SSIM", "EMA PSNR"], rows)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
 # Section 4: FLUX size on a GPU, bf16 vs fp32
 # ----------------------------------------------------------------------------------------------------
-def bench_gpu(args, url, tmp, device, report: Report) -> dict:
-    out, rows = {}, []
-    for res, batch in ((256, args.gpu_batch), (512, max(1, args.gpu_batch // 4))):
-        for precision in ("fp32", "bf16"):
-            report.line(f"  FLUX {precision} at {res} px, batch {batch} ...")
-            trainer = build_trainer(url, tmp, f"gpu_{precision}_{res}", device, **FLUX_CONFIG, vae_resolution=res,
-                                    batch_size=batch, precision=precision, channels_last=True)
+GPU_SIZES = {  # name: (model flags, resolution, batch at --gpu_batch 8); issue 30's two sizes and 512 px
+    "flux_256": (dict(FLUX_CONFIG, do_attn=False), 256, 8),
+    "launcher_256": (dict(FLUX_CONFIG, vae_ch=64, do_attn=False), 256, 12),  # the reference launcher's size
+    "flux_512": (dict(FLUX_CONFIG, do_attn=False), 512, 2)}
+GPU_CASES = {  # name: (flags, the reference's habits, compiled)
+    "reference_eager": (dict(precision="bf16", channels_last="false", critic_trunk="trainable", allow_tf32="true",
+                             ema_decay=0.0, grad_clip=0.0), True, False),
+    "reference_compiled": (dict(precision="bf16", channels_last="false", critic_trunk="trainable", allow_tf32="true",
+                                ema_decay=0.0, grad_clip=0.0), True, True),
+    "ours_bf16_frozen": (dict(precision="bf16", critic_trunk="frozen"), False, False),
+    "ours_bf16_frozen_channels_last": (dict(precision="bf16", critic_trunk="frozen", channels_last="true"), False,
+                                       False),
+    "ours_bf16_frozen_compiled": (dict(precision="bf16", critic_trunk="frozen"), False, True),
+    "ours_default": ({}, False, False),  # the README's command: fp32 (TF32 auto), layout auto, trainable critic
+    "ours_fp32_strict": (dict(allow_tf32="false", channels_last="true"), False, False),  # the old default
+}
+COPY_KERNELS = ("aten::copy_",)  # _to_copy, contiguous and clone write through it
+
+
+def reference_habits(trainer, compiled: bool) -> None:
+    """Issue 30's baseline, the reference trainer's loop habits on our modules: the encoder and decoder under bf16
+    autocast with GroupNorm left to autocast (CUDA's list casts its input to fp32, its output stays fp32 until the
+    next convolution), LPIPS and the (trainable VGG16) critic in fp32 with TF32, NCHW, no EMA or clipping, .item()
+    on every logged scalar and the critic's weight gradients in the generator's pass (add_reference_habits);
+    compiled: the encoder and decoder only, as its --do_compile."""
+    import ae
+    ae.GroupNorm32.forward = torch.nn.GroupNorm.forward  # this process only (a fresh one per case)
+    trainer.objective.amp_dtype = None
+    if trainer.adversary is not None:
+        trainer.adversary.amp_dtype = None
+    add_reference_habits(trainer)
+    trainer.metrics.host_sync = True
+    if compiled:
+        trainer.vae.encoder.compile()
+        trainer.vae.decoder.compile()
+
+
+def run_gpu_case(case: dict) -> dict:
+    """One GPU case in this (fresh) process: 3 warm-up steps (compilation included), then the median of the timed
+    steps with a synchronize around each; peak memory; and, with case["profile"], the share of CUDA time in copies."""
+    device = torch.device(case.get("device", "cuda"))  # cpu: the tests' smoke run
+    cuda = device.type == "cuda"
+    flags, habits, compiled = GPU_CASES[case["case"]]
+    model, resolution, batch = case.get("size_spec") or GPU_SIZES[case["size"]]
+    batch = max(1, round(batch * case["gpu_batch"] / 8))
+    overrides = {**model, "vae_resolution": resolution, "batch_size": batch, "do_ganloss": True,
+                 "memory_check": False, **flags, "compile": compiled and not habits}
+    trainer = build_trainer(case["url"], case["output_dir"], case["case"], device, **overrides)
+    if habits:
+        reference_habits(trainer, compiled)
+    started = time.perf_counter()
+    warmup = [timed_step(trainer) for _ in range(case.get("warmup", 3))]
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    step_s = [timed_step(trainer) for _ in range(case["steps"])]
+    out = {"batch_size": batch, "median_step_s": median(step_s), "img_per_s": batch / median(step_s),
+           "peak_gib": (torch.cuda.max_memory_allocated(device) if cuda else peak_rss()) / 2 ** 30,
+           "first_step_s": warmup[0], "warmup_s": time.perf_counter() - started - sum(step_s)}
+    if case.get("profile"):
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             for _ in range(3):
                 timed_step(trainer)
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
-            step_s = [timed_step(trainer) for _ in range(args.gpu_steps)]
-            peak = torch.cuda.max_memory_allocated(device)
-            out[f"{precision}_{res}"] = {"batch_size": batch, "img_per_s": batch / median(step_s),
-                                         "median_step_s": median(step_s), "peak_mib": mib(peak),
-                                         "increase_mib": mib(peak - before)}
-            rows.append([f"{res} px", precision, batch, batch / median(step_s), mib(peak), mib(peak - before)])
-            del trainer
-            gc.collect()
-            torch.cuda.empty_cache()
-        out[f"bf16_speedup_{res}"] = out[f"bf16_{res}"]["img_per_s"] / out[f"fp32_{res}"]["img_per_s"]
-    report.table(f"FLUX VAE on {torch.cuda.get_device_name(device)} (channels_last, no host syncs, LPIPS, eager)",
-                 ["res", "precision", "batch", "img/s", "peak MiB", "step MiB"], rows)
+        events = prof.key_averages()
+
+        def self_time(e):
+            return e.self_device_time_total if cuda else e.self_cpu_time_total
+        total = sum(self_time(e) for e in events)
+        copies = sum(self_time(e) for e in events if e.key in COPY_KERNELS)
+        top = sorted(events, key=lambda e: -self_time(e))[:12]
+        out.update(copy_fraction=copies / total if total else None, device_ms_per_step=total / 3 / 1000,
+                   top_device_ms=[(e.key, round(self_time(e) / 3 / 1000, 2)) for e in top])
+    return out
+
+
+def spawn_gpu_case(case: dict) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--_gpu_case", json.dumps(case)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        return {"error": f"exit {proc.returncode}: {tail}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_gpu(args, url, tmp, device, report: Report) -> dict:
+    """Issue 30's table: the reference's habits and ours, eager and compiled, on the sizes of GPU_SIZES (compiled
+    cases at --gpu_compile_sizes only: each compiles for a minute or more), every case a fresh process with the
+    same in-memory batches; the frozen-trunk bf16 case also under the profiler (the share of CUDA time in copies)."""
+    out, rows = {}, []
+    sizes = [s for s in args.gpu_sizes.split(",") if s]
+    for size in sizes:
+        for name, (_, _, compiled) in GPU_CASES.items():
+            if compiled and size not in args.gpu_compile_sizes.split(","):
+                continue
+            if name == "ours_fp32_strict" and size != sizes[0]:
+                continue
+            report.line(f"  {size}: {name} ...")
+            result = spawn_gpu_case({"case": name, "size": size, "url": url, "output_dir": tmp, "steps": args.gpu_steps,
+                                     "gpu_batch": args.gpu_batch, "profile": name == "ours_bf16_frozen"})
+            out[f"{size}/{name}"] = result
+            if "error" in result:
+                rows.append([size, name, "failed", "", "", result["error"].splitlines()[-1][:60]])
+                continue
+            reference = out.get(f"{size}/reference_{'compiled' if 'compiled' in name else 'eager'}", {})
+            ratio = result["img_per_s"] / reference["img_per_s"] if reference.get("img_per_s") else None
+            rows.append([size, name, result["batch_size"], result["median_step_s"] * 1000, result["img_per_s"],
+                         result["peak_gib"], ratio])
+    report.table(f"The training step on {torch.cuda.get_device_name(device)}: ours and the reference's habits "
+                 "(LPIPS, VGG16 hinge critic from step 0, GradNorm; median of --gpu_steps after 3 warm-up steps)",
+                 ["size", "case", "batch", "ms/step", "img/s", "peak GiB", "x reference"], rows)
     return out
 
 
@@ -1858,10 +2199,30 @@ def summarize(results: dict) -> dict:
                 keys[f"narrow_decoder_{key}"] = value
     g = results.get("gpu")
     if g:
-        keys["gpu_bf16_speedup_flux_256"] = g["bf16_speedup_256"]
-        keys["gpu_bf16_speedup_flux_512"] = g["bf16_speedup_512"]
-        for case in ("fp32_256", "bf16_256", "fp32_512", "bf16_512"):
-            keys[f"gpu_peak_mib_flux_{case}"] = g[case]["peak_mib"]
+        def rate(size, case):
+            return g.get(f"{size}/{case}", {}).get("img_per_s")
+        for size in GPU_SIZES:
+            for key, ours, reference in (("eager", "ours_bf16_frozen", "reference_eager"),
+                                         ("compiled", "ours_bf16_frozen_compiled", "reference_compiled"),
+                                         ("default", "ours_default", "reference_eager"),
+                                         ("nchw_over_channels_last", "ours_bf16_frozen",
+                                          "ours_bf16_frozen_channels_last")):
+                if rate(size, ours) and rate(size, reference):
+                    keys[f"gpu_{key}_speedup_{size}"] = rate(size, ours) / rate(size, reference)
+            peak, reference_peak = (g.get(f"{size}/{c}", {}).get("peak_gib") for c in ("ours_bf16_frozen",
+                                                                                       "reference_eager"))
+            if peak and reference_peak:
+                keys[f"gpu_peak_ratio_{size}"] = peak / reference_peak
+            if g.get(f"{size}/ours_bf16_frozen", {}).get("copy_fraction") is not None:
+                keys[f"gpu_copy_fraction_{size}"] = g[f"{size}/ours_bf16_frozen"]["copy_fraction"]
+    c = results.get("copies")
+    if c:
+        for name, summary in c.items():
+            keys[f"copies_activation_mib_{name}"] = summary["activation_total"]["mib"]
+    p = results.get("precision")
+    if p:
+        for name in ("tf32", "bf16"):
+            keys[f"precision_{name}_minus_fp32_ema_psnr"] = min(p[f"{name}_minus_fp32_final_ema_psnr"])
     return keys
 
 
@@ -1870,6 +2231,11 @@ def main(argv=None) -> int:
     if args._memory_case:  # a child process of the memory section
         with contextlib.redirect_stdout(sys.stderr):
             result = run_memory_case(json.loads(args._memory_case))
+        print(json.dumps(result), flush=True)
+        return 0
+    if args._gpu_case:  # a child process of the gpu section
+        with contextlib.redirect_stdout(sys.stderr), contextlib.redirect_stderr(io.StringIO()):
+            result = run_gpu_case(json.loads(args._gpu_case))
         print(json.dumps(result), flush=True)
         return 0
     if args._decode_case:  # a child process of the decoders section
@@ -1903,7 +2269,7 @@ def main(argv=None) -> int:
                 f"{torch.__version__}, {torch.get_num_threads()} threads); VGG16 weights random (timing only)")
     # Trainer construction and the data tools print progress lines: keep stdout for the JSON object
     with contextlib.redirect_stdout(report.stream), tempfile.TemporaryDirectory(prefix="vae_bench_") as tmp:
-        if set(args.sections) - {"quality", "decoders", "decoder_quality", "resolutions"}:
+        if set(args.sections) - {"quality", "decoders", "decoder_quality", "resolutions", "precision"}:
             report.line(f"generating {args.images} photo-like {args.height}x{args.width} images as PNG and JPEG "
                         "shards ...")
             datasets = make_datasets(tmp, args.images, args.height, args.width, args.seed)
@@ -1928,10 +2294,14 @@ def main(argv=None) -> int:
             results["decoder_quality"] = bench_decoder_quality(args, tmp, report)
         if "resolutions" in args.sections:
             results["resolutions"] = bench_resolutions(args, tmp, report)
+        if "copies" in args.sections:
+            results["copies"] = bench_copies(args, train_url, tmp, device, report)
+        if "precision" in args.sections:
+            results["precision"] = bench_precision(args, tmp, report)
         if "gpu" in args.sections and device.type == "cuda":
             results["gpu"] = bench_gpu(args, train_url, tmp, device, report)
         elif "gpu" in args.sections:
-            report.line("\ngpu section skipped: no CUDA device (gpu_bf16_speedup_flux_* not measured)")
+            report.line("\ngpu section skipped: no CUDA device (gpu_* not measured)")
     results["elapsed_s"] = round(time.time() - started, 1)
     results["load_average_at_end"] = list(os.getloadavg())  # > the core count: other processes shared the CPUs
     keys = summarize(results)

@@ -1,6 +1,7 @@
 """Plumbing every command shares (vae_trainer, evaluate, export, probe, latents, bench), importable without
-importing the trainer: the one-line user error and the flag parser that raises it, process-group setup, atomic
-file writes, and capturing/restoring the RNG states a checkpoint carries."""
+importing the trainer: the one-line user error and the flag parser that raises it, a console that a dead reader
+cannot end a run through, process-group setup, what a stop signal asks of the ranks, atomic file writes, and
+capturing/restoring the RNG states a checkpoint carries."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,9 @@ import difflib
 import gc
 import os
 import random
+import signal
+import sys
+import threading
 import traceback
 import uuid
 from dataclasses import dataclass
@@ -64,6 +68,63 @@ def unrecognized_hint(extra: list[str], known: Any) -> str:
     return "".join(f"; {h}" for h in hints)
 
 
+class Console:
+    """stdout or stderr that a lost reader cannot end the run through. `./train.sh 2>&1 | tee log` and Ctrl-C: the
+    terminal signals the whole foreground group, `tee` dies with it, and the trainer's next line, written while it
+    saves its checkpoint, raised BrokenPipeError (and `> log` on a full disk ENOSPC, a closed ssh session EIO). The
+    first such error here points the stream's file descriptor at /dev/null (so that neither a later write nor the
+    interpreter's flush at exit fails again), is remembered in `lost`, and every later line goes nowhere: the run,
+    its checkpoints, metrics.jsonl and train.log go on (run_log.Reporter notes the loss in train.log)."""
+
+    def __init__(self, stream):
+        self.stream, self.lost = stream, None
+
+    def write(self, text: str) -> int:
+        if self.lost is None:
+            try:
+                return self.stream.write(text)
+            except (OSError, ValueError) as e:  # ValueError: the stream was closed
+                self._lose(e)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.lost is None:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError) as e:
+                self._lose(e)
+
+    def _lose(self, error: Exception) -> None:
+        self.lost = error
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+
+    def isatty(self) -> bool:
+        return self.lost is None and self.stream.isatty()
+
+    def __getattr__(self, name: str):  # encoding, fileno, buffer, ...
+        return getattr(self.stream, name)
+
+
+def guard_console() -> None:
+    """Put sys.stdout and sys.stderr behind Console (once per process: the trainer, evaluate, probe, data workers)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, Console):
+            setattr(sys, name, Console(stream))
+
+
+def console_lost() -> tuple[str, Exception] | None:
+    """('stdout' or 'stderr', the error) if a guarded stream has been lost, else None."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if isinstance(stream, Console) and stream.lost is not None:
+            return name, stream.lost
+    return None
+
+
 @dataclass
 class DistInfo:
     rank: int = 0
@@ -71,6 +132,7 @@ class DistInfo:
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     ctrl_group: Any = None  # a gloo group for host-side agreement (stop flags, checkpoint gathering)
+    store: Any = None  # this attempt's store (a PrefixStore): what a rank says to the others outside a collective
 
     @property
     def is_main(self) -> bool:
@@ -96,7 +158,7 @@ def init_distributed() -> DistInfo:
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         ctrl = dist.group.WORLD
-    return DistInfo(rank, local, world, device, ctrl)
+    return DistInfo(rank, local, world, device, ctrl, store)
 
 
 def close_distributed(info: DistInfo) -> None:
@@ -108,7 +170,7 @@ def close_distributed(info: DistInfo) -> None:
     pytorch issue 190489). Dropping the references and collecting the cycles destroys the groups here, and their
     destructor joins the threads while the interpreter can still hand them the GIL. Call it once nothing that holds a
     group (a trainer, a DDP model) is needed any more."""
-    info.ctrl_group = None
+    info.ctrl_group = info.store = None
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
@@ -155,6 +217,76 @@ def agree_on_attempt(store: Any, rank: int, world: int, poll_s: float = 5.0) -> 
             return token
         except dist.DistStoreError:  # not welcomed in time: the token was a dead attempt's, or rank 0 is slow
             continue
+
+
+# ============================================================================================
+# Stopping: what a signal asks for, and what the ranks agree on
+# ============================================================================================
+class StopFlag:
+    """SIGTERM/SIGINT ask for a checkpoint and a clean exit at the end of the current step; a second SIGINT aborts.
+    Under torchrun a signalled rank also sets a stop key in the store (signal_watch: from a thread woken by
+    the signal itself, because a rank blocked in a collective runs no Python handler), which a rank waiting through a
+    shard outage reads (`anywhere`): a stop that reaches one node of several ends every rank's wait."""
+
+    def __init__(self, info: DistInfo | None = None):
+        self.signum = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+        self.store = info.store if info is not None and info.distributed else None
+        if self.store is not None:
+            signal_watch(lambda: self.store.set(STOP_KEY, "1"))
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __call__(self) -> bool:
+        """Whether this rank was signalled."""
+        return self.signum is not None
+
+    def anywhere(self) -> bool:
+        """Whether this rank or (the store's stop key) another was signalled: the data stream's waits ask this."""
+        return self.signum is not None or (self.store is not None and self.store.check([STOP_KEY]))
+
+    def agreed(self, info: DistInfo) -> bool:
+        """Whether any rank was signalled."""
+        return any_rank(self.signum is not None, info)
+
+
+STOP_KEY = "vae_trainer/stop"
+
+
+def signal_watch(on_signal) -> None:
+    """Call `on_signal()` from a daemon thread as soon as SIGTERM or SIGINT reaches this process, whatever its main
+    thread is doing. Python runs a signal's handler only between bytecodes of the main thread, so a rank blocked in
+    a collective (a gloo all_reduce waiting for a rank that waits through a shard outage) would not act on it until
+    the others came; the C-level handler writes the signal's number to the wakeup fd at once, and the thread reading
+    it runs while the main thread waits with the GIL released. Errors of `on_signal` (a store that is gone) are
+    dropped: the signal's own handler still stops this rank."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    wanted = {signal.SIGTERM, signal.SIGINT}
+
+    def watch():
+        while True:
+            received = os.read(read_fd, 64)
+            if not received:
+                return
+            if wanted & set(received):
+                with contextlib.suppress(Exception):
+                    on_signal()
+    threading.Thread(target=watch, name="signal-watch", daemon=True).start()
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """Whether `flag` is true on any rank; over the gloo control group, so no device sync."""
+    if not info.distributed:
+        return flag
+    flags = torch.tensor([int(flag)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=info.ctrl_group)
+    return bool(flags.item())
 
 
 def atomic_write(path: str, write) -> None:

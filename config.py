@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
+
 import data as data_lib
 import latents as latents_lib
 import pretrained
@@ -31,6 +33,20 @@ def opt(default, help: str, choices=None, arch: bool = False):
     """A config field: its default, its --help text, its allowed values; `arch`: part of the VAE's architecture
     (a run directory written with another value cannot be resumed: checkpoint.check_compatible)."""
     return field(default=default, metadata={"help": help, "choices": choices, "arch": arch})
+
+
+AUTO_BOOL = ("auto", "true", "false")
+
+
+def auto_bool_opt(help: str):
+    """A switch whose default, auto, is decided per device when the run starts (what it decides is in the start line,
+    not in config.json: a run resumed on another kind of machine decides again). `--flag` alone means true; old
+    config.json files hold true/false as JSON booleans (unflatten reads them)."""
+    return field(default="auto", metadata={"help": help, "choices": AUTO_BOOL, "arch": False, "auto_bool": True})
+
+
+def parse_auto_bool(text: str) -> str:
+    return text.lower() if text.lower() == "auto" else str(parse_bool(text)).lower()
 
 
 def check(section, positive=(), non_negative=(), unit=()) -> None:
@@ -294,13 +310,19 @@ class SpeedConfig:
     GROUP: ClassVar[str] = "speed"  # the --help group
     TITLE: ClassVar[str] = "Precision and speed"  # the flag table's heading
 
-    precision: str = opt("fp32", "fp32 (recommended for VAEs), or bf16/fp16 autocast with fp32 islands",
-                         ("fp32", "bf16", "fp16"))
-    allow_tf32: bool = opt(False, "allow TF32 matmuls/convolutions on Ampere+ GPUs")
+    precision: str = opt("fp32", "fp32 (recommended for VAEs), or bf16/fp16 autocast with fp32 statistics and losses "
+                                 "(docs/precision.md)", ("fp32", "bf16", "fp16"))
+    allow_tf32: str = auto_bool_opt("TF32 tensor cores for fp32 convolutions and matmuls on Ampere+ GPUs: fp32 "
+                                    "storage, range and accumulation, 10-bit multiplicands. auto: on with CUDA "
+                                    "(PyTorch's own default for convolutions; quality measured in BENCHMARKS.md "
+                                    "section 10), irrelevant on a CPU")
     grad_checkpointing: str = opt("none", "recompute activations in backward, one block at a time: decoder_hr (the "
                                           "decoder's two highest-resolution levels), hr (those of the encoder too), "
                                           "decoder (every decoder level), all", GRAD_CHECKPOINTING)
-    channels_last: bool = opt(True, "channels_last memory format")
+    channels_last: str = auto_bool_opt("channels_last memory format of the VAE (the loss networks' is channels_last "
+                                       "unless false). auto: on a CPU channels_last; with CUDA the VAE stays NCHW, "
+                                       "because PyTorch's CUDA GroupNorm copies a channels_last input to NCHW and "
+                                       "back at every norm (docs/precision.md)")
     compile: bool = opt(False, "torch.compile the encoder, decoder and discriminator")
     memory_check: bool = opt(True, "before the first step, estimate the step's memory: stop (exit 2) if it exceeds "
                                    "the free memory by more than the estimate's error (25%), warn if it may not fit")
@@ -308,6 +330,35 @@ class SpeedConfig:
 
     def validate(self) -> None:
         check(self, non_negative=("num_threads",))
+        for name in ("allow_tf32", "channels_last"):
+            if getattr(self, name) not in AUTO_BOOL:
+                raise ConfigError(f"--{name} must be one of {', '.join(AUTO_BOOL)}, got {getattr(self, name)!r}")
+
+    def tf32(self, device_type: str) -> bool:
+        """--allow_tf32 on this device: auto is on with CUDA (fp32 storage, range and accumulation; PyTorch's own
+        default for cuDNN convolutions, which this trainer once turned off at 0.2x the speed: docs/precision.md)."""
+        return self.allow_tf32 == "true" or (self.allow_tf32 == "auto" and device_type == "cuda")
+
+    def vae_channels_last(self, device_type: str) -> bool:
+        """The VAE's memory format on this device: auto is channels_last on a CPU (oneDNN's convolutions and
+        GroupNorm prefer it) and NCHW with CUDA, where native_group_norm copies a channels_last input to NCHW, and
+        cuDNN then copies its NCHW output back for a channels_last convolution, at every norm (BENCHMARKS.md
+        section 4; tests/test_copies.py counts those copies)."""
+        return self.channels_last == "true" or (self.channels_last == "auto" and device_type != "cuda")
+
+    def memory_formats(self, device_type: str) -> tuple[torch.memory_format, torch.memory_format]:
+        """(the VAE's memory format, the loss networks'): LPIPS' VGG16 and the critics (convolutions without norms)
+        are channels_last unless --channels_last false."""
+        fmt = {True: torch.channels_last, False: torch.contiguous_format}
+        return fmt[self.vae_channels_last(device_type)], fmt[self.channels_last != "false"]
+
+    def describe(self, device_type: str) -> str:
+        """The start line's precision, TF32, compile and memory-format state: 'fp32 (TF32 on), eager, VAE NCHW'."""
+        precision = self.precision if self.precision == "fp32" else f"{self.precision} autocast"
+        if device_type == "cuda" and self.precision == "fp32":
+            precision += f" (TF32 {'on' if self.tf32('cuda') else 'off'})"
+        layout = "channels_last" if self.vae_channels_last(device_type) else "NCHW"
+        return f"{precision}, {'compiled' if self.compile else 'eager'}, VAE {layout}"
 
 
 @dataclass
@@ -458,11 +509,17 @@ class Config:
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # name -> section class, in order
 FIELD_SECTION = {f.name: name for name, kind in SECTIONS.items() for f in dataclasses.fields(kind)}  # flag -> section
+AUTO_BOOL_FIELDS = {f.name for kind in SECTIONS.values() for f in dataclasses.fields(kind) if f.metadata.get("auto_bool")}
 
 
 def flatten(cfg: Config) -> dict[str, Any]:
     """{flag name: value}, sections in order: what config.json, a checkpoint's "config" and wandb hold."""
     return {f.name: getattr(section, f.name) for _, section in cfg.sections() for f in dataclasses.fields(section)}
+
+
+def as_written_now(name: str, value):
+    """A value of config.json as today's config holds it: true/false of a switch that was a plain bool then."""
+    return str(value).lower() if name in AUTO_BOOL_FIELDS and isinstance(value, bool) else value
 
 
 def unflatten(flat: dict[str, Any], base: Config | None = None) -> Config:
@@ -472,6 +529,7 @@ def unflatten(flat: dict[str, Any], base: Config | None = None) -> Config:
     by_section: dict[str, dict[str, Any]] = {}
     for name, value in flat.items():
         if name in FIELD_SECTION:
+            value = as_written_now(name, value)
             by_section.setdefault(FIELD_SECTION[name], {})[name] = value
     return dataclasses.replace(base, **{name: dataclasses.replace(getattr(base, name), **values)
                                         for name, values in by_section.items()})
@@ -740,6 +798,8 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs: dict[str, Any] = dict(help=f"{meta['help']} (default: {f.default})".replace("%", "%%"))
             if f.type in ("bool", bool):
                 kwargs.update(nargs="?", const=True, type=parse_bool, metavar="BOOL")
+            elif meta.get("auto_bool"):
+                kwargs.update(nargs="?", const="true", type=parse_auto_bool, metavar="auto|BOOL")
             else:
                 kwargs["type"] = {"int": int, "float": float, "str": str}.get(f.type, f.type)
                 if meta["choices"]:
@@ -915,7 +975,7 @@ def continuing_note(run_dir: str, given: set[str], saved: dict, cfg: Config,
     """The one line that names every value a continued run changes: the flags given again with another value, and
     the automatic values derived again (with why)."""
     changed = [f"--{k} {saved[k]} -> {value(cfg, k)}" for k in sorted(given)
-               if k in saved and saved[k] != value(cfg, k) and k not in PER_INVOCATION_FIELDS]
+               if k in saved and as_written_now(k, saved[k]) != value(cfg, k) and k not in PER_INVOCATION_FIELDS]
     derived = [f"--{k} {then} -> {value(cfg, k)} ({basis_now}, not {basis_then})"
                for k, then, basis_then, basis_now in again if then != value(cfg, k)]
     parts = ([f"flags changed since its start: {', '.join(changed)}"] if changed else []) + \

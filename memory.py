@@ -330,7 +330,10 @@ def check_every_rank(vae: nn.Module, objective, shape: StepShape | list[StepShap
     """Before the first step and before anything is written: raises WontFit if the step clearly will not fit
     (REFUSE_ABOVE) on any rank, returns a warning line if it may not, else None. Every rank estimates for its own
     device (the probes' LeCam update all-reduces, so all must run them); under torchrun the verdicts are gathered."""
-    mine = check_before_training(vae, objective, shape, device, ema=ema, **features)
+    # the probes run the modules eagerly: compiled (--compile), each probe size would be one more compilation (and
+    # the estimate is of the eager step, which holds more than a compiled one)
+    with torch.compiler.set_stance("force_eager"):
+        mine = check_before_training(vae, objective, shape, device, ema=ema, **features)
     verdicts = [mine]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         verdicts = [None] * torch.distributed.get_world_size()

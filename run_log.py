@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import data as data_lib
 import plots
-from common import DistInfo, atomic_write
+from common import DistInfo, atomic_write, console_lost
 from config import DataConfig, RunConfig
 
 
@@ -268,6 +268,10 @@ class Reporter:
         self.curves_drawn_at, self.curves_due = time.monotonic(), False
         self.timed_images, self.timed_seconds = 0, 0.0  # every logged window of this process, for img_per_s_avg
         self.progress = None  # tqdm's bar on an interactive terminal (rank 0); plain lines otherwise
+        # train.log, the run's own copy of every line printed here (rank 0): held until the run directory exists
+        self.transcript: list[str] = []
+        self.transcript_path: str | None = None
+        self.console_loss_said = False
 
     # A run that logs every 50 steps would be silent for minutes at the start: it also logs at steps 1 and 10.
     EARLY_LOG_STEPS = (1, 10)
@@ -321,11 +325,41 @@ class Reporter:
             self.print(msg)
 
     def print(self, line: str, file=None) -> None:
-        """A line to stdout (or `file`), above the progress bar when there is one."""
+        """A line to stdout (or `file`), above the progress bar when there is one, and to train.log. A console that
+        is gone (common.Console: a dead `tee`, a closed ssh session, a full disk) costs nothing but the console: the
+        line still reaches train.log, which says once that the console was lost."""
         if self.progress is not None:
             self.progress.write(line, file=file or sys.stdout)
         else:
             print(line, file=file or sys.stdout, flush=True)
+        self.transcribe(line)
+        lost = console_lost()
+        if lost is not None and not self.console_loss_said and self.is_main:
+            self.console_loss_said = True
+            self.transcribe(f"warning: the console ({lost[0]}) was lost ({type(lost[1]).__name__}: {lost[1]}); the "
+                            "run goes on, its lines continue here and in metrics.jsonl")
+
+    def transcribe(self, line: str) -> None:
+        if not self.is_main:
+            return
+        if self.transcript_path is None:
+            self.transcript.append(line)
+            return
+        try:
+            with open(self.transcript_path, "a") as f:
+                f.write(line + "\n")
+        except OSError:
+            pass  # a full disk: the checkpoint's own write says so
+
+    def start_transcript(self) -> None:
+        """train.log from here on (the run directory exists): the lines held so far first; a resumed run appends."""
+        if not self.is_main:
+            return
+        self.transcript_path = os.path.join(self.run_dir, "train.log")
+        held, self.transcript = self.transcript, []
+        self.transcribe(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}")
+        for line in held:
+            self.transcribe(line)
 
     def metrics(self, metrics: dict, step: int, elapsed: float, steps_done: int, lr_vae: float,
                 skipped: dict[str, int]) -> None:

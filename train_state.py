@@ -286,6 +286,21 @@ class NonFiniteGuard:
         self.streak.fill_(state.get("bad_streak", 0))
 
 
+def compile_for_sizes(sizes: int) -> None:
+    """--compile with --train_resolutions: one static graph per crop size. Dynamo would otherwise turn the
+    second shape it meets into a dynamic-shape graph (slower kernels, and a recompile at the change) and stop
+    recompiling at its limit of 8 graphs per module (evaluation's and the sample grid's shapes count too). Each
+    size costs one compilation per module when first met; the steps at that size then run at the static speed."""
+    if sizes <= 1:
+        return
+    import torch._dynamo.config as dynamo_config
+    dynamo_config.automatic_dynamic_shapes = False
+    limit = 2 * sizes + 8  # each size twice (the last stage's freeze can retrace), evaluation's and the grid's
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
+
+
 def wrap_ddp(module: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     """DDP around `module` under torchrun (the gradients' buckets as views: no copy); the module itself otherwise."""
     if not info.distributed:

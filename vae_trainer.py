@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import common
 import data as data_lib
 import evaluate as evaluate_lib
 import latents as latents_lib
@@ -35,13 +36,14 @@ import run_log
 from ae import AutoEncoder
 from alignment import AlignmentLoss, fetch_foundation_weights
 from checkpoint import checkpoint_files
-from common import ConfigError, DistInfo, capture_rng, closing_distributed, init_distributed, restore_rng
+from common import (ConfigError, DistInfo, StopFlag, any_rank, capture_rng, closing_distributed, init_distributed,
+                    restore_rng)
 from config import (Config, config_warnings, cpu_use_line, last_stage_levels, model_params, public_config,
                     resolution_schedule, scale_equivariance_sizes, uses_vgg16)
 from objective import AMP_DTYPES, Adversary, VAEObjective, build_critic, micro_step
 from run_log import Metrics
 from run_setup import prepare_run, read_init_source
-from train_state import NonFiniteGuard, TeacherDecoder, VAETraining, adamw, wrap_ddp
+from train_state import NonFiniteGuard, TeacherDecoder, VAETraining, adamw, compile_for_sizes, wrap_ddp
 from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, fetch_weights, load_vgg16_features,
                    warn_random_vgg)
 
@@ -145,21 +147,6 @@ def build_objective(cfg: Config, vgg_features: dict | None = None, with_lpips: b
     return VAEObjective(cfg.loss, cfg.latents, lpips, adversary, alignment, precision, device, memory_format)
 
 
-def compile_for_sizes(sizes: int) -> None:
-    """--compile with --train_resolutions: one static graph per crop size. Dynamo would otherwise turn the
-    second shape it meets into a dynamic-shape graph (slower kernels, and a recompile at the change) and stop
-    recompiling at its limit of 8 graphs per module (evaluation's and the sample grid's shapes count too). Each
-    size costs one compilation per module when first met; the steps at that size then run at the static speed."""
-    if sizes <= 1:
-        return
-    import torch._dynamo.config as dynamo_config
-    dynamo_config.automatic_dynamic_shapes = False
-    limit = 2 * sizes + 8  # each size twice (the last stage's freeze can retrace), evaluation's and the grid's
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dynamo_config, name):
-            setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
-
-
 def build_regularisers(cfg: Config, rank: int, downsample_factor: int) -> latents_lib.LatentRegularisers:
     latents = cfg.latents
     return latents_lib.LatentRegularisers(
@@ -187,9 +174,18 @@ def start_lines(cfg: Config, vae: AutoEncoder, info: DistInfo, run_dir: str) -> 
                      f"per micro-batch: {stages}")
     lines.append(f"run dir {run_dir} | {info.world_size} x {info.device.type} | VAE {n_params / 1e6:.1f}M params | "
                  f"f{vae.downsample_factor} z{cfg.model.vae_z_channels} {cfg.model.posterior} posterior | "
-                 f"{cfg.speed.precision} | batch {cfg.data.batch_size} x {cfg.optim.grad_accum} accum x "
-                 f"{info.world_size} ranks")
+                 f"{cfg.speed.describe(info.device.type)} | batch {cfg.data.batch_size} x {cfg.optim.grad_accum} "
+                 f"accum x {info.world_size} ranks")
     return lines
+
+
+def set_cuda_backends(speed, device: torch.device) -> None:
+    """TF32 as --allow_tf32 says on this device (auto: on with CUDA). cuDNN's autotuner stays as the user left it
+    (off by default): on an H100 it bought nothing for this model (FLUX width, 256 px, batch 8: 1.025 s fp32 and
+    0.169 s bf16 per step either way), and after the memory check's probe steps the first autotuned step ran for
+    minutes (BENCHMARKS.md section 4)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = speed.tf32("cuda")
 
 
 # ============================================================================================
@@ -199,36 +195,6 @@ class RunComplete(Exception):
     """The run directory's run has reached --max_steps already: the message says so, and nothing is written."""
 
 
-class StopFlag:
-    """SIGTERM/SIGINT ask for a checkpoint and a clean exit at the end of the current step; a second
-    SIGINT aborts."""
-
-    def __init__(self):
-        self.signum = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def __call__(self) -> bool:
-        """Whether this rank was signalled."""
-        return self.signum is not None
-
-    def agreed(self, info: DistInfo) -> bool:
-        """Whether any rank was signalled."""
-        return any_rank(self.signum is not None, info)
-
-
-def any_rank(flag: bool, info: DistInfo) -> bool:
-    """Whether `flag` is true on any rank; over the gloo control group, so no device sync."""
-    if not info.distributed:
-        return flag
-    flags = torch.tensor([int(flag)])
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=info.ctrl_group)
-    return bool(flags.item())
 
 
 def read_step_batches(loader, count: int) -> tuple[dict, list[torch.Tensor] | None, str | None]:
@@ -311,16 +277,13 @@ class Trainer:
         self.autocast = partial(torch.autocast, self.device.type, dtype=self.amp_dtype,
                                 enabled=self.amp_dtype is not None)
         self.wrap_ddp = partial(wrap_ddp, info=info)  # DDP under torchrun, the module itself otherwise
-        self.memory_format = torch.channels_last if cfg.speed.channels_last else torch.contiguous_format
+        # the VAE's memory format and the loss networks' (--channels_last; auto: per device, config.SpeedConfig)
+        self.memory_format, self.loss_memory_format = cfg.speed.memory_formats(self.device.type)
+        self.channels_last = self.memory_format == torch.channels_last
         self.step = 0
         self.eval_on = bool(cfg.data.test_dataset_url and cfg.eval.evaluate_every_n_steps)
         self.created_run_dir = False  # by this run (rank 0, once every check that can refuse the run passed)
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = cfg.speed.allow_tf32
-            torch.backends.cudnn.allow_tf32 = cfg.speed.allow_tf32
-            # cuDNN's autotuner stays as the user left it (off by default): on an H100 it bought nothing for this
-            # model (FLUX width, 256 px, batch 8: 1.025 s fp32 and 0.169 s bf16 per step either way), and after the
-            # memory check's probe steps the first autotuned step ran for minutes (BENCHMARKS.md section 4)
+        set_cuda_backends(cfg.speed, self.device)
 
         # The run directory is this job's (rank 0 holds its lock until the run ends): a second job is refused here.
         # Nothing is written to it before every check that can refuse the run has passed (start_run_dir, below).
@@ -340,12 +303,12 @@ class Trainer:
                                                         self.log)
         self.init_source = source_described or self.init_source
         vgg_features, with_lpips = vgg16_for_run(cfg, info, self.eval_on, self.log)
-        self.objective = build_objective(cfg, vgg_features, with_lpips, self.device, self.memory_format,
+        self.objective = build_objective(cfg, vgg_features, with_lpips, self.device, self.loss_memory_format,
                                          self.vae.params.z_channels)
         self.adversary = self.objective.adversary
         self.validator = (evaluate_lib.Validator(
             cfg.eval, cfg.data, self.objective.lpips, self.device, info, self.memory_format, self.log,
-            channels_last=cfg.speed.channels_last, grid_images=cfg.run.num_samples) if self.eval_on else None)
+            channels_last=self.channels_last, grid_images=cfg.run.num_samples) if self.eval_on else None)
         self.schedule, self.last_stage = resolution_stages(cfg)  # --train_resolutions, --last_stage_trains
         if cfg.speed.compile and self.adversary is not None:
             self.adversary.critic.compile()
@@ -385,11 +348,12 @@ class Trainer:
         self.metrics = Metrics()
         # reads the grids' images: a bad set refuses here
         self.report = run_log.Reporter(cfg.run, cfg.data, info, max_steps=max_steps, grad_accum=cfg.optim.grad_accum,
-                                       gan=cfg.critic.do_ganloss, channels_last=cfg.speed.channels_last)
+                                       gan=cfg.critic.do_ganloss, channels_last=self.channels_last)
         if info.is_main:
             config = {**public_config(cfg), **({"init_source": self.init_source} if self.init_source else {}),
                       **({"derived": self.derived} if self.derived is not None else {})}
             self.created_run_dir = checkpoint.start_run_dir(self.run_dir, config, set_aside, self.log)
+            self.report.start_transcript()
             self.report.wandb = run_log.init_wandb(cfg.run, public_config(cfg), self.log)
 
     def log(self, msg: str) -> None:
@@ -444,7 +408,8 @@ class Trainer:
     def train(self) -> int:
         cfg, info = self.cfg, self.info
         max_steps = cfg.optim.max_steps
-        stop = self.loader.should_stop = StopFlag()  # a signal also ends the loader's wait through an outage
+        stop = StopFlag(info)
+        self.loader.should_stop = stop.anywhere  # a signal, on any rank, also ends the loader's wait in an outage
         if self.resumed_from and info.is_main:
             run_log.truncate_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
         for line in start_lines(cfg, self.vae, info, self.run_dir):
@@ -454,7 +419,7 @@ class Trainer:
             self.evaluate()  # the untrained baseline, and a sanity check of the test set before hours of training
         if self.in_loop_probe and (self.step == 0 or owed_probe):
             self.probe()  # the curve's first point
-        t_start, steps_since = time.time(), 0
+        t_start, steps_since, compiled_once = time.time(), 0, False
         last_saved = self.step if self.resumed_from else -1
         while self.step < max_steps:
             before_step(self)
@@ -467,6 +432,7 @@ class Trainer:
             except torch.OutOfMemoryError as e:
                 self.data_position, self.rng_position = position, rng
                 return stop_out_of_memory(self, e, last_saved)
+            compiled_once = compiled_once or said_compile_time(self, t_start, steps_since)
             self.step += 1
             steps_since += 1
             self.report.step_done(self.step)
@@ -501,7 +467,7 @@ class Trainer:
         step_loss = torch.zeros((), device=self.device)  # this step's losses, for the guard
         for micro in range(accum):
             batch = batches[micro] if batches is not None else next(self.loader)
-            x = data_lib.to_model_input(batch, self.device, self.cfg.speed.channels_last)
+            x = data_lib.to_model_input(batch, self.device, self.channels_last)
             out = micro_step(self.objective, self.training.ddp, x, self.step, micro, accum, micro == accum - 1,
                              self.regularisers, self.training.scaler.scale(torch.ones((), device=self.device)),
                              self.vae.decoder.conv_out.weight)
@@ -595,6 +561,15 @@ def resolution_stages(cfg: Config) -> tuple[data_lib.ResolutionSchedule, tuple[i
     return schedule, None if levels is None else (schedule.stages[-1][0], levels)
 
 
+def said_compile_time(trainer: Trainer, t_start: float, steps_since: int) -> bool:
+    """With --compile, what the first step of this process cost (its compilation), said once; True when said."""
+    if not trainer.cfg.speed.compile or steps_since:
+        return False
+    trainer.log(f"step {trainer.step + 1} (compiling the encoder, decoder and critic) took {time.time() - t_start:.0f}"
+                " s; each new image size compiles again once")
+    return True
+
+
 def before_step(trainer: Trainer) -> None:
     """Before each step: its size in the metrics (--train_resolutions: metrics.jsonl's train/resolution is each
     window's mean size), and the last stage's freeze when its first step has come (a resumed run: before its first
@@ -650,6 +625,7 @@ def stop_out_of_memory(trainer: Trainer, error: torch.OutOfMemoryError, last_sav
 
 
 def main(argv: list[str] | None = None) -> int:
+    common.guard_console()  # a dead `tee` or ssh session must not end the run (common.Console)
     is_rank0 = os.environ.get("RANK", "0") == "0"
     try:
         setup = prepare_run(argv, builds_demo_data=os.environ.get("LOCAL_RANK", "0") == "0")

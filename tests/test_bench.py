@@ -75,3 +75,44 @@ def test_reconstruction_rows_read_evaluate_grids(tmp_path):
             assert torch.equal(pixels[:, :, 2 + 18 * i: 2 + 18 * i + 16], to_uint8(images[i]))
     labelled = bench.labelled_grid([("input", rows[0]), ("recon", rows[1])], scale=2, label_width=40)
     assert labelled.size == (40 + rows[0].width * 2, 2 * 16 * 2 + 4)
+
+
+def test_tf32_emulation_cuts_the_multiplicands_to_ten_bits():
+    """bench.TF32Emulation (the precision section's stand-in for a GPU's TF32): the fp32 operands of convolutions and
+    matmuls, forward and backward, lose their 13 low mantissa bits; the products accumulate in fp32."""
+    x = torch.randn(64, 64, dtype=torch.float64)
+    cut = bench.to_tf32(x.float())
+    assert (cut.view(torch.int32) & 0x1FFF == 0).all()
+    rel = ((cut.double() - x) / x).abs()
+    assert rel.max() < 2.0 ** -10 and rel.max() > 2.0 ** -12
+    a, b = torch.randn(32, 48), torch.randn(48, 16)
+    with bench.TF32Emulation():
+        emulated = a @ b
+    assert torch.equal(emulated, bench.to_tf32(a) @ bench.to_tf32(b)) and not torch.equal(emulated, a @ b)
+    conv = torch.nn.Conv2d(4, 4, 3)
+    image = torch.randn(1, 4, 8, 8, requires_grad=True)
+    with bench.TF32Emulation():
+        conv(image).square().sum().backward()
+    emulated_grad = image.grad.clone()
+    image.grad = None
+    conv(image).square().sum().backward()
+    assert not torch.equal(emulated_grad, image.grad)
+    assert torch.allclose(emulated_grad, image.grad, rtol=1e-2, atol=1e-3)
+
+
+def test_gpu_cases_run_their_plumbing(shard_url, tmp_path, monkeypatch):
+    """The gpu section's cases (issue 30's table) on a CPU at a tiny size: the reference's habits (GroupNorm left to
+    autocast, loss networks in fp32, .item() calls) and ours build, step and report; the profiler's copy share is a
+    fraction. (The figures themselves are a GPU's: BENCHMARKS.md section 10.)"""
+    import ae
+    monkeypatch.setattr(ae.GroupNorm32, "forward", ae.GroupNorm32.forward)  # the reference case replaces it
+    tiny = (dict(vae_ch=16, vae_ch_mult="1,2", vae_num_res_blocks=1, do_attn=False, vgg16_weights="random"), 32, 2)
+    results = {}
+    for name in ("ours_bf16_frozen", "reference_eager"):
+        results[name] = bench.run_gpu_case({"case": name, "size": "tiny", "size_spec": tiny, "url": shard_url,
+                                            "output_dir": str(tmp_path), "steps": 1, "warmup": 1, "gpu_batch": 8,
+                                            "device": "cpu", "profile": name == "ours_bf16_frozen"})
+    for result in results.values():
+        assert result["batch_size"] == 2 and result["img_per_s"] > 0 and result["peak_gib"] > 0
+    assert 0 <= results["ours_bf16_frozen"]["copy_fraction"] < 1
+    assert ae.GroupNorm32.forward is torch.nn.GroupNorm.forward  # the reference's GroupNorm, in this process

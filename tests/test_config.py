@@ -250,3 +250,30 @@ def test_cores_per_rank_divides_the_affinity_by_local_ranks(monkeypatch):
     line = config.cpu_use_line(cfg, {"dataset_url"})
     assert line == ("cpu: 16 cores per rank: 4 data workers, 12 torch threads (--num_workers and --num_threads "
                     "chosen from the cores; give them to override)")
+
+
+def test_speed_switches_decide_per_device_and_read_old_runs():
+    """--allow_tf32 and --channels_last default to auto, decided per device at start (issue 30): TF32 on with CUDA
+    (fp32 storage and accumulation), the VAE NCHW with CUDA (PyTorch's CUDA GroupNorm copies channels_last inputs)
+    and channels_last on a CPU, the loss networks channels_last unless false. `--allow_tf32` alone is true, as when
+    it was a plain bool, and a config.json written then (JSON true/false) reads back, without a 'changed' note."""
+    import torch
+    speed = config.parse_config(["--dataset_url", "x"]).speed
+    assert (speed.allow_tf32, speed.channels_last) == ("auto", "auto")
+    assert speed.tf32("cuda") and not speed.tf32("cpu")
+    assert speed.memory_formats("cuda") == (torch.contiguous_format, torch.channels_last)
+    assert speed.memory_formats("cpu") == (torch.channels_last, torch.channels_last)
+    assert speed.describe("cuda") == "fp32 (TF32 on), eager, VAE NCHW"
+    assert speed.describe("cpu") == "fp32, eager, VAE channels_last"
+    given = config.parse_config(["--dataset_url", "x", "--allow_tf32", "--channels_last", "false",
+                                 "--precision", "bf16", "--compile"]).speed
+    assert (given.allow_tf32, given.channels_last) == ("true", "false")
+    assert given.memory_formats("cpu") == (torch.contiguous_format, torch.contiguous_format)
+    assert given.describe("cuda") == "bf16 autocast, compiled, VAE NCHW"
+    assert not config.parse_config(["--dataset_url", "x", "--allow_tf32", "off"]).speed.tf32("cuda")
+    with pytest.raises(common.ConfigError, match="--channels_last"):
+        config.parse_config(["--dataset_url", "x", "--channels_last", "sometimes"])
+    old = config.unflatten({"allow_tf32": True, "channels_last": False})
+    assert (old.speed.allow_tf32, old.speed.channels_last) == ("true", "false")
+    cfg, given_flags = config.parse_flags(["--dataset_url", "x", "--channels_last", "false"])
+    assert config.continuing_note("runs/x", given_flags, {"channels_last": False}, cfg, []) is None
