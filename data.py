@@ -47,6 +47,8 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from common import guard_console
+
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "pbm", "gif")
 DIR_SHARD_SIZE = 256  # files per pseudo-shard when reading a plain directory
 SKIP_REASONS = ("corrupt", "non_image", "too_large", "shard_errors")  # events: each time a bad item is met
@@ -740,6 +742,7 @@ def init_data_worker(worker_id: int, trainer_pid: int) -> None:
     """DataLoader worker_init_fn."""
     exit_with_trainer(trainer_pid)
     ignore_stop_signals()
+    guard_console()  # its warnings share the trainer's console, which may be gone (common.Console)
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:

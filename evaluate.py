@@ -34,7 +34,7 @@ import data as data_lib
 import latents as latents_lib
 from ae import AutoEncoder, patchify_latents
 from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
-from common import ConfigError, DistInfo, OneLineParser, closing_distributed, init_distributed
+from common import ConfigError, DistInfo, OneLineParser, closing_distributed, guard_console, init_distributed
 from config import DataConfig, EvalConfig, eval_size_problem, eval_sizes, parse_sizes
 from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, fetch_weights,
                    hub_cache_path, load_vgg16_features, warn_random_vgg, warn_random_weights)
@@ -640,6 +640,7 @@ def validate(args, vae: AutoEncoder, resolutions: tuple[int, ...]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    guard_console()  # a lost console must not end the command (common.Console)
     is_rank0 = os.environ.get("RANK", "0") == "0"
 
     def log(msg: str) -> None:

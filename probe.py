@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import data as data_lib
 import evaluate
 import latents as latents_lib
-from common import ConfigError, OneLineParser, closing_distributed, init_distributed
+from common import ConfigError, OneLineParser, closing_distributed, guard_console, init_distributed
 from config import DataConfig, LatentsConfig
 
 PRESETS = {"tiny": dict(dim=64, depth=2, heads=2), "small": dict(dim=192, depth=6, heads=3),
@@ -463,6 +463,7 @@ def check(args) -> list:
 
 
 def main(argv=None) -> int:
+    guard_console()  # a lost console must not end the command (common.Console)
     is_rank0 = os.environ.get("RANK", "0") == "0"
     log = (lambda m: print(m, flush=True)) if is_rank0 else (lambda m: None)
     try:

@@ -652,11 +652,12 @@ def logged_steps(run_dir) -> list[int]:
 
 
 @contextlib.contextmanager
-def trainer_through_an_outage(solid_shards, tmp_path, retry_minutes: float, num_workers: int = 1):
-    """A trainer (CLI, `num_workers` data workers: 0 reads in the trainer's own process) reading 3 shards over HTTP, logging every step, no periodic checkpoint; the
-    server goes away once 2 steps are logged. Yields (process, run directory, paths of its stdout and stderr)."""
+def trainer_through_an_outage(solid_shards, tmp_path, retry_minutes: float, num_workers: int = 1, nproc: int = 0):
+    """A trainer (CLI, `num_workers` data workers: 0 reads in the trainer's own process; `nproc` ranks under
+    torchrun) reading 3 shards over HTTP, logging every step, no periodic checkpoint; the server goes away once 2
+    steps are logged. Yields (process, run directory, paths of its stdout and stderr)."""
     import subprocess
-    from conftest import TINY, cli_command, cli_env
+    from conftest import TINY, cli_command, cli_env, kill_tree
     port, run_dir = free_port(), tmp_path / "runs" / "outage"
     args = ["--dataset_url", f"http://127.0.0.1:{port}/{{00000..00002}}.tar", "--output_dir", str(tmp_path / "runs"),
             "--run_name", "outage", "--max_steps", "100000", "--save_every_n_steps", "100000",
@@ -665,7 +666,7 @@ def trainer_through_an_outage(solid_shards, tmp_path, retry_minutes: float, num_
     # stdout and stderr to files: a pipe nobody reads while the run goes on could fill up and stall it
     out_path, err_path = tmp_path / "out", tmp_path / "err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        trainer = subprocess.Popen(cli_command("vae_trainer.py", args), stdout=out, stderr=err, env=cli_env())
+        trainer = subprocess.Popen(cli_command("vae_trainer.py", args, nproc), stdout=out, stderr=err, env=cli_env())
     try:
         with shard_server_process(os.path.dirname(solid_shards), port):
             end = time.monotonic() + 100
@@ -674,8 +675,24 @@ def trainer_through_an_outage(solid_shards, tmp_path, retry_minutes: float, num_
             assert len(logged_steps(run_dir)) >= 2, (trainer.poll(), err_path.read_text()[-3000:])
         yield trainer, run_dir, out_path, err_path
     finally:
-        trainer.kill()
+        kill_tree(trainer)
         trainer.wait()
+
+
+def rank_pid(torchrun_pid: int, rank: int) -> int:
+    """The pid of the trainer process of `rank` under a torchrun (its environment says RANK)."""
+    todo, tree = [torchrun_pid], process_tree()
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            env = []
+        if f"RANK={rank}".encode() in env and pid != torchrun_pid:
+            return pid
+        todo += tree.get(pid, [])
+    raise AssertionError(f"no process of rank {rank} under {torchrun_pid}")
 
 
 def newest_checkpoint_step(run_dir) -> int | None:
@@ -734,6 +751,36 @@ def test_a_stop_signal_during_an_outage_is_honoured_at_once_with_a_checkpoint(so
         out[-2000:]
     assert newest_checkpoint_step(run_dir) == last_step
     assert stopped_in < 45, stopped_in  # ~1 s to see the flag, then the save and the workers' shutdown (5 s)
+
+
+@pytest.mark.timeout(240)
+def test_a_stop_on_one_rank_during_an_outage_stops_every_rank(solid_shards, tmp_path):
+    """Issue 31 item 1: torchrun, 2 ranks, --num_workers 0; the shard server goes away and the ranks wait, each in
+    its back-off or in the ranks' agreement behind the other. SIGTERM to rank 1 only (one node of several preempted):
+    before, rank 1 sat inside the gloo all_reduce and never acted on it, rank 0 never learnt of it, and the run ended
+    as an outage failure after the whole --shard_retry_minutes. Now rank 1 sets the store's stop key from the
+    signal itself, rank 0's wait reads it within a second: every rank saves and exits 0 within seconds."""
+    with trainer_through_an_outage(solid_shards, tmp_path, retry_minutes=10, num_workers=0, nproc=2) as (
+            trainer, run_dir, out, err):
+        end = time.monotonic() + 100
+        while "no shard could be read" not in err.read_text() and time.monotonic() < end:
+            time.sleep(0.2)
+        steps = None
+        while steps != logged_steps(run_dir) and time.monotonic() < end:  # no step has come for 3 s: both wait
+            steps = logged_steps(run_dir)
+            time.sleep(3)
+        assert trainer.poll() is None, err.read_text()[-3000:]
+        os.kill(rank_pid(trainer.pid, 1), signal.SIGTERM)
+        start = time.monotonic()
+        trainer.wait(timeout=90)  # the old wait lasted the whole budget (10 min)
+        stopped_in = time.monotonic() - start
+        out, err = out.read_text(), err.read_text()
+    assert trainer.returncode == 0 and "Traceback" not in err and "error:" not in err, err[-3000:]
+    last_step = logged_steps(run_dir)[-1]
+    assert f"stop request received while waiting for data: checkpoint written at step {last_step}, exiting" in out, \
+        out[-2000:] + err[-2000:]
+    assert newest_checkpoint_step(run_dir) == last_step
+    assert stopped_in < 60, stopped_in
 
 
 def test_unreadable_local_shards_are_not_waited_for(tmp_path):

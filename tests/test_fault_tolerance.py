@@ -312,6 +312,62 @@ def test_sigterm_to_the_process_group_saves_and_the_same_command_resumes(shard_u
     assert _ckpt(tmp_path, "pre", 8)["run"]["step"] == 8
 
 
+@pytest.mark.timeout(240)
+def test_ctrl_c_behind_a_dead_pipe_saves_exits_0_and_resumes(shard_url, tmp_path):
+    """`./train.sh 2>&1 | tee log` and Ctrl-C (issue 31 item 0): the terminal signals the whole foreground group, `tee`
+    dies too, and the trainer's next lines meet a closed pipe. Before, its print raised BrokenPipeError: after the
+    checkpoint (exit 1), or in a step's log line before it (no checkpoint, the steps since the last one lost). Here
+    the reader goes first, the trainer notices at its next line (train.log says so), then SIGINT reaches the group:
+    checkpoint, exit 0, and the same command resumes from it."""
+    args = _args(shard_url, tmp_path, "piped", 100000, 100000) + ["--log_every_n_steps", "1"]
+    proc = subprocess.Popen(cli_command("vae_trainer.py", args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=cli_env(), cwd=ROOT, start_new_session=True)
+    log = tmp_path / "piped" / "train.log"
+    try:
+        for line in proc.stdout:
+            if line.startswith(b"step 2/"):
+                break
+        proc.stdout.close()  # the reader dies; the trainer's next line meets the closed pipe
+        end = time.monotonic() + 120
+        while time.monotonic() < end and proc.poll() is None and "the console (stdout) was lost" not in (
+                log.read_text() if log.exists() else ""):
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole group, data workers included
+        code = proc.wait(timeout=120)
+    except BaseException:
+        kill_tree(proc)
+        raise
+    text = log.read_text()
+    assert "warning: the console (stdout) was lost (BrokenPipeError" in text, text[-2000:]
+    stopped = re.search(r"received signal 2: checkpoint written at step (\d+), exiting", text)
+    assert code == 0 and stopped, text[-2000:]
+    step = int(stopped.group(1))
+    assert _ckpt(tmp_path, "piped", step)["run"]["step"] == step
+    assert [r["step"] for r in _metrics(tmp_path, "piped") if "loss/total" in r] == list(range(1, step + 1))
+    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "piped", step + 1, 100000))
+    assert again.returncode == 0 and f"at step {step}" in again.stdout, again.stderr[-2000:]
+    assert _ckpt(tmp_path, "piped", step + 1)["run"]["step"] == step + 1
+
+
+def test_console_survives_a_dead_pipe_and_a_full_disk():
+    """common.Console on its own: a write or flush that fails (a dead pipe, EIO, a full disk) points the descriptor
+    at /dev/null, is remembered, and never raises; isatty() is then False (no progress bar)."""
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    stream = os.fdopen(write_fd, "w")
+    console = common.Console(stream)
+    console.write("x" * 100)
+    console.flush()  # EPIPE here (buffered), or at the write
+    assert isinstance(console.lost, BrokenPipeError) and not console.isatty()
+    assert console.write("more") == 4
+    console.flush()
+    stream.close()  # flushes to /dev/null now: no error at exit either
+    full = common.Console(open("/dev/full", "w")) if os.path.exists("/dev/full") else None
+    if full is not None:
+        print("a line", file=full, flush=True)
+        assert isinstance(full.lost, OSError) and full.lost.errno == 28  # ENOSPC
+
+
 def test_truncated_newest_checkpoint_falls_back_to_previous(shard_url, tmp_path, capsys):
     assert vae_trainer.main(_args(shard_url, tmp_path, "t", 4, 2)) == 0
     newest = tmp_path / "t" / "checkpoints" / "step_00000004.pt"
