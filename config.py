@@ -558,6 +558,16 @@ LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False, "vae_decoder_ch":
                "vae_family": "ldm", "vae_patch_size": 1}
 
 
+def as_released(saved: dict) -> dict:
+    """A flat config of any release (config.json, a checkpoint's "config") with every field it lacks filled in
+    with what that release did: LEGACY_ARCH's value, else the field's default (a field comes in with the default
+    that keeps the behaviour before it: --vae_latent_bn_eps came with FLUX.2 support, and a run written before
+    it has no bn to normalise). For comparing a saved run with this one; tests/test_releases.py continues runs
+    written by earlier releases."""
+    defaults = {f.name: f.default for kind in SECTIONS.values() for f in dataclasses.fields(kind)}
+    return {**defaults, **LEGACY_ARCH, **{k: as_written_now(k, v) for k, v in saved.items()}}
+
+
 def ch_mult_of(model: ModelConfig) -> tuple[int, ...]:
     try:
         mult = tuple(int(m) for m in model.vae_ch_mult.split(","))

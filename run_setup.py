@@ -17,9 +17,9 @@ import data as data_lib
 import pretrained
 import qwen_ae
 from common import ConfigError
-from config import (AUTO_FIELDS, LEGACY_ARCH, LR_TIMES_WIDTH, SOURCE_FIELDS, Config, automatic_values, continue_run,
-                    continuing_note, demo_summary, is_plain_local_path, model_params, parse_flags, resolve_auto,
-                    with_values)
+from config import (AUTO_FIELDS, LEGACY_ARCH, LR_TIMES_WIDTH, SOURCE_FIELDS, Config, as_released, automatic_values,
+                    continue_run, continuing_note, demo_summary, is_plain_local_path, model_params, parse_flags,
+                    resolve_auto, with_values)
 from utils import vgg16_cache_path
 
 
@@ -104,8 +104,9 @@ def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Confi
                 saved = json.load(f)
         except (OSError, ValueError):
             saved = {}
-        if saved.get("init_from") == init_from and all(k in saved for k in SOURCE_FIELDS):
-            return with_values(cfg, **{k: saved[k] for k in SOURCE_FIELDS}), None
+        if isinstance(saved, dict) and saved.get("init_from") == init_from:
+            then = as_released(saved)
+            return with_values(cfg, **{k: then[k] for k in SOURCE_FIELDS}), None
     source = read_init_source(init_from, cfg.finetune.init_family)
     p = source.params
     if (p.in_channels, p.out_ch) != (3, 3):
@@ -158,11 +159,11 @@ def saved_run_config(cfg: Config, explicit: set[str]) -> dict | None:
         return None
     if not isinstance(saved, dict):
         return None
-    saved = {**LEGACY_ARCH, **saved}
+    then = as_released(saved)  # a field the release that wrote it lacked: what that release did
     model = cfg.model
-    same_arch = all(saved.get(k) == getattr(model, k) for k in explicit
+    same_arch = all(then[k] == getattr(model, k) for k in explicit
                     if hasattr(model, k) and getattr(model, k) != AUTO_FIELDS.get(k))  # (0 groups: automatic)
-    return saved if same_arch else None
+    return {**LEGACY_ARCH, **saved} if same_arch else None
 
 
 def check_paths(cfg: Config) -> None:
