@@ -320,6 +320,10 @@ class Adversary:
         self.lecam = LeCam().to(device) if cfg.lecam_weight > 0 else None
         self.optimizer = self.scheduler = None
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "fp16")
+        # the buffers a forward pass moves (spectral norm's power iteration, BatchNorm's statistics), and their
+        # values at the start of the step (step_began), for a step abandoned before its end (abandon_step)
+        self.moved_by_forward = moved_by_forward(self.critic)
+        self.at_step_start = [b.clone() for b in self.moved_by_forward]
 
     def prepare_training(self, optim: OptimConfig, make_optimizer, wrap_ddp=lambda m: m) -> None:
         """The DDP wrapper, the optimizer (`make_optimizer(params, lr)`) and the schedule, for training."""
@@ -392,6 +396,21 @@ class Adversary:
         finally:
             self.critic.requires_grad_(True)
 
+    def step_began(self) -> None:
+        """Remember what the step's forward passes will move (one fused copy of a few KB; nothing when the critic
+        has no such buffers, as the trainable VGG16 critic)."""
+        if self.moved_by_forward:
+            torch._foreach_copy_(self.at_step_start, self.moved_by_forward)
+
+    def abandon_step(self) -> None:
+        """Undo what an abandoned step (an out-of-memory error in its middle) moved: the checkpoint of the last
+        completed step then holds the critic as that step left it. LeCam's pending anchors and the gradients are
+        never saved; the optimizer has not stepped."""
+        if self.moved_by_forward:
+            torch._foreach_copy_(self.moved_by_forward, self.at_step_start)
+        if self.lecam is not None:
+            self.lecam.pending = None
+
     def step(self, bad: Tensor, step_optimizer) -> None:
         """The guarded optimizer step (`step_optimizer(optimizer, scaler, bad)`), LeCam's anchors, the schedule."""
         step_optimizer(self.optimizer, self.scaler, bad)
@@ -425,6 +444,20 @@ class Adversary:
                 self.scaler.load_state_dict(state["scaler"])
         if self.lecam is not None and state.get("lecam") is not None:
             self.lecam.load_state_dict(state["lecam"])
+
+
+def moved_by_forward(module: nn.Module) -> list[Tensor]:
+    """The buffers of `module` that a training-mode forward pass changes: spectral norm's u and v vectors (updated
+    by its power iteration before each forward) and BatchNorm's running statistics. Fixed buffers (the frozen
+    critic's random projections) are left out."""
+    moved = []
+    for sub in module.modules():
+        for name, buffer in sub.named_buffers(recurse=False):
+            batch_norm = isinstance(sub, nn.modules.batchnorm._BatchNorm)
+            spectral = name in ("_u", "_v") or (name.endswith(("_u", "_v")) and hasattr(sub, name[:-2] + "_orig"))
+            if batch_norm or spectral:  # (the parametrizations API's spectral norm, or the older hook's)
+                moved.append(buffer)
+    return moved
 
 
 def no_sync_unless(ddp_module, sync: bool):

@@ -427,6 +427,8 @@ class Trainer:
             if any_rank(batches is None, info):  # agreed before the step, whose collectives a save would cross
                 return stop_without_batches(self, position, data_error, last_saved)
             rng = capture_rng(self.device)  # (microseconds) what a checkpoint of an abandoned step must hold
+            if self.adversary is not None:
+                self.adversary.step_began()
             try:
                 self.train_step(batches)
             except torch.OutOfMemoryError as e:
@@ -615,6 +617,8 @@ def stop_out_of_memory(trainer: Trainer, error: torch.OutOfMemoryError, last_sav
     from its last periodic checkpoint (docs/fault_tolerance.md)."""
     cfg = trainer.cfg
     trainer.training.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
+    if trainer.adversary is not None:
+        trainer.adversary.abandon_step()  # what its forward passes moved
     torch.cuda.empty_cache()  # a no-op without CUDA
     shape = memory.StepShape.of(cfg.data, cfg.optim, cfg.speed, trainer.schedule.size_at(trainer.step))
     line = memory.out_of_memory_message(error, shape, trainer.step + 1)
