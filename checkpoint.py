@@ -459,6 +459,25 @@ def load_autoencoder(path: str) -> tuple[AutoEncoder, dict]:
     return vae.eval(), config
 
 
+def load_single_file(path: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
+    """export.py --format single_file's ae.safetensors (or a released FLUX/SD VAE file): the model its weights and
+    metadata describe, with the notes of what had to be assumed on stderr; no step or resolution (--resolution)."""
+    from pretrained import SourceError
+    if ema:
+        raise ConfigError(f"--ema: {path} is a single file, which holds one set of weights")
+    try:
+        source = load_source(path)
+    except SourceError as e:
+        raise ConfigError(f"--ckpt {e}") from None
+    if os.environ.get("RANK", "0") == "0":
+        for note in source.notes:
+            print(f"note: {note}", file=sys.stderr)
+    vae = build_model(source.params)
+    vae.load_state_dict(source.state)
+    return vae.eval(), {"checkpoint": path, "step": None, "resolution": None, "init_source": None,
+                        "train_parts": None}
+
+
 def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
     """(model on CPU in eval mode, info with `checkpoint`, `step`, `resolution`); ConfigError (one line)
     for anything the user can get wrong."""
@@ -478,6 +497,8 @@ def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
             reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
             raise ConfigError(f"--ckpt {ckpt}: not a loadable export.py folder "
                               f"({type(e).__name__}: {reason})") from None
+    if os.path.isfile(ckpt) and ckpt.endswith(".safetensors"):
+        return load_single_file(ckpt, ema)
     if os.path.isdir(ckpt):
         ckpt_dir = os.path.join(ckpt, "checkpoints") if os.path.isdir(os.path.join(ckpt, "checkpoints")) else ckpt
         if not checkpoint_files(ckpt_dir):

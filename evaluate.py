@@ -571,7 +571,9 @@ def reconstruct_folder(vae: AutoEncoder, src: str, dst: str, device: torch.devic
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="run directory (its latest readable checkpoint), checkpoint "
-                                                 "file, or an export.py folder (--format diffusers or safetensors)")
+                                                 "file, an export.py folder (--format diffusers or safetensors), or a "
+                                                 "single file (--format single_file's ae.safetensors; with "
+                                                 "--resolution)")
     p.add_argument("--dataset_url", default="", help="held-out shards or image folder (metrics, --latent_stats)")
     p.add_argument("--resolution", default="", help="crop size, or comma-separated sizes (256,512,1024): the first's "
                                                     "metrics are psnr, ssim, ...; each other's psnr@SIZE, ssim@SIZE, "
@@ -651,6 +653,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         vae, info = load_model(args.ckpt, args.ema)
         resolutions = parse_sizes(args.resolution, "resolution") or (info["resolution"],)
+        if resolutions == (None,):
+            raise ConfigError(f"--ckpt {args.ckpt} does not record the size it was trained at: give --resolution")
         validate(args, vae, resolutions)
         resolution, tile_size = resolutions[0], tile_size_of(args)
     except (ConfigError, data_lib.DatasetError) as e:

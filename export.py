@@ -81,15 +81,48 @@ def honour_umask(path: str) -> None:
 # ============================================================================================
 # diffusers AutoencoderKL (the conversion itself lives in pretrained.py, shared with --init_from)
 # ============================================================================================
+# What an export of a run that started from a diffusers folder keeps from that folder's config: what training does
+# not change (sample_size sets diffusers' tile size; force_upcast its pipelines' fp32 decode; FLUX.2's bn momentum).
+FROM_SOURCE_CONFIG = ("sample_size", "force_upcast", "batch_norm_momentum")
+
+
+def with_source_config(config: dict, source_config: dict | None, model_class) -> dict:
+    """`config` (what this trainer writes for the model) over the source folder's: the source's values of
+    FROM_SOURCE_CONFIG, and its entries `config` lacks that `model_class` takes (diffusers' own options); the
+    architecture and the latent factors stay `config`'s, since they are what training may change."""
+    if not source_config:
+        return config
+    accepted = constructor_args(model_class)
+    kept = {k: v for k, v in source_config.items() if k in accepted and (k not in config or k in FROM_SOURCE_CONFIG)}
+    return {**config, **kept}
+
+
+def constructor_args(model_class) -> set[str]:
+    import inspect
+    return set(inspect.signature(model_class.__init__).parameters)
+
+
+def keep_source_extras(model, source_config: dict | None) -> None:
+    """The source config's entries that the model's class does not take (FLUX.2's force_upcast on an
+    AutoencoderKLFlux2, which diffusers kept in its config when it loaded the folder): kept in the export's config,
+    where pipelines read them from model.config."""
+    extras = {k: v for k, v in (source_config or {}).items()
+              if not k.startswith("_") and k not in constructor_args(type(model)) and k not in model.config}
+    if extras:
+        model.register_to_config(**extras)
+
+
 def export_diffusers(vae: AutoEncoder, out_dir: str, resolution: int, scaling_factor: float = 1.0,
                      shift_factor: float = 0.0, latents_mean: list[float] | None = None,
-                     latents_std: list[float] | None = None) -> None:
+                     latents_std: list[float] | None = None, source_config: dict | None = None) -> None:
     """Write `out_dir/config.json` and `diffusion_pytorch_model.safetensors` of a diffusers AutoencoderKL, or of an
     AutoencoderKLFlux2 (pretrained.diffusers_class): FLUX.2's VAE with its bn statistics (and
     decoder_block_out_channels where its decoder is narrower), or a narrower decoder of another family, whose
     factors then ride in its config as entries diffusers keeps in `model.config`.
     The converted weights are loaded strictly into the diffusers model before saving: a key or shape mismatch
-    fails here, not in the user's pipeline. ValueError for factors on a model that normalises by bn."""
+    fails here, not in the user's pipeline. ValueError for factors on a model that normalises by bn.
+    `source_config`: the diffusers config.json of the folder the run started from (--init_from), whose settings
+    that training does not change are kept (with_source_config)."""
     params = vae.params
     if params.clamp_th > 0:
         print(f"warning: this model clamps its posterior mean to +-{params.clamp_th}; diffusers' AutoencoderKL does "
@@ -97,10 +130,10 @@ def export_diffusers(vae: AutoEncoder, out_dir: str, resolution: int, scaling_fa
     state = to_diffusers_state_dict(vae.state_dict(), params)
     if pretrained.diffusers_class(params) == "AutoencoderKL":
         from diffusers import AutoencoderKL
-        model = AutoencoderKL(**diffusers_config(params, resolution, scaling_factor, shift_factor, latents_mean,
-                                                 latents_std))
+        model = AutoencoderKL(**with_source_config(diffusers_config(
+            params, resolution, scaling_factor, shift_factor, latents_mean, latents_std), source_config, AutoencoderKL))
     else:
-        model = flux2_model(params, resolution)
+        model = flux2_model(params, resolution, source_config)
         if params.latent_bn:
             if (scaling_factor, shift_factor, latents_mean, latents_std) != (1.0, 0.0, None, None):
                 raise ValueError("a VAE with FLUX.2's bn statistics normalises its latents by them: AutoencoderKLFlux2 "
@@ -114,15 +147,17 @@ def export_diffusers(vae: AutoEncoder, out_dir: str, resolution: int, scaling_fa
             model.register_to_config(scaling_factor=scaling_factor, shift_factor=shift_factor,
                                      latents_mean=None if latents_mean is None else list(latents_mean),
                                      latents_std=None if latents_std is None else list(latents_std),
-                                     force_upcast=True)
+                                     force_upcast=(source_config or {}).get("force_upcast", True))
+    keep_source_extras(model, source_config)
     model.load_state_dict(state, strict=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     honour_umask(os.path.join(out_dir, DIFFUSERS_WEIGHTS))
 
 
-def flux2_model(params, resolution: int):
-    """diffusers' AutoencoderKLFlux2 for `params`; ConfigError (one line) where the installed diffusers lacks it or,
-    for a narrower decoder, its decoder_block_out_channels (diffusers 0.38)."""
+def flux2_model(params, resolution: int, source_config: dict | None = None):
+    """diffusers' AutoencoderKLFlux2 for `params` (over the source folder's config: with_source_config); ConfigError
+    (one line) where the installed diffusers lacks it or, for a narrower decoder, its decoder_block_out_channels
+    (diffusers 0.38)."""
     import inspect
     try:
         from diffusers import AutoencoderKLFlux2
@@ -135,7 +170,7 @@ def flux2_model(params, resolution: int):
             raise ConfigError("a decoder narrower than the encoder needs AutoencoderKLFlux2's "
                               "decoder_block_out_channels: pip install 'diffusers>=0.38'")
         del config["decoder_block_out_channels"]
-    return AutoencoderKLFlux2(**config)
+    return AutoencoderKLFlux2(**with_source_config(config, source_config, AutoencoderKLFlux2))
 
 
 def export_single_file(vae: AutoEncoder, out_dir: str, scaling_factor: float | None = None,
@@ -150,6 +185,16 @@ def export_single_file(vae: AutoEncoder, out_dir: str, scaling_factor: float | N
     metadata = {"format": "pt"}  # the factors ride along as metadata for the reader's information
     metadata.update({k: str(v) for k, v in (("scaling_factor", scaling_factor), ("shift_factor", shift_factor))
                      if v is not None})
+    # what the layout cannot hold, for --init_from, evaluate.py and export.py to read back (pretrained.py)
+    recorded = {name: getattr(vae.params, name) for name in pretrained.SINGLE_FILE_ASSUMED
+                if vae.params.latent_bn or not name.startswith("latent_bn")}
+    metadata.update({k: str(v) for k, v in recorded.items()})
+    unusual = [f"{k} {v}" for k, v in recorded.items() if v != pretrained.SINGLE_FILE_ASSUMED[k]]
+    if unusual:
+        assumed = ", ".join(f"{k.split()[0]} {pretrained.SINGLE_FILE_ASSUMED[k.split()[0]]}" for k in unusual)
+        print(f"warning: {SINGLE_FILE_WEIGHTS} records {', '.join(unusual)} in its metadata, which only this trainer "
+              f"reads: BFL's and diffusers' single-file loaders assume {assumed}, another model; --format diffusers "
+              "carries them for every reader", file=sys.stderr)
     save_file(pretrained.single_file_state_dict(vae), path, metadata=metadata)
     honour_umask(path)
     return path
@@ -213,7 +258,8 @@ def export_safetensors(vae: AutoEncoder, out_dir: str, resolution: int | None, s
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="run directory (its latest readable checkpoint), checkpoint file, "
-                                                 "or an export.py folder (either format)")
+                                                 "an export.py folder (either format) or single file (with "
+                                                 "--resolution)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--format", default="diffusers", choices=("diffusers", "safetensors", "single_file"),
                    help="diffusers: AutoencoderKL folder; safetensors: ae.py weights + config.json (load_autoencoder); "
@@ -239,6 +285,26 @@ def check_data_and_out(args) -> None:
         data_lib.probe_remote_shards(data_lib.list_shards(args.dataset_url))
     if os.path.isfile(args.out):
         raise ConfigError(f"--out {args.out} is a file")
+
+
+def source_config(args, info: dict) -> dict | None:
+    """The diffusers config.json of the folder the checkpoint's run started from: recorded in the run (runs since
+    issue 31), else read from the folder if it is still there, else None (the export writes its own). Its
+    sample_size (diffusers' tile size: 1024 for FLUX.2, not a 256 px training crop) is kept unless --resolution
+    is given."""
+    source, config = info.get("init_source") or {}, None
+    path = os.path.join(source.get("path") or "", "config.json")
+    if source.get("config"):
+        config = source["config"]
+    elif source.get("layout") == "diffusers" and os.path.isfile(path):
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            config = None
+    if config and args.resolution:
+        config = {k: v for k, v in config.items() if k != "sample_size"}
+    return config
 
 
 def export_summary(args, info: dict, resolution: int) -> dict:
@@ -272,7 +338,7 @@ def export_latent_bn(args, vae: AutoEncoder, info: dict, resolution: int) -> int
                   "they describe the latents of the encoder it started from: give --dataset_url to re-estimate them",
                   file=sys.stderr)
         if args.format == "diffusers":
-            export_diffusers(vae, args.out, resolution)
+            export_diffusers(vae, args.out, resolution, source_config=source_config(args, info))
         elif args.format == "single_file":
             summary["file"] = export_single_file(vae, args.out)
         else:
@@ -345,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--latent_stats_images and --batch_size must be positive")
         vae, info = load_model(args.ckpt, args.ema)
         resolution = args.resolution or info["resolution"]
+        if resolution is None:
+            raise ConfigError(f"--ckpt {args.ckpt} does not record the size it was trained at: give --resolution")
         if not resolution or resolution % vae.downsample_factor:
             raise ConfigError(f"--resolution must be a positive multiple of {vae.downsample_factor}, got {resolution}")
         if isinstance(vae, qwen_ae.WanImageAutoEncoder):
@@ -385,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("note: no --scaling_factor/--shift_factor or --dataset_url: writing scaling_factor 1.0 and "
                       "shift_factor 0.0 (compute them with evaluate.py --latent_stats)", file=sys.stderr)
         if args.format == "diffusers":
-            export_diffusers(vae, args.out, resolution, scale, shift, latents_mean, latents_std)
+            export_diffusers(vae, args.out, resolution, scale, shift, latents_mean, latents_std,
+                             source_config(args, info))
         elif args.format == "single_file":
             summary["file"] = export_single_file(vae, args.out, scale, shift)
         else:

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 import qwen_ae
-from ae import AutoEncoder, AutoEncoderParams
+from ae import AutoEncoder, AutoEncoderParams, check_widths
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_WEIGHTS_BIN = "diffusion_pytorch_model.bin"
@@ -81,11 +81,12 @@ class Source:
     # FLUX.2's bn statistics are not factors: they are in `state` (bn.running_mean / bn.running_var) and `params`
     prefix: str = ""  # the VAE keys' prefix in a full checkpoint
     notes: list[str] = field(default_factory=list)
+    config: dict | None = None  # a diffusers folder's config.json: an export of the run starts from it
 
     def describe(self) -> dict:
         """What a run records about where its weights came from (config.json, checkpoints, export)."""
         return {"path": self.path, "layout": self.layout, "family": self.family, "prefix": self.prefix,
-                **self.factors}
+                **self.factors, **({"config": self.config} if self.config is not None else {})}
 
 
 # ============================================================================================
@@ -404,6 +405,45 @@ def _check_family(family: str, params: AutoEncoderParams, path: str, given: bool
                           f"{params.z_channels}")
 
 
+# What the LDM/FLUX single-file layout cannot hold (no config travels with it): the GroupNorm group count and
+# FLUX.2's bn eps and momentum. export.py writes them into the file's safetensors metadata, which this loader reads;
+# other loaders (BFL's, diffusers' from_single_file) assume these defaults.
+SINGLE_FILE_ASSUMED = {"norm_groups": 32, "latent_bn_eps": 1e-4, "latent_bn_momentum": 0.1}
+
+
+def single_file_metadata(path: str) -> dict[str, str]:
+    """The safetensors metadata of a file ({} for a PyTorch file or none)."""
+    if not path.endswith(".safetensors"):
+        return {}
+    try:
+        from safetensors import safe_open
+        with safe_open(path, "pt") as f:
+            return dict(f.metadata() or {})
+    except Exception:
+        return {}
+
+
+def _with_recorded_fields(params: AutoEncoderParams, path: str, notes: list[str]) -> AutoEncoderParams:
+    """params with what the file's metadata records of SINGLE_FILE_ASSUMED; a note names what had to be assumed."""
+    recorded = single_file_metadata(path)
+    values, assumed = {}, []
+    for name, default in SINGLE_FILE_ASSUMED.items():
+        if name.startswith("latent_bn") and not params.latent_bn:
+            continue
+        if name in recorded:
+            try:
+                values[name] = type(default)(recorded[name])
+                continue
+            except ValueError:
+                pass
+        assumed.append(f"{name} {default}")
+    if assumed:
+        notes.append(f"{os.path.basename(path)} does not record {', '.join(a.split()[0] for a in assumed)}: assumed "
+                     f"{', '.join(assumed)} (every released FLUX/SD VAE's; a file exported by this trainer records "
+                     "them)")
+    return replace(params, **values)
+
+
 def _load_single_file(path: str, family: str) -> Source:
     full = _read_file(path)
     # diffusers' names (AutoencoderKL's and the Wan family's) have an encoder.conv_in.weight too: told apart first
@@ -420,8 +460,13 @@ def _load_single_file(path: str, family: str) -> Source:
                           f"{' / '.join(LDM_PREFIXES)} prefix; its first key is {example!r}): not a VAE of the "
                           "FLUX/SD family")
     state = from_bfl_names({k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)} if prefix else full)
-    params = params_from_ldm_state(state, path)
     notes: list[str] = []
+    params = _with_recorded_fields(params_from_ldm_state(state, path), path, notes)
+    try:
+        check_widths(params)
+    except ValueError as e:
+        raise SourceError(f"{path}: {e}" + ("" if "norm_groups" in single_file_metadata(path) else
+                                           " (the file does not record its group count: 32 was assumed)")) from None
     given = family != "auto"
     if not given:
         family = _single_file_family(full, prefix, params.z_channels, notes, params.latent_bn)
@@ -471,7 +516,9 @@ def _load_diffusers_folder(path: str, family: str) -> Source:
     if family != "auto":
         notes.append(f"--init_family {family} ignored: the diffusers config carries the latent factors"
                      + (" (FLUX.2's bn statistics, in its weights)" if latent_bn else ""))
-    return Source(path, "diffusers", "flux2" if latent_bn else "", params, ours, factors, "", notes)
+    kept = {k: v for k, v in config.items() if not k.startswith("_")}  # (_diffusers_version, _name_or_path)
+    return Source(path, "diffusers", "flux2" if latent_bn else "", params, ours, factors, "", notes,
+                  {"_class_name": class_name, **kept})
 
 
 def params_from_dict(d: dict) -> AutoEncoderParams | qwen_ae.WanImageParams:

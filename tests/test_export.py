@@ -333,3 +333,23 @@ def test_per_channel_normalisation_needs_the_statistics_and_a_config(tmp_path, c
         assert export.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "o"), *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_a_diffusers_export_starts_from_its_source_config(tmp_path):
+    """Issue 31 item 4 for AutoencoderKL: an export of a run from a diffusers folder keeps what training does not
+    change (sample_size, which diffusers' tiling reads; force_upcast; options this trainer does not write) and
+    writes what it may change (the factors, the architecture) as the model has them."""
+    params = CONFIGS["learned_attn_3_levels"]
+    vae = make_vae(params)
+    source_config = {"_class_name": "AutoencoderKL", "sample_size": 512, "force_upcast": False,
+                     "scaling_factor": 0.5, "shift_factor": 0.1, "norm_num_groups": 16, "block_out_channels": [1]}
+    export.export_diffusers(vae, str(tmp_path / "out"), 32, scaling_factor=0.25, shift_factor=0.0,
+                            source_config=source_config)
+    with open(tmp_path / "out" / "config.json") as f:
+        written = json.load(f)
+    assert (written["sample_size"], written["force_upcast"]) == (512, False)
+    assert (written["scaling_factor"], written["shift_factor"]) == (0.25, 0.0)
+    assert written["norm_num_groups"] == params.norm_groups and written["block_out_channels"] == [32, 32, 64]
+    export.export_diffusers(vae, str(tmp_path / "plain"), 32)  # no source: what this trainer writes
+    with open(tmp_path / "plain" / "config.json") as f:
+        assert json.load(f)["sample_size"] == 32

@@ -307,6 +307,67 @@ def test_flux2_decoder_only_fine_tune_under_torchrun_keeps_its_latent_space_bitw
     assert_computes_like(ours, exported)
 
 
+@pytest.mark.timeout(300)
+def test_an_export_keeps_the_source_config_and_a_single_file_its_architecture(tmp_path, shard_url, capsys,
+                                                                             monkeypatch):
+    """Issue 31 items 4 and 6, on an AutoencoderKLFlux2 of unusual settings (8 GroupNorm groups, bn eps 1e-3 and
+    momentum 0.05, sample_size 1024, and force_upcast in its config, which the class does not take), fine-tuned
+    decoder-only. Its diffusers export starts from the source's config: sample_size stays 1024 (not the 64 px
+    crop: diffusers' tiling reads it), force_upcast and the bn momentum stay, the bn eps and the groups are the
+    model's. Its single file records the group count and the bn eps in its metadata, with a one-line warning that
+    other loaders assume 32 and 1e-4; read back by --init_from it is the same model (before: 32 groups, without a
+    word), and evaluate.py takes it. A file that does not record them says what was assumed."""
+    import evaluate
+    import vae_trainer
+    from diffusers import AutoencoderKLFlux2
+    torch.manual_seed(0)
+    unusual = dict(FLUX2, norm_num_groups=8, batch_norm_eps=1e-3, batch_norm_momentum=0.05, sample_size=1024)
+    source_model = AutoencoderKLFlux2(**unusual).eval()
+    perturb_norms(source_model)
+    random_bn(source_model.bn)
+    source_model.register_to_config(force_upcast=False)
+    source_model.save_pretrained(tmp_path / "flux2")
+    source = pretrained.load_source(str(tmp_path / "flux2"))
+    assert (source.params.norm_groups, source.params.latent_bn_eps) == (8, 1e-3)
+    runs = tmp_path / "runs"
+    monkeypatch.chdir(tmp_path)
+    assert vae_trainer.main(trainer_args(tmp_path / "flux2", shard_url, runs, "ft", "--train_parts", "decoder",
+                                         "--num_workers", "0")) == 0
+    ckpt = final_checkpoint(runs, "ft")
+    assert ckpt["run"]["init_source"]["config"]["sample_size"] == 1024  # recorded: the folder may move
+
+    assert export.main(["--ckpt", str(runs / "ft"), "--out", str(tmp_path / "diffusers")]) == 0
+    with open(tmp_path / "diffusers" / "config.json") as f:
+        written = json.load(f)
+    assert written["sample_size"] == 1024 and written["force_upcast"] is False
+    assert (written["norm_num_groups"], written["batch_norm_eps"], written["batch_norm_momentum"]) == (8, 1e-3, 0.05)
+    ours = AutoEncoder(source.params)
+    ours.load_state_dict(ckpt["training"]["vae"])
+    assert_computes_like(ours, load_flux2(tmp_path / "diffusers"))
+
+    capsys.readouterr()
+    assert export.main(["--ckpt", str(runs / "ft"), "--out", str(tmp_path / "single"), "--format",
+                        "single_file"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "norm_groups 8" in warnings[0] and "latent_bn_eps 0.001" in warnings[0], warnings
+    path = str(tmp_path / "single" / "ae.safetensors")
+    assert pretrained.single_file_metadata(path)["norm_groups"] == "8"
+    back = pretrained.load_source(path)
+    assert (back.params.norm_groups, back.params.latent_bn_eps) == (8, 1e-3) and back.notes == []
+    again = AutoEncoder(back.params)
+    again.load_state_dict(back.state)
+    assert_computes_like(again, load_flux2(tmp_path / "diffusers"))
+    assert evaluate.main(["--ckpt", path, "--dataset_url", shard_url, "--resolution", "64", "--vgg16_weights", "random",
+                          "--inception_weights", "none", "--max_images", "2", "--batch_size", "2"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["psnr"] > 0
+    assert evaluate.main(["--ckpt", path, "--dataset_url", shard_url]) == 2  # no size recorded: one line
+    assert "give --resolution" in capsys.readouterr().err
+
+    bfl = bfl_single_file(tmp_path)  # BFL's own file: no metadata
+    assert any("does not record norm_groups, latent_bn_eps, latent_bn_momentum: assumed norm_groups 32" in note
+               for note in pretrained.load_source(bfl).notes)
+
+
 def test_a_narrower_decoder_distilled_from_the_released_one_trains_and_exports(tmp_path, shard_url, capsys):
     """--vae_decoder_ch (BFL's small decoder, at this test's width) with --distill_weight: the decoder starts fresh
     behind the released encoder, the teacher term (loss/distill) is logged and counted, the encoder and bn stay the
