@@ -427,8 +427,6 @@ class Trainer:
             if any_rank(batches is None, info):  # agreed before the step, whose collectives a save would cross
                 return stop_without_batches(self, position, data_error, last_saved)
             rng = capture_rng(self.device)  # (microseconds) what a checkpoint of an abandoned step must hold
-            if self.adversary is not None:
-                self.adversary.step_began()
             try:
                 self.train_step(batches)
             except torch.OutOfMemoryError as e:
@@ -574,13 +572,15 @@ def said_compile_time(trainer: Trainer, t_start: float, steps_since: int) -> boo
 
 def before_step(trainer: Trainer) -> None:
     """Before each step: its size in the metrics (--train_resolutions: metrics.jsonl's train/resolution is each
-    window's mean size), and the last stage's freeze when its first step has come (a resumed run: before its first
-    step)."""
+    window's mean size), the last stage's freeze when its first step has come (a resumed run: before its first
+    step), and the critic's buffers as the step finds them (Adversary.step_began)."""
     if trainer.cfg.data.train_resolutions:
         size = trainer.schedule.size_at(trainer.step)
         trainer.metrics.add(**{"train/resolution": torch.full((), float(size), device=trainer.device)})
     if trainer.last_stage is not None and trainer.step >= trainer.last_stage[0]:
         enter_last_stage(trainer)
+    if trainer.adversary is not None:
+        trainer.adversary.step_began()  # what its forward passes move, for a step abandoned midway
 
 
 def enter_last_stage(trainer: Trainer) -> None:

@@ -28,6 +28,19 @@ TINY = ["--vae_ch", "32", "--vae_ch_mult", "1,2,2", "--vae_num_res_blocks", "1",
         "--warmup_steps", "2"]
 
 
+# The timeout marks exist to catch hangs, not to time: each is about twice its test's time on an idle 2-core
+# machine, and every mark is stretched by this factor, so that a machine under a load of 3 (which made the suite
+# take 80 minutes instead of 14) still finishes every test that does not hang. VAE_TEST_TIMEOUT_SCALE overrides it.
+TIMEOUT_SCALE = float(os.environ.get("VAE_TEST_TIMEOUT_SCALE", "4"))
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        if mark is not None and mark.args:
+            item.add_marker(pytest.mark.timeout(mark.args[0] * TIMEOUT_SCALE), append=False)
+
+
 @pytest.fixture(scope="session")
 def photos_dir(tmp_path_factory) -> str:
     """A folder of real photos: RGB PNG/JPEG, grayscale, RGBA."""

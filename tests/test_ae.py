@@ -273,7 +273,11 @@ def test_clamp_th_bounds_posterior_mean():
 # --------------------------------------------------------------------------------------------
 # GroupNorm32
 # --------------------------------------------------------------------------------------------
-def test_groupnorm32_fp32_under_bf16_autocast():
+def test_groupnorm32_statistics_are_fp32_under_bf16_autocast():
+    """Under bf16 autocast GroupNorm32 hands the bf16 activation to the kernel with gamma and beta in bf16 (no
+    fp32 copy of the activation: issue 30); the kernel accumulates the statistics in fp32, so the result is the
+    fp32 GroupNorm's within bf16 rounding even where the mean is 8x the spread (tests/test_copies.py bounds it
+    elementwise against fp64). An fp32 input is normalised in fp32."""
     torch.manual_seed(0)
     norm = GroupNorm32(num_groups=4, num_channels=16, eps=1e-6)
     with torch.no_grad():
@@ -285,13 +289,12 @@ def test_groupnorm32_fp32_under_bf16_autocast():
         out = norm(x)
         out_fp32_input = norm(x.float())
     assert out.dtype == torch.bfloat16
-    # the kernel itself computes on fp32 tensors (a plain nn.GroupNorm gets bf16 here: CPU autocast leaves
-    # group_norm in the input's dtype, CUDA autocast would return fp32 instead of the input's dtype)
-    assert {d for name, dtypes in ops.calls if name == "native_group_norm" for d in dtypes} == {torch.float32}
+    kernels = [dtypes for name, dtypes in ops.calls if name == "native_group_norm"]
+    assert kernels == [[torch.bfloat16] * 3, [torch.float32] * 3]  # the bf16 input as it is; the fp32 one in fp32
     assert out_fp32_input.dtype == torch.float32
     reference = F.group_norm(x.float(), 4, norm.weight, norm.bias, 1e-6)
-    # within bf16 rounding of the fp32 result (bf16 has 8 bits of mantissa)
-    torch.testing.assert_close(out.float(), reference, rtol=2 ** -8, atol=1e-2)
+    # within bf16 rounding of the fp32 result (bf16 has 8 bits of mantissa; gamma and beta rounded too)
+    torch.testing.assert_close(out.float(), reference, rtol=2 ** -7, atol=1e-2)
     torch.testing.assert_close(out_fp32_input, reference, rtol=1e-5, atol=1e-5)
 
 

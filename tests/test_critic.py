@@ -32,7 +32,13 @@ def images(n=2, size=64, seed=0):
 
 def test_lpips_features_are_the_critic_trunks_features(lpips_model, vgg_weights):
     """The same VGG16 cut at the same five relus: with LPIPS' scaling constants (its rounded -.030/.088/.188
-    differ from ImageNetScaling's 2 * mean - 1 by up to 3e-8) the critic's trunk gives the same tensors."""
+    differ from ImageNetScaling's 2 * mean - 1 by up to 3e-8) the critic's trunk gives the same tensors, bitwise.
+    With its own constants, close: the inputs differ by at most 3e-8 / 0.45 (7e-8, ~5e-8 of their norm); a
+    Kaiming-initialised conv-ReLU stack carries a perturbation's relative size through about unchanged, and the
+    different inputs round differently in each of the 13 convolutions (fp32, fan-in up to 4608: ~1e-6 of the norm
+    each at worst, 4e-6 over 13 as independent errors). So each feature map is within 1e-4 of LPIPS' in norm, 25x
+    that worst case (6e-7 measured): a bound on the arithmetic, not one CPU's kernels (an elementwise 1e-5 failed
+    on an AMD EPYC, at 2.6e-5 on features of size 20)."""
     critic = VGG16Discriminator(vgg_weights)
     x = images()
     with torch.no_grad():
@@ -52,7 +58,7 @@ def test_lpips_features_are_the_critic_trunks_features(lpips_model, vgg_weights)
     assert [f.shape[-1] for f in lpips_feats] == [64, 32, 16, 8, 4]
     for ours, theirs, near in zip(lpips_feats, same_feats, close_feats):
         assert torch.equal(ours, theirs)
-        torch.testing.assert_close(near, ours, rtol=1e-5, atol=1e-5)
+        assert (near - ours).norm() <= 1e-4 * ours.norm(), ((near - ours).norm() / ours.norm()).item()
     assert len(VGG16_SLICES) == len(lpips_feats)
 
 
