@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from common import first_line
 from utils import WeightsUnavailable, gradnorm, warn_random_weights
 
 # our --vf_model names -> timm's; timm builds each without a network
@@ -102,7 +103,7 @@ def build_foundation_net(model: str, weights: str, image_size: int) -> nn.Module
         timm.models.load_checkpoint(net, weights, strict=True)
     except RuntimeError as e:
         raise WeightsUnavailable(f"--vf_weights {weights} is not a {model} state dict "
-                                 f"({str(e).splitlines()[0][:200]})") from None
+                                 f"({first_line(e)})") from None
     return net
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ae import AutoEncoder, AutoEncoderParams
-from common import ConfigError, DistInfo, atomic_write
+from common import ConfigError, DistInfo, atomic_write, first_line
 from config import ARCH_FIELDS, LEGACY_ARCH, ModelConfig, RunConfig
 import qwen_ae
 from pretrained import DIFFUSERS_WEIGHTS, build_model, from_diffusers_state_dict, load_source, params_from_dict
@@ -242,7 +242,7 @@ def decide_resume(run: RunConfig, model: ModelConfig, log=print) -> tuple[tuple[
             found = (run.resume, load_checkpoint(run.resume))
         except Exception as e:
             raise ConfigError(f"--resume {run.resume}: unreadable checkpoint ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+                              f"{first_line(e)})") from None
     if found is not None and not check_compatible(model, run.force, found[1]["run"]["config"], found[0]):
         # --force with a checkpoint of another architecture: start from scratch (keeping the run's own aside)
         return None, set_aside or run.resume == "auto"
@@ -494,7 +494,7 @@ def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
             vae, config = load_diffusers_export(ckpt)  # diffusers keeps no step; sample_size is the resolution
             return vae, {"checkpoint": ckpt, "step": None, "resolution": config.get("sample_size")}
         except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
-            reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            reason = first_line(e) or type(e).__name__
             raise ConfigError(f"--ckpt {ckpt}: not a loadable export.py folder "
                               f"({type(e).__name__}: {reason})") from None
     if os.path.isfile(ckpt) and ckpt.endswith(".safetensors"):
@@ -524,7 +524,7 @@ def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
         vae = build_model(params_from_dict(run["model_params"]))
         vae.load_state_dict(trained_weights(state, ema))
     except (TypeError, ValueError, RuntimeError) as e:
-        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        reason = first_line(e) or type(e).__name__
         raise ConfigError(f"--ckpt {path}: weights do not fit its model_params ({reason})") from None
     config = run.get("config") or {}
     # where a fine-tune started (pretrained.Source.describe()) and what it trained: export keeps the source's

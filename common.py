@@ -28,6 +28,16 @@ class ConfigError(Exception):
     """A user error in flags or paths: printed as one `error:` line, before any process group exists."""
 
 
+def first_line(text, limit: int = 200) -> str:
+    """The first line of `text` (an exception's message), at most about `limit` characters, cut between words
+    with '...' where it is longer: for one-line errors that quote a library's message."""
+    line = str(text).strip().splitlines()[0] if str(text).strip() else ""
+    if len(line) <= limit:
+        return line
+    cut = line[:limit].rsplit(" ", 1)[0].rstrip(",;:")
+    return (cut if len(cut) > limit // 2 else line[:limit]) + "..."
+
+
 def parse_bool(s: str) -> bool:
     if s.lower() in ("1", "true", "yes", "on"):
         return True

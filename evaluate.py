@@ -34,7 +34,8 @@ import data as data_lib
 import latents as latents_lib
 from ae import AutoEncoder, patchify_latents
 from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
-from common import ConfigError, DistInfo, OneLineParser, closing_distributed, guard_console, init_distributed
+from common import (ConfigError, DistInfo, OneLineParser, closing_distributed, first_line, guard_console,
+                    init_distributed)
 from config import DataConfig, EvalConfig, eval_size_problem, eval_sizes, parse_sizes
 from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, fetch_weights,
                    hub_cache_path, load_vgg16_features, warn_random_vgg, warn_random_weights)
@@ -196,7 +197,7 @@ def load_inception(path: str | None) -> nn.Module:
             return FeatureExtractorInceptionV3("inception-v3-compat", [str(FID_DIM)],
                                                feature_extractor_weights_path=path)
         except RuntimeError as e:  # load_state_dict: missing/unexpected keys
-            raise WeightsUnavailable(f"{path}: not the FID Inception-v3 ({str(e).splitlines()[0][:120]})") from None
+            raise WeightsUnavailable(f"{path}: not the FID Inception-v3 ({first_line(e)})") from None
 
 
 def metric_networks(vgg16_spec: str, inception_spec: str, device: torch.device, local_rank: int = 0,

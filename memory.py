@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ae import GRAD_CHECKPOINTING
+from common import first_line
 
 GIB = 1024 ** 3
 BACKWARD_TENSORS = 4
@@ -146,18 +147,28 @@ def model_bytes(vae: nn.Module) -> int:
 
 def estimate_step_memory(vae: nn.Module, objective, shape: StepShape, ema: bool = True,
                          probe_resolutions: tuple[int, int] | None = None, model: nn.Module | None = None,
-                         regularisers=None, eval_copy: bool = False, probe_copy: bool = False) -> StepMemory:
+                         regularisers=None, eval_copy: bool = False, probe_copy: bool = False,
+                         probes: dict | None = None) -> StepMemory:
     """A training run's peak memory for `shape`, from two probes of one image each (default: 64 and 128 px,
     the smaller of them capped at the real resolution) extrapolated linearly in pixels and batch size.
     `vae`: the AutoEncoder (its trainable parameters are the ones with requires_grad); `objective`: the
     VAEObjective with the loss networks that are on; `model`, `regularisers`: probe_activation_bytes'. A frozen part
     (requires_grad off, as --train_parts decoder leaves the encoder) saves nothing for backward and holds no gradient
     or optimizer state, so it is estimated as the trainer will run it. `eval_copy`: evaluation keeps a copy of the
-    VAE for its EMA weights (evaluation and EMA on); `probe_copy`: the in-loop probe copies the VAE between steps."""
+    VAE for its EMA weights (evaluation and EMA on); `probe_copy`: the in-loop probe copies the VAE between steps.
+    `probes`: a dict that keeps the probes' results across calls (they depend on the precision, the checkpointing
+    and the probe sizes only: another batch size or resolution is the same probes extrapolated)."""
     r1, r2 = probe_resolutions or (min(64, shape.resolution), min(128, shape.resolution))
-    a1, largest = probe_activation_bytes(vae, objective, shape, 1, r1, model=model, regularisers=regularisers)
-    if r2 != r1:  # (a step at most 64 px is probed once, at its own size)
-        a2, largest = probe_activation_bytes(vae, objective, shape, 1, r2, model=model, regularisers=regularisers)
+    key = (shape.precision, shape.grad_checkpointing, r1, r2)
+    if probes is not None and key in probes:
+        a1, a2, largest = probes[key]
+    else:
+        a1, largest = probe_activation_bytes(vae, objective, shape, 1, r1, model=model, regularisers=regularisers)
+        a2 = a1
+        if r2 != r1:  # (a step at most 64 px is probed once, at its own size)
+            a2, largest = probe_activation_bytes(vae, objective, shape, 1, r2, model=model, regularisers=regularisers)
+        if probes is not None:
+            probes[key] = (a1, a2, largest)
     slope = (a2 - a1) / (r2 ** 2 - r1 ** 2) if r2 != r1 else a1 / r1 ** 2  # bytes per pixel of an image
     per_image = a1 + slope * (shape.resolution ** 2 - r1 ** 2)
     # Backward holds, beside what was saved, the gradients of the tensors it is working through (and, under
@@ -271,7 +282,7 @@ def out_of_memory_message(error: BaseException, shape: StepShape, step: int) -> 
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     flags = ", ".join(f for f, _ in remedies(shape)) or "a smaller --vae_resolution"
     return (f"out of GPU memory at step {step} with batch {shape.batch_size} x {shape.resolution} px{held}: "
-            f"{first[:160]}; these help: {flags}")
+            f"{first_line(first)}; these help: {flags}")
 
 
 def rss_bytes() -> int:
@@ -315,14 +326,28 @@ def check_before_training(vae: nn.Module, objective, shape: StepShape | list[Ste
     estimate exceeds the available memory by more than its own error (REFUSE_ABOVE: the run would die).
     `shape`: a step's, or several (StepShape.to_check: the sizes of --train_resolutions), of which the one that
     needs the most is judged. `features`: estimate_step_memory's model, regularisers, eval_copy and probe_copy."""
+    probes: dict = {}
+
     def estimate(s: StepShape) -> StepMemory:
-        return estimate_step_memory(vae, objective, s, ema, **features)
+        return estimate_step_memory(vae, objective, s, ema, probes=probes, **features)
+
+    def remedy_estimate(s: StepShape) -> StepMemory:
+        """What a remedy would need, for the message only: probed at a quarter of the pixels (32 and 64 px), so
+        that naming the flags that help costs less than judging the step (a remedy that only halves the batch
+        reuses the step's probes)."""
+        if (s.precision, s.grad_checkpointing) == (judged.precision, judged.grad_checkpointing):
+            return estimate(s)
+        sizes = (min(REMEDY_PROBES[0], s.resolution), min(REMEDY_PROBES[1], s.resolution))
+        return estimate_step_memory(vae, objective, s, ema, probe_resolutions=sizes, probes=probes, **features)
     shapes = shape if isinstance(shape, list) else [shape]
     with _training_state_untouched(vae, objective):
-        needed, shape = max(((estimate(s), s) for s in shapes), key=lambda pair: pair[0].total)
+        needed, judged = max(((estimate(s), s) for s in shapes), key=lambda pair: pair[0].total)
         available = available_memory(device)
-        line = fit_message(needed, available, shape, estimate)
+        line = fit_message(needed, available, judged, remedy_estimate)
     return line, line is not None and needed.total > REFUSE_ABOVE * available[0]
+
+
+REMEDY_PROBES = (32, 64)  # the probe sizes of a remedy's estimate (check_before_training)
 
 
 def check_every_rank(vae: nn.Module, objective, shape: StepShape | list[StepShape], device, ema: bool, group=None,

@@ -40,6 +40,7 @@ from torch import Tensor
 
 import qwen_ae
 from ae import AutoEncoder, AutoEncoderParams, check_widths
+from common import first_line
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_WEIGHTS_BIN = "diffusion_pytorch_model.bin"
@@ -358,7 +359,7 @@ def _read_file(path: str) -> dict[str, Tensor]:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)  # never runs code from the file
     except Exception as e:
-        reason = str(e).splitlines()[0][:120] if str(e) else ""
+        reason = first_line(e)
         raise SourceError(f"{path}: unreadable ({type(e).__name__}{': ' + reason if reason else ''}): truncated, "
                           "or not a .safetensors / PyTorch file") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
@@ -487,7 +488,12 @@ def _load_diffusers_folder(path: str, family: str) -> Source:
     if not os.path.isfile(config_path):
         if os.path.isfile(os.path.join(path, "vae", "config.json")):  # a whole pipeline (model_index.json)
             raise SourceError(f"{path}: a pipeline folder: give its VAE, {os.path.join(path, 'vae')}")
-        raise SourceError(f"{path}: a folder without config.json: not a diffusers AutoencoderKL folder")
+        if os.path.isfile(os.path.join(path, "model_index.json")):  # a pipeline whose vae/ is not (all) here
+            raise SourceError(f"{path}: a diffusers pipeline folder (model_index.json): its VAE is the vae/ subfolder, "
+                              f"{os.path.join(path, 'vae')}, which holds no config.json here (download the VAE too: "
+                              "huggingface-cli download REPO --include 'vae/*')")
+        raise SourceError(f"{path}: a folder without config.json: not a diffusers AutoencoderKL folder (a "
+                          "pipeline's VAE is its vae/ subfolder)")
     try:
         with open(config_path) as f:
             config = json.load(f)

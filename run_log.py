@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import data as data_lib
 import plots
-from common import DistInfo, atomic_write, console_lost
+from common import DistInfo, atomic_write, console_lost, first_line
 from config import DataConfig, RunConfig
 
 
@@ -72,14 +72,15 @@ class Metrics:
 
 class CollapseTracker:
     """Warns once per episode (until the condition clears) on posterior collapse, exploding latents and
-    a discriminator that has won."""
+    a discriminator that has won. `encoder_trains` False (--train_parts decoder): the latent is the frozen
+    source's, which no KL weight moves, so its collapse is not warned about."""
 
-    def __init__(self, log):
-        self.log, self.active = log, set()
+    def __init__(self, log, encoder_trains: bool = True):
+        self.log, self.active, self.encoder_trains = log, set(), encoder_trains
 
     def check(self, m: dict, step: int, gan_active: bool = True) -> None:
         conditions = {
-            "posterior_collapse": (m.get("latent/collapsed_fraction", 0) >= 0.5,
+            "posterior_collapse": (self.encoder_trains and m.get("latent/collapsed_fraction", 0) >= 0.5,
                                    f"{m.get('latent/collapsed_fraction', 0):.0%} of latent channels carry no signal "
                                    "above the posterior noise (posterior collapse): lower --kl_weight"),
             "exploding_latents": (m.get("latent/abs_max", 0) > 1e3 or not math.isfinite(m.get("latent/std", 0)),
@@ -200,7 +201,7 @@ def init_wandb(run: RunConfig, config: dict, log=print):
         return wandb.init(project=project, name=name, id=run_id, resume="allow", dir=run_dir, mode=mode,
                           config=config, settings=wandb.Settings(init_timeout=60, silent=True))
     except Exception as e:  # wandb must never stop or block a run
-        log(f"warning: wandb unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
+        log(f"warning: wandb unavailable ({type(e).__name__}: {first_line(e)}); "
             "logging to stdout and metrics.jsonl only")
         return None
 
@@ -251,7 +252,7 @@ class Reporter:
     writes; the others call the same methods and write nothing (the warnings' tracker prints through `log`)."""
 
     def __init__(self, run: RunConfig, data: DataConfig, info: DistInfo, *, max_steps: int, grad_accum: int = 1,
-                 gan: bool = False, channels_last: bool = True, wandb_run=None):
+                 gan: bool = False, channels_last: bool = True, wandb_run=None, encoder_trains: bool = True):
         """`run`: where and how often; `data`: the images of the sample grids (the first --num_samples of the test
         set, else the training set), their size, and the batch (with `grad_accum` and the ranks: img/s)."""
         self.run, self.info, self.is_main, self.run_dir = run, info, info.is_main, run.run_dir
@@ -260,7 +261,7 @@ class Reporter:
         self.images_per_step = data.batch_size * grad_accum * info.world_size
         self.sample_dir = os.path.join(self.run_dir, "samples")
         self.wandb = wandb_run
-        self.tracker = CollapseTracker(self.log)
+        self.tracker = CollapseTracker(self.log, encoder_trains)
         self.sample_images = fixed_sample_images(data, run.num_samples) if info.is_main else None
         self.curves_failed = False  # said once; the run goes on without curves.png
         # the first plot a minute into the run, not at its first checkpoint: a short run (a test, a smoke run)
@@ -317,7 +318,7 @@ class Reporter:
             plots.plot_metrics(self.run_dir)
         except Exception as e:
             self.curves_failed = True
-            self.log(f"warning: curves.png not written ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+            self.log(f"warning: curves.png not written ({type(e).__name__}: {first_line(e)}); "
                      "training goes on")
 
     def log(self, msg: str) -> None:

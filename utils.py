@@ -118,8 +118,9 @@ def ensure_vgg16_weights(spec: str, download: bool = True) -> str | None:
     """`--vgg16_weights`: torchvision's pretrained VGG16 (its cache), a local state dict, or random."""
     return ensure_weights(spec, flag="--vgg16_weights", url=VGG16_URL, what="pretrained VGG16", download=download,
                           hash_prefix="397923af",  # torchvision names its files by their sha256 prefix
-                          without="train offline on the pixel losses alone (--perceptual_weight 0 and no VGG16 "
-                                  "critic, as --demo does without them)")
+                          without="train without them: --perceptual_weight 0 (LPIPS off, a fine-tune's too) and, "
+                                  "with --do_ganloss, --discriminator patchgan (a critic that needs no pretrained "
+                                  "weights), as --demo does without them")
 
 
 def fetch_weights(ensure, spec: str, local_rank: int = 0, group=None) -> str | None:

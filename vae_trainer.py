@@ -280,8 +280,7 @@ class Trainer:
         # the VAE's memory format and the loss networks' (--channels_last; auto: per device, config.SpeedConfig)
         self.memory_format, self.loss_memory_format = cfg.speed.memory_formats(self.device.type)
         self.channels_last = self.memory_format == torch.channels_last
-        self.step = 0
-        self.eval_on = bool(cfg.data.test_dataset_url and cfg.eval.evaluate_every_n_steps)
+        self.step, self.eval_on = 0, bool(cfg.data.test_dataset_url and cfg.eval.evaluate_every_n_steps)
         self.created_run_dir = False  # by this run (rank 0, once every check that can refuse the run passed)
         set_cuda_backends(cfg.speed, self.device)
 
@@ -348,7 +347,8 @@ class Trainer:
         self.metrics = Metrics()
         # reads the grids' images: a bad set refuses here
         self.report = run_log.Reporter(cfg.run, cfg.data, info, max_steps=max_steps, grad_accum=cfg.optim.grad_accum,
-                                       gan=cfg.critic.do_ganloss, channels_last=self.channels_last)
+                                       gan=cfg.critic.do_ganloss, channels_last=self.channels_last,
+                                       encoder_trains=self.training.train_parts != "decoder")
         if info.is_main:
             config = {**public_config(cfg), **({"init_source": self.init_source} if self.init_source else {}),
                       **({"derived": self.derived} if self.derived is not None else {})}

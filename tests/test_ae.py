@@ -421,3 +421,32 @@ def test_decoder_hr_with_two_levels():
     model = tiny_model(ch_mult=(2,))
     model.set_grad_checkpointing("decoder_hr")
     assert model.decoder.checkpoint_levels == {0}
+
+
+def test_one_line_errors_quote_a_message_up_to_a_whole_word():
+    """Issue 31 item 7: an unreadable --init_from file's error was cut mid-word at 120 characters."""
+    from common import first_line
+    message = "Error while deserializing header: header too large: the file is truncated or not a safetensors " \
+              "file at all, which happens when a download stops early\nsecond line"
+    cut = first_line(message, 100)
+    assert cut.endswith("...") and len(cut) <= 103 and message.startswith(cut[:-3])
+    assert message[len(cut) - 3] == " "  # cut before a word, never inside one
+    assert first_line("short\nmore") == "short" and first_line("") == ""
+
+
+def test_init_from_errors_name_what_to_give(tmp_path):
+    """An unreadable file's error ends on a whole word; a pipeline's root names its vae/ subfolder, also when the
+    VAE was not downloaded with it."""
+    import pretrained
+    bad = tmp_path / "ae.safetensors"
+    bad.write_bytes(b"\xff" * 64)
+    with pytest.raises(pretrained.SourceError) as e:
+        pretrained.load_source(str(bad))
+    assert "unreadable" in str(e.value) and "\n" not in str(e.value)
+    pipeline = tmp_path / "pipeline"
+    pipeline.mkdir()
+    (pipeline / "model_index.json").write_text("{}")
+    with pytest.raises(pretrained.SourceError, match=r"its VAE is the vae/ subfolder, .*pipeline/vae"):
+        pretrained.load_source(str(pipeline))
+    with pytest.raises(pretrained.SourceError, match="a pipeline's VAE is its vae/ subfolder"):
+        pretrained.load_source(str(tmp_path))

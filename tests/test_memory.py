@@ -202,3 +202,25 @@ def test_the_trainer_estimates_the_step_it_will_run(shard_url, tmp_path, monkeyp
         assert seen["shape"] == [memory.StepShape(2, 64, 2, "fp32", "none")]
     finally:
         trainer.close()
+
+
+def test_a_refusal_probes_the_remedies_small_and_once(monkeypatch):
+    """Issue 31 item 7: a step that clearly will not fit was refused only after probing every remedy at the step's
+    probe sizes (1 min 43 s before the line came, for an estimate of 612 GiB). The step is judged on its two probes
+    (64 and 128 px); the remedies, which only the message needs, are probed at 32 and 64 px, and halving the batch
+    reuses the step's probes: the pixels probed for the whole verdict stay within twice the step's own."""
+    vae, objective = build()
+    probed = []
+    real = memory.probe_activation_bytes
+
+    def counting(vae_, objective_, shape, batch_size, resolution, **kwargs):
+        probed.append(resolution ** 2 * batch_size)
+        return real(vae_, objective_, shape, batch_size, resolution, **kwargs)
+    monkeypatch.setattr(memory, "probe_activation_bytes", counting)
+    monkeypatch.setattr(memory, "available_memory", lambda device: (10 ** 9, "RAM available"))
+    line, refuse = memory.check_before_training(vae, objective, memory.StepShape(batch_size=4, resolution=2048),
+                                                "cpu")
+    assert refuse and "--batch_size 2 --grad_accum 2 (~" in line and "all of them" in line
+    step_pixels = 64 ** 2 + 128 ** 2
+    assert probed[:2] == [64 ** 2, 128 ** 2] and sum(probed) <= 2 * step_pixels, probed
+    assert sorted(probed[2:]) == [32 ** 2] * 3 + [64 ** 2] * 3  # checkpointing, bf16, all of them

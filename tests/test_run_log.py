@@ -157,3 +157,14 @@ def test_curves_are_drawn_at_most_once_a_minute_and_at_the_end(tmp_path, shard_u
     quiet.plot_curves()
     quiet.close()
     assert len(drawn) == 4  # a run whose one plot is current draws nothing more at its end
+
+
+def test_a_decoder_only_fine_tune_is_not_told_to_lower_the_kl_weight():
+    """Issue 31 item 7: behind a frozen encoder (--train_parts decoder) the latent is the source's and the KL trains
+    nothing, so a collapsed-looking latent is not a posterior collapse to fix with --kl_weight."""
+    said = []
+    collapsed = {"latent/collapsed_fraction": 0.9}
+    run_log.CollapseTracker(said.append).check(collapsed, 10)
+    assert len(said) == 1 and "lower --kl_weight" in said[0]
+    run_log.CollapseTracker(said.append, encoder_trains=False).check(collapsed, 10)
+    assert len(said) == 1

@@ -715,3 +715,13 @@ def test_an_evaluation_a_stop_interrupted_is_redone_on_resume(shard_url, tmp_pat
         assert again.owed == (False, False)
     finally:
         again.close()
+
+
+def test_the_trainer_tells_its_reporter_whether_the_encoder_trains(shard_url, tmp_path, one_torch_thread):
+    """The collapse warning's --kl_weight advice is for a run whose encoder trains (run_log.CollapseTracker)."""
+    for parts, trains in (("all", True), ("decoder", False)):
+        trainer = in_process_trainer(shard_url, tmp_path / parts, "--train_parts", parts, "--max_steps", "2")
+        try:
+            assert trainer.report.tracker.encoder_trains is trains
+        finally:
+            trainer.close()

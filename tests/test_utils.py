@@ -521,6 +521,7 @@ def test_ensure_vgg16_weights_torchvision_offline(tmp_path, monkeypatch):
     assert "\n" not in msg
     assert str(tmp_path / "torch_home") in msg and "--vgg16_weights" in msg
     assert "--perceptual_weight 0" in msg  # the offline path that works, as the demo takes it
+    assert "--discriminator patchgan" in msg  # and the critic that needs no pretrained weights (issue 31 item 7)
 
     # downloading fails offline: one line, same advice
     def offline(*args, **kwargs):
