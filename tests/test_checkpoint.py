@@ -94,3 +94,53 @@ def test_a_run_directory_is_created_with_its_config_and_removed_only_without_che
     os.remove(os.path.join(run_dir, "checkpoints", "step_00000001.pt"))
     checkpoint.remove_run_dir_if_unused(run_dir)
     assert not os.path.exists(run_dir)
+
+
+def test_the_run_lock_never_holds_a_file_its_holder_removed(tmp_path, monkeypatch):
+    """The race the inode re-check closes (issue 31 item 8): a taker opens the lock file, its holder releases
+    (unlinks it, then unlocks) and a third job creates and locks a new file at the path; the taker's flock then
+    succeeds on the removed file. Without the re-check both jobs would hold the run; with it the taker looks at the
+    file now at the path, finds it held, and is refused."""
+    import fcntl
+    lock = checkpoint.RunLock(str(tmp_path / "run"))
+    with open(lock.path, "w") as f:
+        f.write("the old holder")
+    real_flock, third = fcntl.flock, []
+
+    def flock_after_a_release_and_a_new_taker(fd, operation):
+        if not third:  # between the taker's open and its flock
+            os.unlink(lock.path)
+            third.append(open(lock.path, "a+"))
+            third[0].write("pid 1 on elsewhere")
+            third[0].flush()
+            real_flock(third[0].fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return real_flock(fd, operation)
+    monkeypatch.setattr(fcntl, "flock", flock_after_a_release_and_a_new_taker)
+    try:
+        with pytest.raises(config.ConfigError, match=r"in use by another job \(pid 1 on elsewhere\)"):
+            lock.acquire(wait_s=0.5)
+        assert not lock.holding
+    finally:
+        third[0].close()
+
+
+def test_the_run_lock_waits_for_a_holder_that_is_exiting(tmp_path):
+    """An elastic restart's new rank 0 may start while the old one is still exiting: the lock is waited for (up to
+    wait_s), not refused at once (issue 31 item 8)."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    run_dir = tmp_path / "run"
+    code = (f"import sys, time; sys.path.insert(0, {ROOT!r}); import checkpoint; "
+            f"lock = checkpoint.RunLock({str(run_dir)!r}); lock.acquire(); print('held', flush=True); "
+            "time.sleep(1.0); lock.release()")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        lock = checkpoint.RunLock(str(run_dir))
+        lock.acquire(wait_s=30)
+        assert lock.holding
+        lock.release()
+    finally:
+        holder.kill()
+        holder.wait()

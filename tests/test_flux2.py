@@ -368,6 +368,55 @@ def test_an_export_keeps_the_source_config_and_a_single_file_its_architecture(tm
                for note in pretrained.load_source(bfl).notes)
 
 
+def test_the_teacher_decodes_the_transformed_latent_with_the_sources_own_decoder(tmp_path, shard_url):
+    """Issue 31 item 8, the teacher's four mutants: its target must be the --init_from source's own decoder (its
+    weights, not a random one's; behind the source's post_quant_conv) applied to the very latent the student
+    decodes (after the latent regularisers' transform: --latent_noise_prob 1 moves every latent), and the distill
+    term a GradNorm branch (its gradient at the reconstruction has norm --distill_weight, whatever the error's
+    size). Checked in one real step of the trainer against the source model built here from its folder."""
+    import common
+    import config
+    import data
+    import vae_trainer
+    random_flux2().save_pretrained(tmp_path / "flux2")
+    source = pretrained.load_source(str(tmp_path / "flux2"))
+    reference = as_model(source).eval()
+    args = trainer_args(tmp_path / "flux2", shard_url, tmp_path / "runs", "t", "--train_parts", "decoder",
+                        "--vae_decoder_ch", ",".join(map(str, SMALL_DECODER)), "--distill_weight", "0.7",
+                        "--latent_noise_prob", "1", "--num_workers", "0", "--memory_check", "false")
+    cfg, given, loaded, _ = vae_trainer.prepare_run(args)
+    trainer = vae_trainer.Trainer(cfg, common.DistInfo(), loaded)
+    try:
+        seen = {}
+        student_decode, objective_forward = trainer.vae.decode, trainer.objective.forward
+
+        def decode(z):
+            seen["z"] = z.detach().clone()
+            return student_decode(z)
+
+        def forward(*a, **kw):
+            seen["teacher"], seen["recon"] = kw["teacher"], a[1]
+            terms = trainer.objective.terms(*a[:8], torch.ones(()), teacher=kw["teacher"])  # (x .. accum, scale)
+            seen["distill"] = next(t for t in terms if t.name == "distill")
+            return objective_forward(*a, **kw)
+        trainer.vae.decode, trainer.objective.forward = decode, forward
+        batch = next(trainer.loader)
+        trainer.loader.close()
+        trainer.loader = data.FixedBatches([batch])
+        trainer.train_step()
+        with torch.no_grad():
+            mean = reference.encode(data.to_model_input(batch, torch.device("cpu"), trainer.channels_last))
+            expected = reference.decode(seen["z"])
+        assert not torch.allclose(seen["z"], mean, atol=1e-3)  # the transform moved the latent
+        assert torch.equal(seen["teacher"], expected.float())
+        recon = seen["recon"]
+        (grad,) = torch.autograd.grad(seen["distill"].value, recon, retain_graph=True)
+        assert torch.linalg.vector_norm(grad).item() == pytest.approx(0.7, rel=1e-4)
+        assert seen["distill"].balanced and seen["distill"].weight == 0.7
+    finally:
+        trainer.close()
+
+
 def test_a_narrower_decoder_distilled_from_the_released_one_trains_and_exports(tmp_path, shard_url, capsys):
     """--vae_decoder_ch (BFL's small decoder, at this test's width) with --distill_weight: the decoder starts fresh
     behind the released encoder, the teacher term (loss/distill) is logged and counted, the encoder and bn stay the

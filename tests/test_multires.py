@@ -279,3 +279,36 @@ def test_two_ranks_train_every_step_at_one_size_and_the_last_stage_resumes_insid
         assert torch.equal(at[4]["vae"][name], at[6]["vae"][name]) != trains, name
         moments = (at[4]["optimizer"]["state"][i]["exp_avg"], at[6]["optimizer"]["state"][i]["exp_avg"])
         assert torch.equal(*moments) != trains, name  # frozen: its moments kept as they were
+
+
+def test_the_ema_keeps_averaging_what_the_last_stage_froze(shard_url, tmp_path, one_torch_thread):
+    """Issue 31 item 8: from the last stage on (--last_stage_trains 0: only norm_out and conv_out train) a frozen
+    parameter no longer changes, and its EMA keeps converging on that fixed value, one (1 - decay) step of the gap per
+    optimizer step, as before the freeze; a trained one keeps training. (A mutant that averaged only what still
+    trains left the frozen ones' averages where the freeze found them, no test looking.)"""
+    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, "--num_workers", "0",
+                               "--train_resolutions", "64;2:64", "--last_stage_trains", "0", "--max_steps", "4",
+                               "--evaluate_every_n_steps", "0", "--perceptual_weight", "0", "--ema_decay", "0.9"])
+    cfg.validate()
+    trainer = vae_trainer.Trainer(cfg, common.DistInfo())
+    try:
+        ema = trainer.training.ema
+        frozen, trained = "encoder.conv_in.weight", "decoder.conv_out.weight"
+        shadow = dict(zip(ema.names, ema.shadow))
+        for step in range(4):
+            vae_trainer.before_step(trainer)
+            before = {n: shadow[n].clone() for n in (frozen, trained)}
+            param = dict(trainer.vae.named_parameters())
+            weights = {n: param[n].detach().clone() for n in (frozen, trained)}
+            trainer.train_step()
+            trainer.step += 1
+            if step >= 2:  # the last stage: the freeze came at its first step
+                assert not param[frozen].requires_grad and param[trained].requires_grad
+                assert torch.equal(param[frozen], weights[frozen])
+                decay = min(0.9, (1 + step) / (10 + step))
+                expected = before[frozen] + (1 - decay) * (weights[frozen] - before[frozen])
+                assert not torch.equal(shadow[frozen], before[frozen])
+                torch.testing.assert_close(shadow[frozen], expected, rtol=1e-6, atol=1e-7)
+                assert not torch.equal(param[trained], weights[trained])
+    finally:
+        trainer.close()
