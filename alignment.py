@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common import first_line
-from utils import WeightsUnavailable, gradnorm, warn_random_weights
+from utils import gradnorm
+from weights import WeightsUnavailable, warn_random_weights
 
 # our --vf_model names -> timm's; timm builds each without a network
 VF_MODELS = {"dinov2_vitl14": "vit_large_patch14_dinov2.lvd142m",  # VA-VAE's choice
@@ -36,7 +37,7 @@ VF_MODELS = {"dinov2_vitl14": "vit_large_patch14_dinov2.lvd142m",  # VA-VAE's ch
 def fetch_foundation_weights(model: str, weights: str, download: bool = True) -> None:
     """--vf_weights timm: bring timm's pretrained weights of `model` into the Hugging Face cache, where
     build_foundation_net's timm.create_model(pretrained=True) finds them. The trainer calls it through
-    utils.fetch_weights: local rank 0 downloads while the other ranks wait, so eight ranks of a node never write the
+    weights.fetch_weights: local rank 0 downloads while the other ranks wait, so eight ranks of a node never write the
     same cache entry at once. Other --vf_weights values, and the waiting ranks (download False), need nothing."""
     if weights != "timm" or not download or model not in VF_MODELS:
         return

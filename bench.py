@@ -137,7 +137,7 @@ import config as config_lib
 import data as data_lib
 import vae_trainer
 from common import DistInfo
-from utils import vgg16_cache_path
+from weights import vgg16_cache_path
 
 # ----------------------------------------------------------------------------------------------------
 # Configurations
@@ -1012,8 +1012,8 @@ def gan_saved_activations(size: int, batch: int = 1) -> dict[str, float]:
     the VAE-side graph (live until the VAE's backward: LPIPS and the generator term on the reconstruction)
     and the critic's own step (its graph is freed before the VAE's forward). Saved-tensor hooks, unique
     storages, parameters excluded: exact, free of timing noise and of the allocator."""
-    from utils import (FeatureCriticHeads, VGG16Discriminator, build_lpips, discriminator_loss, generator_loss,
-                       lpips_from_features, vgg16_features)
+    from critics import FeatureCriticHeads, VGG16Discriminator, build_lpips, lpips_from_features, vgg16_features
+    from utils import discriminator_loss, generator_loss
     lpips_model, critic, heads = build_lpips(None), VGG16Discriminator(None), FeatureCriticHeads()
     params = {t.untyped_storage().data_ptr() for m in (lpips_model, critic, heads)
               for t in list(m.parameters()) + list(m.buffers())}
@@ -1065,8 +1065,8 @@ def gan_part_wall_clock(size: int, batch: int, rounds: int = 3) -> dict[str, lis
     images, the trainable critic's step, the generator's pass with the critic's weight gradients), ours
     (the same, the critic frozen in the generator's pass), and the frozen trunk (issue 19: one trunk pass per
     image, the heads' step, both GradNorm branches' backward through the trunk). Random weights."""
-    from utils import (FeatureCriticHeads, VGG16Discriminator, build_lpips, discriminator_loss, generator_loss,
-                       lpips_from_features, vgg16_features)
+    from critics import FeatureCriticHeads, VGG16Discriminator, build_lpips, lpips_from_features, vgg16_features
+    from utils import discriminator_loss, generator_loss
     lpips_model, critic, heads = build_lpips(None), VGG16Discriminator(None), FeatureCriticHeads()
     for head in list(critic.heads) + list(heads.heads):  # past the neutral start: every patch pushes
         torch.nn.init.normal_(head[-1].weight, std=0.01)
@@ -1147,7 +1147,8 @@ def frozen_gan_step_flops(trainer, vae_flops: float) -> dict[str, float]:
     branch's gradient there: two backward passes through the trunk (input gradients only, its weights are
     frozen), one for LPIPS and one for the generator term."""
     from torch.utils.flop_counter import FlopCounterMode
-    from utils import FeatureCriticHeads, discriminator_loss, generator_loss, lpips_from_features, vgg16_features
+    from critics import FeatureCriticHeads, lpips_from_features, vgg16_features
+    from utils import discriminator_loss, generator_loss
     cfg = trainer.cfg
     lpips_model = trainer.objective.lpips
     device = trainer.device

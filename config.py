@@ -26,7 +26,9 @@ import latents as latents_lib
 import pretrained
 from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoderParams, check_widths
 from common import ConfigError, OneLineParser, parse_bool
-from utils import DIFFAUG_POLICIES, DISC_NORMS, DISC_TYPES, vgg16_cache_path
+from critics import DIFFAUG_POLICIES, DISC_NORMS
+from utils import DISC_TYPES
+from weights import vgg16_cache_path
 
 
 def opt(default, help: str, choices=None, arch: bool = False):

@@ -37,8 +37,9 @@ from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of
 from common import (ConfigError, DistInfo, OneLineParser, closing_distributed, first_line, guard_console,
                     init_distributed)
 from config import DataConfig, EvalConfig, eval_size_problem, eval_sizes, parse_sizes
-from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, ensure_weights, fetch_weights,
-                   hub_cache_path, load_vgg16_features, warn_random_vgg, warn_random_weights)
+from critics import build_lpips
+from weights import (WeightsUnavailable, ensure_vgg16_weights, ensure_weights, fetch_weights, hub_cache_path,
+                     load_vgg16_features, warn_random_vgg, warn_random_weights)
 
 FID_DIM = 2048  # Inception-v3 pool3 features
 GRID_IMAGES = 8

@@ -24,10 +24,11 @@ from torch import Tensor, nn
 from ae import kl_divergence
 from alignment import AlignmentLoss
 from config import CriticConfig, LatentsConfig, LossConfig, OptimConfig
-from utils import (FeatureCriticHeads, LeCam, LowpassMSE, NLayerDiscriminator, VGG16Discriminator, adaptive_gan_weight,
-                   cosine_with_warmup, diff_augment, discriminator_accuracy, discriminator_loss, gan_ramp,
-                   generator_active_fraction, generator_loss, gradnorm, gradnorm_branches_through_one_pass,
-                   lpips_from_features, pooled_mse, r1_penalty, vgg16_features)
+from critics import (FeatureCriticHeads, NLayerDiscriminator, VGG16Discriminator, diff_augment, lpips_from_features,
+                     r1_penalty, vgg16_features)
+from utils import (LeCam, LowpassMSE, adaptive_gan_weight, cosine_with_warmup, discriminator_accuracy,
+                   discriminator_loss, gan_ramp, generator_active_fraction, generator_loss, gradnorm,
+                   gradnorm_branches_through_one_pass, pooled_mse)
 
 
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --precision -> autocast dtype
@@ -118,7 +119,7 @@ class VAEObjective(nn.Module):
     term against the adversary's critic, from the loss and latents sections (the generator term's settings are the
     adversary's own section, CriticConfig).
 
-    lpips: LPIPS on VGG16 (utils.build_lpips), or None when no loss or metric uses it. `adversary`: the critic's
+    lpips: LPIPS on VGG16 (critics.build_lpips), or None when no loss or metric uses it. `adversary`: the critic's
     owner (None: no GAN term). `alignment`: the VF branch (alignment.AlignmentLoss; None: off)."""
 
     def __init__(self, loss: LossConfig, latents: LatentsConfig, lpips: nn.Module | None = None,

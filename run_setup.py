@@ -20,7 +20,7 @@ from common import ConfigError
 from config import (AUTO_FIELDS, LEGACY_ARCH, LR_TIMES_WIDTH, SOURCE_FIELDS, Config, as_released, automatic_values,
                     continue_run, continuing_note, demo_summary, is_plain_local_path, model_params, parse_flags,
                     resolve_auto, with_values)
-from utils import vgg16_cache_path
+from weights import vgg16_cache_path
 
 
 @dataclass

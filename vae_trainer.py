@@ -40,12 +40,12 @@ from common import (ConfigError, DistInfo, StopFlag, any_rank, capture_rng, clos
                     restore_rng)
 from config import (Config, config_warnings, cpu_use_line, last_stage_levels, model_params, public_config,
                     resolution_schedule, scale_equivariance_sizes, uses_vgg16)
+from critics import build_lpips
 from objective import AMP_DTYPES, Adversary, VAEObjective, build_critic, micro_step
 from run_log import Metrics
 from run_setup import prepare_run, read_init_source
 from train_state import NonFiniteGuard, TeacherDecoder, VAETraining, adamw, compile_for_sizes, wrap_ddp
-from utils import (WeightsUnavailable, build_lpips, ensure_vgg16_weights, fetch_weights, load_vgg16_features,
-                   warn_random_vgg)
+from weights import WeightsUnavailable, ensure_vgg16_weights, fetch_weights, load_vgg16_features, warn_random_vgg
 
 
 # ============================================================================================

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import alignment
-from utils import WeightsUnavailable
+from weights import WeightsUnavailable
 import config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

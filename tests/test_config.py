@@ -167,7 +167,7 @@ def test_lpips_smallest_input_restricts_the_scale_equivariance_sizes(shard_url):
     factor = config.model_params(cfg.model).downsample_factor
     assert [s * factor for s in config.scale_equivariance_sizes(cfg)] == [16, 20, 24, 28]
     import torch
-    from utils import build_lpips
+    from critics import build_lpips
     lpips = build_lpips(None)
     for size in (16, 12):
         image = torch.zeros(1, 3, size, size)

@@ -1,6 +1,6 @@
 """Issue 19 wired in: --critic_trunk frozen through the objective and the trainer (one LPIPS VGG16 pass per image
 serves LPIPS, the critic's step and the generator term; each GradNorm branch still normalised on its own), and
-the stabiliser flags reaching the step. The pieces themselves: tests/test_critic.py."""
+the stabiliser flags reaching the step. The pieces themselves: tests/test_critics.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,8 @@ import torch
 from config import resolve_auto, unflatten, with_values
 from conftest import FAULTY, TINY, cli_env, run_cli
 from vae_trainer import build_objective
-from utils import FeatureCriticHeads, generator_active_fraction, generator_loss, gradnorm, vgg16_features
+from critics import FeatureCriticHeads, vgg16_features
+from utils import generator_active_fraction, generator_loss, gradnorm
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

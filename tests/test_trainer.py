@@ -19,7 +19,7 @@ import ae
 import common
 import run_setup
 import train_state
-import utils
+import weights
 
 # the CLI tests take 10 s to a minute each (test_it_learns: its own limit): a hang fails one test
 pytestmark = pytest.mark.timeout(300)
@@ -489,7 +489,7 @@ def test_pixel_only_evaluation_reports_lpips_missing_without_vgg16(shard_url, tm
     """Evaluation of a pixel-only run without VGG16 weights: LPIPS is reported missing (never computed on a
     random VGG16), with one note; PSNR is still computed."""
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty_torch_cache"))
-    real_ensure = utils.ensure_vgg16_weights
+    real_ensure = weights.ensure_vgg16_weights
     monkeypatch.setattr(vae_trainer, "ensure_vgg16_weights", lambda spec, download=True: real_ensure(spec, False))
     trainer = in_process_trainer(shard_url, tmp_path, "--vgg16_weights", "torchvision", "--perceptual_weight", "0",
                                  "--test_dataset_url", shard_url, "--evaluate_every_n_steps", "1",

@@ -1,12 +1,9 @@
-"""Unit tests of utils.py: GradNorm (single process and 2 gloo ranks), pooled and low-pass MSE, GAN
-losses, discriminators, LDM's adaptive weight, LeCam, the LR schedule and VGG16 weight handling.
-CPU only; VGG16 networks are randomly initialised (no internet here)."""
+"""Unit tests of utils.py: GradNorm (single process and 2 gloo ranks), pooled and low-pass MSE, the GAN losses,
+LDM's adaptive weight, LeCam and the LR schedule. The critics and LPIPS: test_critics.py; weights: test_weights.py."""
 from __future__ import annotations
 
-import copy
 import math
 import os
-import urllib.error
 
 import pytest
 import torch
@@ -17,10 +14,9 @@ import torchvision
 
 import utils
 from conftest import record_ops
-from utils import (DISC_NORMS, GradNormFunction, LeCam, NLayerDiscriminator, VGG16Discriminator, WeightsUnavailable,
-                   adaptive_gan_weight, build_lpips, cosine_with_warmup, discriminator_accuracy, discriminator_loss,
-                   ensure_vgg16_weights, generator_active_fraction, generator_loss, gradnorm, load_vgg16_features,
-                   lowpass_mask, lowpass_mse, pooled_mse)
+from utils import (GradNormFunction, LeCam, adaptive_gan_weight, cosine_with_warmup, discriminator_accuracy,
+                   discriminator_loss, generator_active_fraction, generator_loss, gradnorm, lowpass_mask, lowpass_mse,
+                   pooled_mse)
 
 VGG16_CONV_INDICES = (0, 2, 5, 7, 10, 12, 14, 17, 19, 21, 24, 26, 28)
 
@@ -292,60 +288,6 @@ def test_discriminator_accuracy():
     assert discriminator_accuracy(torch.ones(3), -torch.ones(3)).item() == 1.0
 
 
-# --------------------------------------------------------------------------------------------
-# discriminators
-# --------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def vgg_disc():
-    torch.manual_seed(0)
-    return VGG16Discriminator(None)
-
-
-def test_imagenet_scaling_of_minus_one_to_one_images():
-    """The critic's VGG16 sees ImageNet-normalised inputs: [-1, 1] -> [0, 1] -> (x - mean) / std."""
-    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
-    x = torch.rand(2, 3, 4, 4) * 2 - 1
-    expected = ((x + 1) / 2 - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
-    torch.testing.assert_close(utils.ImageNetScaling()(x), expected, rtol=1e-6, atol=1e-6)
-
-
-def test_vgg16_discriminator_shape_and_neutral_start(vgg_disc):
-    x = (torch.rand(2, 3, 64, 48) * 2 - 1).requires_grad_(True)
-    logits = vgg_disc(x)
-    assert logits.shape == (2, 1, 4, 3)
-    assert torch.count_nonzero(logits).item() == 0  # zero-initialised final head convs
-    logits.sum().backward()
-    head_grads = [h[-1].weight.grad for h in vgg_disc.heads]
-    assert all(g is not None and g.abs().sum().item() > 0 for g in head_grads)  # it can learn
-
-
-def test_vgg16_discriminator_gradients_reach_input(vgg_disc):
-    disc = copy.deepcopy(vgg_disc)
-    torch.manual_seed(1)
-    for head in disc.heads:
-        torch.nn.init.normal_(head[-1].weight, std=0.1)
-    x = (torch.rand(1, 3, 32, 32) * 2 - 1).requires_grad_(True)
-    disc(x).sum().backward()
-    assert torch.isfinite(x.grad).all() and x.grad.abs().sum().item() > 0
-
-
-@pytest.mark.parametrize("norm", DISC_NORMS)
-def test_nlayer_discriminator_norms(norm):
-    torch.manual_seed(0)
-    disc = NLayerDiscriminator(ndf=8, norm=norm)
-    x = (torch.rand(2, 3, 64, 64) * 2 - 1).requires_grad_(True)
-    out = disc(x)
-    # 64 -> 32 -> 16 -> 8 (stride 2) -> 7 -> 6 (stride 1, kernel 4, padding 1)
-    assert out.shape == (2, 1, 6, 6)
-    out.mean().backward()
-    assert torch.isfinite(x.grad).all() and x.grad.abs().sum().item() > 0
-    with pytest.raises(ValueError):
-        NLayerDiscriminator(norm="layer")
-
-
-# --------------------------------------------------------------------------------------------
-# adaptive GAN weight
-# --------------------------------------------------------------------------------------------
 def _tiny_generator():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
@@ -490,172 +432,3 @@ def test_cosine_with_warmup():
     assert all(a >= b for a, b in zip(decay, decay[1:]))
     no_warmup = cosine_with_warmup(0, 100)
     assert no_warmup(0) == pytest.approx(1.0) and no_warmup(100) == pytest.approx(0.0, abs=1e-12)
-
-
-# --------------------------------------------------------------------------------------------
-# VGG16 weights without internet
-# --------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def vgg16_state() -> dict:
-    torch.manual_seed(1234)
-    return torchvision.models.vgg16(weights=None).state_dict()
-
-
-def test_ensure_vgg16_weights_random_and_paths(tmp_path):
-    assert ensure_vgg16_weights("random") is None
-    assert load_vgg16_features(None) is None
-    missing = tmp_path / "nope.pth"
-    with pytest.raises(WeightsUnavailable) as info:
-        ensure_vgg16_weights(str(missing))
-    assert "\n" not in str(info.value) and str(missing) in str(info.value)
-    existing = tmp_path / "vgg.pth"
-    existing.write_bytes(b"x")
-    assert ensure_vgg16_weights(str(existing)) == str(existing)
-
-
-def test_ensure_vgg16_weights_torchvision_offline(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
-    with pytest.raises(WeightsUnavailable) as info:
-        ensure_vgg16_weights("torchvision", download=False)
-    msg = str(info.value)
-    assert "\n" not in msg
-    assert str(tmp_path / "torch_home") in msg and "--vgg16_weights" in msg
-    assert "--perceptual_weight 0" in msg  # the offline path that works, as the demo takes it
-    assert "--discriminator patchgan" in msg  # and the critic that needs no pretrained weights (issue 31 item 7)
-
-    # downloading fails offline: one line, same advice
-    def offline(*args, **kwargs):
-        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
-    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
-    with pytest.raises(WeightsUnavailable) as info:
-        ensure_vgg16_weights("torchvision", download=True)
-    assert "\n" not in str(info.value) and "--vgg16_weights" in str(info.value)
-
-    # once torchvision's cache holds the file it is used
-    path = utils.vgg16_cache_path()
-    assert path.startswith(str(tmp_path / "torch_home"))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    open(path, "wb").close()
-    assert ensure_vgg16_weights("torchvision", download=False) == path
-
-
-def _assert_features_equal(feats: dict, state: dict, prefix: str = "features.") -> None:
-    expected = {f"{i}.{p}" for i in VGG16_CONV_INDICES for p in ("weight", "bias")}
-    assert set(feats) == expected
-    for key, value in feats.items():
-        assert torch.equal(value, state[prefix + key]), key
-
-
-def test_load_vgg16_features_formats(tmp_path, vgg16_state):
-    full = tmp_path / "vgg16-torchvision.pth"
-    torch.save(vgg16_state, full)
-    _assert_features_equal(load_vgg16_features(str(full)), vgg16_state)
-
-    features_only = {k[len("features."):]: v for k, v in vgg16_state.items() if k.startswith("features.")}
-    fpath = tmp_path / "features.pt"
-    torch.save(features_only, fpath)
-    _assert_features_equal(load_vgg16_features(str(fpath)), vgg16_state)
-
-    wrapped = tmp_path / "wrapped.pt"
-    torch.save({"state_dict": features_only}, wrapped)
-    _assert_features_equal(load_vgg16_features(str(wrapped)), vgg16_state)
-
-    from safetensors.torch import save_file
-    spath = tmp_path / "features.safetensors"
-    save_file({k: v.contiguous() for k, v in features_only.items()}, str(spath))
-    _assert_features_equal(load_vgg16_features(str(spath)), vgg16_state)
-
-
-def test_load_vgg16_features_rejects_other_dicts(tmp_path, vgg16_state):
-    other = tmp_path / "resnet.pt"
-    torch.save({"conv1.weight": torch.zeros(64, 3, 7, 7), "fc.bias": torch.zeros(10)}, other)
-    with pytest.raises(WeightsUnavailable) as info:
-        load_vgg16_features(str(other))
-    assert "\n" not in str(info.value) and "VGG16" in str(info.value)
-    # a VGG16 with a layer missing is not accepted either
-    partial = {k: v for k, v in vgg16_state.items() if k.startswith("features.") and not k.startswith("features.28.")}
-    ppath = tmp_path / "partial.pt"
-    torch.save(partial, ppath)
-    with pytest.raises(WeightsUnavailable):
-        load_vgg16_features(str(ppath))
-
-
-@pytest.mark.parametrize("kind", ["garbage.pth", "tensor.pth", "garbage.safetensors"])
-def test_load_vgg16_features_unreadable_file_is_one_line_error(tmp_path, kind):
-    path = tmp_path / kind
-    if kind == "tensor.pth":
-        torch.save(torch.zeros(3), path)
-    else:
-        path.write_bytes(b"this is not a checkpoint")
-    with pytest.raises(WeightsUnavailable) as info:
-        load_vgg16_features(str(path))
-    assert "\n" not in str(info.value)
-
-
-@pytest.fixture(scope="module")
-def lpips_with_features(vgg16_state):
-    feats = {k[len("features."):]: v for k, v in vgg16_state.items() if k.startswith("features.")}
-    return build_lpips(feats), feats
-
-
-def test_build_lpips_loads_backbone(lpips_with_features):
-    model, feats = lpips_with_features
-    state = model.net.state_dict()
-    assert torch.equal(state["slice1.0.weight"], feats["0.weight"])
-    assert torch.equal(state["slice2.5.weight"], feats["5.weight"])
-    assert torch.equal(state["slice3.14.bias"], feats["14.bias"])
-    assert torch.equal(state["slice5.28.weight"], feats["28.weight"])
-
-
-def test_random_lpips_backbone_is_torchvisions_vgg16_at_seed_0():
-    """--vgg16_weights random: LPIPS' trunk is torchvision's VGG16 drawn at seed 0 in every process (build_lpips
-    skips drawing the classifier it drops; the convolutions' draws come first and must not change), and the
-    caller's random stream is left where it was."""
-    torch.manual_seed(0)
-    reference = torchvision.models.vgg16(weights=None).features.state_dict()
-    torch.manual_seed(123)
-    before = torch.random.get_rng_state()
-    state = build_lpips(None).net.state_dict()
-    assert torch.equal(torch.random.get_rng_state(), before)
-    for key, value in reference.items():
-        idx = int(key.split(".")[0])
-        slice_no = next(s for s, (a, b) in enumerate(utils.VGG16_SLICES) if a <= idx < b) + 1
-        assert torch.equal(state[f"slice{slice_no}.{key}"], value), key
-
-
-def test_lpips_frozen_eval_and_zero_on_identical(lpips_with_features):
-    model, _ = lpips_with_features
-    assert not model.training and not any(m.training for m in model.modules())
-    assert not any(p.requires_grad for p in model.parameters())
-    torch.manual_seed(0)
-    x = torch.rand(2, 3, 32, 32) * 2 - 1
-    y = torch.rand(2, 3, 32, 32) * 2 - 1
-    with torch.no_grad():
-        same = model(x, x)
-        diff = model(x, y)
-    assert same.abs().max().item() == 0.0
-    assert diff.shape[0] == 2 and (diff > 0).all()
-    # gradients still flow to the input (the perceptual loss trains the decoder)
-    xr = x.clone().requires_grad_(True)
-    model(xr, y).sum().backward()
-    assert xr.grad.abs().sum().item() > 0
-
-
-def test_lpips_backpropagates_through_the_reconstruction_only():
-    """The step differentiates LPIPS with respect to the reconstruction; the target's VGG16 features are
-    computed without a graph (frozen network, target without grad): the backward graph holds one VGG16
-    trunk (13 convolutions) and the 5 linear heads, not two trunks."""
-    model = build_lpips(None)
-    target = torch.rand(1, 3, 32, 32) * 2 - 1
-    recon = (torch.rand(1, 3, 32, 32) * 2 - 1).requires_grad_(True)
-    loss = model(recon, target).mean()
-    seen, todo, convs = set(), [loss.grad_fn], 0
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        convs += "Convolution" in type(node).__name__
-        todo += [next_node for next_node, _ in node.next_functions]
-    assert convs == 13 + 5
-    assert all(not p.requires_grad for p in model.parameters())

@@ -1,14 +1,19 @@
-"""The frozen-trunk critic's building blocks (issue 19): LPIPS' VGG16 features shared with the critic,
-LPIPS from those features, the feature heads, DiffAugment, R1 and the generator term's ramp."""
+"""critics.py: the VGG16 discriminator and the PatchGAN; the frozen-trunk critic's building blocks (issue 19): LPIPS'
+VGG16 features shared with the critic, LPIPS from those features, the feature heads, DiffAugment, R1 and the
+generator term's ramp; LPIPS itself (its backbone's weights, its frozen pass). VGG16 networks are random (no
+internet here)."""
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 import torchvision
 
-from utils import (VGG16_SLICES, FeatureCriticHeads, VGG16Discriminator, build_lpips, diff_augment, gan_ramp,
-                   generator_loss, gradnorm, gradnorm_branches_through_one_pass, lpips_from_features, r1_penalty,
-                   vgg16_features)
+import critics
+from critics import (DISC_NORMS, FeatureCriticHeads, NLayerDiscriminator, VGG16Discriminator, VGG16_SLICES,
+                     build_lpips, diff_augment, lpips_from_features, r1_penalty, vgg16_features)
+from utils import gan_ramp, generator_loss, gradnorm, gradnorm_branches_through_one_pass
 
 
 @pytest.fixture(scope="module")
@@ -247,3 +252,137 @@ def test_bench_counts_the_frozen_step_with_both_branches_backward(lpips_model):
     assert flops["frozen"] == 1e9 + sum(parts) == 1e9 + flops["frozen_critic_and_lpips"]
     assert flops["frozen_trunk_forward"] == 2 * trunk
     assert 2 * trunk < flops["frozen_generator_and_backward"] < 2.5 * trunk
+
+
+# --------------------------------------------------------------------------------------------
+# discriminators
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vgg_disc():
+    torch.manual_seed(0)
+    return VGG16Discriminator(None)
+
+
+def test_imagenet_scaling_of_minus_one_to_one_images():
+    """The critic's VGG16 sees ImageNet-normalised inputs: [-1, 1] -> [0, 1] -> (x - mean) / std."""
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    x = torch.rand(2, 3, 4, 4) * 2 - 1
+    expected = ((x + 1) / 2 - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
+    torch.testing.assert_close(critics.ImageNetScaling()(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_vgg16_discriminator_shape_and_neutral_start(vgg_disc):
+    x = (torch.rand(2, 3, 64, 48) * 2 - 1).requires_grad_(True)
+    logits = vgg_disc(x)
+    assert logits.shape == (2, 1, 4, 3)
+    assert torch.count_nonzero(logits).item() == 0  # zero-initialised final head convs
+    logits.sum().backward()
+    head_grads = [h[-1].weight.grad for h in vgg_disc.heads]
+    assert all(g is not None and g.abs().sum().item() > 0 for g in head_grads)  # it can learn
+
+
+def test_vgg16_discriminator_gradients_reach_input(vgg_disc):
+    disc = copy.deepcopy(vgg_disc)
+    torch.manual_seed(1)
+    for head in disc.heads:
+        torch.nn.init.normal_(head[-1].weight, std=0.1)
+    x = (torch.rand(1, 3, 32, 32) * 2 - 1).requires_grad_(True)
+    disc(x).sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum().item() > 0
+
+
+@pytest.mark.parametrize("norm", DISC_NORMS)
+def test_nlayer_discriminator_norms(norm):
+    torch.manual_seed(0)
+    disc = NLayerDiscriminator(ndf=8, norm=norm)
+    x = (torch.rand(2, 3, 64, 64) * 2 - 1).requires_grad_(True)
+    out = disc(x)
+    # 64 -> 32 -> 16 -> 8 (stride 2) -> 7 -> 6 (stride 1, kernel 4, padding 1)
+    assert out.shape == (2, 1, 6, 6)
+    out.mean().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum().item() > 0
+    with pytest.raises(ValueError):
+        NLayerDiscriminator(norm="layer")
+
+
+# --------------------------------------------------------------------------------------------
+# adaptive GAN weight
+# --------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------
+# LPIPS
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vgg16_state() -> dict:
+    torch.manual_seed(1234)
+    return torchvision.models.vgg16(weights=None).state_dict()
+
+
+@pytest.fixture(scope="module")
+def lpips_with_features(vgg16_state):
+    feats = {k[len("features."):]: v for k, v in vgg16_state.items() if k.startswith("features.")}
+    return build_lpips(feats), feats
+
+
+def test_build_lpips_loads_backbone(lpips_with_features):
+    model, feats = lpips_with_features
+    state = model.net.state_dict()
+    assert torch.equal(state["slice1.0.weight"], feats["0.weight"])
+    assert torch.equal(state["slice2.5.weight"], feats["5.weight"])
+    assert torch.equal(state["slice3.14.bias"], feats["14.bias"])
+    assert torch.equal(state["slice5.28.weight"], feats["28.weight"])
+
+
+def test_random_lpips_backbone_is_torchvisions_vgg16_at_seed_0():
+    """--vgg16_weights random: LPIPS' trunk is torchvision's VGG16 drawn at seed 0 in every process (build_lpips
+    skips drawing the classifier it drops; the convolutions' draws come first and must not change), and the
+    caller's random stream is left where it was."""
+    torch.manual_seed(0)
+    reference = torchvision.models.vgg16(weights=None).features.state_dict()
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    state = build_lpips(None).net.state_dict()
+    assert torch.equal(torch.random.get_rng_state(), before)
+    for key, value in reference.items():
+        idx = int(key.split(".")[0])
+        slice_no = next(s for s, (a, b) in enumerate(critics.VGG16_SLICES) if a <= idx < b) + 1
+        assert torch.equal(state[f"slice{slice_no}.{key}"], value), key
+
+
+def test_lpips_frozen_eval_and_zero_on_identical(lpips_with_features):
+    model, _ = lpips_with_features
+    assert not model.training and not any(m.training for m in model.modules())
+    assert not any(p.requires_grad for p in model.parameters())
+    torch.manual_seed(0)
+    x = torch.rand(2, 3, 32, 32) * 2 - 1
+    y = torch.rand(2, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        same = model(x, x)
+        diff = model(x, y)
+    assert same.abs().max().item() == 0.0
+    assert diff.shape[0] == 2 and (diff > 0).all()
+    # gradients still flow to the input (the perceptual loss trains the decoder)
+    xr = x.clone().requires_grad_(True)
+    model(xr, y).sum().backward()
+    assert xr.grad.abs().sum().item() > 0
+
+
+def test_lpips_backpropagates_through_the_reconstruction_only():
+    """The step differentiates LPIPS with respect to the reconstruction; the target's VGG16 features are
+    computed without a graph (frozen network, target without grad): the backward graph holds one VGG16
+    trunk (13 convolutions) and the 5 linear heads, not two trunks."""
+    model = build_lpips(None)
+    target = torch.rand(1, 3, 32, 32) * 2 - 1
+    recon = (torch.rand(1, 3, 32, 32) * 2 - 1).requires_grad_(True)
+    loss = model(recon, target).mean()
+    seen, todo, convs = set(), [loss.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        convs += "Convolution" in type(node).__name__
+        todo += [next_node for next_node, _ in node.next_functions]
+    assert convs == 13 + 5
+    assert all(not p.requires_grad for p in model.parameters())
