@@ -135,6 +135,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import config as config_lib
 import data as data_lib
+import shards
 import vae_trainer
 from common import DistInfo
 from weights import vgg16_cache_path
@@ -480,7 +481,7 @@ def make_datasets(root: str, n: int, height: int, width: int, seed: int) -> dict
         for i, array in enumerate(arrays):
             files.append(os.path.join(src, f"img_{i:05d}.{ext}"))
             Image.fromarray(array).save(files[-1], **save_kwargs)
-        paths, _ = data_lib.write_shards(files, os.path.join(root, f"{fmt}_shards"), shard_size=max(1, n // 4),
+        paths, _ = shards.write_shards(files, os.path.join(root, f"{fmt}_shards"), shard_size=max(1, n // 4),
                                          verify=False, root=src)
         datasets[fmt] = {"url": data_lib.brace_url(paths), "paths": paths,
                          "mean_file_kib": round(sum(os.path.getsize(f) for f in files) / n / 1024, 1)}
@@ -882,7 +883,7 @@ def final_eval(run_dir: str) -> dict:
 def bench_quality(args, tmp, report: Report) -> dict:
     """Our defaults vs the reference's hyperparameters vs plain MSE: the same model, photos, seed and steps,
     each a real `vae_trainer.py` run; held-out PSNR/SSIM/LPIPS from the trainer's own final evaluation."""
-    train_url, test_url = data_lib.ensure_demo_shards(os.path.join(tmp, "quality_data"))
+    train_url, test_url = shards.ensure_demo_shards(os.path.join(tmp, "quality_data"))
     vgg = "torchvision" if os.path.isfile(vgg16_cache_path()) else "random"
     cfg = dict(QUALITY_CONFIG)
     common = dict(cfg, precision=args.quality_precision, dataset_url=train_url, test_dataset_url=test_url,
@@ -895,8 +896,8 @@ def bench_quality(args, tmp, report: Report) -> dict:
                 "plain_mse": plain_mse_flags(cfg, args.quality_steps)}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads or os.cpu_count())}
     out = {"config": {**cfg, "steps": args.quality_steps, "precision": args.quality_precision, "vgg16_weights": vgg,
-                      "train_images": len(data_lib.DEMO_PHOTOS) - len(data_lib.DEMO_TEST),
-                      "held_out_images": list(data_lib.DEMO_TEST)}, "variants": {}}
+                      "train_images": len(shards.DEMO_PHOTOS) - len(shards.DEMO_TEST),
+                      "held_out_images": list(shards.DEMO_TEST)}, "variants": {}}
     procs = {}
     for name, flags in variants.items():  # concurrently: on a shared machine every run sees the same load
         argv = trainer_argv({**common, **flags, "run_name": f"quality_{name}"})
@@ -916,7 +917,7 @@ def bench_quality(args, tmp, report: Report) -> dict:
                                  **{f"ema_{k}": ev.get(f"eval_ema/{k}") for k in ("psnr", "ssim", "lpips")}}
     v = out["variants"]
     rows = [[name, r["psnr"], r["ssim"], r["lpips"], r["wall_s"]] for name, r in v.items()]
-    report.table(f"Held-out quality after {args.quality_steps} steps ({len(data_lib.DEMO_TEST)} held-out photos, "
+    report.table(f"Held-out quality after {args.quality_steps} steps ({len(shards.DEMO_TEST)} held-out photos, "
                  f"VGG16 {vgg}; ch {cfg['vae_ch']} x {cfg['vae_ch_mult']}, z {cfg['vae_z_channels']}, "
                  f"{cfg['vae_resolution']} px, batch {cfg['batch_size']}, GAN)",
                  ["variant", "PSNR dB", "SSIM", "LPIPS", "wall s"], rows)
@@ -1599,7 +1600,7 @@ def bench_resolutions(args, tmp, report: Report) -> dict:
              "none", "--wandb_mode", "disabled", "--num_threads", "1", "--seed", str(args.seed), *flags],
             os.path.join(root, f"{run}.log"), env)
     wall = wait_logged(procs)
-    _, demo_test = data_lib.ensure_demo_shards(os.path.join(root, "demo_data"))  # built by the first run
+    _, demo_test = shards.ensure_demo_shards(os.path.join(root, "demo_data"))  # built by the first run
     heldout = {"demo": demo_test, **({"extra": args.res_heldout_url} if args.res_heldout_url else {})}
     vgg = "torchvision" if os.path.isfile(vgg16_cache_path()) else "random"
     out = {"steps": steps, "vgg16": vgg, "wall_s": wall, "runs": {}}
@@ -1695,7 +1696,7 @@ def bench_decoder_quality(args, tmp, report: Report) -> dict:
                        str(steps), "--inception_weights", "none", "--wandb_mode", "disabled", "--seed",
                        str(args.seed)], os.path.join(root, "wide.log"), env)
     wall.update(wait_logged({"train wide": wide}))
-    train_url, test_url = data_lib.ensure_demo_shards(os.path.join(root, "demo_data"))  # built by the demo run
+    train_url, test_url = shards.ensure_demo_shards(os.path.join(root, "demo_data"))  # built by the demo run
     released = os.path.join(root, "wide_vae")
     wall.update(wait_logged({"export wide": run_logged(
         [sys.executable, "export.py", "--ckpt", os.path.join(root, "wide"), "--ema", "--out", released,
@@ -1741,7 +1742,7 @@ def bench_decoder_quality(args, tmp, report: Report) -> dict:
     n_params = {"wide": decoder_parameters(source.params), "narrow": decoder_parameters(narrow_params)}
     out = {"config": {"wide_steps": args.wide_steps, "decoder_steps": args.decoder_steps, "seeds": seeds,
                       "narrow_widths": widths, "wide_widths": list(source.params.decoder_widths), "vgg16_weights": vgg,
-                      "lpips": lpips_weights != "none", "flags": common, "held_out": list(data_lib.DEMO_TEST),
+                      "lpips": lpips_weights != "none", "flags": common, "held_out": list(shards.DEMO_TEST),
                       "resolution": common["vae_resolution"]},
            "decode_gflop": {k: v / 1e9 for k, v in flops.items()}, "decoder_params": n_params,
            "flop_ratio": flops["narrow"] / flops["wide"], "wall_s": wall, "runs": {}}
@@ -1763,7 +1764,7 @@ def bench_decoder_quality(args, tmp, report: Report) -> dict:
                      f"{entry['raw_psnr']:.2f}" if "raw_psnr" in entry else "-",
                      f"{entry['raw_ssim']:.3f}" if "raw_ssim" in entry else "-"])
     report.table(f"Narrower decoders behind the demo VAE's frozen encoder (the demo trained {args.wide_steps} steps, "
-                 f"EMA exported); {len(data_lib.DEMO_TEST)} held-out photos at {common['vae_resolution']} px, "
+                 f"EMA exported); {len(shards.DEMO_TEST)} held-out photos at {common['vae_resolution']} px, "
                  f"evaluate.py --ema; VGG16 {vgg}",
                  ["run", "decoder widths", "k params", "decode FLOPs", "steps", "lr", "PSNR dB", "SSIM",
                   "PSNR raw", "SSIM raw"], rows)
@@ -1978,7 +1979,7 @@ def bench_precision(args, tmp, report: Report) -> dict:
     evaluation (the demo's 4 photos, 64 px). The question: does the precision a GPU run gets by default (fp32 with
     TF32) train as well as strict fp32, step for step."""
     root = os.path.join(tmp, "precision")
-    data_lib.ensure_demo_shards(os.path.join(root, "demo_data"))  # once, before the runs that share it
+    shards.ensure_demo_shards(os.path.join(root, "demo_data"))  # once, before the runs that share it
     steps, seeds = args.precision_steps, [int(s) for s in args.precision_seeds.split(",")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     every = max(1, steps // 3)

@@ -1,4 +1,5 @@
-"""Input pipeline: webdataset shards (or a folder of images) -> batches of uint8 crops; writing shards.
+"""Input pipeline: webdataset shards (or a folder of images) -> batches of uint8 crops for training, and every image
+once for evaluation. Writing shards, the demo's data and the `make-shards` command: shards.py.
 
 Training stream
   * `--dataset_url` is what webdataset accepts (brace-expanded local paths, http(s)://, pipe:...,
@@ -18,11 +19,10 @@ Training stream
   * Corrupt, empty, non-image, oversized and unreadable members are skipped and counted, and so
     are shards that cannot be fetched.
 
-CLI: python data.py make-shards SRC_DIR DST_DIR [--shard_size 1000]
+CLI: python data.py make-shards SRC_DIR DST_DIR [--shard_size 1000]  (shards.py's)
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import functools
 import io
@@ -116,6 +116,16 @@ def list_shards(url: str) -> list:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise DatasetError(f"dataset shard not found: {missing[0]}{more}")
     return shards
+
+
+def brace_url(paths: list[str]) -> str:
+    """'dir/{00000..00011}.tar' for consecutive shard paths written by write_shards."""
+    if len(paths) == 1:
+        return paths[0]
+    head, first = os.path.split(paths[0])
+    last = os.path.basename(paths[-1])
+    m1, m2 = re.match(r"(.*?)(\d+)\.tar$", first), re.match(r"(.*?)(\d+)\.tar$", last)
+    return os.path.join(head, f"{m1.group(1)}{{{m1.group(2)}..{m2.group(2)}}}.tar")
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,7 +277,7 @@ def redact(text: str) -> str:
     return text
 
 
-_warned: set[str] = set()
+_warned: set[str] = set()  # what this process's stream has warned about (warn_once); TrainStream clears it
 
 
 def warn(msg: str) -> None:
@@ -645,6 +655,7 @@ class TrainStream(IterableDataset):
         return size, self.schedule.batch_for(size)
 
     def __iter__(self):
+        _warned.clear()  # each stream names each bad file once: a new stream (a new run, a resume) names them again
         info = get_worker_info()
         physical = info.id if info is not None else 0
         # DataLoader serves batches round-robin from physical worker 0; after a resume the next
@@ -928,179 +939,6 @@ def iter_eval_batches(url: str, resolution: int, batch_size: int, rank: int = 0,
         yield indices, torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)
 
 
-# --------------------------------------------------------------------------------------------
-# Writing shards
-# --------------------------------------------------------------------------------------------
-def write_shards(files: list[str], dst: str, shard_size: int = 1000, verify: bool = True,
-                 root: str | None = None, prefix: str = "") -> tuple[list[str], list[str]]:
-    """Pack image files into `dst/{prefix}{00000..}.tar` with their original bytes (no re-encode).
-    With `verify` each image is decoded in full first (a truncated JPEG opens but does not decode: training
-    would skip it at every epoch). Returns (shard paths, the files skipped as unreadable)."""
-    import webdataset as wds
-    os.makedirs(dst, exist_ok=True)
-    if root is None:
-        root = os.path.commonpath([os.path.dirname(f) for f in files]) if files else ""
-    skipped, seen = [], set()
-    pattern = os.path.join(dst, f"{prefix}%05d.tar")
-    with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as sink:
-        for path in files:
-            try:
-                with open(path, "rb") as f:
-                    data = f.read()
-                if verify:
-                    load_rgb(data)
-            except (OSError, SkipSample):
-                skipped.append(path)
-                continue
-            ext = path.rsplit(".", 1)[-1].lower()
-            ext = {"jpeg": "jpg", "tif": "tiff"}.get(ext, ext)
-            # webdataset groups members by the name up to the first dot: keys must hold none
-            key = re.sub(r"[^A-Za-z0-9_/-]", "_", os.path.splitext(os.path.relpath(path, root))[0])
-            while key in seen:
-                key += "_"
-            seen.add(key)
-            sink.write({"__key__": key, ext: data})
-        n = sink.shard
-    paths = [pattern % i for i in range(n) if os.path.exists(pattern % i)]
-    return paths, skipped
-
-
-def name_a_few(names: list[str], few: int = 5) -> str:
-    """'a, b, c and 4 more'"""
-    more = f" and {len(names) - few} more" if len(names) > few else ""
-    return ", ".join(names[:few]) + more
-
-
-def brace_url(paths: list[str]) -> str:
-    """'dir/{00000..00011}.tar' for consecutive shard paths written by write_shards."""
-    if len(paths) == 1:
-        return paths[0]
-    head, first = os.path.split(paths[0])
-    last = os.path.basename(paths[-1])
-    m1, m2 = re.match(r"(.*?)(\d+)\.tar$", first), re.match(r"(.*?)(\d+)\.tar$", last)
-    return os.path.join(head, f"{m1.group(1)}{{{m1.group(2)}..{m2.group(2)}}}.tar")
-
-
-# --------------------------------------------------------------------------------------------
-# Demo data: sample photos bundled with scikit-image, or generated ones
-# --------------------------------------------------------------------------------------------
-# not motorcycle_left.png: the left view of the held-out motorcycle_right.png (a stereo pair; its 16 px thumbnail
-# correlates 0.86 with it, no other photo above 0.42): trained on, it made a quarter of the held-out set a
-# training image seen from a few centimetres away
-DEMO_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "hubble_deep_field.jpg", "retina.jpg",
-               "motorcycle_right.png", "ihc.png", "camera.png", "coins.png", "grass.png", "gravel.png", "brick.png",
-               "logo.png", "page.png")
-DEMO_TEST = ("chelsea.png", "motorcycle_right.png", "coffee.png", "rocket.jpg")  # held out for evaluation
-
-
-def _generated_photos(dst: str, n: int = 16) -> list[str]:
-    """Procedural stand-ins when scikit-image is absent: smooth gradients, discs, stripes and noise."""
-    rng = np.random.default_rng(0)
-    paths = []
-    yy, xx = np.mgrid[0:384, 0:512] / 384.0
-    for i in range(n):
-        img = np.stack([np.sin(xx * rng.uniform(1, 9) + rng.uniform(0, 6)) * 0.5 + 0.5,
-                        yy * rng.uniform(0.3, 1), np.cos((xx + yy) * rng.uniform(1, 12)) * 0.5 + 0.5], -1)
-        for _ in range(6):
-            cy, cx, r = rng.uniform(0, 1), rng.uniform(0, 1.33), rng.uniform(0.05, 0.3)
-            img[(yy - cy) ** 2 + (xx - cx) ** 2 < r * r] = rng.uniform(0, 1, 3)
-        img = np.clip(img + rng.normal(0, 0.02, img.shape), 0, 1)
-        path = os.path.join(dst, f"generated_{i:02d}.png")
-        Image.fromarray((img * 255).astype(np.uint8)).save(path)
-        paths.append(path)
-    return paths
-
-
-def _demo_split() -> str:
-    return f"train {' '.join(p for p in DEMO_PHOTOS if p not in DEMO_TEST)}\ntest {' '.join(DEMO_TEST)}\n"
-
-
-def _demo_ready(root: str) -> bool:
-    try:
-        with open(os.path.join(root, "READY")) as f:
-            return f.read() == _demo_split()
-    except OSError:
-        return False
-
-
-def ensure_demo_shards(root: str) -> tuple[str, str]:
-    """Build the demo's train and test shards once under `root` (again when READY names other photos: a demo
-    folder from a version with another split); returns their dataset urls."""
-    done, split = os.path.join(root, "READY"), _demo_split()
-    if not _demo_ready(root):
-        if os.path.isdir(root):
-            for f in os.listdir(root):
-                if re.fullmatch(r"(test-)?\d{5}\.tar", f):
-                    os.remove(os.path.join(root, f))
-        os.makedirs(root, exist_ok=True)
-        try:
-            import skimage
-            src = os.path.join(os.path.dirname(skimage.__file__), "data")
-            photos = [os.path.join(src, p) for p in DEMO_PHOTOS if os.path.isfile(os.path.join(src, p))]
-        except ImportError:
-            photos = []
-        if len(photos) < 6:
-            gen = os.path.join(root, "generated")
-            os.makedirs(gen, exist_ok=True)
-            photos = _generated_photos(gen)
-        test = [p for p in photos if os.path.basename(p) in DEMO_TEST] or photos[-2:]
-        train = [p for p in photos if p not in test]
-        write_shards(train, root, shard_size=max(1, math.ceil(len(train) / 3)), root=os.path.dirname(train[0]))
-        write_shards(test, root, shard_size=len(test), root=os.path.dirname(test[0]), prefix="test-")
-        with open(done, "w") as f:
-            f.write(split)
-    train = sorted(f for f in os.listdir(root) if re.fullmatch(r"\d{5}\.tar", f))
-    return brace_url([os.path.join(root, f) for f in train]), os.path.join(root, "test-00000.tar")
-
-
-def wait_for_demo_shards(root: str, timeout_s: float = 300) -> None:
-    deadline = time.time() + timeout_s
-    while not _demo_ready(root):
-        if time.time() > deadline:
-            raise DatasetError(f"timed out waiting for the demo shards in {root}")
-        time.sleep(0.5)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="data.py", description="Dataset tools for the VAE trainer.",
-                                     allow_abbrev=False)
-    sub = parser.add_subparsers(dest="command", required=True)
-    ms = sub.add_parser("make-shards", help="pack a folder of images into webdataset tar shards", allow_abbrev=False)
-    ms.add_argument("src", help="folder of images (searched recursively)")
-    ms.add_argument("dst", help="output folder for NNNNN.tar shards")
-    ms.add_argument("--shard_size", type=int, default=1000, help="images per shard (default 1000)")
-    ms.add_argument("--no_verify", action="store_true",
-                    help="do not decode each image to check it (faster; broken files are then skipped at every "
-                         "epoch of training)")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if not os.path.isdir(args.src):
-        print(f"error: {args.src}: not a directory", file=sys.stderr)
-        return 2
-    if args.shard_size <= 0:
-        print("error: --shard_size must be positive", file=sys.stderr)
-        return 2
-    files = image_files(args.src)
-    if not files:
-        print(f"error: {args.src}: no image files found", file=sys.stderr)
-        return 2
-    paths, skipped = write_shards(files, args.dst, args.shard_size, verify=not args.no_verify, root=args.src)
-    names = [os.path.relpath(p, args.src) for p in skipped]
-    if len(skipped) == len(files):
-        for p in paths:
-            os.remove(p)
-        print(f"error: {args.src}: none of the {len(files)} image files could be decoded ({name_a_few(names)})",
-              file=sys.stderr)
-        return 2
-    print(f"wrote {len(files) - len(skipped)} images into {len(paths)} shards ({len(skipped)} unreadable skipped"
-          + (f": {name_a_few(names)})" if skipped else ")"))
-    url = brace_url(paths)  # training data or a held-out set: the same shards, another flag
-    print(f"--dataset_url '{url}' to train on them, or --test_dataset_url '{url}' to evaluate on them")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python data.py make-shards ...`, the documented command: shards.py's CLI
+    import runpy
+    runpy.run_module("shards", run_name="__main__")

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 import data as data_lib
+import shards
 import pretrained
 import qwen_ae
 from common import ConfigError
@@ -44,7 +45,7 @@ def prepare_run(argv: list[str] | None = None, builds_demo_data: bool = True) ->
     cfg, given = parse_flags(argv)
     if cfg.run.demo:
         if not builds_demo_data:
-            data_lib.wait_for_demo_shards(os.path.join(cfg.run.output_dir, "demo_data"))
+            shards.wait_for_demo_shards(os.path.join(cfg.run.output_dir, "demo_data"))
         cfg = prepare_demo(cfg)
     cfg, source = apply_init_source(cfg, given)
     saved = saved_run_config(cfg, given | (set(SOURCE_FIELDS) if source is not None else set()))
@@ -67,7 +68,7 @@ def prepare_run(argv: list[str] | None = None, builds_demo_data: bool = True) ->
 
 def prepare_demo(cfg: Config) -> Config:
     """Point the demo at its bundled shards (built once) and pick VGG weights it can use offline."""
-    train_url, test_url = data_lib.ensure_demo_shards(os.path.join(cfg.run.output_dir, "demo_data"))
+    train_url, test_url = shards.ensure_demo_shards(os.path.join(cfg.run.output_dir, "demo_data"))
     changes = {}
     if not cfg.data.dataset_url:
         changes["dataset_url"] = train_url

@@ -375,7 +375,6 @@ def test_the_teacher_decodes_the_transformed_latent_with_the_sources_own_decoder
     term a GradNorm branch (its gradient at the reconstruction has norm --distill_weight, whatever the error's
     size). Checked in one real step of the trainer against the source model built here from its folder."""
     import common
-    import config
     import data
     import vae_trainer
     random_flux2().save_pretrained(tmp_path / "flux2")
@@ -474,11 +473,11 @@ def photo_folders(root) -> tuple[str, str]:
     """scikit-image's photos split as the demo splits them: whole photos held out, none a crop of a training one."""
     import skimage
 
-    import data as data_lib
+    import shards
     src = os.path.join(os.path.dirname(skimage.__file__), "data")
     folders = []
-    for name, photos in (("train", [p for p in data_lib.DEMO_PHOTOS if p not in data_lib.DEMO_TEST]),
-                         ("heldout", data_lib.DEMO_TEST)):
+    for name, photos in (("train", [p for p in shards.DEMO_PHOTOS if p not in shards.DEMO_TEST]),
+                         ("heldout", shards.DEMO_TEST)):
         os.makedirs(os.path.join(root, name))
         for photo in photos:
             shutil.copy(os.path.join(src, photo), os.path.join(root, name, photo))

@@ -14,18 +14,18 @@ import pytest
 
 from conftest import ROOT, cli_env, run_cli
 
-import data
+import config
 import evaluate
 import export
 import plots
 import probe
+import shards
 import vae_trainer
-import config
 
 README = os.path.join(ROOT, "README.md")
 DOCS = os.path.join(ROOT, "docs")
 PARSERS = {"vae_trainer.py": config.build_parser, "evaluate.py": evaluate.build_parser,
-           "export.py": export.build_parser, "data.py": data.build_parser,
+           "export.py": export.build_parser, "data.py": shards.build_parser,
            "probe.py": probe.build_parser, "plots.py": plots.build_parser}
 README_MAX_LINES = 260
 # shell commands the pages' bash blocks may hold besides python/torchrun/pip (a docs page's preparation steps);
