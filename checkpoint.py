@@ -27,11 +27,12 @@ import time
 import torch
 import torch.distributed as dist
 
+import wan_ae
 from ae import AutoEncoder, AutoEncoderParams
 from common import ConfigError, DistInfo, atomic_write, first_line
 from config import ARCH_FIELDS, LEGACY_ARCH, ModelConfig, RunConfig
-import qwen_ae
-from pretrained import DIFFUSERS_WEIGHTS, build_model, from_diffusers_state_dict, load_source, params_from_dict
+from pretrained import (DIFFUSERS_WEIGHTS, WAN_DIFFUSERS_CLASSES, build_model, from_diffusers_state_dict, load_source,
+                        params_from_dict)
 
 # A run directory written with other values of config.ARCH_FIELDS (the ModelConfig fields marked `arch`) cannot
 # be resumed: the VAE's weights would not fit. The GAN settings are not among them: switching the critic on after
@@ -436,7 +437,7 @@ def load_diffusers_export(path: str) -> tuple[AutoEncoder, dict]:
     from safetensors.torch import load_file
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    if config.get("_class_name") in qwen_ae.DIFFUSERS_CLASSES:  # the Wan family's own layout
+    if config.get("_class_name") in WAN_DIFFUSERS_CLASSES:  # the Wan family's own layout
         source = load_source(path)
         params, state = source.params, source.state
     else:
@@ -453,7 +454,7 @@ def load_autoencoder(path: str) -> tuple[AutoEncoder, dict]:
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     fields = {f.name for f in dataclasses.fields(
-        qwen_ae.WanImageParams if config.get("family") == "wan" else AutoEncoderParams)} | {"family"}
+        wan_ae.WanImageParams if config.get("family") == "wan" else AutoEncoderParams)} | {"family"}
     vae = build_model(params_from_dict({k: v for k, v in config.items() if k in fields}))
     vae.load_state_dict(load_file(os.path.join(path, SAFETENSORS_WEIGHTS)))
     return vae.eval(), config

@@ -108,7 +108,7 @@ class ModelConfig:
     TITLE: ClassVar[str] = "Model"  # the flag table's heading
 
     vae_family: str = opt("ldm", "ldm: the LDM/FLUX autoencoder of ae.py (FLUX.1, FLUX.2, SD, SDXL, SD3); wan: the "
-                                 "Wan 2.1 family of qwen_ae.py (Qwen-Image's VAE, Wan 2.1/2.2's on images), whose "
+                                 "Wan 2.1 family of wan_ae.py (Qwen-Image's VAE, Wan 2.1/2.2's on images), whose "
                                  "architecture only --init_from (or the run's checkpoints) gives. Set by --init_from",
                           ("ldm", "wan"), arch=True)
     vae_ch: int = opt(128, "base channel count", arch=True)

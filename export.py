@@ -44,7 +44,7 @@ import torch
 import data as data_lib
 import evaluate
 import pretrained
-import qwen_ae
+import wan_ae
 from ae import AutoEncoder
 from checkpoint import SAFETENSORS_WEIGHTS, load_autoencoder, load_diffusers_export, load_model  # noqa: F401
 from common import ConfigError, OneLineParser
@@ -203,7 +203,7 @@ def export_single_file(vae: AutoEncoder, out_dir: str, scaling_factor: float | N
 # ============================================================================================
 # diffusers AutoencoderKLQwenImage / AutoencoderKLWan: the 2D model back into its source's 3D layout
 # ============================================================================================
-def export_wan_diffusers(vae: qwen_ae.WanImageAutoEncoder, source_dir: str, out_dir: str,
+def export_wan_diffusers(vae: wan_ae.WanImageAutoEncoder, source_dir: str, out_dir: str,
                          latents_mean: list[float] | None = None, latents_std: list[float] | None = None) -> None:
     """Write `out_dir` as the diffusers folder `source_dir` is (its class and config), with the trained weights: each
     2D kernel into the last temporal slice of its causal 3D kernel, the other slices and the temporal resamplers'
@@ -214,9 +214,9 @@ def export_wan_diffusers(vae: qwen_ae.WanImageAutoEncoder, source_dir: str, out_
     import diffusers
     with open(os.path.join(source_dir, "config.json")) as f:
         config = json.load(f)
-    if config.get("_class_name") not in qwen_ae.DIFFUSERS_CLASSES:
-        raise ValueError(f"{source_dir}: a {config.get('_class_name')}, not one of {qwen_ae.DIFFUSERS_CLASSES}")
-    params = qwen_ae.params_from_diffusers_config(config, source_dir)
+    if config.get("_class_name") not in pretrained.WAN_DIFFUSERS_CLASSES:
+        raise ValueError(f"{source_dir}: a {config.get('_class_name')}, not one of {pretrained.WAN_DIFFUSERS_CLASSES}")
+    params = pretrained.wan_params_from_diffusers_config(config, source_dir)
     if params != vae.params:
         raise ValueError(f"{source_dir}: its architecture {params} is not the model's {vae.params}")
     for name, values in (("latents_mean", latents_mean), ("latents_std", latents_std)):
@@ -229,7 +229,7 @@ def export_wan_diffusers(vae: qwen_ae.WanImageAutoEncoder, source_dir: str, out_
     if not weights:  # the kept temporal slices come from them
         raise ValueError(f"{source_dir}: no {DIFFUSERS_WEIGHTS}: the export needs the source's weights")
     model = getattr(diffusers, config["_class_name"]).from_config(config)
-    model.load_state_dict(qwen_ae.to_diffusers_state_dict(vae.state_dict(), pretrained._read_file(weights[0])),
+    model.load_state_dict(pretrained.wan_to_diffusers_state_dict(vae.state_dict(), pretrained._read_file(weights[0])),
                           strict=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     honour_umask(os.path.join(out_dir, DIFFUSERS_WEIGHTS))
@@ -350,7 +350,7 @@ def export_latent_bn(args, vae: AutoEncoder, info: dict, resolution: int) -> int
     return 0
 
 
-def export_wan(args, vae: qwen_ae.WanImageAutoEncoder, info: dict, resolution: int) -> int:
+def export_wan(args, vae: wan_ae.WanImageAutoEncoder, info: dict, resolution: int) -> int:
     """main() for a Wan-family model (Qwen-Image's VAE): its pipelines normalise each latent channel by the
     config's latents_mean/latents_std, and read no scaling factor. After a decoder-only fine-tune the source's
     statistics are kept; --dataset_url re-estimates them (after a run that trained the encoder). The diffusers
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--ckpt {args.ckpt} does not record the size it was trained at: give --resolution")
         if not resolution or resolution % vae.downsample_factor:
             raise ConfigError(f"--resolution must be a positive multiple of {vae.downsample_factor}, got {resolution}")
-        if isinstance(vae, qwen_ae.WanImageAutoEncoder):
+        if isinstance(vae, wan_ae.WanImageAutoEncoder):
             return export_wan(args, vae, info, resolution)
         if vae.params.latent_bn:
             return export_latent_bn(args, vae, info, resolution)

@@ -23,8 +23,8 @@ flux2/src/flux2/autoencoder.py defines the single file):
       (`encoder.quant_conv.*`, `decoder.post_quant_conv.*`), and `bn.running_mean`, `bn.running_var` (and
       `bn.num_batches_tracked`, which BFL's strict load_state_dict expects); eps 1e-4 and momentum 0.1 are BFL's
       constants, not in the file.
-A diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder (Qwen-Image's and Wan 2.1's VAE) loads into qwen_ae.py's
-2D model (its params a qwen_ae.WanImageParams). Imports only ae.py and qwen_ae.py (model code): the trainer, export.py
+A diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder (Qwen-Image's and Wan 2.1's VAE) loads into wan_ae.py's
+2D model (its params a wan_ae.WanImageParams). Imports only ae.py and wan_ae.py (model code): the trainer, export.py
 and bench.py all use it without an import cycle.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-import qwen_ae
+import wan_ae
 from ae import AutoEncoder, AutoEncoderParams, check_widths
 from common import first_line
 
@@ -76,8 +76,8 @@ class Source:
     path: str
     layout: str  # "diffusers" (a folder) or "single_file"
     family: str  # sd | sdxl | sd3 | flux | flux2, or "" (a diffusers folder: its config carries the factors)
-    params: AutoEncoderParams | qwen_ae.WanImageParams
-    state: dict[str, Tensor]  # in ae.py's (LDM/FLUX) names; a Wan-family source's in qwen_ae.py's (diffusers') names
+    params: AutoEncoderParams | wan_ae.WanImageParams
+    state: dict[str, Tensor]  # in ae.py's (LDM/FLUX) names; a Wan-family source's in wan_ae.py's (diffusers') names
     factors: dict  # scaling_factor, shift_factor, latents_mean, latents_std (None where the source has none);
     # FLUX.2's bn statistics are not factors: they are in `state` (bn.running_mean / bn.running_var) and `params`
     prefix: str = ""  # the VAE keys' prefix in a full checkpoint
@@ -500,18 +500,15 @@ def _load_diffusers_folder(path: str, family: str) -> Source:
     except (OSError, ValueError) as e:
         raise SourceError(f"{config_path}: unreadable ({type(e).__name__})") from None
     class_name = config.get("_class_name", "AutoencoderKL")
-    if class_name not in ("AutoencoderKL", "AutoencoderKLFlux2") + qwen_ae.DIFFUSERS_CLASSES:
-        raise SourceError(f"{path}: a {class_name}, {qwen_ae.unsupported_class(class_name)}")
+    if class_name not in ("AutoencoderKL", "AutoencoderKLFlux2") + WAN_DIFFUSERS_CLASSES:
+        raise SourceError(f"{path}: a {class_name}, {unsupported_class(class_name)}")
     weights = [os.path.join(path, n) for n in (DIFFUSERS_WEIGHTS, DIFFUSERS_WEIGHTS_BIN)
                if os.path.isfile(os.path.join(path, n))]
     if not weights:
         raise SourceError(f"{path}: config.json but no weights ({DIFFUSERS_WEIGHTS} or {DIFFUSERS_WEIGHTS_BIN})")
     notes = []
-    if class_name in qwen_ae.DIFFUSERS_CLASSES:  # Qwen-Image's / Wan 2.1's VAE: qwen_ae.py's 2D model
-        try:
-            params, ours, factors, notes = qwen_ae.from_diffusers(config, _read_file(weights[0]), path)
-        except qwen_ae.UnfitSource as e:
-            raise SourceError(str(e)) from None
+    if class_name in WAN_DIFFUSERS_CLASSES:  # Qwen-Image's / Wan 2.1's VAE: wan_ae.py's 2D model
+        params, ours, factors, notes = wan_from_diffusers(config, _read_file(weights[0]), path)
     else:
         params, ours = from_diffusers_state_dict(_read_file(weights[0]), config, path)
         # FLUX.2's config has no factors (its bn statistics are in the weights): the identity
@@ -527,16 +524,157 @@ def _load_diffusers_folder(path: str, family: str) -> Source:
                   {"_class_name": class_name, **kept})
 
 
-def params_from_dict(d: dict) -> AutoEncoderParams | qwen_ae.WanImageParams:
-    """The architecture a checkpoint's or an export's model_params describe: qwen_ae's for the Wan family (their
+# ============================================================================================
+# diffusers AutoencoderKLQwenImage / AutoencoderKLWan (Wan 2.1): config and weights, both ways
+# ============================================================================================
+WAN_DIFFUSERS_CLASSES = ("AutoencoderKLQwenImage", "AutoencoderKLWan")
+# diffusers' video VAEs of other architectures: a user may well give one as "an image VAE"; each is one line
+VIDEO_VAE_CLASSES = ("AutoencoderKLHunyuanVideo", "AutoencoderKLHunyuanVideo15", "AutoencoderKLLTXVideo",
+                     "AutoencoderKLLTX2Video", "AutoencoderKLCogVideoX", "AutoencoderKLMochi", "AutoencoderKLAllegro",
+                     "AutoencoderKLMagvit", "AutoencoderKLCosmos", "AutoencoderKLTemporalDecoder",
+                     "AutoencoderKLKVAEVideo", "AutoencoderKLMiniMaxH3")
+# causal Conv3d kernels are (out, in, k, k, k): their last temporal slice is the one-frame Conv2d
+TIME_CONV = ".time_conv."  # the temporal resamplers' convolutions: no part of the first frame's computation
+
+
+def unsupported_class(class_name: str) -> str:
+    """Why a diffusers folder of `class_name` does not load (the end of a one-line error)."""
+    supported = ("loadable are AutoencoderKL, AutoencoderKLFlux2 and the Wan 2.1 family (" + ", ".join(WAN_DIFFUSERS_CLASSES)
+                 + ")")
+    if class_name in VIDEO_VAE_CLASSES:
+        return f"a video VAE of another architecture than Wan 2.1's: {supported}"
+    if class_name == "AutoencoderKLQwenImage21":
+        return f"Qwen-Image 2's VAE (z64, residual blocks), another architecture: {supported}"
+    return f"not an AutoencoderKL ({supported})"
+
+
+def wan_params_from_diffusers_config(config: dict, where: str) -> wan_ae.WanImageParams:
+    """An AutoencoderKLQwenImage / AutoencoderKLWan config -> our params (diffusers' defaults where a key is
+    missing); SourceError (one line) for a config this 2D model cannot honour."""
+    class_name = config.get("_class_name")
+    dim_mult = list(config.get("dim_mult", [1, 2, 4, 4]))
+    temporal = list(config.get("temperal_downsample", [False, True, True]))
+    if not dim_mult or not all(isinstance(m, int) and m > 0 for m in dim_mult):
+        raise SourceError(f"{where}: dim_mult {dim_mult} is not a list of positive integers")
+    if len(temporal) != len(dim_mult) - 1:
+        # diffusers builds one resampler per level but the last, each reading its entry of temperal_downsample
+        raise SourceError(f"{where}: temperal_downsample has {len(temporal)} entries for {len(dim_mult)} levels "
+                            f"(dim_mult {dim_mult}): not a VAE diffusers can build")
+    if config.get("attn_scales"):
+        raise SourceError(f"{where}: attn_scales {config['attn_scales']}: diffusers' encoder cannot run those "
+                            "attention blocks (they take no feature cache), and no release has them")
+    base = config.get("base_dim", 96)
+    patch_size, level_shortcuts = 1, False
+    if class_name == "AutoencoderKLWan":
+        in_channels, out_channels = config.get("in_channels", 3), config.get("out_channels", 3)
+        decoder_ch = config.get("decoder_base_dim") or base
+        patch_size, level_shortcuts = config.get("patch_size") or 1, bool(config.get("is_residual", False))
+        if in_channels % patch_size ** 2 or out_channels % patch_size ** 2:
+            raise SourceError(f"{where}: in_channels {in_channels} / out_channels {out_channels} are not the "
+                                f"channels of {patch_size}x{patch_size} patches")
+        in_channels, out_channels = in_channels // patch_size ** 2, out_channels // patch_size ** 2
+    else:  # AutoencoderKLQwenImage: one input_channels for the image in and out
+        in_channels = out_channels = config.get("input_channels", 3)
+        decoder_ch = base
+    z = config.get("z_dim", 16)
+    for name in ("latents_mean", "latents_std"):
+        if config.get(name) is not None and len(config[name]) != z:
+            raise SourceError(f"{where}: {name} has {len(config[name])} entries for z_dim {z}")
+    return wan_ae.WanImageParams(in_channels=in_channels, out_ch=out_channels, ch=base, ch_mult=tuple(dim_mult),
+                          num_res_blocks=config.get("num_res_blocks", 2), z_channels=z, decoder_ch=decoder_ch,
+                          dropout=float(config.get("dropout", 0.0)), patch_size=patch_size,
+                          level_shortcuts=level_shortcuts,
+                          # the first frame depends on it only through Wan 2.2's shortcuts
+                          temporal_downsample=tuple(map(bool, temporal)) if level_shortcuts else ())
+
+
+def _wan_one_frame(value: Tensor, like: Tensor) -> Tensor | None:
+    """A diffusers tensor -> the tensor of our shape `like`: a causal (out, in, k, k, k) kernel's last temporal slice,
+    an RMS norm's (C, 1, 1, 1) gamma reshaped; None when it does not fit."""
+    if value.dim() == 5 and value.shape[2] == value.shape[3] and value[:, :, -1].shape == like.shape:
+        return value[:, :, -1]
+    if value.dim() == like.dim() + 1 and value.numel() == like.numel() and value.shape[-1] == 1:
+        return value.reshape(like.shape)
+    return value if value.shape == like.shape else None
+
+
+def wan_from_diffusers_state_dict(state: dict[str, Tensor], params: wan_ae.WanImageParams, where: str) -> dict[str, Tensor]:
+    """diffusers' weights -> ours (the same names); SourceError (one line) naming the keys that do not fit. The
+    source's time_conv weights are the only ones left out (the first frame never runs them)."""
+    try:
+        with torch.device("meta"):
+            ours = wan_ae.WanImageAutoEncoder(params).state_dict()
+    except ValueError as e:  # a shortcut's channel groups that do not divide
+        raise SourceError(f"{where}: not a VAE diffusers can build ({e})") from None
+    converted, missing, wrong = {}, [], []
+    for name, like in ours.items():
+        if name not in state:
+            missing.append(name)
+            continue
+        value = _wan_one_frame(state[name], like)
+        if value is None:
+            wrong.append(f"{name} {list(state[name].shape)} vs {list(like.shape)}")
+            continue
+        converted[name] = value.float().contiguous()
+    extra = sorted(k for k in state if k not in ours and TIME_CONV not in k)
+    if missing or wrong or extra:
+        parts = ([f"{len(missing)} missing (e.g. {', '.join(missing[:3])})"] if missing else []) + \
+                ([f"{len(wrong)} of another shape (e.g. {'; '.join(wrong[:2])})"] if wrong else []) + \
+                ([f"{len(extra)} unexpected (e.g. {', '.join(extra[:3])})"] if extra else [])
+        raise SourceError(f"{where}: keys do not fit the architecture read from its config: {', '.join(parts)}")
+    return converted
+
+
+def wan_to_diffusers_state_dict(state: dict[str, Tensor], source_state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Our weights back into the source's diffusers tensors: each 2D kernel into the last temporal slice of its 3D
+    kernel, the other slices and every time_conv as the source has them (they act on later video frames only)."""
+    out = {}
+    for name, source in source_state.items():
+        if name not in state:
+            if TIME_CONV not in name:
+                raise ValueError(f"{name} is in the source's weights but not in the model's")
+            out[name] = source.detach().float().clone()
+            continue
+        value = state[name].detach().float().cpu()
+        if source.dim() == 5:
+            merged = source.detach().float().clone()
+            merged[:, :, -1] = value
+            out[name] = merged
+        else:
+            out[name] = value.reshape(source.shape).clone()
+    left = sorted(set(state) - set(source_state))
+    if left:
+        raise ValueError(f"the model has {len(left)} weights the source lacks (e.g. {', '.join(left[:3])})")
+    return out
+
+
+def wan_from_diffusers(config: dict, state: dict[str, Tensor], where: str
+                   ) -> tuple[wan_ae.WanImageParams, dict[str, Tensor], dict, list[str]]:
+    """A diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder's config and weights -> (params, our weights,
+    latent factors, notes). The pipelines normalise with the config's per-channel statistics alone,
+    z' = (z - latents_mean) / latents_std: scaling_factor 1, shift_factor 0."""
+    params = wan_params_from_diffusers_config(config, where)
+    converted = wan_from_diffusers_state_dict(state, params, where)
+    factors = {"scaling_factor": 1.0, "shift_factor": 0.0, "latents_mean": config.get("latents_mean"),
+               "latents_std": config.get("latents_std")}
+    notes = []
+    if config.get("_class_name") == "AutoencoderKLWan" and any(TIME_CONV in k for k in state):
+        notes.append("a video VAE trained here on images: its export decodes images (first frames) as trained; later "
+                     "video frames also go through the source's earlier temporal kernel slices and time_conv, which "
+                     "training does not touch")
+    return params, converted, factors, notes
+
+
+def params_from_dict(d: dict) -> AutoEncoderParams | wan_ae.WanImageParams:
+    """The architecture a checkpoint's or an export's model_params describe: wan_ae's for the Wan family (their
     "family" key), ae's otherwise (every checkpoint written before the Wan family existed)."""
-    return qwen_ae.WanImageParams.from_dict(d) if d.get("family") == "wan" else AutoEncoderParams.from_dict(d)
+    return wan_ae.WanImageParams.from_dict(d) if d.get("family") == "wan" else AutoEncoderParams.from_dict(d)
 
 
-def build_model(params: AutoEncoderParams | qwen_ae.WanImageParams) -> AutoEncoder | qwen_ae.WanImageAutoEncoder:
+def build_model(params: AutoEncoderParams | wan_ae.WanImageParams) -> AutoEncoder | wan_ae.WanImageAutoEncoder:
     """The model of an architecture, of the family it is: the one place that chooses the model class."""
-    if isinstance(params, qwen_ae.WanImageParams):
-        return qwen_ae.WanImageAutoEncoder(params)
+    if isinstance(params, wan_ae.WanImageParams):
+        return wan_ae.WanImageAutoEncoder(params)
     return AutoEncoder(params)
 
 

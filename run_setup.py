@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass
 
 import data as data_lib
-import shards
 import pretrained
-import qwen_ae
+import shards
+import wan_ae
 from common import ConfigError
 from config import (AUTO_FIELDS, LEGACY_ARCH, LR_TIMES_WIDTH, SOURCE_FIELDS, Config, as_released, automatic_values,
                     continue_run, continuing_note, demo_summary, is_plain_local_path, model_params, parse_flags,
@@ -113,7 +113,7 @@ def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Confi
     if (p.in_channels, p.out_ch) != (3, 3):
         raise ConfigError(f"--init_from {init_from}: a VAE of {p.in_channels} input / {p.out_ch} output "
                           "channels; this trainer reads RGB images")
-    if isinstance(p, qwen_ae.WanImageParams):  # its architecture travels in the source and the checkpoints; these
+    if isinstance(p, wan_ae.WanImageParams):  # its architecture travels in the source and the checkpoints; these
         # flags show it and let a resume check it (no GroupNorm: RMS norms, hence 1 group)
         if "vae_decoder_ch" in given:
             raise ConfigError(f"--vae_decoder_ch: a decoder of other widths is for the LDM family's latent spaces, "

@@ -210,7 +210,7 @@ def test_typos_get_one_line_that_says_what_to_do(tmp_path, capsys, argv, message
     ("evaluate", ["--ckpt", "run", "--max_im", "4"]),  # --max_images
     ("export", ["--ckpt", "run", "--out", "x", "--shift", "0.1"]),  # --shift_factor
     ("probe", ["--vae", "a", "--dataset_url", "x", "--test_dataset_url", "y", "--out", "o", "--ste", "3"]),  # --steps
-    ("data", ["make-shards", "src", "dst", "--shard", "5"]),  # --shard_size
+    ("shards", ["make-shards", "src", "dst", "--shard", "5"]),  # --shard_size (python data.py make-shards)
 ])
 def test_every_command_refuses_abbreviated_flags(module, argv, capsys):
     """Not only the trainer: evaluate.py, export.py, probe.py and data.py took an abbreviation for the flag it
@@ -220,7 +220,7 @@ def test_every_command_refuses_abbreviated_flags(module, argv, capsys):
     with pytest.raises((common.ConfigError, SystemExit)) as refused:
         parser.parse_args(argv)
     assert f"unrecognized arguments: {argv[-2]}" in str(refused.value) + capsys.readouterr().err
-    long_flag = {"evaluate": "--max_images", "export": "--shift_factor", "probe": "--steps", "data": "--shard_size"}
+    long_flag = {"evaluate": "--max_images", "export": "--shift_factor", "probe": "--steps", "shards": "--shard_size"}
     full = [long_flag[module] if a == argv[-2] else a for a in argv]
     parser.parse_args(full)  # the whole flag is taken
 

@@ -1,4 +1,4 @@
-"""qwen_ae.py: Qwen-Image's / Wan 2.1's (and Wan 2.2's) VAE as a 2D image autoencoder. Against diffusers' own
+"""wan_ae.py: Qwen-Image's / Wan 2.1's (and Wan 2.2's) VAE as a 2D image autoencoder. Against diffusers' own
 AutoencoderKLQwenImage and AutoencoderKLWan (tiny random configs, saved with save_pretrained) on one frame: the causal
 Conv3d is a Conv2d with the kernel's last temporal slice; loading computes what diffusers computes; export writes a
 folder diffusers loads and decodes as we do; checkpointing is exact; bad sources are one line. References are computed
@@ -16,8 +16,8 @@ from torch.utils.checkpoint import checkpoint
 import ae
 import export
 import pretrained
-import qwen_ae
-from qwen_ae import WanImageAutoEncoder, WanImageParams
+import wan_ae
+from wan_ae import WanImageAutoEncoder, WanImageParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,7 +38,7 @@ EXPECTED = {"qwen": {"ch_mult": (1, 2, 2)}, "wan": {"ch_mult": (1, 2, 2), "decod
             "wan22": {"ch_mult": (1, 1, 2, 2), "decoder_ch": 24, "patch_size": 2, "level_shortcuts": True,
                       "temporal_downsample": (True, False, False)}}
 # float32 rounding: a Conv2d and the single-frame Conv3d are different kernels, which may sum in another order
-# (qwen_ae.py's docstring); a wrong slice or block is off by O(1)
+# (wan_ae.py's docstring); a wrong slice or block is off by O(1)
 TOL = 1e-5
 
 
@@ -118,7 +118,7 @@ def test_rms_norm_and_attention_are_diffusers_op_for_op():
     with torch.no_grad():
         theirs_norm.gamma.add_(torch.randn_like(theirs_norm.gamma))
         theirs_attn.norm.gamma.add_(torch.randn_like(theirs_attn.norm.gamma))
-    norm, attn = qwen_ae.RMSNorm32(16), qwen_ae.AttentionBlock(16)
+    norm, attn = wan_ae.RMSNorm32(16), wan_ae.AttentionBlock(16)
     norm.gamma.data = theirs_norm.gamma.data.reshape(16, 1, 1)
     attn.load_state_dict(theirs_attn.state_dict())
     x = torch.randn(2, 16, 1, 8, 6)
@@ -134,7 +134,7 @@ def test_frame_conv_runs_in_the_layout_of_its_weights():
     """A channels-last input (the mid attention's output) is convolved as a contiguous one, as diffusers' F.pad hands
     its Conv3d; after model.to(channels_last) the convolution stays channels-last."""
     torch.manual_seed(0)
-    conv = qwen_ae.FrameConv2d(16, 32)
+    conv = wan_ae.FrameConv2d(16, 32)
     x = torch.randn(2, 16, 8, 8).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         out = conv(x)
@@ -169,11 +169,11 @@ def test_released_structures_convert():
     for cls, config, factor in ((AutoencoderKLQwenImage, {}, 8), (AutoencoderKLWan, wan22, 16)):
         with torch.device("meta"):
             reference = cls(**config)
-        params = qwen_ae.params_from_diffusers_config({**reference.config, "_class_name": cls.__name__}, cls.__name__)
+        params = pretrained.wan_params_from_diffusers_config({**reference.config, "_class_name": cls.__name__}, cls.__name__)
         assert params.downsample_factor == factor and params.z_channels == reference.config.z_dim
         if cls is AutoencoderKLQwenImage:
             assert params == WanImageParams()
-        state = qwen_ae.from_diffusers_state_dict(reference.state_dict(), params, cls.__name__)
+        state = pretrained.wan_from_diffusers_state_dict(reference.state_dict(), params, cls.__name__)
         assert set(state) == {k for k in reference.state_dict() if ".time_conv." not in k}
 
 

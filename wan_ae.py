@@ -1,10 +1,11 @@
-"""Qwen-Image's VAE, the Wan 2.1 video VAE (and Wan 2.2's), as a 2D image autoencoder with ae.AutoEncoder's interface.
+"""The Wan family's VAE (Qwen-Image's, Wan 2.1's video VAE, and Wan 2.2's), as a 2D image autoencoder with
+ae.AutoEncoder's interface. Its diffusers conversion, both ways, is in pretrained.py beside the other families'.
 
 diffusers' AutoencoderKLQwenImage (and AutoencoderKLWan, the same network) is a video VAE: causal Conv3d layers that
 pad time with two zero frames in front, RMS norms, a 1x1x1 quant_conv/post_quant_conv around the latent, f8 with 16
 latent channels. An image is its first frame, and for one frame every piece collapses to 2D:
 - a causal 3x3x3 (or 1x1x1) Conv3d sees the frame only through its kernel's last temporal slice (the others
-  multiply the zero padding), so it is a Conv2d with the kernel `weight[:, :, -1]` (tests/test_qwen_ae.py checks it);
+  multiply the zero padding), so it is a Conv2d with the kernel `weight[:, :, -1]` (tests/test_wan_ae.py checks it);
 - the temporal resamplers' `time_conv` never runs on the first frame (the encoder caches the frame, the decoder
   marks it "Rep"), so it is not part of this model at all; the export keeps it from the source;
 - the spatial resamplers and the mid attention are 2D convolutions in diffusers already.
@@ -20,7 +21,7 @@ Numerics. Everything but the causal convolutions runs diffusers' torch ops in di
 kernels, and whether they sum in the same order depends on the machine and the shapes: on an AVX512 CPU (oneDNN, any
 thread count) the whole tiny model was bitwise diffusers' for batches of 2, while for a batch of 1 oneDNN picks
 another Conv3d kernel from 16 input channels on (one conv 2e-5 apart on outputs of ~30) and the model agrees to
-float32 rounding: 1e-6 on the posterior and the image. tests/test_qwen_ae.py holds it to 1e-5 of the tensors' scale
+float32 rounding: 1e-6 on the posterior and the image. tests/test_wan_ae.py holds it to 1e-5 of the tensors' scale
 and prints whether it was bitwise.
 fp32 islands as in ae.py: every RMS norm is computed in fp32 under autocast, and so are the moments head (norm_out,
 conv_out, quant_conv) and the posterior.
@@ -471,153 +472,3 @@ class WanImageAutoEncoder(nn.Module):
         mean, logvar = self.encode_moments(x)
         return decode_latents(self, self.sample(mean, logvar) if sample else mean, mean, logvar, latent_transform,
                               also_decode)
-
-
-# ============================================================================================
-# diffusers AutoencoderKLQwenImage / AutoencoderKLWan (Wan 2.1): config and weights, both ways
-# ============================================================================================
-DIFFUSERS_CLASSES = ("AutoencoderKLQwenImage", "AutoencoderKLWan")
-# diffusers' video VAEs of other architectures: a user may well give one as "an image VAE"; each is one line
-VIDEO_VAE_CLASSES = ("AutoencoderKLHunyuanVideo", "AutoencoderKLHunyuanVideo15", "AutoencoderKLLTXVideo",
-                     "AutoencoderKLLTX2Video", "AutoencoderKLCogVideoX", "AutoencoderKLMochi", "AutoencoderKLAllegro",
-                     "AutoencoderKLMagvit", "AutoencoderKLCosmos", "AutoencoderKLTemporalDecoder",
-                     "AutoencoderKLKVAEVideo", "AutoencoderKLMiniMaxH3")
-# causal Conv3d kernels are (out, in, k, k, k): their last temporal slice is the one-frame Conv2d
-TIME_CONV = ".time_conv."  # the temporal resamplers' convolutions: no part of the first frame's computation
-
-
-class UnfitSource(ValueError):
-    """A folder or file this 2D model cannot be built from; the message is one line (pretrained.load_source turns it
-    into its SourceError: this module is model code and imports nothing above ae.py)."""
-
-
-def _source_error(message: str) -> Exception:
-    return UnfitSource(message)
-
-
-def unsupported_class(class_name: str) -> str:
-    """Why a diffusers folder of `class_name` does not load (the end of a one-line error)."""
-    supported = ("loadable are AutoencoderKL, AutoencoderKLFlux2 and the Wan 2.1 family (" + ", ".join(DIFFUSERS_CLASSES)
-                 + ")")
-    if class_name in VIDEO_VAE_CLASSES:
-        return f"a video VAE of another architecture than Wan 2.1's: {supported}"
-    if class_name == "AutoencoderKLQwenImage21":
-        return f"Qwen-Image 2's VAE (z64, residual blocks), another architecture: {supported}"
-    return f"not an AutoencoderKL ({supported})"
-
-
-def params_from_diffusers_config(config: dict, where: str) -> WanImageParams:
-    """An AutoencoderKLQwenImage / AutoencoderKLWan config -> our params (diffusers' defaults where a key is
-    missing); UnfitSource (one line) for a config this 2D model cannot honour."""
-    class_name = config.get("_class_name")
-    dim_mult = list(config.get("dim_mult", [1, 2, 4, 4]))
-    temporal = list(config.get("temperal_downsample", [False, True, True]))
-    if not dim_mult or not all(isinstance(m, int) and m > 0 for m in dim_mult):
-        raise _source_error(f"{where}: dim_mult {dim_mult} is not a list of positive integers")
-    if len(temporal) != len(dim_mult) - 1:
-        # diffusers builds one resampler per level but the last, each reading its entry of temperal_downsample
-        raise _source_error(f"{where}: temperal_downsample has {len(temporal)} entries for {len(dim_mult)} levels "
-                            f"(dim_mult {dim_mult}): not a VAE diffusers can build")
-    if config.get("attn_scales"):
-        raise _source_error(f"{where}: attn_scales {config['attn_scales']}: diffusers' encoder cannot run those "
-                            "attention blocks (they take no feature cache), and no release has them")
-    base = config.get("base_dim", 96)
-    patch_size, level_shortcuts = 1, False
-    if class_name == "AutoencoderKLWan":
-        in_channels, out_channels = config.get("in_channels", 3), config.get("out_channels", 3)
-        decoder_ch = config.get("decoder_base_dim") or base
-        patch_size, level_shortcuts = config.get("patch_size") or 1, bool(config.get("is_residual", False))
-        if in_channels % patch_size ** 2 or out_channels % patch_size ** 2:
-            raise _source_error(f"{where}: in_channels {in_channels} / out_channels {out_channels} are not the "
-                                f"channels of {patch_size}x{patch_size} patches")
-        in_channels, out_channels = in_channels // patch_size ** 2, out_channels // patch_size ** 2
-    else:  # AutoencoderKLQwenImage: one input_channels for the image in and out
-        in_channels = out_channels = config.get("input_channels", 3)
-        decoder_ch = base
-    z = config.get("z_dim", 16)
-    for name in ("latents_mean", "latents_std"):
-        if config.get(name) is not None and len(config[name]) != z:
-            raise _source_error(f"{where}: {name} has {len(config[name])} entries for z_dim {z}")
-    return WanImageParams(in_channels=in_channels, out_ch=out_channels, ch=base, ch_mult=tuple(dim_mult),
-                          num_res_blocks=config.get("num_res_blocks", 2), z_channels=z, decoder_ch=decoder_ch,
-                          dropout=float(config.get("dropout", 0.0)), patch_size=patch_size,
-                          level_shortcuts=level_shortcuts,
-                          # the first frame depends on it only through Wan 2.2's shortcuts
-                          temporal_downsample=tuple(map(bool, temporal)) if level_shortcuts else ())
-
-
-def _one_frame(value: Tensor, like: Tensor) -> Tensor | None:
-    """A diffusers tensor -> the tensor of our shape `like`: a causal (out, in, k, k, k) kernel's last temporal slice,
-    an RMS norm's (C, 1, 1, 1) gamma reshaped; None when it does not fit."""
-    if value.dim() == 5 and value.shape[2] == value.shape[3] and value[:, :, -1].shape == like.shape:
-        return value[:, :, -1]
-    if value.dim() == like.dim() + 1 and value.numel() == like.numel() and value.shape[-1] == 1:
-        return value.reshape(like.shape)
-    return value if value.shape == like.shape else None
-
-
-def from_diffusers_state_dict(state: dict[str, Tensor], params: WanImageParams, where: str) -> dict[str, Tensor]:
-    """diffusers' weights -> ours (the same names); UnfitSource (one line) naming the keys that do not fit. The
-    source's time_conv weights are the only ones left out (the first frame never runs them)."""
-    try:
-        with torch.device("meta"):
-            ours = WanImageAutoEncoder(params).state_dict()
-    except ValueError as e:  # a shortcut's channel groups that do not divide
-        raise _source_error(f"{where}: not a VAE diffusers can build ({e})") from None
-    converted, missing, wrong = {}, [], []
-    for name, like in ours.items():
-        if name not in state:
-            missing.append(name)
-            continue
-        value = _one_frame(state[name], like)
-        if value is None:
-            wrong.append(f"{name} {list(state[name].shape)} vs {list(like.shape)}")
-            continue
-        converted[name] = value.float().contiguous()
-    extra = sorted(k for k in state if k not in ours and TIME_CONV not in k)
-    if missing or wrong or extra:
-        parts = ([f"{len(missing)} missing (e.g. {', '.join(missing[:3])})"] if missing else []) + \
-                ([f"{len(wrong)} of another shape (e.g. {'; '.join(wrong[:2])})"] if wrong else []) + \
-                ([f"{len(extra)} unexpected (e.g. {', '.join(extra[:3])})"] if extra else [])
-        raise _source_error(f"{where}: keys do not fit the architecture read from its config: {', '.join(parts)}")
-    return converted
-
-
-def to_diffusers_state_dict(state: dict[str, Tensor], source_state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Our weights back into the source's diffusers tensors: each 2D kernel into the last temporal slice of its 3D
-    kernel, the other slices and every time_conv as the source has them (they act on later video frames only)."""
-    out = {}
-    for name, source in source_state.items():
-        if name not in state:
-            if TIME_CONV not in name:
-                raise ValueError(f"{name} is in the source's weights but not in the model's")
-            out[name] = source.detach().float().clone()
-            continue
-        value = state[name].detach().float().cpu()
-        if source.dim() == 5:
-            merged = source.detach().float().clone()
-            merged[:, :, -1] = value
-            out[name] = merged
-        else:
-            out[name] = value.reshape(source.shape).clone()
-    left = sorted(set(state) - set(source_state))
-    if left:
-        raise ValueError(f"the model has {len(left)} weights the source lacks (e.g. {', '.join(left[:3])})")
-    return out
-
-
-def from_diffusers(config: dict, state: dict[str, Tensor], where: str
-                   ) -> tuple[WanImageParams, dict[str, Tensor], dict, list[str]]:
-    """A diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder's config and weights -> (params, our weights,
-    latent factors, notes). The pipelines normalise with the config's per-channel statistics alone,
-    z' = (z - latents_mean) / latents_std: scaling_factor 1, shift_factor 0."""
-    params = params_from_diffusers_config(config, where)
-    converted = from_diffusers_state_dict(state, params, where)
-    factors = {"scaling_factor": 1.0, "shift_factor": 0.0, "latents_mean": config.get("latents_mean"),
-               "latents_std": config.get("latents_std")}
-    notes = []
-    if config.get("_class_name") == "AutoencoderKLWan" and any(TIME_CONV in k for k in state):
-        notes.append("a video VAE trained here on images: its export decodes images (first frames) as trained; later "
-                     "video frames also go through the source's earlier temporal kernel slices and time_conv, which "
-                     "training does not touch")
-    return params, converted, factors, notes
