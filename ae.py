@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-POSTERIORS = ("constant", "learned")
-GRAD_CHECKPOINTING = ("none", "decoder_hr", "hr", "decoder", "all")
+from common import ConfigError
+from config import GRAD_CHECKPOINTING, POSTERIORS, ch_mult_of, decoder_channels_of
+
 LOGVAR_RANGE = (-30.0, 20.0)  # LDM's clamp of the learned log-variance
 
 
@@ -70,6 +71,20 @@ class AutoEncoderParams:
         d["ch_mult"] = list(self.ch_mult)
         d["decoder_channels"] = list(self.decoder_channels)
         return d
+
+    @classmethod
+    def from_config(cls, model) -> "AutoEncoderParams":
+        """The architecture of a run's model section (config.ModelConfig), the LDM family's; the Wan family's comes
+        from its --init_from source or the run's checkpoints (vae_trainer.model_architecture)."""
+        if model.vae_family != "ldm":
+            raise ConfigError(f"--vae_family {model.vae_family}: its architecture is read from --init_from (a "
+                              "diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder) or the run's checkpoints")
+        return cls(ch=model.vae_ch, ch_mult=ch_mult_of(model), num_res_blocks=model.vae_num_res_blocks,
+                   z_channels=model.vae_z_channels, norm_groups=model.vae_norm_groups, use_attn=model.do_attn,
+                   posterior=model.posterior, posterior_var=model.posterior_var,
+                   clamp_th=model.clamp_th if model.do_clamp else 0.0, quant_conv=model.vae_quant_conv,
+                   decoder_channels=decoder_channels_of(model), latent_bn=model.vae_latent_bn,
+                   latent_bn_eps=model.vae_latent_bn_eps)
 
     @classmethod
     def from_dict(cls, d: dict) -> "AutoEncoderParams":

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import wan_ae
 from ae import AutoEncoder, AutoEncoderParams
 from common import ConfigError, DistInfo, atomic_write, first_line
-from config import ARCH_FIELDS, LEGACY_ARCH, ModelConfig, RunConfig
+from config import ARCH_FIELDS, LEGACY_ARCH, CriticConfig, ModelConfig, RunConfig
 from pretrained import (DIFFUSERS_WEIGHTS, WAN_DIFFUSERS_CLASSES, build_model, from_diffusers_state_dict, load_source,
                         params_from_dict)
 
@@ -91,9 +91,10 @@ def migrate(ckpt: dict) -> dict:
 
 
 def critic_kind_of(config: dict) -> dict:
-    """The critic's kind as a (flat) config describes it: a critic resumes only from a checkpoint of its kind."""
-    return {"discriminator": config.get("discriminator", "vgg16"), "disc_norm": config.get("disc_norm"),
-            "critic_trunk": config.get("critic_trunk", "trainable")}
+    """The critic's kind (config.CriticConfig.kind) as an earlier file's flat config describes it (a disc_norm it
+    lacks is none: a critic resumes only from a checkpoint of its kind)."""
+    return CriticConfig(discriminator=config.get("discriminator", "vgg16"), disc_norm=config.get("disc_norm"),
+                        critic_trunk=config.get("critic_trunk", "trainable")).kind()
 
 
 def load_latest_checkpoint(ckpt_dir: str, log=print) -> tuple[str, dict] | None:

@@ -11,6 +11,7 @@ import difflib
 import gc
 import os
 import random
+import re
 import signal
 import sys
 import threading
@@ -22,6 +23,20 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
+
+_SECRET_PATTERNS = [
+    (re.compile(r"(?<=://)[^/@\s]+:[^/@\s]+@"), "***@"),  # user:password@host
+    (re.compile(r"(?i)([?&](?:token|key|api_key|access_token|sig|signature|x-amz-signature|x-amz-credential|"
+                r"x-goog-signature|secret|password)=)[^&\s']+"), r"\1***"),
+]
+
+
+def redact(text: str) -> str:
+    """Strip credentials from URLs before they reach config.json, logs, checkpoints or wandb."""
+    for pattern, repl in _SECRET_PATTERNS:
+        text = pattern.sub(repl, text)
+    return text
 
 
 class ConfigError(Exception):

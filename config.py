@@ -1,18 +1,18 @@
-"""The configuration: one dataclass per concern (torchtitan's job_config), nested in `Config` (cfg.loss.kl_weight,
-cfg.critic.lecam_weight), with flat flag names. Pure values: no disk or network work (run_setup.py does that).
+"""The configuration's schema: one dataclass per concern (torchtitan's job_config), nested in `Config`
+(cfg.loss.kl_weight, cfg.critic.lecam_weight), with flat flag names; each section checks its own values, `validate`
+those across sections; the vocabularies of the choice flags; the automatic values (resolve_auto). Pure values: it
+imports no owner, reads no disk or network (run_setup.py does, and turns argv into a run's config), and the flags
+are generated from it (flags.py).
 
-    cfg, given = parse_flags(sys.argv[1:])       # the flags as given (automatic values still 0 / -1)
     cfg = resolve_auto(cfg); cfg.validate()      # the automatic values made concrete; one line for a bad value
     VAEObjective(cfg.loss, cfg.latents, ...)     # each owner is built from the sections it reads
 
-Every field is a flag (`--<name>`, its help from the field); `flag_tables()` writes the flag tables of docs/flags.md
-from the same fields, and tests/test_config.py checks that the page holds them. On disk (config.json, a checkpoint's
-"config", wandb) the config is flat, one key per flag (`flatten` / `unflatten`), so every run written before the
-sections were nested still resumes. A continued run keeps its recorded recipe (`continue_run`).
+On disk (config.json, a checkpoint's "config", wandb) the config is flat, one key per flag (`flatten` /
+`unflatten`), so every run written before the sections were nested still resumes; `as_released` reads a config of
+any earlier release.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import re
@@ -21,14 +21,17 @@ from typing import Any, ClassVar
 
 import torch
 
-import data as data_lib
-import latents as latents_lib
-import pretrained
-from ae import GRAD_CHECKPOINTING, POSTERIORS, AutoEncoderParams, check_widths
-from common import ConfigError, OneLineParser, parse_bool
-from critics import DIFFAUG_POLICIES, DISC_NORMS
-from utils import DISC_TYPES
-from weights import vgg16_cache_path
+from common import ConfigError, redact
+
+
+# The vocabularies of the choice flags, which their owners check against too (one home: the schema).
+POSTERIORS = ("constant", "learned")  # ae.AutoEncoder
+GRAD_CHECKPOINTING = ("none", "decoder_hr", "hr", "decoder", "all")  # ae.AutoEncoder.set_grad_checkpointing
+DISC_TYPES = ("hinge", "bce")  # utils.discriminator_loss
+DISC_NORMS = ("batch", "group_spectral", "spectral", "none")  # critics.NLayerDiscriminator
+DIFFAUG_POLICIES = ("color", "translation", "cutout")  # critics.diff_augment
+FAMILY_CHOICES = ("auto", "sd", "sdxl", "sd3", "flux", "flux2")  # pretrained.FAMILIES' latent factors, or auto
+DECODER_INITS = ("fresh", "slice")  # pretrained.narrow_decoder_model
 
 
 def opt(default, help: str, choices=None, arch: bool = False):
@@ -45,10 +48,6 @@ def auto_bool_opt(help: str):
     not in config.json: a run resumed on another kind of machine decides again). `--flag` alone means true; old
     config.json files hold true/false as JSON booleans (unflatten reads them)."""
     return field(default="auto", metadata={"help": help, "choices": AUTO_BOOL, "arch": False, "auto_bool": True})
-
-
-def parse_auto_bool(text: str) -> str:
-    return text.lower() if text.lower() == "auto" else str(parse_bool(text)).lower()
 
 
 def check(section, positive=(), non_negative=(), unit=()) -> None:
@@ -98,7 +97,9 @@ class DataConfig:
 
     def validate(self) -> None:
         check(self, positive=("batch_size", "vae_resolution", "shuffle_buffer", "max_image_pixels"),
-              non_negative=("num_workers", "shard_retry_minutes"), unit=("resize_prob",))
+              non_negative=("shard_retry_minutes",), unit=("resize_prob",))
+        if self.num_workers < -1:  # -1: automatic (run_setup.resolve_cpu)
+            raise ConfigError(f"--num_workers must be >= 0 (or -1: auto), got {self.num_workers}")
 
 
 @dataclass
@@ -153,16 +154,22 @@ class ModelConfig:
             raise ConfigError(f"--clamp_th must be positive with --do_clamp, got {self.clamp_th}")
         if self.vae_quant_conv and self.posterior != "learned":
             raise ConfigError("--vae_quant_conv needs --posterior learned (the SD VAEs' 2 x z moments)")
-        params = model_params(self)
-        for mult in (1,) + params.ch_mult:
-            if (self.vae_ch * mult) % params.norm_groups:
+        groups, ch_mult = self.vae_norm_groups, ch_mult_of(self)
+        for mult in (1,) + ch_mult:
+            if (self.vae_ch * mult) % groups:
                 raise ConfigError(f"channel count {self.vae_ch} x {mult} = {self.vae_ch * mult} is not divisible by "
-                                  f"the {params.norm_groups} GroupNorm groups (--vae_ch / --vae_ch_mult / "
-                                  "--vae_norm_groups)")
-        try:
-            check_widths(params)
-        except ValueError as e:
-            raise ConfigError(f"--vae_decoder_ch {self.vae_decoder_ch}: {e}") from None
+                                  f"the {groups} GroupNorm groups (--vae_ch / --vae_ch_mult / --vae_norm_groups)")
+        decoder, flag = decoder_channels_of(self), f"--vae_decoder_ch {self.vae_decoder_ch}"
+        if decoder and len(decoder) != len(ch_mult):
+            raise ConfigError(f"{flag}: decoder_channels {list(decoder)} has {len(decoder)} levels, the encoder "
+                              f"{len(ch_mult)}: the decoder must upsample the latent as much as the encoder "
+                              "downsamples it")
+        if decoder and min(decoder) <= 0:
+            raise ConfigError(f"{flag}: decoder_channels must be positive, got {list(decoder)}")
+        bad = [w for w in decoder if w % groups]
+        if bad:
+            raise ConfigError(f"{flag}: the decoder's widths {list(decoder)} must be multiples of the {groups} "
+                              f"GroupNorm groups (norm_groups): {bad} are not")
 
 
 @dataclass
@@ -178,7 +185,7 @@ class FinetuneConfig:
     init_family: str = opt("auto", "the family of an --init_from single file, for its latent factors (a VAE-only "
                                    "file does not say whether it is SD's or SDXL's, FLUX.1's or SD3's; one with bn "
                                    "statistics is FLUX.2's)",
-                           pretrained.FAMILY_CHOICES)
+                           FAMILY_CHOICES)
     train_parts: str = opt("all", "all: train the whole VAE; decoder: freeze the encoder, quant_conv and the "
                                   "posterior (no_grad, eval mode, not in the optimizer, EMA or DDP), train the "
                                   "decoder: the latent space stays the source's, so export keeps its latent factors",
@@ -191,7 +198,7 @@ class FinetuneConfig:
     decoder_init: str = opt("fresh", "with --init_from and a --vae_decoder_ch other than the source's: fresh (a new "
                                      "decoder, initialised as a new model's; with --distill_weight) or slice (the "
                                      "source decoder's leading channels of every tensor: a warm start)",
-                            pretrained.DECODER_INITS)
+                            DECODER_INITS)
 
     def validate(self) -> None:
         pass  # its values are choices (argparse) and a path (run_setup checks it)
@@ -199,7 +206,8 @@ class FinetuneConfig:
 
 @dataclass
 class LossConfig:
-    """The reconstruction and latent loss terms and how they are balanced (objective.py)."""
+    """Every loss term of the VAE and how the terms are balanced (objective.py's VAEObjective): the reconstruction,
+    latent and distillation terms, and the generator's adversarial term against the critic."""
     GROUP: ClassVar[str] = "loss"  # the --help group
     TITLE: ClassVar[str] = "Losses"  # the flag table's heading
 
@@ -221,14 +229,29 @@ class LossConfig:
                                   "count, so its gradient at the latent has norm kl_weight * rms(mean) at any batch "
                                   "and resolution; adaptive, none: averaged per latent element, like the other "
                                   "losses")
+    # the generator's adversarial term (its critic: CriticConfig)
+    gan_weight: float = opt(0.5, "GAN branch weight (gradnorm: the branch's gradient norm while every patch is "
+                                 "active, times sqrt(active fraction) with the thresholded loss; adaptive: "
+                                 "multiplies the adaptive weight)")
+    gen_loss: str = opt("thresholded", "generator loss: thresholded = relu(D(x) - D(x_hat) - margin) (reference); "
+                                       "ldm = -mean(D(x_hat)); nonsaturating = softplus(-D(x_hat))",
+                      ("thresholded", "ldm", "nonsaturating"))
+    gan_margin: float = opt(0.1, "margin of the thresholded generator loss")
+    disc_start: int = opt(-1, "step from which the generator gets the adversarial term (D trains from 0). -1: "
+                              "auto, a fifth of --max_steps")
+    gan_ramp_steps: int = opt(0, "steps over which the generator term ramps linearly from 0 after --disc_start "
+                                 "(0: a step function, the reference)")
+    adaptive_weight_max: float = opt(1e4, "clamp of LDM's adaptive weight")
 
     def validate(self) -> None:
-        check(self, positive=("mse_pool_factor",), unit=("lowpass_threshold",))
+        check(self, positive=("mse_pool_factor",), unit=("lowpass_threshold",),
+              non_negative=("gan_margin", "disc_start", "gan_ramp_steps"))
 
 
 @dataclass
 class CriticConfig:
-    """The critic and its adversarial term (objective.py's Adversary)."""
+    """The critic: its network, loss, optimizer and stabilisers (objective.py's Adversary). The generator's
+    adversarial term it trains against is the loss section's (LossConfig: gan_weight, disc_start, ...)."""
     GROUP: ClassVar[str] = "gan"  # the --help group
     TITLE: ClassVar[str] = "Discriminator (GAN)"  # the flag table's heading
 
@@ -237,15 +260,6 @@ class CriticConfig:
                              ("vgg16", "patchgan"))
     disc_type: str = opt("hinge", "discriminator loss", DISC_TYPES)
     disc_norm: str = opt("group_spectral", "PatchGAN normalisation", DISC_NORMS)
-    gen_loss: str = opt("thresholded", "generator loss: thresholded = relu(D(x) - D(x_hat) - margin) (reference); "
-                                       "ldm = -mean(D(x_hat)); nonsaturating = softplus(-D(x_hat))",
-                      ("thresholded", "ldm", "nonsaturating"))
-    gan_weight: float = opt(0.5, "GAN branch weight (gradnorm: the branch's gradient norm while every patch is "
-                                 "active, times sqrt(active fraction) with the thresholded loss; adaptive: "
-                                 "multiplies the adaptive weight)")
-    gan_margin: float = opt(0.1, "margin of the thresholded generator loss")
-    disc_start: int = opt(-1, "step from which the generator gets the adversarial term (D trains from 0). -1: "
-                              "auto, a fifth of --max_steps")
     learning_rate_disc: float = opt(0.0, "discriminator learning rate. 0: auto, 1e-5 for the vgg16 critic (a "
                                          "pretrained trunk, as the reference), --learning_rate_vae for patchgan "
                                          "(as LDM)")
@@ -258,14 +272,11 @@ class CriticConfig:
                            "color,translation,cutout ('': off; trainable trunk only)")
     r1_weight: float = opt(0.0, "R1 gamma: gamma/2 * E|grad D(real)|^2 on the critic's inputs (the features when "
                                 "frozen; 0: off)")
-    gan_ramp_steps: int = opt(0, "steps over which the generator term ramps linearly from 0 after --disc_start "
-                                 "(0: a step function, the reference)")
-    adaptive_weight_max: float = opt(1e4, "clamp of LDM's adaptive weight")
     vgg16_weights: str = opt("torchvision", "VGG16 for LPIPS and the discriminator: torchvision (its download "
                                             "cache), a local state-dict PATH, or random (tests/demo only)")
 
     def validate(self) -> None:
-        check(self, positive=("learning_rate_disc",), non_negative=("gan_margin", "disc_start", "gan_ramp_steps"))
+        check(self, positive=("learning_rate_disc",))
         if self.critic_trunk == "frozen" and self.discriminator != "vgg16":
             raise ConfigError("--critic_trunk frozen needs --discriminator vgg16 (its heads read LPIPS' VGG16 "
                               "features)")
@@ -276,6 +287,18 @@ class CriticConfig:
         if unknown:
             raise ConfigError(f"--diffaug {self.diffaug}: unknown {','.join(unknown)} (choose from "
                               f"{','.join(DIFFAUG_POLICIES)})")
+
+    def kind(self) -> dict:
+        """What the critic is: a checkpoint's critic resumes only into one of its kind (objective.Adversary,
+        checkpoint's migration of earlier files), and its automatic learning rate is derived again for another
+        (run_setup.auto_basis, in words: describe)."""
+        return {"discriminator": self.discriminator, "disc_norm": self.disc_norm, "critic_trunk": self.critic_trunk}
+
+    def describe(self) -> str:
+        """The critic's kind in words."""
+        if self.discriminator != "vgg16":
+            return f"the {self.discriminator} critic"
+        return f"the vgg16 critic with a {self.critic_trunk} trunk"
 
 
 @dataclass
@@ -547,7 +570,7 @@ def with_values(cfg: Config, **flat) -> Config:
 
 def public_config(cfg: Config) -> dict:
     """The flat config with credentials in dataset urls redacted: what is written to disk and sent to wandb."""
-    return {k: data_lib.redact(v) if isinstance(v, str) else v for k, v in flatten(cfg).items()}
+    return {k: redact(v) if isinstance(v, str) else v for k, v in flatten(cfg).items()}
 
 
 # A run directory written with other values of these cannot be resumed (the VAE's weights would not fit).
@@ -583,20 +606,6 @@ def ch_mult_of(model: ModelConfig) -> tuple[int, ...]:
 def downsample_factor_of(model: ModelConfig) -> int:
     """The latent grid's downsampling, in either family: 2^(levels - 1) x the pixel patch."""
     return 2 ** (len(ch_mult_of(model)) - 1) * model.vae_patch_size
-
-
-def model_params(model: ModelConfig) -> AutoEncoderParams:
-    """ae.py's architecture of the model section (the LDM family's; the Wan family's comes from its source or the
-    run's checkpoints: vae_trainer.model_architecture)."""
-    if model.vae_family != "ldm":
-        raise ConfigError(f"--vae_family {model.vae_family}: its architecture is read from --init_from (a diffusers "
-                          "AutoencoderKLQwenImage / AutoencoderKLWan folder) or the run's checkpoints")
-    return AutoEncoderParams(ch=model.vae_ch, ch_mult=ch_mult_of(model), num_res_blocks=model.vae_num_res_blocks,
-                             z_channels=model.vae_z_channels, norm_groups=model.vae_norm_groups,
-                             use_attn=model.do_attn, posterior=model.posterior, posterior_var=model.posterior_var,
-                             clamp_th=model.clamp_th if model.do_clamp else 0.0, quant_conv=model.vae_quant_conv,
-                             decoder_channels=decoder_channels_of(model), latent_bn=model.vae_latent_bn,
-                             latent_bn_eps=model.vae_latent_bn_eps)
 
 
 def decoder_channels_of(model: ModelConfig) -> tuple[int, ...]:
@@ -652,23 +661,35 @@ def min_loss_image_size(cfg: Config) -> int:
     return max(CRITIC_MIN_SIZE if cfg.critic.do_ganloss else 1, LPIPS_MIN_SIZE if cfg.loss.perceptual_weight > 0 else 1)
 
 
-def scale_equivariance_sizes(cfg: Config) -> list[int]:
-    """The latent sizes a scale-equivariance step may decode (latents.equivariance_sizes)."""
-    factor = downsample_factor_of(cfg.model)
-    return latents_lib.equivariance_sizes(cfg.data.vae_resolution // factor, factor,
-                                          cfg.latents.scale_equivariance_mode, cfg.loss.mse_pool_factor,
-                                          min_loss_image_size(cfg))
+def parse_schedule(spec: str) -> list[tuple[int, tuple[int, ...]]]:
+    """--train_resolutions as its stages [(first step, sizes)], the one place the string is parsed
+    (data.ResolutionSchedule draws each step's size from them); [] for ''. ConfigError (one line) for a malformed one:
+    stages separated by ';', each `[STEP:]SIZE[,SIZE...]`, the first from step 0, each later one after the one
+    before."""
+    stages: list[tuple[int, tuple[int, ...]]] = []
+    flag = f"--train_resolutions {spec!r}"
+    for i, part in enumerate(filter(None, (p.strip() for p in spec.split(";"))) if spec.strip() else []):
+        start, colon, sizes = part.rpartition(":")
+        try:
+            begin = int(start) if colon else 0
+            values = tuple(int(v) for v in sizes.split(","))
+        except ValueError:
+            raise ConfigError(f"{flag}: stage {part!r} is not [STEP:]SIZE[,SIZE...]") from None
+        if min(values) <= 0:
+            raise ConfigError(f"{flag}: stage {part!r}: sizes must be positive")
+        if i == 0 and begin != 0:
+            raise ConfigError(f"{flag}: the first stage starts at step 0, not {begin}")
+        if i > 0 and (not colon or begin <= stages[-1][0]):
+            raise ConfigError(f"{flag}: stage {part!r}: a later stage needs STEP: greater than the previous "
+                              f"stage's ({stages[-1][0]})")
+        stages.append((begin, tuple(dict.fromkeys(values))))
+    return stages
 
 
-def resolution_schedule(cfg: Config) -> data_lib.ResolutionSchedule:
-    """The run's --train_resolutions schedule (its reference alone when the flag is empty); ConfigError (one line)
-    for a malformed one."""
-    data = cfg.data
-    try:
-        return data_lib.ResolutionSchedule.parse(data.train_resolutions, data.vae_resolution, data.batch_size,
-                                                 cfg.optim.seed)
-    except ValueError as e:
-        raise ConfigError(f"--train_resolutions {data.train_resolutions!r}: {e}") from None
+def schedule_sizes(data: DataConfig) -> list[int]:
+    """Every crop size the run trains at, ascending (--vae_resolution alone without --train_resolutions)."""
+    stages = parse_schedule(data.train_resolutions)
+    return sorted({s for _, sizes in stages for s in sizes}) if stages else [data.vae_resolution]
 
 
 def check_train_resolutions(cfg: Config, factor: int) -> None:
@@ -677,9 +698,9 @@ def check_train_resolutions(cfg: Config, factor: int) -> None:
     data, loss, critic = cfg.data, cfg.loss, cfg.critic
     if not data.train_resolutions:
         return
-    schedule = resolution_schedule(cfg)
+    sizes = schedule_sizes(data)
     flag = f"--train_resolutions {data.train_resolutions!r}"
-    for size in schedule.sizes:
+    for size in sizes:
         if size % factor or size % loss.mse_pool_factor:
             raise ConfigError(f"{flag}: size {size} is not a multiple of the downsample factor {factor} and of "
                               f"--mse_pool_factor {loss.mse_pool_factor}")
@@ -687,10 +708,10 @@ def check_train_resolutions(cfg: Config, factor: int) -> None:
             raise ConfigError(f"{flag}: size {size} is below LPIPS' smallest input, {LPIPS_MIN_SIZE} px")
         if critic.do_ganloss and size < CRITIC_MIN_SIZE:
             raise ConfigError(f"{flag}: size {size} is below the critic's smallest input, {CRITIC_MIN_SIZE} px")
-    if cfg.latents.scale_equivariance_prob > 0 and schedule.sizes != [data.vae_resolution]:
+    if cfg.latents.scale_equivariance_prob > 0 and sizes != [data.vae_resolution]:
         raise ConfigError(f"{flag}: --scale_equivariance_prob assumes one training latent size (its sizes are "
                           "fractions of --vae_resolution's latent); train it at one resolution")
-    if cfg.latents.vf_weight > 0 and cfg.finetune.train_parts != "decoder" and schedule.sizes != [data.vae_resolution]:
+    if cfg.latents.vf_weight > 0 and cfg.finetune.train_parts != "decoder" and sizes != [data.vae_resolution]:
         raise ConfigError(f"{flag}: --vf_weight aligns the latent with a foundation model that always sees the image "
                           "at --vf_image_size, its feature grid stretched to the latent's, a target that changes "
                           "with each training size; train the alignment at one resolution")
@@ -706,7 +727,7 @@ def last_stage_levels(cfg: Config) -> int | None:
     if not value.isdigit() or int(value) > levels:
         raise ConfigError(f"--last_stage_trains {value!r}: all, or a count of the decoder's highest levels from 0 "
                           f"to {levels} (--vae_ch_mult {cfg.model.vae_ch_mult})")
-    if len(resolution_schedule(cfg).stages) < 2:
+    if len(parse_schedule(cfg.data.train_resolutions)) < 2:
         raise ConfigError(f"--last_stage_trains {value} needs a --train_resolutions schedule of 2 stages or more "
                           "(it freezes the rest in the last one)")
     if cfg.model.vae_family != "ldm":
@@ -731,13 +752,6 @@ def validate_across_sections(cfg: Config) -> None:
                           f"{loss.mse_pool_factor}")
     if latents.vf_weight > 0 and loss.loss_balance != "gradnorm":
         raise ConfigError("--vf_weight is a GradNorm branch: use it with --loss_balance gradnorm")
-    if latents.scale_equivariance_prob > 0 and not scale_equivariance_sizes(cfg):
-        smallest = min_loss_image_size(cfg)
-        critic_text = (f" and at least {smallest} px (the smallest input of the critic or LPIPS)" if smallest > 1
-                       else "")
-        raise ConfigError(f"--scale_equivariance_mode {latents.scale_equivariance_mode}: no smaller size of the "
-                          f"{data.vae_resolution // factor}-pixel latent gives an image divisible by --mse_pool_factor "
-                          f"{loss.mse_pool_factor}{critic_text}")
     if critic.do_ganloss and critic.discriminator == "vgg16" and data.vae_resolution < CRITIC_MIN_SIZE:
         raise ConfigError(f"--vae_resolution must be at least {CRITIC_MIN_SIZE} for the VGG16 discriminator")
     if loss.perceptual_weight > 0 and data.vae_resolution < LPIPS_MIN_SIZE:
@@ -767,88 +781,6 @@ def is_plain_local_path(url: str) -> bool:
 
 
 # ==============================================================================================================
-# The command line: one flag per field, grouped by section
-# ==============================================================================================================
-# The demo: a tiny f4 model at 64 px that visibly learns in about 5 CPU minutes. Its latent (4 x 4 x 16 x 16
-# = 4096 elements per step) takes kl_weight 1/64 = 1/sqrt(4096): the KL strength it was tuned with.
-# Without pretrained VGG16 (run_setup.prepare_demo) it trains on pixels only, and a pixel-only step costs about a
-# sixth of one with LPIPS and the VGG16 critic (10.2 vs 1.7 img/s, one CPU thread): 900 steps fit where 300 did.
-# With VGG16 weights cached the full recipe runs these 900 steps at that cost (a GPU, or --max_steps 300).
-# Held-out PSNR (the 4 photos at 64 px): the former demo (300 steps, LPIPS and critic on a random VGG16,
-# 32 groups, lr 5e-4, 4x-pooled MSE) 16.4 dB, colours lost; this config 15.9 / 20.1 / 20.7 dB at steps
-# 300 / 600 / 900 (EMA 16.5 / 20.1 / 20.7). --vae_norm_groups 8: 32 groups at --vae_ch 32 are one channel
-# each, so every norm removes each image's per-channel means (its colour): this config with 32 groups
-# reaches 16.9 / 17.4 / 17.6 dB at 300 / 600 / 900, every reconstruction still grey; 8 groups gave the
-# colours back (4 groups: 19.0 dB at 600). --mse_pool_factor 1: full-resolution MSE (the pooled one leaves
-# detail to LPIPS, which is off here); lr 1e-3 (3e-3: 15.5 dB at 300, pixel-only); --posterior_var 0.01.
-DEMO = dict(vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_channels=4, vae_norm_groups=8,
-            do_attn=False, vae_resolution=64, batch_size=4, shuffle_buffer=64, max_steps=900,
-            learning_rate_vae=1e-3, warmup_steps=30, mse_pool_factor=1, posterior_var=0.01,
-            do_ganloss=True, disc_start=50, mse_weight=1.0, perceptual_weight=0.5, gan_weight=0.3, kl_weight=1 / 64,
-            log_every_n_steps=50, save_every_n_steps=300, evaluate_every_n_steps=300, eval_max_images=16,
-            run_name="demo", ema_decay=0.99)
-
-
-TRAINER_USAGE = """Train a latent-diffusion autoencoder (FLUX-style, constant-variance latent) with torchrun.
-
-    torchrun --nproc_per_node=8 vae_trainer.py --dataset_url 'shards/{00000..01023}.tar' --do_ganloss
-    python vae_trainer.py --demo                      # no data of your own needed
-
-Every hyperparameter is a flag; the run directory <output_dir>/<run_name>/ holds config.json, metrics.jsonl,
-checkpoints/ and samples/, and a run started again in it resumes where it stopped."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """One flag per field, grouped by section; no abbreviations (`--max_step` is not `--max_steps`)."""
-    parser = OneLineParser(description=TRAINER_USAGE, formatter_class=argparse.RawDescriptionHelpFormatter,
-                           argument_default=argparse.SUPPRESS, allow_abbrev=False)
-    for kind in SECTIONS.values():
-        group = parser.add_argument_group(kind.GROUP)
-        for f in dataclasses.fields(kind):
-            meta = f.metadata
-            # argparse formats help with %: a literal one (e.g. "25%") must be doubled
-            kwargs: dict[str, Any] = dict(help=f"{meta['help']} (default: {f.default})".replace("%", "%%"))
-            if f.type in ("bool", bool):
-                kwargs.update(nargs="?", const=True, type=parse_bool, metavar="BOOL")
-            elif meta.get("auto_bool"):
-                kwargs.update(nargs="?", const="true", type=parse_auto_bool, metavar="auto|BOOL")
-            else:
-                kwargs["type"] = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-                if meta["choices"]:
-                    kwargs["choices"] = meta["choices"]
-            group.add_argument(f"--{f.name}", **kwargs)
-    return parser
-
-
-def parse_flags(argv: list[str] | None = None) -> tuple[Config, set[str]]:
-    """The config as given (automatic values still 0 / -1) and the names of the flags the user gave (argparse
-    leaves the others out: SUPPRESS). run_setup.prepare_run turns it into the run's config."""
-    given = vars(build_parser().parse_args(argv))
-    values = dict(DEMO) if given.get("demo") else {}
-    values.update(given)
-    return unflatten(values), set(given)
-
-
-def parse_config(argv: list[str] | None = None) -> Config:
-    """The config of these flags with every automatic value resolved (nothing read from disk: no --init_from
-    source, no run being continued)."""
-    return resolve_auto(parse_flags(argv)[0])
-
-
-def flag_tables() -> str:
-    """The flag tables of docs/flags.md, one per section, from the fields' defaults and help."""
-    out = []
-    for kind in SECTIONS.values():
-        out += [f"#### {kind.TITLE}", "", "| flag | default | what it does |", "| --- | --- | --- |"]
-        for f in dataclasses.fields(kind):
-            default = '""' if f.default == "" else f.default
-            choices = " (" + r" \| ".join(f.metadata["choices"]) + ")" if f.metadata["choices"] else ""
-            out.append(f"| `--{f.name}` | `{default}` | {f.metadata['help']}{choices} |")
-        out.append("")
-    return "\n".join(out)
-
-
-# ==============================================================================================================
 # Automatic values (a flag's 0 / -1)
 # ==============================================================================================================
 # --learning_rate_vae auto = LR_TIMES_WIDTH / --vae_ch. Adam's step is scale-free, so the update of a layer's
@@ -865,8 +797,9 @@ def auto_norm_groups(vae_ch: int) -> int:
 
 
 def resolve_auto(cfg: Config) -> Config:
-    """The automatic defaults (0 or -1, see each flag's help) made concrete; idempotent. config.json records
-    the resolved values, so a run shows what it trained with."""
+    """The automatic defaults (0 or -1, see each flag's help) made concrete, but for the CPU split (--num_workers,
+    --num_threads: run_setup.resolve_cpu, from the machine's cores); idempotent. config.json records the resolved
+    values, so a run shows what it trained with."""
     model, critic, optim = cfg.model, cfg.critic, cfg.optim
     lr_vae = optim.learning_rate_vae
     if lr_vae == 0 and model.vae_ch > 0:  # (a bad --vae_ch is refused by validate)
@@ -877,207 +810,6 @@ def resolve_auto(cfg: Config) -> Config:
         learning_rate_disc=critic.learning_rate_disc or (1e-5 if critic.discriminator == "vgg16" and
                                                           critic.critic_trunk == "trainable" else lr_vae),
         warmup_steps=min(1000, optim.max_steps // 10) if optim.warmup_steps == -1 else optim.warmup_steps,
-        disc_start=optim.max_steps // 5 if critic.disc_start == -1 else critic.disc_start,
+        disc_start=optim.max_steps // 5 if cfg.loss.disc_start == -1 else cfg.loss.disc_start,
         vae_norm_groups=model.vae_norm_groups or (auto_norm_groups(model.vae_ch) if model.vae_ch > 0 else 0))
-    changes.update(zip(("num_workers", "num_threads"), cpu_use(cfg.data.num_workers, cfg.speed.num_threads,
-                                                              cores_per_rank())))
     return with_values(cfg, **changes)
-
-
-def cores_per_rank() -> int:
-    """The CPU cores this process may run on (its affinity: a SLURM or container limit shows there, not in
-    os.cpu_count()), shared by the LOCAL_WORLD_SIZE ranks torchrun starts on this machine."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-
-
-def cpu_use(num_workers: int, num_threads: int, cores: int) -> tuple[int, int]:
-    """(data workers, torch threads) of one rank with `cores` CPU cores; a given value (>= 0 workers, > 0
-    threads) is kept. Auto: half the cores decode images (at most 4: more rarely helps a GPU), at least 1, and
-    the remaining cores compute; never more workers than cores (PyTorch warns about that)."""
-    workers = min(4, max(1, cores // 2)) if num_workers < 0 else num_workers
-    threads = max(1, cores - workers) if num_threads <= 0 else num_threads
-    return workers, threads
-
-
-def cpu_use_line(cfg: Config, given: set[str]) -> str:
-    """The one line a run starts with: what each rank runs on, and which of it was chosen automatically."""
-    chosen = [f"--{k}" for k in ("num_workers", "num_threads") if k not in given]
-    return (f"cpu: {cores_per_rank()} cores per rank: {cfg.data.num_workers} data workers, {cfg.speed.num_threads} "
-            f"torch threads" + (f" ({' and '.join(chosen)} chosen from the cores; give them to override)"
-                                if chosen else ""))
-
-
-# ==============================================================================================================
-# Continuing a run: its recorded recipe, and the automatic values whose basis changed
-# ==============================================================================================================
-# The flags whose 0 / -1 means "automatic" (resolve_auto), with that sentinel. A continued run keeps the values its
-# start resolved: a warm-up or a disc_start already in effect must not move when --max_steps grows (re-derived from
-# a larger budget, the GAN term would switch off again), the VAE's learning rate is the schedule's history, the
-# group count its architecture, and the data stream's position is saved per worker (an exact resume needs the same
-# count). A value whose basis changed in kind is derived again (auto_basis): the critic's learning rate when the
-# critic changes, the worker and thread counts on a machine with other cores.
-AUTO_FIELDS = {"learning_rate_vae": 0.0, "learning_rate_disc": 0.0, "warmup_steps": -1, "disc_start": -1,
-               "vae_norm_groups": 0, "num_workers": -1, "num_threads": 0}
-# Never carried over from the run being continued: they say how to start this invocation, not what the run is.
-PER_INVOCATION_FIELDS = ("resume", "force")
-
-
-def critic_kind(critic: CriticConfig) -> str:
-    """The critic in words: what its automatic learning rate is derived from."""
-    if critic.discriminator != "vgg16":
-        return f"the {critic.discriminator} critic"
-    return f"the vgg16 critic with a {critic.critic_trunk} trunk"
-
-
-def auto_basis(cfg: Config) -> dict[str, str | None]:
-    """What each automatic value is derived from, in words; None: the run's history, never derived again."""
-    cores = f"{cores_per_rank()} cores per rank"
-    return {"learning_rate_vae": None, "learning_rate_disc": critic_kind(cfg.critic), "warmup_steps": None,
-            "disc_start": None, "vae_norm_groups": None, "num_workers": cores, "num_threads": cores}
-
-
-def value(cfg: Config, name: str):
-    """A value by flag name."""
-    return getattr(getattr(cfg, FIELD_SECTION[name]), name)
-
-
-def automatic_values(cfg: Config, given: set[str]) -> dict[str, str | None]:
-    """{field: its basis} of the values left automatic in `cfg` (before resolve_auto), for config.json's
-    "derived" record."""
-    basis = auto_basis(cfg)
-    return {k: basis[k] for k, sentinel in AUTO_FIELDS.items() if k not in given and value(cfg, k) == sentinel}
-
-
-def continue_run(cfg: Config, given: set[str], saved: dict) -> tuple[Config, dict, list[tuple[str, Any, str, str]]]:
-    """The config of a run that continues `saved` (the flat config its start recorded): every value not given
-    again is the saved one (the whole recipe, not only the automatic values), and an automatic value whose basis
-    changed in kind is set back to automatic. Returns (cfg, the "derived" record of the values kept automatic,
-    [(name, value then, basis then, basis now)] of those derived again)."""
-    saved = {**LEGACY_ARCH, **saved}
-    cfg = unflatten({k: v for k, v in saved.items() if k not in given and k not in PER_INVOCATION_FIELDS}, cfg)
-    record = saved.get("derived")
-    if not isinstance(record, dict):  # written before the record existed: what that code kept, and the thread
-        # count it derived anew on every start (basis unknown); the critic's rate was automatic if it is the one
-        # its critic derives
-        record = {k: None for k in ("learning_rate_vae", "warmup_steps", "disc_start", "vae_norm_groups",
-                                    "num_workers")}
-        record["num_threads"] = "an earlier machine"
-        then = unflatten({k: saved[k] for k in ("discriminator", "critic_trunk", "learning_rate_vae")
-                          if k in saved}, with_values(cfg, learning_rate_disc=0.0))
-        if saved.get("learning_rate_disc") == resolve_auto(then).critic.learning_rate_disc:
-            record["learning_rate_disc"] = critic_kind(then.critic)
-    now, kept, again = auto_basis(cfg), {}, []
-    for name, basis in record.items():
-        if name in given or name not in AUTO_FIELDS:
-            continue
-        if basis is not None and now[name] != basis:
-            cfg = with_values(cfg, **{name: AUTO_FIELDS[name]})
-            again.append((name, saved.get(name), basis, now[name]))
-        else:
-            kept[name] = basis
-    return cfg, kept, again
-
-
-def continuing_note(run_dir: str, given: set[str], saved: dict, cfg: Config,
-                    again: list[tuple[str, Any, str, str]]) -> str | None:
-    """The one line that names every value a continued run changes: the flags given again with another value, and
-    the automatic values derived again (with why)."""
-    changed = [f"--{k} {saved[k]} -> {value(cfg, k)}" for k in sorted(given)
-               if k in saved and as_written_now(k, saved[k]) != value(cfg, k) and k not in PER_INVOCATION_FIELDS]
-    derived = [f"--{k} {then} -> {value(cfg, k)} ({basis_now}, not {basis_then})"
-               for k, then, basis_then, basis_now in again if then != value(cfg, k)]
-    parts = ([f"flags changed since its start: {', '.join(changed)}"] if changed else []) + \
-        ([f"derived again: {', '.join(derived)}"] if derived else [])
-    return f"note: continuing {run_dir} with {'; '.join(parts)}" if parts else None
-
-
-# ==============================================================================================================
-# What the user is told about a valid config
-# ==============================================================================================================
-# Flags that only matter with --do_ganloss.
-GAN_FLAGS = ("discriminator", "disc_type", "disc_norm", "gen_loss", "gan_weight", "gan_margin", "disc_start",
-             "learning_rate_disc", "lecam_weight", "adaptive_weight_max")
-
-
-# Flags that only matter when evaluation runs.
-EVAL_FLAGS = ("eval_max_images", "inception_weights", "eval_resolutions", "eval_tile_size", "eval_tile_overlap")
-
-
-def config_warnings(cfg: Config, given: set[str]) -> list[str]:
-    """One-line warnings for a valid but probably unintended config: flags the user gave that the chosen
-    configuration ignores (one line per cause; defaults and --demo's values are never named), and schedules
-    that cannot play out within --max_steps."""
-    model, loss, critic, optim, latents, ev = cfg.model, cfg.loss, cfg.critic, cfg.optim, cfg.latents, cfg.eval
-    ignored_when = [  # (flags, ignored in this config, why)
-        (GAN_FLAGS, not critic.do_ganloss, "without --do_ganloss"),
-        (("disc_norm",), critic.discriminator != "patchgan", "with --discriminator vgg16 (it normalises the "
-                                                             "PatchGAN only)"),
-        (("gan_margin",), critic.gen_loss != "thresholded", f"with --gen_loss {critic.gen_loss} (it is the margin of "
-                                                            "the thresholded loss)"),
-        (("adaptive_weight_max",), loss.loss_balance != "adaptive", f"with --loss_balance {loss.loss_balance} (it "
-                                                                    "clamps the adaptive weight)"),
-        (("clamp_th",), not model.do_clamp, "without --do_clamp"),
-        (("posterior_var",), model.posterior != "constant", f"with --posterior {model.posterior} (the encoder "
-                                                            "predicts the variance)"),
-        # --evaluate_every_n_steps 0 is the off switch: consistent with no test set, never "ignored"
-        (("evaluate_every_n_steps",) * (ev.evaluate_every_n_steps > 0) + EVAL_FLAGS,
-         not cfg.data.test_dataset_url, "without --test_dataset_url"),
-        (EVAL_FLAGS, ev.evaluate_every_n_steps == 0, "with --evaluate_every_n_steps 0"),
-        (("eval_tile_overlap",), ev.eval_tile_size == 0, "without --eval_tile_size"),
-        (("eval_tile_size", "eval_tile_overlap"), ev.eval_tile_size >= max(eval_sizes(ev, cfg.data.vae_resolution)),
-         "when no evaluated size (--vae_resolution, --eval_resolutions) is above --eval_tile_size"),
-        (("project_name",), cfg.run.wandb_mode == "disabled", "with --wandb_mode disabled"),
-        (("scale_equivariance_mode", "scale_equivariance_rotate", "scale_equivariance_form",
-          "scale_equivariance_weight"), latents.scale_equivariance_prob == 0, "with --scale_equivariance_prob 0"),
-        (("scale_equivariance_weight",), latents.scale_equivariance_form != "add", "with --scale_equivariance_form "
-                                                                                  "replace"),
-        (("latent_noise_max",), latents.latent_noise_prob == 0, "with --latent_noise_prob 0"),
-        (("vf_weight", "vf_model", "vf_weights", "vf_image_size"), cfg.finetune.train_parts == "decoder",
-         "with --train_parts decoder (the encoder is frozen: there is no latent to align)"),
-        (("vf_model", "vf_weights", "vf_image_size"), latents.vf_weight == 0, "with --vf_weight 0"),
-        (("probe_images", "probe_heldout", "probe_steps", "probe_batch_size"), latents.probe_every_n_steps == 0,
-         "with --probe_every_n_steps 0"),
-        (tuple(f for f in SOURCE_FIELDS if f != "vae_decoder_ch"), bool(cfg.finetune.init_from),
-         "with --init_from (the architecture is read from the source)"),
-        (("init_family",), not cfg.finetune.init_from, "without --init_from"),
-        (("decoder_init",), not (cfg.finetune.init_from and "vae_decoder_ch" in given), "without --init_from and "
-                                                                                          "--vae_decoder_ch"),
-    ]
-    lines, named = [], set()
-    for flags, ignored, why in ignored_when:
-        hit = [f for f in flags if f in given and f not in named] if ignored else []
-        if hit:
-            named.update(hit)
-            verb = "has" if len(hit) == 1 else "have"
-            lines.append(f"warning: {', '.join('--' + f for f in hit)} {verb} no effect {why}")
-    if optim.warmup_steps > optim.max_steps:
-        lines.append(f"warning: --warmup_steps {optim.warmup_steps} > --max_steps {optim.max_steps}: the learning "
-                     f"rate peaks at {optim.max_steps / optim.warmup_steps:.0%} of its set value and never decays")
-    if cfg.finetune.train_parts == "decoder" and not (cfg.finetune.init_from or cfg.run.load_path):
-        lines.append("warning: --train_parts decoder without --init_from or --load_path: the encoder stays random "
-                     "(unless resumed)")
-    stages = resolution_schedule(cfg).stages
-    if len(stages) > 1 and stages[-1][0] >= optim.max_steps:
-        lines.append(f"warning: --train_resolutions' last stage starts at step {stages[-1][0]} >= --max_steps "
-                     f"{optim.max_steps}: it never trains" + (" (nor does --last_stage_trains freeze anything)"
-                                                              if cfg.finetune.last_stage_trains != "all" else ""))
-    if critic.do_ganloss and critic.disc_start >= optim.max_steps:
-        lines.append(f"warning: --disc_start {critic.disc_start} >= --max_steps {optim.max_steps}: the generator "
-                     "never gets the adversarial term (the critic still trains)")
-    return lines
-
-
-def demo_summary(cfg: Config) -> str:
-    """The demo's one start-up line: which loss branches it trains and why."""
-    if cfg.critic.vgg16_weights == "random" and not uses_vgg16(cfg):
-        return (f"demo: no pretrained VGG16 in the torchvision cache ({vgg16_cache_path()}): LPIPS and the VGG16 "
-                "critic are OFF (on random features they would train on noise); pixel losses only")
-    branches = (["LPIPS"] if cfg.loss.perceptual_weight > 0 else []) + ["pixel"]
-    if cfg.critic.do_ganloss:
-        branches.append(f"{cfg.critic.discriminator} critic from step {cfg.critic.disc_start}")
-    weights = "a RANDOM VGG16" if cfg.critic.vgg16_weights == "random" else "pretrained VGG16"
-    return f"demo: {' + '.join(branches)} losses, with {weights}"

@@ -12,9 +12,10 @@ import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
 
+from config import DIFFAUG_POLICIES, DISC_NORMS
+
 VGG16_SLICES = ((0, 4), (4, 9), (9, 16), (16, 23), (23, 30))  # ends at relu1_2, relu2_2, relu3_3, relu4_3, relu5_3
 VGG16_CHANNELS = (64, 128, 256, 512, 512)
-DISC_NORMS = ("batch", "group_spectral", "spectral", "none")
 
 # --------------------------------------------------------------------------------------------
 # LPIPS
@@ -216,9 +217,6 @@ class FeatureCriticHeads(nn.Module):
 # --------------------------------------------------------------------------------------------
 # The critic's stabilisers: DiffAugment, R1
 # --------------------------------------------------------------------------------------------
-DIFFAUG_POLICIES = ("color", "translation", "cutout")
-
-
 def diff_augment(images: Tensor, policy: str = "color,translation,cutout", translation_ratio: float = 0.125,
                  cutout_ratio: float = 0.5) -> Tensor:
     """DiffAugment (Zhao et al. 2020, mit-han-lab/data-efficient-gans DiffAugment_pytorch.py) of [-1, 1]

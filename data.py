@@ -29,28 +29,25 @@ import io
 import math
 import os
 import random
-import re
 import signal
 import select
-import subprocess
 import sys
-import tarfile
 import threading
 import time
 import warnings
 from collections import Counter
 from typing import Callable, Iterator
-from urllib.parse import urlparse
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from common import guard_console
+import sources
+from common import guard_console, redact
+from config import parse_schedule
+from sources import IMAGE_EXTS, DatasetError, is_remote, iter_shard, list_shards, warn, warn_once
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "pbm", "gif")
-DIR_SHARD_SIZE = 256  # files per pseudo-shard when reading a plain directory
 SKIP_REASONS = ("corrupt", "non_image", "too_large", "shard_errors")  # events: each time a bad item is met
 # TrainLoader.skipped(): the events, plus "files": the distinct bad samples and shards among them (counted up to
 # MAX_BAD_TRACKED per data worker), and "outage_waits": the back-off waits while no shard could be read
@@ -62,233 +59,10 @@ class WaitInterrupted(Exception):
     """A stop request (the trainer's SIGTERM/SIGINT) came while the training stream was waiting for a batch."""
 
 
-class DatasetError(RuntimeError):
-    """A problem with the user's data that stops training; the message is one line."""
-
-
 class SkipSample(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
-
-
-# --------------------------------------------------------------------------------------------
-# Shard lists
-# --------------------------------------------------------------------------------------------
-def is_remote(url: str) -> bool:
-    return bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", url)) or url.startswith("pipe:")
-
-
-def image_files(root: str) -> list[str]:
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames.sort()
-        for name in sorted(filenames):
-            if name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS and not name.startswith("."):
-                files.append(os.path.join(dirpath, name))
-    return files
-
-
-def list_shards(url: str) -> list:
-    """The shard list of a dataset: tar paths/URLs (str) or, for a directory, tuples of file paths.
-    Raises DatasetError (one line) for an empty or missing local dataset."""
-    import webdataset as wds
-    if not url:
-        raise DatasetError("no dataset given: pass --dataset_url (shards or a folder of images), or --demo")
-    if os.path.isdir(url):
-        files = image_files(url)
-        if not files:
-            tars = sorted(os.path.join(url, f) for f in os.listdir(url) if f.endswith(".tar"))
-            if tars:  # a folder of shards: webdataset reads them by their names, not by their folder
-                raise DatasetError(f"{url}: directory holds {len(tars)} .tar shards and no image files: give the shards "
-                                   f"themselves, e.g. '{brace_url(tars)}' (quoted)")
-            raise DatasetError(f"{url}: directory holds no image files ({', '.join(IMAGE_EXTS[:4])}, ...)")
-        return [tuple(files[i:i + DIR_SHARD_SIZE]) for i in range(0, len(files), DIR_SHARD_SIZE)]
-    try:
-        shards = list(wds.shardlists.expand_urls(url))
-    except Exception as e:
-        raise DatasetError(f"cannot expand dataset url {url!r}: {e}") from None
-    if not shards:
-        raise DatasetError(f"dataset url {url!r} names no shard")
-    local = [s for s in shards if not is_remote(s)]
-    missing = [s for s in local if not os.path.isfile(s)]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise DatasetError(f"dataset shard not found: {missing[0]}{more}")
-    return shards
-
-
-def brace_url(paths: list[str]) -> str:
-    """'dir/{00000..00011}.tar' for consecutive shard paths written by write_shards."""
-    if len(paths) == 1:
-        return paths[0]
-    head, first = os.path.split(paths[0])
-    last = os.path.basename(paths[-1])
-    m1, m2 = re.match(r"(.*?)(\d+)\.tar$", first), re.match(r"(.*?)(\d+)\.tar$", last)
-    return os.path.join(head, f"{m1.group(1)}{{{m1.group(2)}..{m2.group(2)}}}.tar")
-
-
-# --------------------------------------------------------------------------------------------
-# Remote shards: curl with bounded waits
-# --------------------------------------------------------------------------------------------
-# webdataset opens these through curl with 30 retries and no read timeout: an unresolvable host stalls a
-# worker for a minute per shard, a server that stops sending hangs the run for good. Here every wait is
-# bounded; a shard that cannot be read is skipped, counted (data/skipped_shard_errors) and tried again next
-# epoch. No curl retries: curl re-sends a retried transfer from its start into the same pipe.
-CURL_SCHEMES = ("http", "https", "ftp", "ftps", "sftp", "scp")
-CONNECT_TIMEOUT_S = 10  # to resolve and reach the host
-STALL_TIMEOUT_S = 30  # with no byte received, before the first one or mid-transfer
-PROBE_TIMEOUT_S = 30  # the start-up check of a remote dataset, all probes together
-
-
-class CurlStream:
-    """A remote shard streamed through curl. A failed transfer raises OSError with curl's own one-line reason
-    at the point where the data stops, so the tar reader ends the shard there."""
-
-    def __init__(self, url: str, max_time_s: float = 0):
-        cmd = ["curl", "--fail", "--silent", "--show-error", "--location", "--connect-timeout", str(CONNECT_TIMEOUT_S),
-               "--speed-limit", "1", "--speed-time", str(STALL_TIMEOUT_S)]
-        if max_time_s:
-            cmd += ["--max-time", str(max_time_s)]
-        self.url, self.error = url, None
-        self.proc = subprocess.Popen(cmd + [url], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-    def read(self, size: int = -1) -> bytes:
-        data = self.proc.stdout.read(size)
-        if not data and size != 0 and self.proc.wait() != 0:  # the end of the data: a clean end or curl's error
-            if self.error is None:
-                lines = self.proc.stderr.read().decode(errors="replace").strip().splitlines()
-                self.error = lines[-1] if lines else f"curl exited with status {self.proc.returncode}"
-            raise OSError(self.error)
-        return data
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()  # a shard left before its end (evaluation's image limit, the start-up probe)
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-        self.proc.wait()
-
-    def __repr__(self) -> str:
-        return f"<curl {redact(self.url)}>"
-
-
-def open_shard(url: str):
-    """A tar shard as a readable stream: curl (above) for curl's URL schemes, webdataset's gopen for the rest
-    (local paths, pipe:..., and its other schemes)."""
-    from webdataset.gopen import gopen, rewrite_url
-    url = rewrite_url(url)  # webdataset's GOPEN_REWRITE mirrors, as gopen would apply them
-    if urlparse(url).scheme in CURL_SCHEMES:
-        return CurlStream(url)
-    return gopen(url, "rb")
-
-
-def probe_remote_shards(shards: list, probes: int = 3) -> None:
-    """At start-up: read the first tar header of up to `probes` remote shards (the first, middle and last), at
-    the same time and within PROBE_TIMEOUT_S. DatasetError (one line) when none can be read: a dead host, a
-    wrong URL or a missing credential is then an error at start, not a stall. Shards that fail later are
-    skipped and counted."""
-    remote = [s for s in shards if isinstance(s, str) and urlparse(s).scheme in CURL_SCHEMES]
-    if not remote:
-        return
-    picks = sorted({0, len(remote) // 2, len(remote) - 1})[:probes]
-    try:
-        streams = [CurlStream(remote[i], max_time_s=PROBE_TIMEOUT_S) for i in picks]
-    except OSError as e:  # no curl on this machine
-        raise DatasetError(f"cannot run curl to read {redact(remote[0])} ({e})") from None
-    reasons = []
-    try:
-        for stream in streams:
-            try:
-                if len(stream.read(512)) == 512:
-                    return
-                reasons.append(f"{stream.url}: shorter than a tar header")
-            except OSError as e:
-                reasons.append(f"{stream.url}: {e}")
-    finally:
-        for stream in streams:
-            stream.close()
-    tried = f"any of the {len(picks)} remote shards tried" if len(picks) > 1 else "the remote shard"
-    raise DatasetError(f"cannot read {tried} ({redact(reasons[0])})")
-
-
-def iter_shard(shard, counters: Counter, errors: list | None = None) -> Iterator[tuple[int, dict]]:
-    """(sample index, sample) pairs of one shard; a sample maps lower-case extensions to bytes.
-    A truncated or unreadable shard ends early and is counted; what was read before stands. `errors` collects
-    (kind, reason) of what went wrong: "shard" (not fetched, or cut short) or "member" (a bad tar member)."""
-    if isinstance(shard, tuple):
-        for idx, path in enumerate(shard):
-            try:
-                with open(path, "rb") as f:
-                    data = f.read()
-            except OSError:
-                counters["corrupt"] += 1
-                continue
-            yield idx, {"__key__": path, path.rsplit(".", 1)[-1].lower(): data}
-        return
-    from webdataset.tariterators import group_by_keys, tar_file_iterator
-
-    def bad_member(exn: Exception) -> bool:
-        counters["corrupt"] += 1
-        if errors is not None:
-            errors.append(("member", f"{shard}: {exn}"))
-        return True
-
-    def members(stream):
-        # a truncated or unreadable tar ends the member stream normally, so that group_by_keys still
-        # yields the last complete sample it holds
-        try:
-            for f in tar_file_iterator(stream, handler=bad_member):
-                yield {**f, "__url__": shard}
-        except (tarfile.TarError, OSError, EOFError, ValueError) as e:
-            counters["shard_errors"] += 1
-            if errors is not None:
-                errors.append(("shard", f"{shard}: {e}"))
-            warn_once(f"shard {shard}: {type(e).__name__}: {e} (skipping the rest of it)")
-
-    try:
-        stream = open_shard(shard)
-    except (OSError, ValueError) as e:
-        counters["shard_errors"] += 1
-        if errors is not None:
-            errors.append(("shard", f"{shard}: {e}"))
-        warn_once(f"shard {shard}: {type(e).__name__}: {e}")
-        return
-    try:
-        yield from enumerate(group_by_keys(members(stream), handler=bad_member))
-    finally:
-        try:
-            stream.close()
-        except Exception:
-            pass
-
-
-_SECRET_PATTERNS = [
-    (re.compile(r"(?<=://)[^/@\s]+:[^/@\s]+@"), "***@"),  # user:password@host
-    (re.compile(r"(?i)([?&](?:token|key|api_key|access_token|sig|signature|x-amz-signature|x-amz-credential|"
-                r"x-goog-signature|secret|password)=)[^&\s']+"), r"\1***"),
-]
-
-
-def redact(text: str) -> str:
-    """Strip credentials from URLs before they reach config.json, logs, checkpoints or wandb."""
-    for pattern, repl in _SECRET_PATTERNS:
-        text = pattern.sub(repl, text)
-    return text
-
-
-_warned: set[str] = set()  # what this process's stream has warned about (warn_once); TrainStream clears it
-
-
-def warn(msg: str) -> None:
-    print(f"warning: {redact(msg)}", file=sys.stderr, flush=True)
-
-
-def warn_once(msg: str, limit: int = 20) -> None:
-    if msg in _warned or len(_warned) >= limit:
-        return
-    _warned.add(msg)
-    warn(msg if len(_warned) < limit else "further data warnings suppressed")
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,26 +202,15 @@ class ResolutionSchedule:
 
     @classmethod
     def parse(cls, spec: str, reference: int, batch_size: int, seed: int = 0) -> "ResolutionSchedule":
-        """The schedule of `spec` ('': the reference size alone); ValueError (one line) for a malformed one."""
-        if not spec.strip():
-            return cls([(0, (reference,))], reference, batch_size, seed)
-        stages: list[tuple[int, tuple[int, ...]]] = []
-        for i, part in enumerate(spec.split(";")):
-            start, colon, sizes = part.strip().rpartition(":")
-            try:
-                begin = int(start) if colon else 0
-                values = tuple(int(s) for s in sizes.split(","))
-            except ValueError:
-                raise ValueError(f"stage {part.strip()!r} is not [STEP:]SIZE[,SIZE...]") from None
-            if min(values) <= 0:
-                raise ValueError(f"stage {part.strip()!r}: sizes must be positive")
-            if i == 0 and begin != 0:
-                raise ValueError(f"the first stage starts at step 0, not {begin}")
-            if i > 0 and (not colon or begin <= stages[-1][0]):
-                raise ValueError(f"stage {part.strip()!r}: a later stage needs STEP: greater than the previous "
-                                 f"stage's ({stages[-1][0]})")
-            stages.append((begin, tuple(dict.fromkeys(values))))
-        return cls(stages, reference, batch_size, seed)
+        """The schedule of `spec` ('': the reference size alone), parsed by config.parse_schedule (ConfigError: one
+        line for a malformed one)."""
+        return cls(parse_schedule(spec) or [(0, (reference,))], reference, batch_size, seed)
+
+    @classmethod
+    def of(cls, data, seed: int) -> "ResolutionSchedule":
+        """The schedule of a run's data section (config.DataConfig): built once by the trainer and handed to the
+        data stream and the memory check."""
+        return cls.parse(data.train_resolutions, data.vae_resolution, data.batch_size, seed)
 
     @property
     def sizes(self) -> list[int]:
@@ -655,7 +418,7 @@ class TrainStream(IterableDataset):
         return size, self.schedule.batch_for(size)
 
     def __iter__(self):
-        _warned.clear()  # each stream names each bad file once: a new stream (a new run, a resume) names them again
+        sources.forget_warnings()  # each stream names each bad file once: a new stream (a new run, a resume) does again
         info = get_worker_info()
         physical = info.id if info is not None else 0
         # DataLoader serves batches round-robin from physical worker 0; after a resume the next
@@ -809,11 +572,11 @@ class TrainLoader:
 
     @classmethod
     def of(cls, data, seed: int, rank: int, world_size: int, pin_memory: bool = False,
-           state: dict | None = None, grad_accum: int = 1, step: int | None = None) -> "TrainLoader":
+           state: dict | None = None, grad_accum: int = 1, step: int | None = None,
+           schedule: ResolutionSchedule | None = None) -> "TrainLoader":
         """The loader of a run's data section (config.DataConfig); with --train_resolutions each step's size and
-        batch follow its schedule (seeded by `seed` and the step)."""
-        schedule = (ResolutionSchedule.parse(data.train_resolutions, data.vae_resolution, data.batch_size, seed)
-                    if data.train_resolutions else None)
+        batch follow `schedule` (the run's, seeded by `seed` and the step; None: --vae_resolution alone)."""
+        schedule = schedule if data.train_resolutions else None
         return cls(data.dataset_url, data.vae_resolution, data.batch_size, seed, rank, world_size, data.num_workers,
                    data.shuffle_buffer, data.resize_prob, data.max_image_pixels, pin_memory=pin_memory, state=state,
                    shard_retry_minutes=data.shard_retry_minutes, schedule=schedule, grad_accum=grad_accum, step=step)

@@ -31,6 +31,7 @@ import torchvision
 from torch import Tensor, nn
 
 import data as data_lib
+import sources
 import latents as latents_lib
 from ae import AutoEncoder, patchify_latents
 from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
@@ -551,7 +552,7 @@ def reconstruct_folder(vae: AutoEncoder, src: str, dst: str, device: torch.devic
     `.png` appended (`a.jpg` -> `a.jpg.png`, `a.png` -> `a.png.png`), so names never collide and each one
     says which file it came from. Files are split across ranks. Returns this rank's count."""
     from PIL import Image
-    files = data_lib.image_files(src)
+    files = sources.image_files(src)
     done = 0
     for path in files[rank::world_size]:
         try:
@@ -625,7 +626,7 @@ def validate(args, vae: AutoEncoder, resolutions: tuple[int, ...]) -> None:
         return
     if not args.dataset_url:
         raise ConfigError("give --dataset_url (metrics, --latent_stats) or --images with --reconstruct_to")
-    data_lib.probe_remote_shards(data_lib.list_shards(args.dataset_url))  # DatasetError: one line
+    sources.probe_remote_shards(sources.list_shards(args.dataset_url))  # DatasetError: one line
     for resolution in resolutions or (None,):
         if not resolution or resolution <= 0 or resolution % f:
             raise ConfigError(f"--resolution must be a positive multiple of the downsample factor {f}, got "

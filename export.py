@@ -42,6 +42,7 @@ import sys
 import torch
 
 import data as data_lib
+import sources
 import evaluate
 import pretrained
 import wan_ae
@@ -282,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_data_and_out(args) -> None:
     """One line if --dataset_url cannot be read or --out is a file, before anything is computed or written."""
     if args.dataset_url:
-        data_lib.probe_remote_shards(data_lib.list_shards(args.dataset_url))
+        sources.probe_remote_shards(sources.list_shards(args.dataset_url))
     if os.path.isfile(args.out):
         raise ConfigError(f"--out {args.out} is a file")
 

@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from config import downsample_factor_of, min_loss_image_size
+
 HF_CUTOFF = 0.5  # "upper half of the frequencies": radius above half the Nyquist frequency
 
 
@@ -179,6 +181,14 @@ def equivariance_sizes(latent_size: int, factor: int, mode: str, pool: int, min_
     else:
         candidates = list(range(max(1, math.ceil(latent_size / 4)), latent_size))
     return [s for s in candidates if s >= 1 and (s * factor) % pool == 0 and s * factor >= min_image]
+
+
+def equivariance_sizes_of(cfg) -> list[int]:
+    """The latent sizes a run's scale-equivariance steps may decode (config.Config: the model's downsampling, the
+    training size, --scale_equivariance_mode, the pooled MSE's factor and the losses' smallest image)."""
+    factor = downsample_factor_of(cfg.model)
+    return equivariance_sizes(cfg.data.vae_resolution // factor, factor, cfg.latents.scale_equivariance_mode,
+                              cfg.loss.mse_pool_factor, min_loss_image_size(cfg))
 
 
 class LatentRegularisers:

@@ -22,7 +22,7 @@ import os
 import torch
 from torch import nn
 
-from ae import GRAD_CHECKPOINTING
+from config import GRAD_CHECKPOINTING
 from common import first_line
 
 GIB = 1024 ** 3
@@ -37,29 +37,21 @@ class StepShape:
     resolution: int
     grad_accum: int = 1
     precision: str = "fp32"  # fp32 | bf16 | fp16
-    grad_checkpointing: str = "none"  # ae.GRAD_CHECKPOINTING
+    grad_checkpointing: str = "none"  # config.GRAD_CHECKPOINTING
 
     @classmethod
-    def of(cls, data, optim, speed, resolution: int | None = None) -> "StepShape":
-        """The shape of a run's step, from its data, optimisation and speed sections: at --vae_resolution, or at
-        `resolution` with the micro-batch --train_resolutions gives that size."""
-        if resolution is None or resolution == data.vae_resolution:
-            return cls(data.batch_size, data.vae_resolution, optim.grad_accum, speed.precision,
-                       speed.grad_checkpointing)
-        import data as data_lib
-        batch = data_lib.ResolutionSchedule.parse("", data.vae_resolution, data.batch_size).batch_for(resolution)
-        return cls(batch, resolution, optim.grad_accum, speed.precision, speed.grad_checkpointing)
+    def of(cls, schedule, optim, speed, resolution: int | None = None) -> "StepShape":
+        """The shape of a run's step at `resolution` (default: the reference, --vae_resolution) with the micro-batch
+        the run's schedule (data.ResolutionSchedule) gives that size, from its optimisation and speed sections."""
+        size = schedule.reference if resolution is None else resolution
+        return cls(schedule.batch_for(size), size, optim.grad_accum, speed.precision, speed.grad_checkpointing)
 
     @classmethod
-    def to_check(cls, data, optim, speed) -> list["StepShape"]:
-        """The step shapes the memory check estimates: the one size of a run, or under --train_resolutions every
-        size with its micro-batch, the largest first (a smaller size holds more images, and the floor of one image
-        more pixels: any of them can need the most; the sizes are few)."""
-        if not data.train_resolutions:
-            return [cls.of(data, optim, speed)]
-        import data as data_lib
-        sizes = data_lib.ResolutionSchedule.parse(data.train_resolutions, data.vae_resolution, data.batch_size).sizes
-        return [cls.of(data, optim, speed, size) for size in reversed(sizes)]
+    def to_check(cls, schedule, optim, speed) -> list["StepShape"]:
+        """The step shapes the memory check estimates: every size of the run's schedule (one without
+        --train_resolutions) with its micro-batch, the largest first (a smaller size holds more images, and the
+        floor of one image more pixels: any of them can need the most; the sizes are few)."""
+        return [cls.of(schedule, optim, speed, size) for size in reversed(schedule.sizes)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +102,7 @@ def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_si
     device = next(vae.parameters()).device
     exclude = {p.untyped_storage().data_ptr() for m in _networks(vae, objective) for p in m.parameters()}
     if step is None:  # the generator term on: the costliest step
-        step = objective.adversary.cfg.disc_start if objective.adversary is not None else 0
+        step = objective.loss_cfg.disc_start if objective.adversary is not None else 0
     latent = resolution // vae.downsample_factor
     lpips_on = objective.lpips is not None and objective.loss_cfg.perceptual_weight > 0
     regularisers = (regularisers or latents_lib.LatentRegularisers(0, 0)).costliest(

@@ -140,7 +140,7 @@ class VAEObjective(nn.Module):
 
     def gan_active(self, step: int) -> bool:
         """Whether the generator gets the adversarial term at `step` (the critic itself trains from step 0)."""
-        return self.adversary is not None and step >= self.adversary.cfg.disc_start
+        return self.adversary is not None and step >= self.loss_cfg.disc_start
 
     def shared_trunk_pass(self, x: Tensor, recon: Tensor, step: int) -> SharedTrunkPass | None:
         """The one VGG16 pass per image of the frozen-trunk critic (None with any other critic). The trainer hands
@@ -181,15 +181,13 @@ class VAEObjective(nn.Module):
             shared = self.shared_trunk_pass(x, recon, step)
         terms = self.terms(x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent, images,
                            added, shared, teacher)
-        adaptive_weight_max = self.adversary.cfg.adaptive_weight_max if self.adversary is not None else 1e4
-        return compose(terms, self.loss_cfg.loss_balance, scale, accum, last_layer, adaptive_weight_max)
+        return compose(terms, self.loss_cfg.loss_balance, scale, accum, last_layer, self.loss_cfg.adaptive_weight_max)
 
     def terms(self, x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent=None,
               images=None, added=None, shared: SharedTrunkPass | None = None, teacher=None) -> list[Term]:
         """The loss terms, one block each. Their order is the order of the sums (a fixed-seed run reproduces
         bitwise only with the same order)."""
         loss = self.loss_cfg
-        gan = self.adversary.cfg if self.adversary is not None else None
         if loss.loss_balance == "gradnorm":
             # GradNorm fixes each branch's gradient norm, so a loss scale and 1/accum enter as weights
             def branch(weight, out=recon):
@@ -251,13 +249,13 @@ class VAEObjective(nn.Module):
             # pushes, i.e. hand the last active patch the whole push. Scaled by sqrt(active fraction), the target
             # gives each active patch the push it gets when all are active (patch gradients are near-orthogonal).
             # Measured on the critic's pass over the detached reconstructions: the same critic, the same images.
-            active = generator_active_fraction(real_logits, critic_fake_logits, gan.gen_loss, gan.gan_margin)
+            active = generator_active_fraction(real_logits, critic_fake_logits, loss.gen_loss, loss.gan_margin)
             # --gan_ramp_steps: the weight grows linearly after disc_start (1.0 with the reference's step function)
-            gan_weight = gan.gan_weight * gan_ramp(step, gan.disc_start, gan.gan_ramp_steps)
+            gan_weight = loss.gan_weight * gan_ramp(step, loss.disc_start, loss.gan_ramp_steps)
             with self.autocast():  # the objective's precision, like every loss network's pass here
                 fake = shared.recon_features if shared is not None else branch(gan_weight * active.sqrt())
                 fake_logits = self.adversary.generator_logits(fake)
-            g_loss = generator_loss(fake_logits, real_logits, gan.gen_loss, gan.gan_margin)
+            g_loss = generator_loss(fake_logits, real_logits, loss.gen_loss, loss.gan_margin)
             terms.append(Term("gan_g", g_loss, gan_weight, balanced=True, adversarial=True, shared_pass=through_shared,
                               logs={"gan/active_fraction": active}))
             shared_branches.append((g_loss, gan_weight * active.sqrt()))
@@ -420,9 +418,8 @@ class Adversary:
         self.scheduler.step()
 
     def kind(self) -> dict:
-        """What must match for the critic to resume (checkpoint.critic_kind_of reads the same from a flat config)."""
-        return {"discriminator": self.cfg.discriminator, "disc_norm": self.cfg.disc_norm,
-                "critic_trunk": self.cfg.critic_trunk}
+        """What must match for the critic to resume (config.CriticConfig.kind)."""
+        return self.cfg.kind()
 
     def state_dict(self) -> dict:
         return {"critic": self.critic.state_dict(), "optimizer": self.optimizer.state_dict(),

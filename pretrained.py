@@ -41,6 +41,7 @@ from torch import Tensor
 import wan_ae
 from ae import AutoEncoder, AutoEncoderParams, check_widths
 from common import first_line
+from config import DECODER_INITS, FAMILY_CHOICES
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_WEIGHTS_BIN = "diffusion_pytorch_model.bin"
@@ -54,7 +55,6 @@ FAMILIES = {
     "flux": {"scaling_factor": 0.3611, "shift_factor": 0.1159},
     "flux2": {"scaling_factor": 1.0, "shift_factor": 0.0},
 }
-FAMILY_CHOICES = ("auto",) + tuple(FAMILIES)
 # What each family's latent space is, as a file's shapes show it: its channel count, and whether bn statistics
 # normalise it (FLUX.2). A family the file contradicts would pair a latent space with another's factors.
 FAMILY_LATENT_CHANNELS = {"sd": 4, "sdxl": 4, "sd3": 16, "flux": 16, "flux2": 32}
@@ -692,9 +692,6 @@ def load_source(path: str, family: str = "auto") -> Source:
 # ============================================================================================
 # A narrower decoder for a released latent space
 # ============================================================================================
-DECODER_INITS = ("fresh", "slice")
-
-
 def narrow_decoder_model(source: Source, decoder_channels: tuple[int, ...], init: str = "fresh",
                          seed: int = 0) -> AutoEncoder:
     """The source's model with a decoder of other widths (one per level, highest resolution first; e.g. FLUX.2's

@@ -32,9 +32,10 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data as data_lib
+import sources
 import evaluate
 import latents as latents_lib
-from common import ConfigError, OneLineParser, closing_distributed, guard_console, init_distributed
+from common import ConfigError, OneLineParser, closing_distributed, guard_console, init_distributed, redact
 from config import DataConfig, LatentsConfig
 
 PRESETS = {"tiny": dict(dim=64, depth=2, heads=2), "small": dict(dim=192, depth=6, heads=3),
@@ -380,7 +381,7 @@ class InLoopProbe:
                                                              max_images=latents.probe_images)]
         images = torch.cat(batches) if batches else torch.empty(0)
         if len(images) <= latents.probe_heldout:
-            raise ConfigError(f"the probe set {data_lib.redact(url)} has {len(images)} images; --probe_heldout "
+            raise ConfigError(f"the probe set {redact(url)} has {len(images)} images; --probe_heldout "
                               f"{latents.probe_heldout} needs more (--probe_images {latents.probe_images})")
         self.images = data_lib.to_model_input(images, device, channels_last=False)
 
@@ -456,7 +457,7 @@ def check(args) -> list:
     if size % args.patch_size:
         raise ConfigError(f"--patch_size {args.patch_size} does not divide the {size}x{size} latent")
     for name in ("dataset_url", "test_dataset_url"):
-        data_lib.probe_remote_shards(data_lib.list_shards(getattr(args, name)))
+        sources.probe_remote_shards(sources.list_shards(getattr(args, name)))
     if os.path.isfile(args.out):
         raise ConfigError(f"--out {args.out} is a file")
     return list(vaes)

@@ -12,15 +12,20 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import data as data_lib
+import sources
 import pretrained
 import shards
 import wan_ae
+from ae import AutoEncoderParams
 from common import ConfigError
-from config import (AUTO_FIELDS, LEGACY_ARCH, LR_TIMES_WIDTH, SOURCE_FIELDS, Config, as_released, automatic_values,
-                    continue_run, continuing_note, demo_summary, is_plain_local_path, model_params, parse_flags,
-                    resolve_auto, with_values)
+from flags import parse_flags
+from config import (FIELD_SECTION, LEGACY_ARCH, LR_TIMES_WIDTH, SOURCE_FIELDS, Config, as_released, as_written_now,
+                    downsample_factor_of, eval_sizes, is_plain_local_path, min_loss_image_size, parse_schedule,
+                    resolve_auto, unflatten, uses_vgg16, with_values)
+from latents import equivariance_sizes_of
 from weights import vgg16_cache_path
 
 
@@ -56,14 +61,35 @@ def prepare_run(argv: list[str] | None = None, builds_demo_data: bool = True) ->
         raise ConfigError(f"--vae_family {cfg.model.vae_family}: its architecture is read from --init_from (a "
                           "diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder) or the run being continued")
     derived.update(automatic_values(cfg, given))
-    cfg = resolve_auto(cfg)
-    cfg.validate()
+    cfg = resolve_cpu(resolve_auto(cfg))
+    check_config(cfg)
     check_paths(cfg)
     notes = [demo_summary(cfg)] if cfg.run.demo else []
     if saved is not None:
         note = continuing_note(cfg.run.run_dir, given, saved, cfg, again)
         notes += [note] if note else []
     return RunSetup(cfg, given, source, notes, derived)
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """The config of these flags with every automatic value resolved, the CPU split from this machine's cores
+    (nothing read from disk: no --init_from source, no run being continued)."""
+    return resolve_cpu(resolve_auto(parse_flags(argv)[0]))
+
+
+def check_config(cfg: Config) -> None:
+    """Config.validate (each section's values and the checks across sections), then the checks that need an owner's
+    rule: one line for the first value the run cannot use."""
+    cfg.validate()
+    data, loss, latents = cfg.data, cfg.loss, cfg.latents
+    factor = downsample_factor_of(cfg.model)
+    if latents.scale_equivariance_prob > 0 and not equivariance_sizes_of(cfg):
+        smallest = min_loss_image_size(cfg)
+        critic_text = (f" and at least {smallest} px (the smallest input of the critic or LPIPS)" if smallest > 1
+                       else "")
+        raise ConfigError(f"--scale_equivariance_mode {latents.scale_equivariance_mode}: no smaller size of the "
+                          f"{data.vae_resolution // factor}-pixel latent gives an image divisible by --mse_pool_factor "
+                          f"{loss.mse_pool_factor}{critic_text}")
 
 
 def prepare_demo(cfg: Config) -> Config:
@@ -131,7 +157,7 @@ def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Confi
     if "vae_decoder_ch" in given:  # a decoder of its own widths for the source's latent space
         arch.pop("vae_decoder_ch")
     cfg = with_values(cfg, **arch)
-    widths = model_params(cfg.model).decoder_widths
+    widths = AutoEncoderParams.from_config(cfg.model).decoder_widths
     if widths != p.decoder_widths and cfg.finetune.decoder_init == "fresh" and "learning_rate_vae" not in given:
         cfg = with_values(cfg, learning_rate_vae=LR_TIMES_WIDTH / widths[0])  # a new decoder, not a fine-tune
     return cfg, source
@@ -188,6 +214,207 @@ def check_paths(cfg: Config) -> None:
             raise ConfigError(f"--{name} {url}: no such directory or file")
         if name == "dataset_url" or url:
             try:
-                data_lib.probe_remote_shards(data_lib.list_shards(url))
+                sources.probe_remote_shards(sources.list_shards(url))
             except data_lib.DatasetError as e:
                 raise ConfigError(f"--{name}: {e}") from None
+
+
+# ==============================================================================================================
+# The CPU split: data workers and torch threads from the cores this rank has
+# ==============================================================================================================
+def cores_per_rank() -> int:
+    """The CPU cores this process may run on (its affinity: a SLURM or container limit shows there, not in
+    os.cpu_count()), shared by the LOCAL_WORLD_SIZE ranks torchrun starts on this machine."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def cpu_use(num_workers: int, num_threads: int, cores: int) -> tuple[int, int]:
+    """(data workers, torch threads) of one rank with `cores` CPU cores; a given value (>= 0 workers, > 0
+    threads) is kept. Auto: half the cores decode images (at most 4: more rarely helps a GPU), at least 1, and
+    the remaining cores compute; never more workers than cores (PyTorch warns about that)."""
+    workers = min(4, max(1, cores // 2)) if num_workers < 0 else num_workers
+    threads = max(1, cores - workers) if num_threads <= 0 else num_threads
+    return workers, threads
+
+
+def cpu_use_line(cfg: Config, given: set[str]) -> str:
+    """The one line a run starts with: what each rank runs on, and which of it was chosen automatically."""
+    chosen = [f"--{k}" for k in ("num_workers", "num_threads") if k not in given]
+    return (f"cpu: {cores_per_rank()} cores per rank: {cfg.data.num_workers} data workers, {cfg.speed.num_threads} "
+            f"torch threads" + (f" ({' and '.join(chosen)} chosen from the cores; give them to override)"
+                                if chosen else ""))
+
+
+def resolve_cpu(cfg: Config) -> Config:
+    """--num_workers and --num_threads made concrete from this rank's cores (cpu_use), where they are automatic."""
+    workers, threads = cpu_use(cfg.data.num_workers, cfg.speed.num_threads, cores_per_rank())
+    return with_values(cfg, num_workers=workers, num_threads=threads)
+
+
+# ==============================================================================================================
+# Continuing a run: its recorded recipe, and the automatic values whose basis changed
+# ==============================================================================================================
+# The flags whose 0 / -1 means "automatic" (resolve_auto), with that sentinel. A continued run keeps the values its
+# start resolved: a warm-up or a disc_start already in effect must not move when --max_steps grows (re-derived from
+# a larger budget, the GAN term would switch off again), the VAE's learning rate is the schedule's history, the
+# group count its architecture, and the data stream's position is saved per worker (an exact resume needs the same
+# count). A value whose basis changed in kind is derived again (auto_basis): the critic's learning rate when the
+# critic changes, the worker and thread counts on a machine with other cores.
+AUTO_FIELDS = {"learning_rate_vae": 0.0, "learning_rate_disc": 0.0, "warmup_steps": -1, "disc_start": -1,
+               "vae_norm_groups": 0, "num_workers": -1, "num_threads": 0}
+# Never carried over from the run being continued: they say how to start this invocation, not what the run is.
+PER_INVOCATION_FIELDS = ("resume", "force")
+
+
+def auto_basis(cfg: Config) -> dict[str, str | None]:
+    """What each automatic value is derived from, in words; None: the run's history, never derived again."""
+    cores = f"{cores_per_rank()} cores per rank"
+    return {"learning_rate_vae": None, "learning_rate_disc": cfg.critic.describe(), "warmup_steps": None,
+            "disc_start": None, "vae_norm_groups": None, "num_workers": cores, "num_threads": cores}
+
+
+def value(cfg: Config, name: str):
+    """A value by flag name."""
+    return getattr(getattr(cfg, FIELD_SECTION[name]), name)
+
+
+def automatic_values(cfg: Config, given: set[str]) -> dict[str, str | None]:
+    """{field: its basis} of the values left automatic in `cfg` (before resolve_auto), for config.json's
+    "derived" record."""
+    basis = auto_basis(cfg)
+    return {k: basis[k] for k, sentinel in AUTO_FIELDS.items() if k not in given and value(cfg, k) == sentinel}
+
+
+def continue_run(cfg: Config, given: set[str], saved: dict) -> tuple[Config, dict, list[tuple[str, Any, str, str]]]:
+    """The config of a run that continues `saved` (the flat config its start recorded): every value not given
+    again is the saved one (the whole recipe, not only the automatic values), and an automatic value whose basis
+    changed in kind is set back to automatic. Returns (cfg, the "derived" record of the values kept automatic,
+    [(name, value then, basis then, basis now)] of those derived again)."""
+    saved = {**LEGACY_ARCH, **saved}
+    cfg = unflatten({k: v for k, v in saved.items() if k not in given and k not in PER_INVOCATION_FIELDS}, cfg)
+    record = saved.get("derived")
+    if not isinstance(record, dict):  # written before the record existed: what that code kept, and the thread
+        # count it derived anew on every start (basis unknown); the critic's rate was automatic if it is the one
+        # its critic derives
+        record = {k: None for k in ("learning_rate_vae", "warmup_steps", "disc_start", "vae_norm_groups",
+                                    "num_workers")}
+        record["num_threads"] = "an earlier machine"
+        then = unflatten({k: saved[k] for k in ("discriminator", "critic_trunk", "learning_rate_vae")
+                          if k in saved}, with_values(cfg, learning_rate_disc=0.0))
+        if saved.get("learning_rate_disc") == resolve_auto(then).critic.learning_rate_disc:
+            record["learning_rate_disc"] = then.critic.describe()
+    now, kept, again = auto_basis(cfg), {}, []
+    for name, basis in record.items():
+        if name in given or name not in AUTO_FIELDS:
+            continue
+        if basis is not None and now[name] != basis:
+            cfg = with_values(cfg, **{name: AUTO_FIELDS[name]})
+            again.append((name, saved.get(name), basis, now[name]))
+        else:
+            kept[name] = basis
+    return cfg, kept, again
+
+
+def continuing_note(run_dir: str, given: set[str], saved: dict, cfg: Config,
+                    again: list[tuple[str, Any, str, str]]) -> str | None:
+    """The one line that names every value a continued run changes: the flags given again with another value, and
+    the automatic values derived again (with why)."""
+    changed = [f"--{k} {saved[k]} -> {value(cfg, k)}" for k in sorted(given)
+               if k in saved and as_written_now(k, saved[k]) != value(cfg, k) and k not in PER_INVOCATION_FIELDS]
+    derived = [f"--{k} {then} -> {value(cfg, k)} ({basis_now}, not {basis_then})"
+               for k, then, basis_then, basis_now in again if then != value(cfg, k)]
+    parts = ([f"flags changed since its start: {', '.join(changed)}"] if changed else []) + \
+        ([f"derived again: {', '.join(derived)}"] if derived else [])
+    return f"note: continuing {run_dir} with {'; '.join(parts)}" if parts else None
+
+
+# ==============================================================================================================
+# What the user is told about a valid config
+# ==============================================================================================================
+# Flags that only matter with --do_ganloss.
+GAN_FLAGS = ("discriminator", "disc_type", "disc_norm", "gen_loss", "gan_weight", "gan_margin", "disc_start",
+             "learning_rate_disc", "lecam_weight", "adaptive_weight_max")
+
+
+# Flags that only matter when evaluation runs.
+EVAL_FLAGS = ("eval_max_images", "inception_weights", "eval_resolutions", "eval_tile_size", "eval_tile_overlap")
+
+
+def config_warnings(cfg: Config, given: set[str]) -> list[str]:
+    """One-line warnings for a valid but probably unintended config: flags the user gave that the chosen
+    configuration ignores (one line per cause; defaults and --demo's values are never named), and schedules
+    that cannot play out within --max_steps."""
+    model, loss, critic, optim, latents, ev = cfg.model, cfg.loss, cfg.critic, cfg.optim, cfg.latents, cfg.eval
+    ignored_when = [  # (flags, ignored in this config, why)
+        (GAN_FLAGS, not critic.do_ganloss, "without --do_ganloss"),
+        (("disc_norm",), critic.discriminator != "patchgan", "with --discriminator vgg16 (it normalises the "
+                                                             "PatchGAN only)"),
+        (("gan_margin",), loss.gen_loss != "thresholded", f"with --gen_loss {loss.gen_loss} (it is the margin of "
+                                                            "the thresholded loss)"),
+        (("adaptive_weight_max",), loss.loss_balance != "adaptive", f"with --loss_balance {loss.loss_balance} (it "
+                                                                    "clamps the adaptive weight)"),
+        (("clamp_th",), not model.do_clamp, "without --do_clamp"),
+        (("posterior_var",), model.posterior != "constant", f"with --posterior {model.posterior} (the encoder "
+                                                            "predicts the variance)"),
+        # --evaluate_every_n_steps 0 is the off switch: consistent with no test set, never "ignored"
+        (("evaluate_every_n_steps",) * (ev.evaluate_every_n_steps > 0) + EVAL_FLAGS,
+         not cfg.data.test_dataset_url, "without --test_dataset_url"),
+        (EVAL_FLAGS, ev.evaluate_every_n_steps == 0, "with --evaluate_every_n_steps 0"),
+        (("eval_tile_overlap",), ev.eval_tile_size == 0, "without --eval_tile_size"),
+        (("eval_tile_size", "eval_tile_overlap"), ev.eval_tile_size >= max(eval_sizes(ev, cfg.data.vae_resolution)),
+         "when no evaluated size (--vae_resolution, --eval_resolutions) is above --eval_tile_size"),
+        (("project_name",), cfg.run.wandb_mode == "disabled", "with --wandb_mode disabled"),
+        (("scale_equivariance_mode", "scale_equivariance_rotate", "scale_equivariance_form",
+          "scale_equivariance_weight"), latents.scale_equivariance_prob == 0, "with --scale_equivariance_prob 0"),
+        (("scale_equivariance_weight",), latents.scale_equivariance_form != "add", "with --scale_equivariance_form "
+                                                                                  "replace"),
+        (("latent_noise_max",), latents.latent_noise_prob == 0, "with --latent_noise_prob 0"),
+        (("vf_weight", "vf_model", "vf_weights", "vf_image_size"), cfg.finetune.train_parts == "decoder",
+         "with --train_parts decoder (the encoder is frozen: there is no latent to align)"),
+        (("vf_model", "vf_weights", "vf_image_size"), latents.vf_weight == 0, "with --vf_weight 0"),
+        (("probe_images", "probe_heldout", "probe_steps", "probe_batch_size"), latents.probe_every_n_steps == 0,
+         "with --probe_every_n_steps 0"),
+        (tuple(f for f in SOURCE_FIELDS if f != "vae_decoder_ch"), bool(cfg.finetune.init_from),
+         "with --init_from (the architecture is read from the source)"),
+        (("init_family",), not cfg.finetune.init_from, "without --init_from"),
+        (("decoder_init",), not (cfg.finetune.init_from and "vae_decoder_ch" in given), "without --init_from and "
+                                                                                          "--vae_decoder_ch"),
+    ]
+    lines, named = [], set()
+    for flags, ignored, why in ignored_when:
+        hit = [f for f in flags if f in given and f not in named] if ignored else []
+        if hit:
+            named.update(hit)
+            verb = "has" if len(hit) == 1 else "have"
+            lines.append(f"warning: {', '.join('--' + f for f in hit)} {verb} no effect {why}")
+    if optim.warmup_steps > optim.max_steps:
+        lines.append(f"warning: --warmup_steps {optim.warmup_steps} > --max_steps {optim.max_steps}: the learning "
+                     f"rate peaks at {optim.max_steps / optim.warmup_steps:.0%} of its set value and never decays")
+    if cfg.finetune.train_parts == "decoder" and not (cfg.finetune.init_from or cfg.run.load_path):
+        lines.append("warning: --train_parts decoder without --init_from or --load_path: the encoder stays random "
+                     "(unless resumed)")
+    stages = parse_schedule(cfg.data.train_resolutions)
+    if len(stages) > 1 and stages[-1][0] >= optim.max_steps:
+        lines.append(f"warning: --train_resolutions' last stage starts at step {stages[-1][0]} >= --max_steps "
+                     f"{optim.max_steps}: it never trains" + (" (nor does --last_stage_trains freeze anything)"
+                                                              if cfg.finetune.last_stage_trains != "all" else ""))
+    if critic.do_ganloss and loss.disc_start >= optim.max_steps:
+        lines.append(f"warning: --disc_start {loss.disc_start} >= --max_steps {optim.max_steps}: the generator "
+                     "never gets the adversarial term (the critic still trains)")
+    return lines
+
+
+def demo_summary(cfg: Config) -> str:
+    """The demo's one start-up line: which loss branches it trains and why."""
+    if cfg.critic.vgg16_weights == "random" and not uses_vgg16(cfg):
+        return (f"demo: no pretrained VGG16 in the torchvision cache ({vgg16_cache_path()}): LPIPS and the VGG16 "
+                "critic are OFF (on random features they would train on noise); pixel losses only")
+    branches = (["LPIPS"] if cfg.loss.perceptual_weight > 0 else []) + ["pixel"]
+    if cfg.critic.do_ganloss:
+        branches.append(f"{cfg.critic.discriminator} critic from step {cfg.loss.disc_start}")
+    weights = "a RANDOM VGG16" if cfg.critic.vgg16_weights == "random" else "pretrained VGG16"
+    return f"demo: {' + '.join(branches)} losses, with {weights}"

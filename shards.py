@@ -16,7 +16,8 @@ import time
 import numpy as np
 from PIL import Image
 
-from data import DatasetError, SkipSample, brace_url, image_files, load_rgb
+from data import SkipSample, load_rgb
+from sources import DatasetError, brace_url, image_files
 
 # --------------------------------------------------------------------------------------------
 # Writing shards

@@ -13,8 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-DISC_TYPES = ("hinge", "bce")
-
+from config import DISC_TYPES
 
 def _dist_world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

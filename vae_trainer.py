@@ -16,7 +16,6 @@ registry of stateful entries, run_log.py everything the user sees).
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from functools import partial
@@ -33,17 +32,16 @@ import memory
 import pretrained
 import probe as probe_lib
 import run_log
-from ae import AutoEncoder
+from ae import AutoEncoder, AutoEncoderParams
 from alignment import AlignmentLoss, fetch_foundation_weights
 from checkpoint import checkpoint_files
 from common import (ConfigError, DistInfo, StopFlag, any_rank, capture_rng, closing_distributed, init_distributed,
-                    restore_rng)
-from config import (Config, config_warnings, cpu_use_line, last_stage_levels, model_params, public_config,
-                    resolution_schedule, scale_equivariance_sizes, uses_vgg16)
+                    redact, restore_rng)
+from config import Config, last_stage_levels, public_config, uses_vgg16
 from critics import build_lpips
 from objective import AMP_DTYPES, Adversary, VAEObjective, build_critic, micro_step
 from run_log import Metrics
-from run_setup import prepare_run, read_init_source
+from run_setup import config_warnings, cpu_use_line, prepare_run, read_init_source
 from train_state import NonFiniteGuard, TeacherDecoder, VAETraining, adamw, compile_for_sizes, wrap_ddp
 from weights import WeightsUnavailable, ensure_vgg16_weights, fetch_weights, load_vgg16_features, warn_random_vgg
 
@@ -55,7 +53,7 @@ def model_architecture(cfg: Config, source: pretrained.Source | None, resume: tu
     """The model's architecture: the flags' for the LDM family; the Wan family's from its --init_from source, or
     from the checkpoint a run resumes from (the source may have moved since)."""
     if cfg.model.vae_family == "ldm":
-        return model_params(cfg.model)
+        return AutoEncoderParams.from_config(cfg.model)
     if source is not None:
         return source.params
     return pretrained.params_from_dict(resume[1]["run"]["model_params"])
@@ -151,13 +149,14 @@ def build_regularisers(cfg: Config, rank: int, downsample_factor: int) -> latent
     latents = cfg.latents
     return latents_lib.LatentRegularisers(
         cfg.optim.seed, rank, equivariance_prob=latents.scale_equivariance_prob,
-        equivariance_sizes=scale_equivariance_sizes(cfg), equivariance_rotate=latents.scale_equivariance_rotate,
+        equivariance_sizes=latents_lib.equivariance_sizes_of(cfg), equivariance_rotate=latents.scale_equivariance_rotate,
         noise_prob=latents.latent_noise_prob, noise_max=latents.latent_noise_max, downsample_factor=downsample_factor,
         equivariance_form=latents.scale_equivariance_form,
         latent_size=cfg.data.vae_resolution // downsample_factor)
 
 
-def start_lines(cfg: Config, vae: AutoEncoder, info: DistInfo, run_dir: str) -> list[str]:
+def start_lines(cfg: Config, vae: AutoEncoder, info: DistInfo, run_dir: str,
+                schedule: data_lib.ResolutionSchedule) -> list[str]:
     """The lines that open a run: what trains, on what, in which precision and batch."""
     n_params = sum(p.numel() for p in vae.parameters())
     lines = []
@@ -167,7 +166,6 @@ def start_lines(cfg: Config, vae: AutoEncoder, info: DistInfo, run_dir: str) -> 
         lines.append(f"training the decoder only: {trained / 1e6:.1f}M of {n_params / 1e6:.1f}M parameters; "
                      f"{frozen} frozen")
     if cfg.data.train_resolutions:
-        schedule = resolution_schedule(cfg)
         stages = "; ".join(f"from step {begin}: " + ", ".join(f"{size} px x {schedule.batch_for(size)}" for size in sizes)
                            for begin, sizes in schedule.stages)
         lines.append(f"multi-resolution training (--train_resolutions {cfg.data.train_resolutions}), size x images "
@@ -318,7 +316,7 @@ class Trainer:
         self.regularisers = build_regularisers(cfg, info.rank, self.vae.downsample_factor)
         if cfg.speed.memory_check:  # before the critic's DDP wrapper (the probes run its forward without a backward)
             warning = memory.check_every_rank(
-                self.vae, self.objective, memory.StepShape.to_check(cfg.data, cfg.optim, cfg.speed), self.device,
+                self.vae, self.objective, memory.StepShape.to_check(self.schedule, cfg.optim, cfg.speed), self.device,
                 self.training.ema is not None, info.ctrl_group, model=self.training.trained,
                 regularisers=self.regularisers, eval_copy=self.eval_on and self.training.ema is not None,
                 probe_copy=bool(cfg.latents.probe_every_n_steps))
@@ -338,7 +336,7 @@ class Trainer:
             data_state = self.state.load_state_dict(*resume, log=self.log)["run"]
         self.loader = data_lib.TrainLoader.of(cfg.data, cfg.optim.seed, info.rank, info.world_size,
                                               pin_memory=self.device.type == "cuda", state=data_state,
-                                              grad_accum=cfg.optim.grad_accum, step=self.step)
+                                              grad_accum=cfg.optim.grad_accum, step=self.step, schedule=self.schedule)
         if self.loader.few_shards and info.is_main:
             self.log(f"note: fewer shards than data workers ({info.world_size} x {max(1, cfg.data.num_workers)}): "
                      "every worker reads every shard, in its own order")
@@ -412,7 +410,7 @@ class Trainer:
         self.loader.should_stop = stop.anywhere  # a signal, on any rank, also ends the loader's wait in an outage
         if self.resumed_from and info.is_main:
             run_log.truncate_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
-        for line in start_lines(cfg, self.vae, info, self.run_dir):
+        for line in start_lines(cfg, self.vae, info, self.run_dir, self.schedule):
             self.log(line)
         owed_evaluation, owed_probe = self.owed
         if self.eval_on and (self.step == 0 or owed_evaluation):
@@ -555,7 +553,7 @@ class Trainer:
 def resolution_stages(cfg: Config) -> tuple[data_lib.ResolutionSchedule, tuple[int, int] | None]:
     """The --train_resolutions schedule (each step's size: the data workers compute the same), and with
     --last_stage_trains N (its first step, N); --compile set up for the schedule's sizes."""
-    schedule, levels = resolution_schedule(cfg), last_stage_levels(cfg)
+    schedule, levels = data_lib.ResolutionSchedule.of(cfg.data, cfg.optim.seed), last_stage_levels(cfg)
     if cfg.speed.compile:
         compile_for_sizes(len(schedule.sizes))
     return schedule, None if levels is None else (schedule.stages[-1][0], levels)
@@ -620,7 +618,7 @@ def stop_out_of_memory(trainer: Trainer, error: torch.OutOfMemoryError, last_sav
     if trainer.adversary is not None:
         trainer.adversary.abandon_step()  # what its forward passes moved
     torch.cuda.empty_cache()  # a no-op without CUDA
-    shape = memory.StepShape.of(cfg.data, cfg.optim, cfg.speed, trainer.schedule.size_at(trainer.step))
+    shape = memory.StepShape.of(trainer.schedule, cfg.optim, cfg.speed, trainer.schedule.size_at(trainer.step))
     line = memory.out_of_memory_message(error, shape, trainer.step + 1)
     trainer.report.print(f"error: {line}", file=sys.stderr)
     if not trainer.info.distributed and trainer.step > 0 and trainer.step != last_saved:
@@ -635,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         setup = prepare_run(argv, builds_demo_data=os.environ.get("LOCAL_RANK", "0") == "0")
     except ConfigError as e:
         if is_rank0:
-            print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
+            print(f"error: {redact(str(e))}", file=sys.stderr)
         return 2
     cfg, given, source, notes = setup
     torch.set_num_threads(cfg.speed.num_threads)
@@ -661,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         except (ConfigError, WeightsUnavailable, data_lib.DatasetError) as e:
             if info.is_main:
-                print(f"error: {data_lib.redact(str(e))}", file=sys.stderr)
+                print(f"error: {redact(str(e))}", file=sys.stderr)
             failed = True
             return 1
         finally:

@@ -13,7 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import data as data_lib  # noqa: E402
+import sources  # noqa: E402
 import shards  # noqa: E402
 
 PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png", "camera.png",
@@ -60,7 +60,7 @@ def shard_url(photos_dir, tmp_path_factory) -> str:
     files = sorted(os.path.join(photos_dir, f) for f in os.listdir(photos_dir))
     paths, skipped = shards.write_shards(files, str(dst), shard_size=3, root=photos_dir)
     assert len(paths) == 3 and skipped == []
-    return data_lib.brace_url(paths)
+    return sources.brace_url(paths)
 
 
 @pytest.fixture(scope="module")

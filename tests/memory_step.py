@@ -15,6 +15,7 @@ import config  # noqa: E402
 import memory  # noqa: E402
 from ae import AutoEncoder  # noqa: E402
 from vae_trainer import build_objective  # noqa: E402
+from ae import AutoEncoderParams
 
 torch.set_num_threads(1)
 batch, resolution, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -22,7 +23,7 @@ cfg = config.resolve_auto(config.unflatten(dict(
     dataset_url="unused", vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_channels=4, do_attn=False,
     vgg16_weights="random", grad_checkpointing=mode)))
 torch.manual_seed(0)
-vae = AutoEncoder(config.model_params(cfg.model))
+vae = AutoEncoder(AutoEncoderParams.from_config(cfg.model))
 vae.set_grad_checkpointing(mode)
 objective = build_objective(cfg, None, with_lpips=True)
 # the estimate runs at 64 and 128 px, far below the step measured here, so its own peak stays under the base

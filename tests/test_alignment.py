@@ -9,6 +9,8 @@ import torch
 import alignment
 from weights import WeightsUnavailable
 import config
+import flags
+import run_setup
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -104,7 +106,7 @@ def test_a_checkpoint_whose_projection_has_a_bias_resumes_without_it(capsys):
 
 def _optim_cfg():
     import config
-    return config.parse_config(["--dataset_url", "x"]).optim
+    return run_setup.parse_config(["--dataset_url", "x"]).optim
 
 
 def _adamw(params, lr):
@@ -160,7 +162,7 @@ def test_alignment_term_through_the_objective():
     import objective
     import vae_trainer
     from conftest import TINY
-    cfg = config.parse_config(["--dataset_url", "x", *TINY, *VF_FLAGS, "--perceptual_weight", "0",
+    cfg = run_setup.parse_config(["--dataset_url", "x", *TINY, *VF_FLAGS, "--perceptual_weight", "0",
                                     "--kl_weight", "0"])
     torch.manual_seed(0)
     obj = vae_trainer.build_objective(cfg, None, with_lpips=False, z_channels=4)
@@ -226,7 +228,7 @@ def test_timm_weights_are_fetched_by_local_rank_0_before_the_others_build(monkey
         fetches.append((spec, local_rank))
         return ensure(spec, download=local_rank == 0)
     monkeypatch.setattr(vae_trainer, "fetch_weights", fetch_weights)
-    cfg = config.parse_config(["--dataset_url", "x", *TINY, *VF_FLAGS, "--perceptual_weight", "0"])
+    cfg = run_setup.parse_config(["--dataset_url", "x", *TINY, *VF_FLAGS, "--perceptual_weight", "0"])
     vae_trainer.vgg16_for_run(cfg, DistInfo(local_rank=1), False, print)
     assert fetches == [("random", 1)]  # the alignment's weights went through the rank-ordered fetch
 
@@ -234,13 +236,13 @@ def test_timm_weights_are_fetched_by_local_rank_0_before_the_others_build(monkey
 def test_decoder_only_says_the_alignment_is_off_and_other_balances_are_refused():
     import vae_trainer
     from conftest import TINY
-    cfg, given = config.parse_flags(["--dataset_url", "x", *TINY, *VF_FLAGS, "--train_parts", "decoder",
+    cfg, given = flags.parse_flags(["--dataset_url", "x", *TINY, *VF_FLAGS, "--train_parts", "decoder",
                                           "--load_path", "w.pt"])
-    lines = [line for line in config.config_warnings(cfg, given) if "vf_weight" in line]
+    lines = [line for line in run_setup.config_warnings(cfg, given) if "vf_weight" in line]
     assert lines == ["warning: --vf_weight, --vf_model, --vf_weights, --vf_image_size have no effect with "
                      "--train_parts decoder (the encoder is frozen: there is no latent to align)"]
     with pytest.raises(config.ConfigError, match="--loss_balance gradnorm"):
-        config.parse_config(["--dataset_url", "x", *TINY, *VF_FLAGS,
+        run_setup.parse_config(["--dataset_url", "x", *TINY, *VF_FLAGS,
                                                        "--loss_balance", "none"]).validate()
 
 

@@ -10,6 +10,7 @@ import torch
 
 import checkpoint
 import config
+import run_setup
 
 
 class Counter:
@@ -71,7 +72,7 @@ def test_a_flat_checkpoint_of_earlier_code_is_migrated_entry_by_entry():
 
 
 def test_compatibility_reads_the_model_section():
-    model = config.parse_config(["--vae_ch", "32"]).model
+    model = run_setup.parse_config(["--vae_ch", "32"]).model
     same = {k: getattr(model, k) for k in config.ARCH_FIELDS}
     assert checkpoint.check_compatible(model, False, {**same, "kl_weight": 9.0}, "run")  # not architecture
     with pytest.raises(checkpoint.ConfigError, match="vae_ch: 64 -> 32"):

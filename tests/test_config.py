@@ -11,9 +11,12 @@ import pytest
 
 import common
 import config
+import flags
 import vae_trainer
 from conftest import ROOT, TINY
 import run_setup
+import latents
+from ae import AutoEncoderParams
 
 
 def test_every_field_is_in_one_section_and_the_config_is_flat_on_disk():
@@ -22,9 +25,14 @@ def test_every_field_is_in_one_section_and_the_config_is_flat_on_disk():
     before the sections nested reads back into the same Config."""
     names = [f.name for kind in config.SECTIONS.values() for f in dataclasses.fields(kind)]
     assert len(names) == len(set(names)) == len(config.FIELD_SECTION)
-    cfg = config.parse_config(["--kl_weight", "0.5", "--gan_weight", "0.2", "--dataset_url", "x"])
-    assert type(cfg.loss) is config.LossConfig and cfg.loss.kl_weight == 0.5 and not hasattr(cfg.loss, "gan_weight")
-    assert type(cfg.critic) is config.CriticConfig and cfg.critic.gan_weight == 0.2
+    cfg = run_setup.parse_config(["--kl_weight", "0.5", "--gan_weight", "0.2", "--dataset_url", "x"])
+    assert type(cfg.loss) is config.LossConfig and cfg.loss.kl_weight == 0.5 and cfg.loss.gan_weight == 0.2
+    # every loss weight in the loss section (issue 32 item 3), the critic's own settings in the critic's
+    assert type(cfg.critic) is config.CriticConfig and not hasattr(cfg.critic, "gan_weight")
+    weights = [f.name for kind in config.SECTIONS.values() for f in dataclasses.fields(kind)
+               if f.name.endswith("_weight") and kind is not config.LossConfig]
+    assert weights == ["lecam_weight", "r1_weight", "scale_equivariance_weight", "vf_weight"]  # the critic's own,
+    # and the latent regularisers' (their section says where they act)
     flat = config.flatten(cfg)
     assert list(flat) == names and flat["kl_weight"] == 0.5 and flat["gan_weight"] == 0.2
     assert config.unflatten({**flat, "derived": {}, "init_source": None}) == cfg  # config.json's other keys ignored
@@ -37,10 +45,10 @@ def test_every_field_is_in_one_section_and_the_config_is_flat_on_disk():
 
 
 def test_docs_flag_tables_are_the_generated_ones():
-    """docs/flags.md's tables are config.flag_tables() verbatim: a new field is a new row (regenerate with
-    `python -c "import config; print(config.flag_tables())"`), a changed default or help shows here."""
+    """docs/flags.md's tables are flags.flag_tables() verbatim: a new field is a new row (regenerate with
+    `python -c "import flags; print(flags.flag_tables())"`), a changed default or help shows here."""
     flags_page = open(os.path.join(ROOT, "docs", "flags.md")).read()
-    assert config.flag_tables() in flags_page
+    assert flags.flag_tables() in flags_page
 
 
 # the tiny model without its warm-up and worker count: these tests follow the automatic values
@@ -57,19 +65,19 @@ def test_a_continued_run_keeps_the_automatic_values_of_its_start(tmp_path, shard
     50000 it keeps them (re-derived they would be 1000 and 10000: the GAN term off for 9000 steps), says what
     changed, and a flag given again wins."""
     cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "5000", "--do_ganloss")
-    assert (cfg.optim.warmup_steps, cfg.critic.disc_start) == (500, 1000) and not notes
+    assert (cfg.optim.warmup_steps, cfg.loss.disc_start) == (500, 1000) and not notes
     run_dir = tmp_path / "r"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "config.json").write_text(json.dumps(config.public_config(cfg)))
     (run_dir / "checkpoints" / "step_00003000.pt").write_bytes(b"")  # a run that has saved (read by the trainer)
     cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "50000", "--do_ganloss")
-    assert (cfg.optim.warmup_steps, cfg.critic.disc_start, cfg.optim.max_steps) == (500, 1000, 50000)
+    assert (cfg.optim.warmup_steps, cfg.loss.disc_start, cfg.optim.max_steps) == (500, 1000, 50000)
     assert notes == [f"note: continuing {run_dir} with flags changed since its start: --max_steps 5000 -> 50000"]
     cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "50000", "--do_ganloss", "--disc_start", "-1")
-    assert cfg.critic.disc_start == 10000 and "--disc_start 1000 -> 10000" in notes[0]  # given again: derived anew
+    assert cfg.loss.disc_start == 10000 and "--disc_start 1000 -> 10000" in notes[0]  # given again: derived anew
     cfg, _, _, _ = finished(tmp_path, shard_url, "--max_steps", "50000", "--do_ganloss", "--resume", "never",
                             "--run_name", "r")
-    assert cfg.critic.disc_start == 10000  # --resume never: a new run, its own automatic values
+    assert cfg.loss.disc_start == 10000  # --resume never: a new run, its own automatic values
 
 
 def started(tmp_path, shard_url, *flags):
@@ -91,7 +99,7 @@ def test_a_continued_run_keeps_its_whole_recipe_and_names_every_change(tmp_path,
     cfg, given, _, notes = finished(tmp_path, shard_url, "--max_steps", "300", "--dataset_url", photos_dir)
     kept = ("do_ganloss", "critic_trunk", "save_every_n_steps", "kl_weight", "learning_rate_vae",
             "learning_rate_disc", "warmup_steps", "disc_start", "num_workers", "num_threads")
-    assert {k: config.value(cfg, k) for k in kept} == {k: config.value(first.cfg, k) for k in kept}
+    assert {k: run_setup.value(cfg, k) for k in kept} == {k: run_setup.value(first.cfg, k) for k in kept}
     assert (cfg.critic.do_ganloss, cfg.critic.critic_trunk, cfg.run.save_every_n_steps) == (True, "frozen", 50)
     assert notes == [f"note: continuing {tmp_path / 'r'} with flags changed since its start: --dataset_url "
                      f"{shard_url} -> {photos_dir}, --max_steps 150 -> 300"]
@@ -112,10 +120,10 @@ def test_an_automatic_value_is_derived_again_when_its_basis_changes(tmp_path, sh
     cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300", "--do_ganloss", *critic_flags)
     assert cfg.critic.learning_rate_disc == fresh.critic.learning_rate_disc == cfg.optim.learning_rate_vae != 1e-5
     assert f"derived again: --learning_rate_disc 1e-05 -> {cfg.optim.learning_rate_vae} " \
-           f"({config.critic_kind(cfg.critic)}, not the vgg16 critic with a trainable trunk)" in notes[0], notes
-    history = (cfg.optim.warmup_steps, cfg.critic.disc_start)
-    assert history == (first.cfg.optim.warmup_steps, first.cfg.critic.disc_start) != \
-           (fresh.optim.warmup_steps, fresh.critic.disc_start)
+           f"({cfg.critic.describe()}, not the vgg16 critic with a trainable trunk)" in notes[0], notes
+    history = (cfg.optim.warmup_steps, cfg.loss.disc_start)
+    assert history == (first.cfg.optim.warmup_steps, first.cfg.loss.disc_start) != \
+           (fresh.optim.warmup_steps, fresh.loss.disc_start)
     cfg, _, _, _ = finished(tmp_path, shard_url, "--max_steps", "300", "--do_ganloss", *critic_flags,
                             "--learning_rate_disc", "3e-5")
     assert cfg.critic.learning_rate_disc == 3e-5
@@ -126,12 +134,12 @@ def test_an_automatic_value_is_derived_again_when_its_basis_changes(tmp_path, sh
 def test_worker_and_thread_counts_are_derived_again_on_a_machine_with_other_cores(tmp_path, shard_url, monkeypatch):
     """Issue 23 item 3: the data stream's position is saved per worker, so the same machine keeps the worker count
     (an exact resume); a machine with other cores derives both counts again and says so."""
-    monkeypatch.setattr(config, "cores_per_rank", lambda: 16)
+    monkeypatch.setattr(run_setup, "cores_per_rank", lambda: 16)
     first = started(tmp_path, shard_url, "--max_steps", "150")
     assert (first.cfg.data.num_workers, first.cfg.speed.num_threads) == (4, 12)
     cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300")
     assert (cfg.data.num_workers, cfg.speed.num_threads) == (4, 12) and "derived again" not in notes[0]
-    monkeypatch.setattr(config, "cores_per_rank", lambda: 2)
+    monkeypatch.setattr(run_setup, "cores_per_rank", lambda: 2)
     cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300")
     assert (cfg.data.num_workers, cfg.speed.num_threads) == (1, 1)
     assert "derived again: --num_workers 4 -> 1 (2 cores per rank, not 16 cores per rank), --num_threads 12 -> 1 " \
@@ -143,16 +151,16 @@ def test_worker_and_thread_counts_are_derived_again_on_a_machine_with_other_core
 def test_a_run_recorded_before_the_derivation_record_continues_as_it_did(tmp_path, shard_url, monkeypatch):
     """config.json without "derived" (written by earlier code): the values that code kept stay, the thread count is
     chosen for this machine, and the critic's rate is derived again for a new critic when it was the automatic one."""
-    monkeypatch.setattr(config, "cores_per_rank", lambda: 16)
+    monkeypatch.setattr(run_setup, "cores_per_rank", lambda: 16)
     first = started(tmp_path, shard_url, "--max_steps", "150")
     saved = json.loads((tmp_path / "r" / "config.json").read_text())
     del saved["derived"]
     (tmp_path / "r" / "config.json").write_text(json.dumps(saved))
-    monkeypatch.setattr(config, "cores_per_rank", lambda: 2)
+    monkeypatch.setattr(run_setup, "cores_per_rank", lambda: 2)
     cfg, _, _, notes = finished(tmp_path, shard_url, "--max_steps", "300", "--do_ganloss", "--critic_trunk", "frozen")
     assert (cfg.data.num_workers, cfg.speed.num_threads) == (first.cfg.data.num_workers, 1) == (4, 1)
-    assert (cfg.optim.warmup_steps, cfg.critic.disc_start) == (first.cfg.optim.warmup_steps,
-                                                               first.cfg.critic.disc_start)
+    assert (cfg.optim.warmup_steps, cfg.loss.disc_start) == (first.cfg.optim.warmup_steps,
+                                                               first.cfg.loss.disc_start)
     assert cfg.critic.learning_rate_disc == cfg.optim.learning_rate_vae and "--learning_rate_disc 1e-05 -> " in notes[0]
 
 
@@ -162,10 +170,10 @@ def test_lpips_smallest_input_restricts_the_scale_equivariance_sizes(shard_url):
     no size left (or a crop below LPIPS' 16 px) is refused in one line."""
     flags = ["--dataset_url", shard_url, "--vae_ch_mult", "1,2,2", "--vae_resolution", "32", "--mse_pool_factor", "1",
              "--scale_equivariance_mode", "random", "--scale_equivariance_prob", "0.5"]
-    cfg = config.parse_config(flags)
+    cfg = run_setup.parse_config(flags)
     cfg.validate()
-    factor = config.model_params(cfg.model).downsample_factor
-    assert [s * factor for s in config.scale_equivariance_sizes(cfg)] == [16, 20, 24, 28]
+    factor = AutoEncoderParams.from_config(cfg.model).downsample_factor
+    assert [s * factor for s in latents.equivariance_sizes_of(cfg)] == [16, 20, 24, 28]
     import torch
     from critics import build_lpips
     lpips = build_lpips(None)
@@ -176,15 +184,15 @@ def test_lpips_smallest_input_restricts_the_scale_equivariance_sizes(shard_url):
         else:
             with pytest.raises(RuntimeError, match="too small"):
                 lpips(image, image)
-    pixel_only = config.parse_config(flags + ["--perceptual_weight", "0"])
-    assert [s * factor for s in config.scale_equivariance_sizes(pixel_only)] == [8, 12, 16, 20, 24, 28]
+    pixel_only = run_setup.parse_config(flags + ["--perceptual_weight", "0"])
+    assert [s * factor for s in latents.equivariance_sizes_of(pixel_only)] == [8, 12, 16, 20, 24, 28]
     with pytest.raises(config.ConfigError, match="at least 16 for LPIPS"):
-        config.parse_config(["--dataset_url", shard_url, "--vae_ch_mult", "1,2", "--vae_resolution",
-                                             "8", "--mse_pool_factor", "1"]).validate()
+        run_setup.parse_config(["--dataset_url", shard_url, "--vae_ch_mult", "1,2", "--vae_resolution", "8",
+                                "--mse_pool_factor", "1"]).validate()
     with pytest.raises(config.ConfigError, match="at least 16 px"):
-        config.parse_config(["--dataset_url", shard_url, "--vae_ch_mult", "1,2", "--vae_resolution",
-                                             "16", "--mse_pool_factor", "1", "--scale_equivariance_prob",
-                                             "0.5"]).validate()
+        run_setup.check_config(run_setup.parse_config(["--dataset_url", shard_url, "--vae_ch_mult", "1,2",
+                                                       "--vae_resolution", "16", "--mse_pool_factor", "1",
+                                                       "--scale_equivariance_prob", "0.5"]))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -234,20 +242,20 @@ def test_every_command_refuses_abbreviated_flags(module, argv, capsys):
     (6, 3, 2, (6, 3)),
 ])
 def test_cpu_use_from_the_cores(workers, threads, cores, expected):
-    assert config.cpu_use(workers, threads, cores) == expected
+    assert run_setup.cpu_use(workers, threads, cores) == expected
 
 
 def test_cores_per_rank_divides_the_affinity_by_local_ranks(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert config.cores_per_rank() == 2
+    assert run_setup.cores_per_rank() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
-    assert config.cores_per_rank() == 1
+    assert run_setup.cores_per_rank() == 1
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert config.cores_per_rank() == 16
-    cfg = config.parse_config(["--dataset_url", "x"])
+    assert run_setup.cores_per_rank() == 16
+    cfg = run_setup.parse_config(["--dataset_url", "x"])
     assert (cfg.data.num_workers, cfg.speed.num_threads) == (4, 12)
-    line = config.cpu_use_line(cfg, {"dataset_url"})
+    line = run_setup.cpu_use_line(cfg, {"dataset_url"})
     assert line == ("cpu: 16 cores per rank: 4 data workers, 12 torch threads (--num_workers and --num_threads "
                     "chosen from the cores; give them to override)")
 
@@ -258,22 +266,22 @@ def test_speed_switches_decide_per_device_and_read_old_runs():
     and channels_last on a CPU, the loss networks channels_last unless false. `--allow_tf32` alone is true, as when
     it was a plain bool, and a config.json written then (JSON true/false) reads back, without a 'changed' note."""
     import torch
-    speed = config.parse_config(["--dataset_url", "x"]).speed
+    speed = run_setup.parse_config(["--dataset_url", "x"]).speed
     assert (speed.allow_tf32, speed.channels_last) == ("auto", "auto")
     assert speed.tf32("cuda") and not speed.tf32("cpu")
     assert speed.memory_formats("cuda") == (torch.contiguous_format, torch.channels_last)
     assert speed.memory_formats("cpu") == (torch.channels_last, torch.channels_last)
     assert speed.describe("cuda") == "fp32 (TF32 on), eager, VAE NCHW"
     assert speed.describe("cpu") == "fp32, eager, VAE channels_last"
-    given = config.parse_config(["--dataset_url", "x", "--allow_tf32", "--channels_last", "false",
+    given = run_setup.parse_config(["--dataset_url", "x", "--allow_tf32", "--channels_last", "false",
                                  "--precision", "bf16", "--compile"]).speed
     assert (given.allow_tf32, given.channels_last) == ("true", "false")
     assert given.memory_formats("cpu") == (torch.contiguous_format, torch.contiguous_format)
     assert given.describe("cuda") == "bf16 autocast, compiled, VAE NCHW"
-    assert not config.parse_config(["--dataset_url", "x", "--allow_tf32", "off"]).speed.tf32("cuda")
+    assert not run_setup.parse_config(["--dataset_url", "x", "--allow_tf32", "off"]).speed.tf32("cuda")
     with pytest.raises(common.ConfigError, match="--channels_last"):
-        config.parse_config(["--dataset_url", "x", "--channels_last", "sometimes"])
+        run_setup.parse_config(["--dataset_url", "x", "--channels_last", "sometimes"])
     old = config.unflatten({"allow_tf32": True, "channels_last": False})
     assert (old.speed.allow_tf32, old.speed.channels_last) == ("true", "false")
-    cfg, given_flags = config.parse_flags(["--dataset_url", "x", "--channels_last", "false"])
-    assert config.continuing_note("runs/x", given_flags, {"channels_last": False}, cfg, []) is None
+    cfg, given_flags = flags.parse_flags(["--dataset_url", "x", "--channels_last", "false"])
+    assert run_setup.continuing_note("runs/x", given_flags, {"channels_last": False}, cfg, []) is None

@@ -1,7 +1,7 @@
 """The copy, cast and layout traffic of a training step (issue 30): what a GPU step spends moving and casting
-activations instead of computing. Counted at the dispatcher on the CPU (bench.CopyCensus), with the copies CUDA's
-GroupNorm and cuDNN make inside themselves added by their documented layout rules: a count of ops and bytes, never
-a time. The budget is in units of the batch's images: what the losses must cast (the image, the reconstruction)
+activations instead of computing. Counted at the dispatcher on the CPU (bench.copies.CopyCensus), with the copies
+CUDA's GroupNorm and cuDNN make inside themselves added by their documented layout rules: a count of ops and bytes,
+never a time. The budget is in units of the batch's images: what the losses must cast (the image, the reconstruction)
 is a few of them; one copy of one VAE activation at full resolution is more than ten (32 channels over 3)."""
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import bench
 import common
 import config
 import data
 import vae_trainer
 from ae import AutoEncoder, GroupNorm32
+from bench.copies import CopyCensus, parameter_shapes, step_census
 from conftest import TINY
+import run_setup
+from ae import AutoEncoderParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,14 +39,14 @@ def batches(shard_url):
 
 def census_of_a_step(shard_url, tmp_path, batches, *flags) -> tuple[dict, int]:
     """(the census summary of the second step, the bytes of the micro-batch's images in fp32)."""
-    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, *STEP, *flags])
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, *STEP, *flags])
     cfg.validate()
     trainer = vae_trainer.Trainer(cfg, common.DistInfo())
     trainer.loader.close()
     trainer.loader = data.FixedBatches(batches)
     trainer.train_step()  # the first step makes the optimizer's state
     trainer.step += 1
-    summary = bench.step_census(trainer).summary()
+    summary = step_census(trainer).summary()
     trainer.close()
     image_bytes = batches[0].numel() * 4
     return summary, image_bytes
@@ -75,8 +77,8 @@ def test_channels_last_on_cuda_would_copy_at_every_norm(shard_url, tmp_path, bat
     summary, image_bytes = census_of_a_step(shard_url, tmp_path, batches, "--precision", "bf16",
                                             "--channels_last", "true")
     assert activation_mib(summary, "cast", "copy") <= IMAGE_BUDGET * image_bytes / 2 ** 20, summary
-    cfg = config.parse_config(["--dataset_url", shard_url, *TINY, *STEP])
-    norms = sum(isinstance(m, GroupNorm32) for m in AutoEncoder(config.model_params(cfg.model)).modules())
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, *TINY, *STEP])
+    norms = sum(isinstance(m, GroupNorm32) for m in AutoEncoder(AutoEncoderParams.from_config(cfg.model)).modules())
     copies = summary["cuda_copy/activation"]
     assert copies["ops"] >= 2 * norms  # the input of each norm in forward, and its gradient's way back
     assert copies["mib"] > 10 * IMAGE_BUDGET * image_bytes / 2 ** 20
@@ -88,7 +90,7 @@ def test_census_sees_casts_and_cuda_layout_copies():
     conv = torch.nn.Conv2d(8, 8, 3, padding=1).to(memory_format=torch.channels_last)
     norm = torch.nn.GroupNorm(2, 8)
     x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
-    census = bench.CopyCensus(bench.parameter_shapes(conv, norm))
+    census = CopyCensus(parameter_shapes(conv, norm))
     with census:
         h = norm(x)  # CUDA: X.contiguous(), and an NCHW output (given to h here)
         assert h.is_contiguous()
@@ -99,7 +101,7 @@ def test_census_sees_casts_and_cuda_layout_copies():
     assert summary["cuda_copy/activation"]["ops"] == 2
     assert summary["cast/activation"] == {"ops": 1, "mib": x.numel() * 2 / 2 ** 20}
     assert summary["cast/parameter"]["ops"] == 1
-    plain = bench.CopyCensus(cuda_layouts=False)
+    plain = CopyCensus(cuda_layouts=False)
     with plain:
         assert norm(x).is_contiguous(memory_format=torch.channels_last)  # the CPU kernel keeps the format
     assert "cuda_copy/activation" not in plain.summary()

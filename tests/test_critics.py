@@ -234,16 +234,17 @@ def test_gan_ramp(step, start, ramp, factor):
 
 
 def test_bench_counts_the_frozen_step_with_both_branches_backward(lpips_model):
-    """bench.frozen_gan_step_flops: two trunk forwards (x, recon) and, for GradNorm's two branches, two
+    """bench.train.frozen_gan_step_flops: two trunk forwards (x, recon) and, for GradNorm's two branches, two
     input-only backward passes through the trunk on top of the heads' work."""
     import types
 
-    import bench
     from torch.utils.flop_counter import FlopCounterMode
+
+    from bench.train import frozen_gan_step_flops
     trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(data=types.SimpleNamespace(vae_resolution=32,
                                                                                          batch_size=2)),
                                     objective=types.SimpleNamespace(lpips=lpips_model), device=torch.device("cpu"))
-    flops = bench.frozen_gan_step_flops(trainer, vae_flops=1e9)
+    flops = frozen_gan_step_flops(trainer, vae_flops=1e9)
     with FlopCounterMode(display=False) as one_pass, torch.no_grad():
         vgg16_features(lpips_model, images(n=2, size=32))
     trunk = one_pass.get_total_flops()

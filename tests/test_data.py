@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 import data
+import sources
 import shards
 from conftest import free_port, run_cli
 
@@ -373,7 +374,7 @@ def test_eval_reading_counts_each_kind_once(zoo):
 def test_truncated_tar_keeps_every_whole_sample(tmp_path):
     path = truncated_tar(tmp_path / "cut.tar")
     counters = Counter()
-    keys = [s["__key__"] for _, s in data.iter_shard(path, counters)]
+    keys = [s["__key__"] for _, s in sources.iter_shard(path, counters)]
     assert counters["shard_errors"] == 1
     assert keys == ["t0", "t1", "t2"]
 
@@ -400,7 +401,7 @@ def test_skips_are_reported_as_events_and_distinct_files_naming_each_once(zoo, c
     """Bad files are met again at every epoch: the log line says how often (events) and how many files that is,
     and each bad file is named once, not at every meeting."""
     import run_log
-    data._warned.add("skipped a corrupt sample (corrupt)")  # an earlier stream in this process named it: this one must too
+    sources._warned.add("skipped a corrupt sample (corrupt)")  # an earlier stream in this process named it: this one must too
     with train_loader(zoo, batch_size=4, max_pixels=MAX_PIXELS) as loader:
         take(loader, 16)
         epochs = loader.state_dict()["worker_states"][0]["epoch"]
@@ -518,18 +519,18 @@ def remote(solid_shards):
 @pytest.fixture()
 def short_timeouts(monkeypatch):
     """Seconds instead of the production half-minutes, so that the stalls below are quick."""
-    monkeypatch.setattr(data, "STALL_TIMEOUT_S", 2)
-    monkeypatch.setattr(data, "PROBE_TIMEOUT_S", 3)
+    monkeypatch.setattr(sources, "STALL_TIMEOUT_S", 2)
+    monkeypatch.setattr(sources, "PROBE_TIMEOUT_S", 3)
 
 
 @pytest.mark.timeout(60)
 def test_remote_shards_stream_like_local_ones(remote, solid_shards):
     """The curl path reads exactly what the local path reads."""
     local, http = Counter(), Counter()
-    for shard_url, local_path in zip(data.list_shards(remote["good"]), data.list_shards(solid_shards)):
+    for shard_url, local_path in zip(sources.list_shards(remote["good"]), sources.list_shards(solid_shards)):
         with deadline(30):
-            ours = [(i, s["png"]) for i, s in data.iter_shard(shard_url, http)]
-        assert ours == [(i, s["png"]) for i, s in data.iter_shard(local_path, local)] and len(ours) == 3
+            ours = [(i, s["png"]) for i, s in sources.iter_shard(shard_url, http)]
+        assert ours == [(i, s["png"]) for i, s in sources.iter_shard(local_path, local)] and len(ours) == 3
     assert http == local == Counter()
 
 
@@ -984,11 +985,11 @@ def test_unreadable_remote_dataset_fails_at_start(remote, short_timeouts):
     shard is enough."""
     for url in (remote["dead"], f"{remote['hang']}::{remote['dead']}"):
         with deadline(15), pytest.raises(data.DatasetError) as info:
-            data.probe_remote_shards(data.list_shards(url))
+            sources.probe_remote_shards(sources.list_shards(url))
         message = str(info.value)
         assert "\n" not in message and "cannot read" in message and "127.0.0.1" in message, message
     with deadline(15):
-        data.probe_remote_shards(data.list_shards(f"{remote['hang']}::{remote['good']}::{remote['dead']}"))
+        sources.probe_remote_shards(sources.list_shards(f"{remote['hang']}::{remote['good']}::{remote['dead']}"))
 
 
 @pytest.mark.timeout(60)
@@ -1007,22 +1008,22 @@ def test_unreachable_dataset_url_is_one_line_before_anything_starts(remote, tmp_
 # shard lists
 # --------------------------------------------------------------------------------------------
 def test_list_shards_brace_expansion(solid_shards):
-    shards = data.list_shards(solid_shards)
+    shards = sources.list_shards(solid_shards)
     root = os.path.dirname(solid_shards)
     assert shards == [os.path.join(root, f"{i:05d}.tar") for i in range(3)]
-    assert data.list_shards(os.path.join(root, "00001.tar")) == [os.path.join(root, "00001.tar")]
+    assert sources.list_shards(os.path.join(root, "00001.tar")) == [os.path.join(root, "00001.tar")]
     two_lists = f"{os.path.join(root, '00000.tar')}::{os.path.join(root, '{00001..00002}.tar')}"
-    assert data.list_shards(two_lists) == shards
+    assert sources.list_shards(two_lists) == shards
 
 
 def test_list_shards_directory_pseudo_shards(tmp_path, monkeypatch):
     (tmp_path / "sub").mkdir()
     for name in ("b.png", "a.JPG", "sub/c.webp", ".hidden.png", "readme.txt"):
         (tmp_path / name).write_bytes(b"x")
-    shards = data.list_shards(str(tmp_path))
+    shards = sources.list_shards(str(tmp_path))
     assert shards == [(str(tmp_path / "a.JPG"), str(tmp_path / "b.png"), str(tmp_path / "sub" / "c.webp"))]
-    monkeypatch.setattr(data, "DIR_SHARD_SIZE", 2)
-    assert [len(s) for s in data.list_shards(str(tmp_path))] == [2, 1]
+    monkeypatch.setattr(sources, "DIR_SHARD_SIZE", 2)
+    assert [len(s) for s in sources.list_shards(str(tmp_path))] == [2, 1]
 
 
 def test_directory_dataset_trains(photos_dir):
@@ -1039,7 +1040,7 @@ def test_list_shards_errors_are_one_line(tmp_path, solid_shards, url_kind):
            "empty_dir": str(tmp_path),
            "empty_url": ""}[url_kind]
     with pytest.raises(data.DatasetError) as info:
-        data.list_shards(url)
+        sources.list_shards(url)
     msg = str(info.value)
     assert msg and "\n" not in msg
     if url_kind == "missing_in_range":
@@ -1053,10 +1054,10 @@ def test_a_folder_of_shards_points_to_the_brace_url(solid_shards):
     the line names the url that reads them."""
     root = os.path.dirname(solid_shards)
     with pytest.raises(data.DatasetError) as info:
-        data.list_shards(root)
+        sources.list_shards(root)
     assert str(info.value) == (f"{root}: directory holds 3 .tar shards and no image files: give the shards "
                                f"themselves, e.g. '{solid_shards}' (quoted)")
-    assert len(data.list_shards(solid_shards)) == 3  # the url it names reads them
+    assert len(sources.list_shards(solid_shards)) == 3  # the url it names reads them
 
 
 # --------------------------------------------------------------------------------------------
@@ -1220,7 +1221,7 @@ def test_make_shards_cli(image_folder, tmp_path):
     assert m, proc.stdout
     url = m.group(1)
     assert url == str(dst / "{00000..00002}.tar")
-    shards = data.list_shards(url)
+    shards = sources.list_shards(url)
     assert len(shards) == 3
     members = read_tar_members(shards)
     assert len(members) == 5
@@ -1320,7 +1321,7 @@ def test_no_demo_held_out_photo_is_a_view_of_a_training_photo(tmp_path):
 
     def photos(url):
         names = []
-        for path in data.list_shards(url):
+        for path in sources.list_shards(url):
             with tarfile.open(path) as tar:
                 names += [m.name for m in tar.getmembers() if m.isfile()]
         return names

@@ -19,6 +19,7 @@ import evaluate as ev
 import plots
 import vae_trainer
 from ae import AutoEncoder
+import run_setup
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(600)]
 
@@ -53,7 +54,7 @@ class PooledFeatures(nn.Module):
 
 def trainer_for(shard_url, out_dir, *extra) -> vae_trainer.Trainer:
     """The real trainer of the tiny model, in this process, evaluating its first 3 test images at steps 0 and 2."""
-    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(out_dir), *TINY, "--num_workers", "0",
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--output_dir", str(out_dir), *TINY, "--num_workers", "0",
                                "--max_steps", "2", "--save_every_n_steps", "2", "--test_dataset_url", shard_url,
                                "--evaluate_every_n_steps", "2", "--eval_max_images", "3", *extra])
     cfg.validate()

@@ -25,6 +25,8 @@ from conftest import FAULTY, ROOT, TINY, cli_command, cli_env, free_port, kill_t
 import ae
 import common
 import config
+import run_setup
+from ae import AutoEncoderParams
 
 # the tests here run the real CLI, most under torchrun, 20 s to 2 minutes each (with a module fixture's
 # reference run): a hang fails that test
@@ -557,7 +559,7 @@ def test_checkpoint_with_pickled_code_is_refused_not_executed(shard_url, tmp_pat
 def _run_dir_at_step_2(run, args: list[str]) -> None:
     """What a run of `args` leaves after step 2, as far as the choice to resume reads it (its config.json and a
     checkpoint's recipe): the start-up decisions are tested without training the run first."""
-    cfg = config.parse_config(args)
+    cfg = run_setup.parse_config(args)
     os.makedirs(run / "checkpoints")
     (run / "config.json").write_text(json.dumps(config.public_config(cfg)))
     torch.save({"format_version": 2, "run": {"step": 2, "config": config.public_config(cfg)}},
@@ -601,9 +603,9 @@ def test_force_over_another_architecture_with_two_ranks_and_a_late_rank(shard_ur
 
 def test_load_path_of_another_shape_is_one_line_and_leaves_no_run_dir(shard_url, tmp_path, capsys):
     """Before: a 139-line `size mismatch` traceback, and a run directory holding only config.json."""
-    cfg = config.parse_config(_args(shard_url, tmp_path))
+    cfg = run_setup.parse_config(_args(shard_url, tmp_path))
     weights = tmp_path / "ch32.pt"
-    torch.save(ae.AutoEncoder(config.model_params(cfg.model)).state_dict(), weights)
+    torch.save(ae.AutoEncoder(AutoEncoderParams.from_config(cfg.model)).state_dict(), weights)
     code = vae_trainer.main(_args(shard_url, tmp_path / "runs", "wide", 2, 2, "--vae_ch", "64",
                                   "--load_path", str(weights)))
     err = capsys.readouterr().err.strip().splitlines()

@@ -60,7 +60,7 @@ def test_shared_pass_gives_the_vae_the_gradient_of_separate_passes():
         real_logits = heads(vgg16_features(objective.lpips, x))
         fake_logits = real_logits - torch.tensor([1.0, -1.0]).repeat(4).view_as(real_logits)  # half above margin
     cfg = config()
-    active = generator_active_fraction(real_logits, fake_logits, cfg.critic.gen_loss, cfg.critic.gan_margin)
+    active = generator_active_fraction(real_logits, fake_logits, cfg.loss.gen_loss, cfg.loss.gan_margin)
     assert 0 < active.item() < 1
 
     loss, logs = objective(x, recon, mean, None, step, real_logits, fake_logits, accum, loss_scale=scale)
@@ -70,9 +70,9 @@ def test_shared_pass_gives_the_vae_the_gradient_of_separate_passes():
     rest, _ = objective(x, recon, mean, None, step, real_logits, fake_logits, accum, loss_scale=scale)
     use_config(objective, cfg)
     perceptual = objective.lpips(gradnorm(recon, scale * cfg.loss.perceptual_weight / accum), x).mean()
-    g_in = gradnorm(recon, scale * cfg.critic.gan_weight * active.sqrt() / accum)
-    g_loss = generator_loss(heads(vgg16_features(objective.lpips, g_in)), real_logits, cfg.critic.gen_loss,
-                            cfg.critic.gan_margin)
+    g_in = gradnorm(recon, scale * cfg.loss.gan_weight * active.sqrt() / accum)
+    g_loss = generator_loss(heads(vgg16_features(objective.lpips, g_in)), real_logits, cfg.loss.gen_loss,
+                            cfg.loss.gan_margin)
     separate = torch.autograd.grad(rest + scale * (perceptual + g_loss), recon)[0]
     torch.testing.assert_close(shared, separate, rtol=1e-5, atol=1e-8)
     # the logged values are the separate passes' values
@@ -150,7 +150,7 @@ def test_stabiliser_flags_reach_the_step():
     full, ramped = gan_logs(), gan_logs(gan_ramp_steps=8)  # step 3 = disc_start + 1: 2/8 of the weight
     torch.testing.assert_close(ramped["loss/gan_g"], full["loss/gan_g"])
     torch.testing.assert_close(ramped["loss/total"] - full["loss/total"],
-                               (0.25 - 1) * config().critic.gan_weight * full["loss/gan_g"], rtol=1e-5, atol=1e-7)
+                               (0.25 - 1) * config().loss.gan_weight * full["loss/gan_g"], rtol=1e-5, atol=1e-7)
 
     adversary = objective.adversary
     shared = objective.shared_trunk_pass(x, recon, 3)

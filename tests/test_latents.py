@@ -17,6 +17,7 @@ import vae_trainer
 from conftest import FAULTY, TINY, cli_env, free_port, run_cli
 import common
 import config
+import run_setup
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -116,7 +117,7 @@ class NoRegularisers:
 def weights_after_steps(shard_url, tmp_path, batches, steps, *flags) -> dict:
     """The VAE's weights after `steps` real train_steps from the same init on the same photos; no flags: the
     step without any regulariser code (NoRegularisers)."""
-    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
                                     "--num_workers", "0", "--perceptual_weight", "0", "--ema_decay", "0",
                                     "--max_steps", "10", *flags])
     cfg.validate()
@@ -158,7 +159,7 @@ def test_regulariser_changes_the_step_only_when_on_and_is_exactly_off_at_p0(shar
 
 
 def _one_step_at(shard_url, tmp_path, batch, step, *flags) -> dict:
-    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
                                     "--num_workers", "0", "--perceptual_weight", "0", "--ema_decay", "0",
                                     "--max_steps", "10", *flags])
     trainer = vae_trainer.Trainer(cfg, common.DistInfo())
@@ -210,7 +211,7 @@ def test_the_replace_form_is_the_latent_decoded_in_place_and_is_the_default(shar
     """--scale_equivariance_form replace (and the default) is bitwise the step of HalfSizeInPlace: no added term,
     no full-resolution loss on the micro-batches it picks."""
     def one_step(*flags, regularisers=None):
-        cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+        cfg = run_setup.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
                                         "--num_workers", "0", "--ema_decay", "0", "--max_steps", "10", *flags])
         trainer = vae_trainer.Trainer(cfg, common.DistInfo())
         trainer.loader.close()
@@ -238,7 +239,7 @@ def test_the_added_scale_equivariance_term_on_a_constructed_case():
     x, recon = torch.rand(2, 3, 64, 64) * 2 - 1, torch.rand(2, 3, 64, 64) * 2 - 1
     small_x = torch.nn.functional.interpolate(x, size=(32, 32), mode="area")
     mean = torch.randn(2, 4, 16, 16)
-    cfg = config.parse_config(args + ["--perceptual_weight", "0"])
+    cfg = run_setup.parse_config(args + ["--perceptual_weight", "0"])
     objective = build_objective(cfg, None, with_lpips=False)
     _, plain = objective(x, recon, mean, None, 0)
     _, logs = objective(x, recon, mean, None, 0, added=(small_x, small_x + c))
@@ -249,7 +250,7 @@ def test_the_added_scale_equivariance_term_on_a_constructed_case():
     added = alpha * cfg.loss.mse_weight * (cfg.loss.pooled_mse_weight + cfg.loss.lowpass_mse_weight) * c ** 2
     assert (logs["loss/total"] - plain["loss/total"]).item() == pytest.approx(added, rel=1e-4)
 
-    cfg = config.parse_config(args + ["--perceptual_weight", "1"])
+    cfg = run_setup.parse_config(args + ["--perceptual_weight", "1"])
     objective = build_objective(cfg, None)  # random LPIPS: 0 for identical images whatever its weights
     _, same_image = objective(x, recon, mean, None, 0, added=(small_x, small_x.clone()))
     _, off = objective(x, recon, mean, None, 0, added=(small_x, small_x + c))
@@ -262,7 +263,7 @@ def test_the_added_form_keeps_the_full_resolution_losses_on_the_micro_batch_it_p
     """In a real train_step with --scale_equivariance_form add at probability 1, the objective gets the
     full-resolution image and reconstruction and, beside them, the downsampled image and the decode of the
     downsampled latent; the step's logs hold both the full-resolution and the added terms."""
-    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
                                     "--num_workers", "0", "--ema_decay", "0", "--max_steps", "10",
                                     "--scale_equivariance_prob", "1", "--scale_equivariance_form", "add"])
     trainer = vae_trainer.Trainer(cfg, common.DistInfo())
@@ -286,9 +287,9 @@ def test_the_added_form_keeps_the_full_resolution_losses_on_the_micro_batch_it_p
 def test_scale_equivariance_flags_are_checked():
     args = ["--dataset_url", "x", *TINY, "--scale_equivariance_prob", "1", "--mse_pool_factor", "64"]
     with pytest.raises(config.ConfigError, match="no smaller size"):
-        config.parse_config(args).validate()
+        run_setup.check_config(run_setup.parse_config(args))  # the sizes are latents.py's rule, checked at setup
     with pytest.raises(config.ConfigError, match="latent_noise_prob must be in"):
-        config.parse_config(["--dataset_url", "x", "--latent_noise_prob", "2"]).validate()
+        run_setup.parse_config(["--dataset_url", "x", "--latent_noise_prob", "2"]).validate()
 
 
 REGS = ["--scale_equivariance_prob", "0.5", "--scale_equivariance_mode", "random", "--scale_equivariance_rotate",

@@ -17,13 +17,15 @@ from conftest import TINY
 from utils import generator_loss, gradnorm
 import common
 import config
+import flags
+import run_setup
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def trainer(shard_url, tmp_path_factory):
-    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path_factory.mktemp("runs")),
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path_factory.mktemp("runs")),
                                     *TINY, "--num_workers", "0", "--do_ganloss", "--disc_start", "0",
                                     # 32 groups: with 8 the decoder's seams between the 2 x 2 tiles move the 64 px
                                     # ratio by 12% (the tiling's inexactness, not the KL's scaling)
@@ -89,7 +91,7 @@ def test_kl_weight_default_keeps_todays_strength_at_the_default_config():
     elements = cfg.data.batch_size * cfg.model.vae_z_channels * (cfg.data.vae_resolution // factor) ** 2
     assert elements == 131072
     assert cfg.loss.kl_weight * math.sqrt(elements) == pytest.approx(1.0, rel=0.1)
-    demo = config.DEMO
+    demo = flags.DEMO
     demo_elements = demo["batch_size"] * demo["vae_z_channels"] * (demo["vae_resolution"] // 4) ** 2
     assert demo["kl_weight"] * math.sqrt(demo_elements) == 1.0
 

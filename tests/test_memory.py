@@ -17,6 +17,7 @@ import train_state
 from ae import AutoEncoder
 from conftest import ROOT, cli_env
 from vae_trainer import build_objective
+from ae import AutoEncoderParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -27,7 +28,7 @@ WIDTH_32 = dict(vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_chan
 def build(**changes):
     cfg = config.resolve_auto(config.unflatten(dict(dataset_url="unused", **{**WIDTH_32, **changes})))
     torch.manual_seed(0)
-    return AutoEncoder(config.model_params(cfg.model)), build_objective(
+    return AutoEncoder(AutoEncoderParams.from_config(cfg.model)), build_objective(
         cfg, None, with_lpips=cfg.loss.perceptual_weight > 0, z_channels=cfg.model.vae_z_channels)
 
 

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import common
-import config
 import data
 import memory
 import vae_trainer
 from conftest import TINY, cli_env, run_cli
+import run_setup
+from ae import AutoEncoderParams
 
 pytestmark = pytest.mark.timeout(480)
 
@@ -55,30 +56,30 @@ def test_batch_scaling_keeps_the_pixels_per_step():
     ("64,12", "not a multiple"),
 ])
 def test_bad_schedules_are_one_line_config_errors(spec, message):
-    cfg = config.parse_config([*TINY, "--train_resolutions", spec, "--mse_pool_factor", "8"])
+    cfg = run_setup.parse_config([*TINY, "--train_resolutions", spec, "--mse_pool_factor", "8"])
     with pytest.raises(common.ConfigError, match=message):
         cfg.validate()
 
 
 def test_sizes_the_losses_cannot_take_and_scale_equivariance_are_refused():
-    cfg = config.parse_config([*TINY, "--train_resolutions", "8,64", "--mse_pool_factor", "4"])
+    cfg = run_setup.parse_config([*TINY, "--train_resolutions", "8,64", "--mse_pool_factor", "4"])
     with pytest.raises(common.ConfigError, match="below LPIPS' smallest input"):
         cfg.validate()
-    cfg = config.parse_config([*TINY, "--train_resolutions", "16,64", "--do_ganloss"])
+    cfg = run_setup.parse_config([*TINY, "--train_resolutions", "16,64", "--do_ganloss"])
     with pytest.raises(common.ConfigError, match="below the critic's smallest input"):
         cfg.validate()
-    cfg = config.parse_config([*TINY, "--train_resolutions", "32,64", "--scale_equivariance_prob", "0.5"])
+    cfg = run_setup.parse_config([*TINY, "--train_resolutions", "32,64", "--scale_equivariance_prob", "0.5"])
     with pytest.raises(common.ConfigError, match="assumes one training latent size"):
         cfg.validate()
-    config.parse_config([*TINY, "--train_resolutions", "64", "--scale_equivariance_prob", "0.5"]).validate()
-    cfg = config.parse_config([*TINY, "--train_resolutions", "32,64", "--vf_weight", "0.1"])
+    run_setup.parse_config([*TINY, "--train_resolutions", "64", "--scale_equivariance_prob", "0.5"]).validate()
+    cfg = run_setup.parse_config([*TINY, "--train_resolutions", "32,64", "--vf_weight", "0.1"])
     with pytest.raises(common.ConfigError, match="--vf_weight aligns the latent"):
         cfg.validate()
-    cfg = config.parse_config([*TINY, "--train_resolutions", "64;100:64,128", "--last_stage_trains", "1",
+    cfg = run_setup.parse_config([*TINY, "--train_resolutions", "64;100:64,128", "--last_stage_trains", "1",
                                "--max_steps", "100"])
     cfg.validate()
     assert any("last stage starts at step 100 >= --max_steps 100" in line and "--last_stage_trains" in line
-               for line in config.config_warnings(cfg, {"train_resolutions", "last_stage_trains", "max_steps"}))
+               for line in run_setup.config_warnings(cfg, {"train_resolutions", "last_stage_trains", "max_steps"}))
 
 
 # ------------------------------------------------------------------------------------------ the data workers
@@ -151,7 +152,7 @@ def test_a_default_run_is_bitwise_one_with_the_reference_size_as_its_schedule(sh
     end in the same weights, optimizer moments and EMA."""
     states = {}
     for name, extra in (("default", []), ("schedule", ["--train_resolutions", "64"])):
-        cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), "--run_name", name,
+        cfg = run_setup.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), "--run_name", name,
                                    *TINY, "--num_workers", "0", "--evaluate_every_n_steps", "0", "--max_steps", "3",
                                    "--save_every_n_steps", "100", "--log_every_n_steps", "100", *extra])
         cfg.validate()
@@ -173,18 +174,18 @@ def test_the_memory_check_judges_the_largest_size(shard_url, tmp_path, monkeypat
     """StepShape.to_check: every size with its micro-batch, the largest first (a smaller size holds more images:
     what does not grow with the pixels grows with them; the floor of one image holds more pixels). With as much memory as the reference step comfortably needs, a schedule reaching 512 px is
     refused, naming 512 px; the reference alone fits."""
-    cfg = config.parse_config([*TINY, "--train_resolutions", "32,48,64"])
-    shapes = memory.StepShape.to_check(cfg.data, cfg.optim, cfg.speed)
+    cfg = run_setup.parse_config([*TINY, "--train_resolutions", "32,48,64"])
+    shapes = memory.StepShape.to_check(data.ResolutionSchedule.of(cfg.data, cfg.optim.seed), cfg.optim, cfg.speed)
     assert [(s.resolution, s.batch_size) for s in shapes] == [(64, 2), (48, 4), (32, 8)]
-    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, "--num_workers",
-                               "0", "--evaluate_every_n_steps", "0", "--memory_check", "false",
-                               "--train_resolutions", "64;2:64,512"])
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, "--num_workers",
+                                  "0", "--evaluate_every_n_steps", "0", "--memory_check", "false",
+                                  "--train_resolutions", "64;2:64,512"])
     cfg.validate()
-    shapes = memory.StepShape.to_check(cfg.data, cfg.optim, cfg.speed)
+    shapes = memory.StepShape.to_check(data.ResolutionSchedule.of(cfg.data, cfg.optim.seed), cfg.optim, cfg.speed)
     assert [(s.resolution, s.batch_size) for s in shapes] == [(512, 1), (64, 2)]
     trainer = vae_trainer.Trainer(cfg, common.DistInfo())
     try:
-        reference = memory.StepShape.of(cfg.data, cfg.optim, cfg.speed)
+        reference = memory.StepShape.of(data.ResolutionSchedule.of(cfg.data, cfg.optim.seed), cfg.optim, cfg.speed)
         needed = memory.estimate_step_memory(trainer.vae, trainer.objective, reference).total
         monkeypatch.setattr(memory, "available_memory", lambda device: (2 * needed, "RAM available"))
         assert memory.check_before_training(trainer.vae, trainer.objective, [reference], "cpu") == (None, False)
@@ -269,7 +270,7 @@ def test_two_ranks_train_every_step_at_one_size_and_the_last_stage_resumes_insid
                       os.path.join(tmp_path, "cut", "checkpoints", "step_00000006.pt"))
 
     import ae
-    names = [n for n, _ in ae.AutoEncoder(config.model_params(config.parse_config(TINY).model)).named_parameters()]
+    names = [n for n, _ in ae.AutoEncoder(AutoEncoderParams.from_config(run_setup.parse_config(TINY).model)).named_parameters()]
     top = ("decoder.up.0.", "decoder.norm_out.", "decoder.conv_out.")
     at = {step: torch.load(os.path.join(tmp_path, "ref", "checkpoints", f"step_{step:08d}.pt"), weights_only=True)
           ["training"] for step in (2, 4, 6)}
@@ -286,7 +287,7 @@ def test_the_ema_keeps_averaging_what_the_last_stage_froze(shard_url, tmp_path, 
     parameter no longer changes, and its EMA keeps converging on that fixed value, one (1 - decay) step of the gap per
     optimizer step, as before the freeze; a trained one keeps training. (A mutant that averaged only what still
     trains left the frozen ones' averages where the freeze found them, no test looking.)"""
-    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, "--num_workers", "0",
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, "--num_workers", "0",
                                "--train_resolutions", "64;2:64", "--last_stage_trains", "0", "--max_steps", "4",
                                "--evaluate_every_n_steps", "0", "--perceptual_weight", "0", "--ema_decay", "0.9"])
     cfg.validate()

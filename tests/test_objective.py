@@ -61,23 +61,23 @@ def test_loss_equals_its_recomputation_from_the_pieces(objective, inputs):
     cfg = config()
     real_logits, fake_logits = (objective.critic(t).float().detach() for t in (x, recon.detach()))
     scale = torch.tensor(8.0)
-    loss, logs = objective(x, recon, mean, None, step=cfg.critic.disc_start, real_logits=real_logits,
+    loss, logs = objective(x, recon, mean, None, step=cfg.loss.disc_start, real_logits=real_logits,
                            critic_fake_logits=fake_logits, accum=2, loss_scale=scale)
     with torch.no_grad():
         perceptual = objective.lpips(recon, x).float().mean()
         pooled, lowpass = pooled_mse(recon, x, cfg.loss.mse_pool_factor), objective.lowpass_mse(recon, x)
         pixel = cfg.loss.pooled_mse_weight * pooled + cfg.loss.lowpass_mse_weight * lowpass
-        g_loss = generator_loss(objective.critic(recon).float(), real_logits, cfg.critic.gen_loss,
-                                cfg.critic.gan_margin)
+        g_loss = generator_loss(objective.critic(recon).float(), real_logits, cfg.loss.gen_loss,
+                                cfg.loss.gan_margin)
         kl = kl_divergence(mean, None)
         expected = scale * (perceptual + pixel + g_loss + cfg.loss.kl_weight * kl * math.sqrt(mean.numel()) / 2)
     assert torch.equal(loss, expected), (loss, expected)
     for name, value in {"loss/perceptual": perceptual, "loss/pooled_mse": pooled, "loss/lowpass_mse": lowpass,
                         "loss/gan_g": g_loss, "loss/kl": kl}.items():
         assert torch.equal(logs[name], value), name
-    active = generator_active_fraction(real_logits, fake_logits, cfg.critic.gen_loss, cfg.critic.gan_margin)
+    active = generator_active_fraction(real_logits, fake_logits, cfg.loss.gen_loss, cfg.loss.gan_margin)
     assert torch.equal(logs["gan/active_fraction"], active)
-    total = (cfg.loss.perceptual_weight * perceptual + cfg.loss.mse_weight * pixel + cfg.critic.gan_weight * g_loss
+    total = (cfg.loss.perceptual_weight * perceptual + cfg.loss.mse_weight * pixel + cfg.loss.gan_weight * g_loss
              + cfg.loss.kl_weight * kl)
     assert torch.equal(logs["loss/total"], total)
 
@@ -92,7 +92,7 @@ def test_plain_sum_without_gradnorm(inputs):
     pixel = (cfg.loss.pooled_mse_weight * pooled_mse(recon, x, 4)
              + cfg.loss.lowpass_mse_weight * objective.lowpass_mse(recon, x))
     expected = torch.ones(()) * ((cfg.loss.perceptual_weight * torch.zeros(()) + cfg.loss.mse_weight * pixel
-                                  + torch.full((), cfg.critic.gan_weight) * torch.zeros(())
+                                  + torch.full((), cfg.loss.gan_weight) * torch.zeros(())
                                   + 0.5 * kl_divergence(mean, None))
                                  / 4)
     assert torch.equal(loss, expected)
@@ -121,7 +121,7 @@ def test_gan_target_is_its_weight_times_sqrt_active_fraction(objective, inputs, 
     real = torch.where(active.view_as(fake), fake + 1.0, fake - 1.0)  # active: the fake trails by more than the margin
     with configured(objective, perceptual_weight=0.0, mse_weight=0.0, kl_weight=0.0, gan_weight=0.5,
                     gen_loss="thresholded"):
-        loss, logs = objective(x, recon, mean.detach(), None, step=config().critic.disc_start, real_logits=real,
+        loss, logs = objective(x, recon, mean.detach(), None, step=config().loss.disc_start, real_logits=real,
                                critic_fake_logits=fake)
         grad = torch.autograd.grad(loss, recon)[0]
     fraction = active_patches / fake.numel()
@@ -131,7 +131,7 @@ def test_gan_target_is_its_weight_times_sqrt_active_fraction(objective, inputs, 
 
 def test_critic_loss_carries_lecam_and_the_frozen_critic_takes_no_gradient(objective, inputs):
     x, recon, mean = inputs
-    adversary, disc_start = objective.adversary, config().critic.disc_start
+    adversary, disc_start = objective.adversary, config().loss.disc_start
     d_loss, real_logits, fake_logits, logs = adversary.loss(x, recon)
     hinge = discriminator_loss(real_logits, fake_logits, "hinge")
     penalty = adversary.lecam.penalty(real_logits, fake_logits)  # against the pending anchors of this step

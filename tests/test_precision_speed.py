@@ -12,14 +12,14 @@ import objective
 import vae_trainer
 from conftest import TINY, record_ops
 import common
-import config
 import run_log
+import run_setup
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_trainer(shard_url, tmp_path, *extra) -> vae_trainer.Trainer:
-    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
                                     "--num_workers", "0", "--evaluate_every_n_steps", "0", "--max_steps", "100",
                                     *extra])
     cfg.validate()
@@ -136,7 +136,7 @@ def test_fp16_backward_through_lpips_and_the_critic_runs_at_the_loss_scale(shard
     for amp in (torch.float16, None):
         trainer.objective.amp_dtype = amp  # None: no autocast, the fp32 reference (same networks, same inputs)
         recon = recon0.clone().requires_grad_(True)
-        loss, _ = trainer.objective(x, recon, torch.zeros(1, 1, 1, 1), None, trainer.cfg.critic.disc_start, real_logits,
+        loss, _ = trainer.objective(x, recon, torch.zeros(1, 1, 1, 1), None, trainer.cfg.loss.disc_start, real_logits,
                                     fake_logits, loss_scale=trainer.training.scaler.scale(torch.ones(())))
         loss.backward()
     trainer.close()
@@ -372,7 +372,7 @@ def test_cuda_training_step_never_waits_for_the_gpu(shard_url, tmp_path, fixed_b
     """On a GPU, CUDA's own sync detector: after warm-up steps (lazy state, cuDNN autotuning), a training
     step with pinned batches raises on any operation that synchronises the host with the device: reads,
     blocking copies (including host->device ones), ops with data-dependent output shapes."""
-    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
                                     "--num_workers", "0", "--evaluate_every_n_steps", "0", "--max_steps", "100",
                                     *extra])
     trainer = vae_trainer.Trainer(cfg, common.DistInfo(device=torch.device("cuda", 0)))

@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT, cli_env, run_cli
 
 import config
+import flags
 import evaluate
 import export
 import plots
@@ -24,7 +25,7 @@ import vae_trainer
 
 README = os.path.join(ROOT, "README.md")
 DOCS = os.path.join(ROOT, "docs")
-PARSERS = {"vae_trainer.py": config.build_parser, "evaluate.py": evaluate.build_parser,
+PARSERS = {"vae_trainer.py": flags.build_parser, "evaluate.py": evaluate.build_parser,
            "export.py": export.build_parser, "data.py": shards.build_parser,
            "probe.py": probe.build_parser, "plots.py": plots.build_parser}
 README_MAX_LINES = 260

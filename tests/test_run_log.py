@@ -14,6 +14,7 @@ import config
 import run_log
 from common import DistInfo
 from run_log import Metrics
+import run_setup
 
 # per rank, per step: the loss, and the GAN term (None: off on that step, as before --disc_start)
 LOSSES = {0: [1.0, 3.0, 5.0], 1: [10.0, 20.0, 60.0]}
@@ -90,7 +91,7 @@ def reporter_of(cfg, info, run_dir) -> run_log.Reporter:
 
 
 def test_the_reporter_writes_rank_0s_line_and_record_only(tmp_path, capsys, shard_url):
-    cfg = config.parse_config(["--dataset_url", shard_url, "--max_steps", "10", "--batch_size", "2",
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--max_steps", "10", "--batch_size", "2",
                                "--vae_resolution", "32", "--num_samples", "2"])
     for rank in (1, 0):
         reporter = reporter_of(cfg, DistInfo(rank=rank, world_size=2), tmp_path)
@@ -108,7 +109,7 @@ def test_the_reporter_writes_rank_0s_line_and_record_only(tmp_path, capsys, shar
 def test_rates_and_eta_mean_what_the_readme_says(tmp_path, capsys, shard_url):
     """img/s: over the window since the last line; avg: every step of this process; the ETA: the steps left at
     that average. A slow first window (start-up) then a fast one: 0.5 and 4.5 img/s, average 2.5."""
-    cfg = config.parse_config(["--dataset_url", shard_url, "--max_steps", "100", "--batch_size", "1",
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--max_steps", "100", "--batch_size", "1",
                                "--vae_resolution", "32", "--num_samples", "1"])
     reporter = reporter_of(cfg, DistInfo(), tmp_path)
     reporter.metrics({"loss/total": 1.0}, step=1, elapsed=2.0, steps_done=1, lr_vae=1e-3, skipped={})
@@ -121,7 +122,7 @@ def test_rates_and_eta_mean_what_the_readme_says(tmp_path, capsys, shard_url):
 
 def test_a_run_that_logs_rarely_says_something_at_steps_1_and_10(tmp_path, shard_url):
     def due(every):
-        cfg = config.parse_config(["--dataset_url", shard_url, "--log_every_n_steps", str(every), "--vae_resolution",
+        cfg = run_setup.parse_config(["--dataset_url", shard_url, "--log_every_n_steps", str(every), "--vae_resolution",
                                    "32", "--num_samples", "1"])
         reporter = reporter_of(cfg, DistInfo(rank=1, world_size=2), tmp_path)
         return [step for step in range(1, 121) if reporter.log_due(step)]
@@ -133,7 +134,7 @@ def test_curves_are_drawn_at_most_once_a_minute_and_at_the_end(tmp_path, shard_u
     """curves.png costs matplotlib about a second that every rank waits for: checkpoints and evaluations closer
     than run_log.CURVES_EVERY_S draw it once, the first a minute into the run, and the run's end draws what was
     skipped (once, and only then): a run shorter than a minute draws once, at its end."""
-    cfg = config.parse_config(["--dataset_url", shard_url, "--wandb_mode", "disabled"])
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--wandb_mode", "disabled"])
     drawn = []
     monkeypatch.setattr(run_log.plots, "plot_metrics", lambda run_dir: drawn.append(run_dir))
     reporter = reporter_of(cfg, DistInfo(), tmp_path)

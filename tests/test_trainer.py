@@ -12,6 +12,7 @@ from PIL import Image
 
 import checkpoint
 import config
+import flags as flags_lib
 import objective as objective_lib
 import vae_trainer
 from conftest import TINY, cli_env, run_cli
@@ -20,6 +21,7 @@ import common
 import run_setup
 import train_state
 import weights
+from ae import AutoEncoderParams
 
 # the CLI tests take 10 s to a minute each (test_it_learns: its own limit): a hang fails one test
 pytestmark = pytest.mark.timeout(300)
@@ -120,8 +122,8 @@ def test_pixel_only_training_needs_no_vgg16(shard_url, tmp_path):
     (["--demo"], []),  # the demo's own values (GAN settings among them) are not the user's flags
 ])
 def test_flags_without_effect_are_named(flags, expected):
-    cfg, given = config.parse_flags(flags)
-    lines = config.config_warnings(config.resolve_auto(cfg), given)
+    cfg, given = flags_lib.parse_flags(flags)
+    lines = run_setup.config_warnings(config.resolve_auto(cfg), given)
     assert len(lines) == len(expected), lines
     for line, text in zip(lines, expected):
         assert line.startswith("warning: ") and text in line and "\n" not in line, line
@@ -220,7 +222,7 @@ def test_torchrun_two_ranks_writes_everything(shard_url, tmp_path):
     run = ckpt["run"]
     assert run["step"] == 6 and run["ranks_in_sync"] is True and len(run["ranks"]) == 2
     assert {**run["config"], "derived": run["derived"]} == recorded
-    assert set(ckpt["training"]["vae"]) == set(ae.AutoEncoder(config.model_params(
+    assert set(ckpt["training"]["vae"]) == set(ae.AutoEncoder(AutoEncoderParams.from_config(
         config.unflatten(recorded).model)).state_dict())
 
     records = _metrics(str(run_dir))
@@ -280,40 +282,38 @@ def test_demo_runs_from_nothing(tmp_path):
 def test_demo_without_vgg16_weights_trains_no_random_feature_branch(tmp_path, monkeypatch):
     """The demo's config: without cached VGG16 weights, LPIPS and the VGG16 critic (both would train on random
     features) are off; with them, the full recipe stays. An explicit --vgg16_weights random is the user's choice."""
-    for module in (config, run_setup):
-        monkeypatch.setattr(module, "vgg16_cache_path", lambda: str(tmp_path / "absent" / "vgg16.pth"))
-    demo = config.parse_config(["--demo", "--output_dir", str(tmp_path)])
+    monkeypatch.setattr(run_setup, "vgg16_cache_path", lambda: str(tmp_path / "absent" / "vgg16.pth"))
+    demo = run_setup.parse_config(["--demo", "--output_dir", str(tmp_path)])
     assert demo.loss.perceptual_weight > 0 and demo.critic.do_ganloss and demo.critic.discriminator == "vgg16"
     offline = run_setup.prepare_demo(demo)
     assert offline.critic.vgg16_weights == "random"
     assert offline.loss.perceptual_weight == 0 and not offline.critic.do_ganloss
     assert not config.uses_vgg16(offline)
-    assert "LPIPS and the VGG16 critic are OFF" in config.demo_summary(offline)
+    assert "LPIPS and the VGG16 critic are OFF" in run_setup.demo_summary(offline)
 
     cached = tmp_path / "hub" / "vgg16.pth"
     cached.parent.mkdir()
     cached.write_bytes(b"weights")
-    for module in (config, run_setup):
-        monkeypatch.setattr(module, "vgg16_cache_path", lambda: str(cached))
+    monkeypatch.setattr(run_setup, "vgg16_cache_path", lambda: str(cached))
     online = run_setup.prepare_demo(demo)
     assert (online.critic.vgg16_weights, online.loss.perceptual_weight, online.critic.do_ganloss) == (
         "torchvision", demo.loss.perceptual_weight, True)
-    assert config.demo_summary(online) == "demo: LPIPS + pixel + vgg16 critic from step " \
-                                               f"{demo.critic.disc_start} losses, with pretrained VGG16"
+    assert run_setup.demo_summary(online) == "demo: LPIPS + pixel + vgg16 critic from step " \
+                                               f"{demo.loss.disc_start} losses, with pretrained VGG16"
 
-    explicit = run_setup.prepare_demo(config.parse_config(["--demo", "--output_dir", str(tmp_path),
+    explicit = run_setup.prepare_demo(run_setup.parse_config(["--demo", "--output_dir", str(tmp_path),
                                                                   "--vgg16_weights", "random"]))
     assert explicit.loss.perceptual_weight > 0 and explicit.critic.do_ganloss and config.uses_vgg16(explicit)
 
 
 def test_vae_norm_groups_reaches_the_model_and_is_an_architecture_field():
-    cfg = config.parse_config(["--vae_ch", "32", "--vae_norm_groups", "8"])
-    vae = ae.AutoEncoder(config.model_params(cfg.model))
+    cfg = run_setup.parse_config(["--vae_ch", "32", "--vae_norm_groups", "8"])
+    vae = ae.AutoEncoder(AutoEncoderParams.from_config(cfg.model))
     groups = {m.num_groups for m in vae.modules() if isinstance(m, torch.nn.GroupNorm)}
     assert groups == {8}
-    assert config.model_params(cfg.model).to_dict()["norm_groups"] == 8  # what checkpoints and export read
+    assert AutoEncoderParams.from_config(cfg.model).to_dict()["norm_groups"] == 8  # what checkpoints and export read
     assert "vae_norm_groups" in checkpoint.ARCH_FIELDS
-    assert config.parse_config([]).model.vae_norm_groups == 32  # FLUX / SD at the default width
+    assert run_setup.parse_config([]).model.vae_norm_groups == 32  # FLUX / SD at the default width
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -334,9 +334,9 @@ def test_vae_norm_groups_reaches_the_model_and_is_an_architecture_field():
      dict(learning_rate_vae=3e-4, warmup_steps=0, disc_start=0, learning_rate_disc=2e-4, vae_norm_groups=32)),
 ])
 def test_automatic_defaults_are_resolved_to_numbers(argv, expected, shard_url):
-    cfg = config.parse_config(argv + ["--dataset_url", shard_url])
+    cfg = run_setup.parse_config(argv + ["--dataset_url", shard_url])
     for name, value in expected.items():
-        assert config.value(cfg, name) == pytest.approx(value), name
+        assert run_setup.value(cfg, name) == pytest.approx(value), name
     assert config.resolve_auto(cfg) == cfg  # idempotent: a resolved config (config.json) stays as it is
     cfg.validate()  # every resolved value is a valid flag value
 
@@ -387,7 +387,7 @@ def test_ema_update_rule():
 
 
 def in_process_trainer(shard_url, tmp_path, *extra) -> vae_trainer.Trainer:
-    cfg = config.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, "--num_workers", "0",
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, "--num_workers", "0",
                                "--evaluate_every_n_steps", "0", *extra])
     cfg.validate()
     return vae_trainer.Trainer(cfg, common.DistInfo())
@@ -462,7 +462,7 @@ def test_a_new_loss_term_is_a_field_and_one_block(shard_url, tmp_path):
         + 50.0 * records[-1]["loss/toy"], rel=1e-5)
     assert "| toy " in proc.stdout and not torch.equal(finals["0"], finals["50"])
     assert "--toy_weight" in run("--help").stdout
-    tables = subprocess.run([sys.executable, "-c", "import config; print(config.flag_tables())"], cwd=repo,
+    tables = subprocess.run([sys.executable, "-c", "import flags; print(flags.flag_tables())"], cwd=repo,
                             capture_output=True, text=True, env=env).stdout
     assert "| `--toy_weight` | `0.0` | weight of the toy term: the mean reconstruction, pulled to 0 |" in tables
     refused = run("--dataset_url", shard_url, "--output_dir", str(tmp_path / "negative"), "--toy_weight", "-1")
