@@ -7,7 +7,6 @@ to diffusers' AutoencoderKL and to FLUX without renaming tricks. Pure model code
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -422,25 +421,8 @@ class AutoEncoder(nn.Module):
             z = self.post_quant_conv(z)
         return self.decoder(z)
 
-    def forward(self, x: Tensor, sample: bool = True, latent_transform: Callable[[Tensor], Tensor] | None = None,
-                also_decode: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, ...]:
-        """(reconstruction, mean, logvar). `latent_transform` acts on the latent between encoder and decoder (the
-        training regularisers of latents.py); with `also_decode`, the decode of also_decode(latent) comes fourth
-        (the additive scale-equivariance term). Passed through forward, the whole pass stays inside DDP's."""
+    def forward(self, x: Tensor, sample: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(reconstruction, posterior mean, log-variance (None: constant)), decoding a sample of the posterior (or,
+        `sample` False, its mean). What training adds between encoder and decoder is train_state.TrainingForward's."""
         mean, logvar = self.encode_moments(x)
-        return decode_latents(self, self.sample(mean, logvar) if sample else mean, mean, logvar, latent_transform,
-                              also_decode)
-
-
-def decode_latents(vae: AutoEncoder, z: Tensor, mean: Tensor, logvar: Tensor | None, latent_transform=None,
-                   also_decode=None, teacher: nn.Module | None = None) -> tuple[Tensor, ...]:
-    """The decoding half of AutoEncoder.forward (shared with a decoder-only fine-tune's forward): (reconstruction,
-    mean, logvar), then the decode of also_decode(z) if given, then `teacher`'s decode of the very latent the
-    reconstruction was decoded from, without gradient (a decoder being distilled from another)."""
-    added = (vae.decode(also_decode(z)),) if also_decode is not None else ()
-    if latent_transform is not None:
-        z = latent_transform(z)
-    if teacher is not None:
-        with torch.no_grad():
-            added += (teacher.decode(z),)
-    return (vae.decode(z), mean, logvar, *added)
+        return self.decode(self.sample(mean, logvar) if sample else mean), mean, logvar

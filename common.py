@@ -314,6 +314,13 @@ def any_rank(flag: bool, info: DistInfo) -> bool:
     return bool(flags.item())
 
 
+def all_reduce_sum(*tensors: torch.Tensor) -> None:
+    """Sum across ranks, in place, on the tensors' device (a no-op in a single process)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        for t in tensors:
+            dist.all_reduce(t)
+
+
 def atomic_write(path: str, write) -> None:
     """Write via a temp file in the same directory, flush + fsync, rename, fsync the directory: a crash
     at any point leaves either the old file or the new one, never a torn one."""

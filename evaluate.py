@@ -35,8 +35,8 @@ import sources
 import latents as latents_lib
 from ae import AutoEncoder, patchify_latents
 from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
-from common import (ConfigError, DistInfo, OneLineParser, closing_distributed, first_line, guard_console,
-                    init_distributed)
+from common import (ConfigError, DistInfo, OneLineParser, all_reduce_sum, closing_distributed, first_line,
+                    guard_console, init_distributed)
 from config import DataConfig, EvalConfig, eval_size_problem, eval_sizes, parse_sizes
 from critics import build_lpips
 from weights import (WeightsUnavailable, ensure_vgg16_weights, ensure_weights, fetch_weights, hub_cache_path,
@@ -85,12 +85,6 @@ def ssim_per_image(recon: Tensor, target: Tensor, data_range: float = 1.0) -> Te
     return ssim_map.flatten(1).mean(1)
 
 
-def _all_reduce(*tensors: Tensor) -> None:
-    """Sum across ranks, in place, on the tensors' device (a no-op in a single process)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        for t in tensors:
-            dist.all_reduce(t)
-
 
 class FeatureStats:
     """Sufficient statistics of a feature distribution, in float64: count, sum and sum of outer products.
@@ -109,7 +103,7 @@ class FeatureStats:
         self.outer += f.T @ f
 
     def all_reduce(self) -> None:
-        _all_reduce(self.count, self.sum, self.outer)
+        all_reduce_sum(self.count, self.sum, self.outer)
 
     def mean_cov(self) -> tuple[np.ndarray, np.ndarray]:
         """Mean and unbiased covariance (as numpy.cov), float64."""
@@ -301,7 +295,7 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
             log(f"evaluated ~{int(sums[3].item()) * world_size} images")
     vae.train(was_training)
 
-    _all_reduce(sums)
+    all_reduce_sum(sums)
     if inception is not None:
         real_stats.all_reduce()
         recon_stats.all_reduce()
@@ -414,7 +408,7 @@ def latent_stats(vae: AutoEncoder, url: str, resolution: int, *, batch_size: int
         stats.update(z)
         images += z.shape[0]
     stats.all_reduce()
-    _all_reduce(images)
+    all_reduce_sum(images)
     if images.item() == 0:
         raise data_lib.DatasetError(f"{url}: no readable image for the latent statistics")
     res = stats.result()
@@ -444,7 +438,7 @@ def latent_bn_stats(vae: AutoEncoder, url: str, resolution: int, *, batch_size: 
         stats.update(patchify_latents(z.float()))
         images += z.shape[0]
     stats.all_reduce()
-    _all_reduce(images)
+    all_reduce_sum(images)
     if images.item() == 0:
         raise data_lib.DatasetError(f"{url}: no readable image for the latent bn statistics")
     count, total, total_sq = stats.sums
@@ -677,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
                                        args.tile_overlap, dist_info.rank, dist_info.world_size, autocast, log)
                 # NCCL reduces device tensors only
                 count = torch.tensor(n, dtype=torch.float64, device=dist_info.device)
-                _all_reduce(count)
+                all_reduce_sum(count)
                 result = {"reconstructed": int(count.item()), "reconstruct_to": args.reconstruct_to}
             elif args.latent_stats:
                 result = latent_stats(vae, args.dataset_url, resolution, **common)

@@ -25,19 +25,14 @@ import math
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from common import all_reduce_sum
 from config import downsample_factor_of, min_loss_image_size
 
 HF_CUTOFF = 0.5  # "upper half of the frequencies": radius above half the Nyquist frequency
 
-
-def _all_reduce(*tensors: Tensor) -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        for t in tensors:
-            dist.all_reduce(t)
 
 
 # ============================================================================================
@@ -56,7 +51,7 @@ class ChannelStats:
         self.sums[2] += z.square().sum(dim=(0, 2, 3))
 
     def all_reduce(self) -> None:
-        _all_reduce(self.sums)
+        all_reduce_sum(self.sums)
 
     def result(self) -> dict:
         """Per-channel and global mean/std (population std), and the spread max/min of the channel stds."""
@@ -100,7 +95,7 @@ class SpectrumStats:
         self.power += power_spectrum_2d(x)
 
     def all_reduce(self) -> None:
-        _all_reduce(self.power)
+        all_reduce_sum(self.power)
 
     @property
     def bins(self) -> int:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from config import GRAD_CHECKPOINTING
+from train_state import TrainingForward
 from common import first_line
 
 GIB = 1024 ** 3
@@ -94,9 +95,9 @@ def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_si
     """Peak bytes saved for backward by one real micro-batch of `batch_size` random images at `resolution`, run
     through the trainer's own dataflow (objective.micro_step, without its backward): the forward's graph plus the
     larger of the critic's loss graph (freed by its backward before the VAE's loss is built) and the VAE loss's
-    graph; and the largest single tensor among them. `model`: what the trainer runs forward (its DDP-wrapped
-    module's inside: a decoder-only wrapper, the alignment's projection; default the VAE); `regularisers`: the
-    run's latent regularisers, drawn at their costliest (latents.LatentRegularisers.costliest)."""
+    graph; and the largest single tensor among them. `model`: what the trainer runs forward (what its DDP wraps:
+    train_state.TrainingForward, with the alignment's projection; default the VAE's plain TrainingForward);
+    `regularisers`: the run's latent regularisers, drawn at their costliest (latents.LatentRegularisers.costliest)."""
     import latents as latents_lib
     from objective import micro_step
     device = next(vae.parameters()).device
@@ -125,7 +126,7 @@ def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_si
         phases[name] = (sum(seen.values()), max(seen.values(), default=0))
 
     with _probe_settings(vae, objective, shape):
-        micro_step(objective, model or vae, x, step, 0, 1, True, regularisers,
+        micro_step(objective, model or TrainingForward(vae), x, step, 0, 1, True, regularisers,
                    loss_scale=torch.ones((), device=device), last_layer=vae.decoder.conv_out.weight, phase=phase,
                    backward=False)
     forward, critic, loss = (phases[name] for name in ("forward", "critic", "loss"))

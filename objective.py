@@ -15,6 +15,7 @@ Adding a loss term: a weight field in config.LossConfig (that is the flag), and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -24,8 +25,9 @@ from torch import Tensor, nn
 from ae import kl_divergence
 from alignment import AlignmentLoss
 from config import CriticConfig, LatentsConfig, LossConfig, OptimConfig
-from critics import (FeatureCriticHeads, NLayerDiscriminator, VGG16Discriminator, diff_augment, lpips_from_features,
-                     r1_penalty, vgg16_features)
+from critics import (FeatureCriticHeads, NLayerDiscriminator, VGG16Discriminator, build_lpips, diff_augment,
+                     lpips_from_features, r1_penalty, vgg16_features)
+from train_state import Decoded
 from utils import (LeCam, LowpassMSE, adaptive_gan_weight, cosine_with_warmup, discriminator_accuracy,
                    discriminator_loss, gan_ramp, generator_active_fraction, generator_loss, gradnorm,
                    gradnorm_branches_through_one_pass, pooled_mse)
@@ -113,6 +115,35 @@ class SharedTrunkPass:
     leaf: Tensor
 
 
+@dataclass
+class MicroBatch:
+    """What the objective computes one micro-batch's loss from (micro_step fills it from the forward and the critic's
+    pass): the target images `x` (after a regulariser's transform) and their reconstruction `recon` (fp32); the
+    posterior (`mean`, `logvar`: None for the constant one); the optimizer `step` and the micro-batches per step
+    (`accum`); the critic's logits on these images and on the detached reconstructions (`real_logits`,
+    `fake_logits`: Adversary.backward's, needed from --disc_start on); the fp16 GradScaler's `loss_scale` (None: 1);
+    the decoder's last weight `last_layer` (--loss_balance adaptive); the encoder's output with its graph and its
+    input (`latent`, `images`: for the alignment term, as they were before a regulariser transformed them; None:
+    `mean`, `x`); `added` (downsampled image, its reconstruction in fp32) for the additive scale-equivariance term;
+    `shared` the frozen trunk's features (shared_trunk_pass; --critic_trunk frozen); `teacher` a frozen decoder's
+    reconstruction of the same latent, fp32 (--distill_weight)."""
+    x: Tensor
+    recon: Tensor
+    mean: Tensor
+    logvar: Tensor | None
+    step: int
+    real_logits: Tensor | None = None
+    fake_logits: Tensor | None = None
+    accum: int = 1
+    loss_scale: Tensor | None = None
+    last_layer: Tensor | None = None
+    latent: Tensor | None = None
+    images: Tensor | None = None
+    added: tuple[Tensor, Tensor] | None = None
+    shared: SharedTrunkPass | None = None
+    teacher: Tensor | None = None
+
+
 # ------------------------------------------------------------------------------------------ the VAE's objective
 class VAEObjective(nn.Module):
     """LPIPS + pooled MSE + low-pass MSE (each a GradNorm branch by default), the latent penalty, and the generator
@@ -134,6 +165,23 @@ class VAEObjective(nn.Module):
         self.lowpass_mse = LowpassMSE(loss.lowpass_threshold).to(device)  # its filters live on the device
         self.adversary = adversary
         self.alignment = alignment
+
+    @classmethod
+    def from_config(cls, loss: LossConfig, latents: LatentsConfig, critic: CriticConfig, precision: str = "fp32",
+                    vgg_features: dict | None = None, with_lpips: bool = True, device: torch.device | str = "cpu",
+                    memory_format=torch.contiguous_format, z_channels: int = 16,
+                    encoder_trains: bool = True) -> "VAEObjective":
+        """The objective of a run's loss, latents and critic sections, with its loss networks built in this order
+        (with random weights each draws from the global RNG): LPIPS (when `with_lpips`: a loss or the evaluation's
+        metric wants it), the critic's owner (Adversary, with --do_ganloss), the alignment (--vf_weight, when the
+        encoder trains: a frozen encoder's latent has no gradient; `z_channels`: the latent's channels).
+        `vgg_features`: VGG16's `features` weights (None: random)."""
+        lpips = build_lpips(vgg_features).to(device, memory_format=memory_format) if with_lpips else None
+        adversary = (Adversary(critic, build_critic(critic, vgg_features), precision, device=device,
+                               memory_format=memory_format) if critic.do_ganloss else None)
+        alignment = (AlignmentLoss(z_channels, latents.vf_model, latents.vf_weights, latents.vf_image_size).to(device)
+                     if latents.vf_weight > 0 and encoder_trains else None)
+        return cls(loss, latents, lpips, adversary, alignment, precision, device, memory_format)
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
@@ -159,35 +207,25 @@ class VAEObjective(nn.Module):
                 recon_features = vgg16_features(self.lpips, leaf.contiguous(memory_format=self.memory_format))
         return SharedTrunkPass(x_features, recon_features, leaf)
 
-    def forward(self, x: Tensor, recon: Tensor, mean: Tensor, logvar: Tensor | None, step: int,
-                real_logits: Tensor | None = None, critic_fake_logits: Tensor | None = None, accum: int = 1,
-                loss_scale: Tensor | None = None, last_layer: Tensor | None = None,
-                latent: Tensor | None = None, images: Tensor | None = None,
-                added: tuple[Tensor, Tensor] | None = None,
-                shared: SharedTrunkPass | None = None, teacher: Tensor | None = None) -> tuple[Tensor, dict]:
-        """(the tensor to backpropagate, {metric name: value} for logging, per micro-batch). `recon` in fp32; `mean`,
-        `logvar` the posterior; `real_logits`, `critic_fake_logits` the critic's logits on this micro-batch's
-        images and detached reconstructions (Adversary.backward), needed from disc_start on; `accum` micro-batches
-        per step; `loss_scale` the fp16 GradScaler's scale (None: 1); `last_layer` the decoder's last weight
-        (for --loss_balance adaptive); `latent`, `images` the encoder's output with its graph and its input, for
-        the alignment term (as they were before any latent regulariser transformed them); `added` (downsampled
-        image, its reconstruction in fp32) for the additive scale-equivariance term (--scale_equivariance_form add);
-        `shared` the frozen trunk's features of this micro-batch (shared_trunk_pass; with --critic_trunk frozen);
-        `teacher` a frozen decoder's reconstruction of the same latent, in fp32 (--distill_weight)."""
-        scale = loss_scale if loss_scale is not None else torch.ones((), device=self.device)
-        # without a regulariser in between, the latent is the posterior mean and the images are x
-        latent, images = (mean if latent is None else latent), (x if images is None else images)
-        if self.adversary is not None and self.adversary.on_features and shared is None:
-            shared = self.shared_trunk_pass(x, recon, step)
-        terms = self.terms(x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent, images,
-                           added, shared, teacher)
-        return compose(terms, self.loss_cfg.loss_balance, scale, accum, last_layer, self.loss_cfg.adaptive_weight_max)
+    def forward(self, batch: MicroBatch) -> tuple[Tensor, dict]:
+        """(the tensor to backpropagate, {metric name: value} for logging) of one micro-batch (MicroBatch: what it
+        holds). Without a regulariser in between, the alignment's latent is the posterior mean and its images x;
+        with the frozen trunk and no `shared` pass given, the pass is made here."""
+        scale = batch.loss_scale if batch.loss_scale is not None else torch.ones((), device=self.device)
+        batch = dataclasses.replace(batch, latent=batch.mean if batch.latent is None else batch.latent,
+                                    images=batch.x if batch.images is None else batch.images)
+        if self.adversary is not None and self.adversary.on_features and batch.shared is None:
+            batch = dataclasses.replace(batch, shared=self.shared_trunk_pass(batch.x, batch.recon, batch.step))
+        return compose(self.terms(batch, scale), self.loss_cfg.loss_balance, scale, batch.accum, batch.last_layer,
+                       self.loss_cfg.adaptive_weight_max)
 
-    def terms(self, x, recon, mean, logvar, step, real_logits, critic_fake_logits, accum, scale, latent=None,
-              images=None, added=None, shared: SharedTrunkPass | None = None, teacher=None) -> list[Term]:
+    def terms(self, batch: MicroBatch, scale: Tensor) -> list[Term]:
         """The loss terms, one block each. Their order is the order of the sums (a fixed-seed run reproduces
-        bitwise only with the same order)."""
+        bitwise only with the same order). `scale`: the fp16 loss scale (1 otherwise)."""
         loss = self.loss_cfg
+        x, recon, mean, logvar, step, accum = batch.x, batch.recon, batch.mean, batch.logvar, batch.step, batch.accum
+        real_logits, critic_fake_logits = batch.real_logits, batch.fake_logits
+        latent, images, added, shared, teacher = batch.latent, batch.images, batch.added, batch.shared, batch.teacher
         if loss.loss_balance == "gradnorm":
             # GradNorm fixes each branch's gradient norm, so a loss scale and 1/accum enter as weights
             def branch(weight, out=recon):
@@ -481,7 +519,7 @@ class MicroStep:
 def micro_step(objective: VAEObjective, model: nn.Module, x: Tensor, step: int, micro: int, accum: int, sync: bool,
                regularisers, loss_scale: Tensor, last_layer: Tensor, phase=None, backward: bool = True) -> MicroStep:
     """One micro-batch of a training step: the latent regularisers' draws, the forward of `model` (the module DDP
-    wraps: the VAE, its decoder behind a frozen encoder, with the alignment's projection), the critic's loss and
+    wraps: train_state.TrainingForward, with the alignment's projection), the critic's loss and
     backward on real vs detached reconstructions (its frozen trunk's pass shared with LPIPS), then the VAE's loss
     and backward with the critic frozen. DDP all-reduces on the last micro-batch only (`sync`). The trainer runs it
     for every micro-batch; memory.py runs it at small sizes to measure what autograd keeps, with `phase(name)` a
@@ -493,10 +531,9 @@ def micro_step(objective: VAEObjective, model: nn.Module, x: Tensor, step: int, 
         target, to_decoder = regularisers.draw(x, step, micro)
         added = regularisers.draw_added(x, step, micro)  # (small image, latent transform) or None
         with phase("forward"), objective.autocast():
-            recon, mean, logvar, *extra = model(x, latent_transform=to_decoder, also_decode=added and added[1])
-        small = extra[0] if added else None  # the added decode, then a teacher's (--distill_weight)
-        teacher = extra[-1].float() if objective.loss_cfg.distill_weight > 0 else None
-        x, recon = target, recon.float()  # every loss reduces in fp32
+            out = Decoded(*model(x, latent_transform=to_decoder, also_decode=added and added[1]))
+        mean, logvar = out.mean, out.logvar
+        x, recon = target, out.recon.float()  # every loss reduces in fp32
         real_logits = fake_logits = d_loss = None
         critic_logs = {}
         with phase("critic"):
@@ -507,10 +544,10 @@ def micro_step(objective: VAEObjective, model: nn.Module, x: Tensor, step: int, 
                     critic_x, critic_recon, sync, accum, backward)
                 d_loss = d_loss.detach()
         with phase("loss"), objective.critic_frozen():
-            loss, logs = objective(x, recon, mean, logvar, step, real_logits, fake_logits, accum,
-                                   loss_scale=loss_scale, last_layer=last_layer, latent=mean, images=images,
-                                   added=(added[0], small.float()) if added else None, shared=shared,
-                                   teacher=teacher)
+            loss, logs = objective(MicroBatch(
+                x, recon, mean, logvar, step, real_logits, fake_logits, accum, loss_scale, last_layer, latent=mean,
+                images=images, added=(added[0], out.added.float()) if added else None, shared=shared,
+                teacher=out.teacher.float() if out.teacher is not None else None))
             if backward:
                 loss.backward()
     return MicroStep(d_loss, loss.detach(), critic_logs, logs, mean, logvar)

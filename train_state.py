@@ -1,14 +1,18 @@
 """The training-side state the trainer steps and checkpoints, each piece its own owner (state_dict /
 load_state_dict, registered with checkpoint.Registry): the VAE's training (what DDP wraps, AdamW, the schedule,
-the fp16 scaler, the EMA), the decoder-only wrapper of a fine-tune, the alignment projection's training, and the
-non-finite guard. No loop here: vae_trainer.py's Trainer drives them."""
+the fp16 scaler, the EMA), the training forward (the latent regularisers' transform, a frozen encoder, a teacher
+decoder), the alignment projection's training, and the non-finite guard. No loop here: vae_trainer.py's Trainer
+drives them."""
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
-from ae import AutoEncoder, decode_latents
+from ae import AutoEncoder
 from common import ConfigError, DistInfo
 from config import OptimConfig
 from run_log import Metrics
@@ -49,27 +53,49 @@ class EMA:
         return {**model.state_dict(), **self.state_dict()}
 
 
-class DecoderOnly(torch.nn.Module):
-    """--train_parts decoder: the encoder, quant_conv and the posterior are frozen (no requires_grad, eval mode)
-    and run under no_grad; only post_quant_conv and the decoder train. Wrapped in DDP in place of the VAE, so DDP's
-    buckets hold the decoder's gradients only (DDP skips parameters that do not require grad). `teacher`
-    (--distill_weight): a frozen decoder whose decode of the same latent comes last in the forward's outputs."""
+@dataclass
+class Decoded:
+    """What one micro-batch's training forward gave: the reconstruction, the posterior (mean, log-variance: None for
+    the constant one), the decode of also_decode(latent) (the additive scale-equivariance term; None without), and
+    the teacher's decode of the latent the reconstruction was decoded from (--distill_weight; None without)."""
+    recon: torch.Tensor
+    mean: torch.Tensor
+    logvar: torch.Tensor | None
+    added: torch.Tensor | None = None
+    teacher: torch.Tensor | None = None
 
-    def __init__(self, vae: AutoEncoder, teacher: TeacherDecoder | None = None):
+
+class TrainingForward(torch.nn.Module):
+    """The VAE's pass in training, the module DDP wraps: encode, sample the posterior, transform the latent
+    (`latent_transform`: the regularisers of latents.py), decode; beside it the decode of also_decode(latent) and the
+    teacher's decode of the transformed latent (without gradient). Passed through this forward, the whole pass stays
+    inside DDP's. Returns Decoded's fields as a tuple (what DDP hands back): Decoded(*outputs).
+
+    `frozen_encoder` (--train_parts decoder): the encoder, quant_conv and the posterior are frozen (no requires_grad,
+    eval mode) and run under no_grad; only post_quant_conv and the decoder train, so DDP's buckets hold the decoder's
+    gradients only (DDP skips parameters that do not require grad). `teacher`: a frozen decoder (TeacherDecoder)."""
+
+    def __init__(self, vae: torch.nn.Module, teacher: TeacherDecoder | None = None, frozen_encoder: bool = False):
         super().__init__()
         self.vae, self.teacher = vae, teacher
-        self.frozen = [vae.encoder] + ([vae.quant_conv] if vae.params.quant_conv else [])
+        self.frozen = [vae.encoder] + ([vae.quant_conv] if vae.params.quant_conv else []) if frozen_encoder else []
         for module in self.frozen:
             module.requires_grad_(False).eval()
 
-    def forward(self, x: torch.Tensor, latent_transform=None, also_decode=None) -> tuple[torch.Tensor, ...]:
-        """As AutoEncoder.forward (the same `latent_transform` and `also_decode` between encoder and decoder)."""
+    def forward(self, x: torch.Tensor, latent_transform=None, also_decode=None) -> tuple:
         for module in self.frozen:
             module.eval()  # evaluation calls vae.train() on its way out
-        with torch.no_grad():
+        with torch.no_grad() if self.frozen else contextlib.nullcontext():
             mean, logvar = self.vae.encode_moments(x)
-        return decode_latents(self.vae, self.vae.sample(mean, logvar), mean, logvar, latent_transform, also_decode,
-                              self.teacher)
+        z = self.vae.sample(mean, logvar)
+        added = self.vae.decode(also_decode(z)) if also_decode is not None else None
+        if latent_transform is not None:
+            z = latent_transform(z)
+        teacher = None
+        if self.teacher is not None:
+            with torch.no_grad():
+                teacher = self.teacher.decode(z)
+        return self.vae.decode(z), mean, logvar, added, teacher
 
 
 class TeacherDecoder(torch.nn.Module):
@@ -84,7 +110,7 @@ class TeacherDecoder(torch.nn.Module):
         self.requires_grad_(False).eval()
 
     def train(self, mode: bool = True) -> "TeacherDecoder":
-        return super().train(False)  # frozen: DecoderOnly's train() must not switch it
+        return super().train(False)  # frozen: TrainingForward's train() must not switch it
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.post_quant_conv(z) if self.post_quant_conv is not None else z)
@@ -99,7 +125,7 @@ class VAETraining:
                  train_parts: str = "all", precision: str = "fp32", compile: bool = False,
                  alignment: torch.nn.Module | None = None, teacher: TeacherDecoder | None = None):
         self.vae, self.optim, self.train_parts = vae, optim, train_parts
-        self.trained = DecoderOnly(vae, teacher) if train_parts == "decoder" else vae
+        self.trained = TrainingForward(vae, teacher, frozen_encoder=train_parts == "decoder")
         # --vf_weight: the alignment's projection trains beside the VAE (its own checkpoint entry)
         self.projection = ProjectionTraining(alignment.projection, optim, make_optimizer) if alignment else None
         if self.projection is not None:
@@ -173,7 +199,7 @@ class VAETraining:
 
 
 class WithProjection(torch.nn.Module):
-    """The module DDP wraps when the alignment trains: the VAE (or DecoderOnly) and the alignment's projection, so
+    """The module DDP wraps when the alignment trains: the TrainingForward and the alignment's projection, so
     one DDP all-reduces both (in the same buckets, skipped together under no_sync) and broadcasts both at start.
     The projection is used by the objective after the forward; DDP only needs its gradient in the same backward."""
 

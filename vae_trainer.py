@@ -33,13 +33,12 @@ import pretrained
 import probe as probe_lib
 import run_log
 from ae import AutoEncoder, AutoEncoderParams
-from alignment import AlignmentLoss, fetch_foundation_weights
+from alignment import fetch_foundation_weights
 from checkpoint import checkpoint_files
 from common import (ConfigError, DistInfo, StopFlag, any_rank, capture_rng, closing_distributed, init_distributed,
                     redact, restore_rng)
 from config import Config, last_stage_levels, public_config, uses_vgg16
-from critics import build_lpips
-from objective import AMP_DTYPES, Adversary, VAEObjective, build_critic, micro_step
+from objective import AMP_DTYPES, Adversary, VAEObjective, micro_step
 from run_log import Metrics
 from run_setup import config_warnings, cpu_use_line, prepare_run, read_init_source
 from train_state import NonFiniteGuard, TeacherDecoder, VAETraining, adamw, compile_for_sizes, wrap_ddp
@@ -126,23 +125,6 @@ def vgg16_for_run(cfg: Config, info: DistInfo, eval_on: bool, log) -> tuple[dict
                 raise  # the user named a file: an error, not a missing metric
             log(f"note: evaluation's LPIPS will not be computed: {e}")
     return None, False
-
-
-def build_objective(cfg: Config, vgg_features: dict | None = None, with_lpips: bool = True,
-                    device: torch.device | str = "cpu", memory_format=torch.contiguous_format,
-                    z_channels: int | None = None) -> VAEObjective:
-    """The objective and its loss networks, in this order (with random weights each draws from the global RNG):
-    LPIPS (when `with_lpips`), the critic's owner (Adversary, with --do_ganloss), the alignment (--vf_weight)."""
-    precision = cfg.speed.precision
-    lpips = build_lpips(vgg_features).to(device, memory_format=memory_format) if with_lpips else None
-    adversary = (Adversary(cfg.critic, build_critic(cfg.critic, vgg_features), precision, device=device,
-                           memory_format=memory_format) if cfg.critic.do_ganloss else None)
-    alignment = None  # off with --train_parts decoder: the frozen encoder's latent has no gradient
-    latents = cfg.latents
-    if latents.vf_weight > 0 and cfg.finetune.train_parts != "decoder":
-        z = z_channels or cfg.model.vae_z_channels
-        alignment = AlignmentLoss(z, latents.vf_model, latents.vf_weights, latents.vf_image_size).to(device)
-    return VAEObjective(cfg.loss, cfg.latents, lpips, adversary, alignment, precision, device, memory_format)
 
 
 def build_regularisers(cfg: Config, rank: int, downsample_factor: int) -> latents_lib.LatentRegularisers:
@@ -293,15 +275,15 @@ class Trainer:
         # networks: built from the same seed on every rank (DDP also broadcasts rank 0's weights), in this
         # order (random initialisations draw from the global RNG)
         torch.manual_seed(cfg.optim.seed)
-        # --init_from: what the run started from (path, layout, family, latent factors), in config.json and every
-        # checkpoint; export keeps its factors after a decoder-only fine-tune
+        # --init_from: what the run started from (path, layout, factors), in config.json and every checkpoint
         self.init_source = resume[1]["run"].get("init_source") if resume is not None else None
         self.vae, source_described, teacher = build_vae(cfg, self.device, self.memory_format, resume, source,
                                                         self.log)
         self.init_source = source_described or self.init_source
         vgg_features, with_lpips = vgg16_for_run(cfg, info, self.eval_on, self.log)
-        self.objective = build_objective(cfg, vgg_features, with_lpips, self.device, self.loss_memory_format,
-                                         self.vae.params.z_channels)
+        self.objective = VAEObjective.from_config(
+            cfg.loss, cfg.latents, cfg.critic, cfg.speed.precision, vgg_features, with_lpips, self.device,
+            self.loss_memory_format, self.vae.params.z_channels, encoder_trains=cfg.finetune.train_parts != "decoder")
         self.adversary = self.objective.adversary
         self.validator = (evaluate_lib.Validator(
             cfg.eval, cfg.data, self.objective.lpips, self.device, info, self.memory_format, self.log,
@@ -446,7 +428,7 @@ class Trainer:
                 return 1
             stopping = stop.agreed(info)
             due = self.step % cfg.run.save_every_n_steps == 0 or final or stopping
-            if due and self.step != last_saved and self.save_unless_in_bad_streak(stopping):
+            if due and self.step != last_saved and self.save_unless_in_bad_streak(stopping or final):
                 last_saved = self.step
             if stopping:
                 self.log(f"received signal {stop.signum}: checkpoint written at step {self.step}, exiting")
@@ -507,10 +489,10 @@ class Trainer:
         self.report.metrics(metrics, self.step, time.time() - t_start, steps_done,
                             self.training.scheduler.get_last_lr()[0], run_log.skipped_counts(self.loader, self.info))
 
-    def save_unless_in_bad_streak(self, stopping: bool) -> bool:
-        """Inside a streak of skipped steps the weights are the last good ones, but periodic saves would rotate
-        good checkpoints out; a stop request is still honoured (resuming needs it). True if saved."""
-        if not (stopping or int(self.guard.streak.item()) == 0):
+    def save_unless_in_bad_streak(self, final: bool) -> bool:
+        """Inside a streak of skipped steps the weights are the last good ones, but periodic saves would rotate good
+        checkpoints out; a stop and the run's last step (`final`) still save: a resume needs them. True if saved."""
+        if not (final or int(self.guard.streak.item()) == 0):
             self.log(f"not saving at step {self.step}: inside a streak of skipped steps")
             return False
         path = self.save()
@@ -597,7 +579,7 @@ def stop_without_batches(trainer: Trainer, position: dict, data_error: str | Non
     checkpoint's collectives line up: it is written at the last completed step, with each stream's position before
     the step's reads (an exact resume). A data error ends the run with that error (exit 1), a stop request with 0."""
     error, trainer.data_position = first_error(data_error, trainer.info), position
-    saved = trainer.step > 0 and trainer.step != last_saved and trainer.save_unless_in_bad_streak(stopping=True)
+    saved = trainer.step > 0 and trainer.step != last_saved and trainer.save_unless_in_bad_streak(final=True)
     outcome = (f"checkpoint written at step {trainer.step}" if saved else f"checkpoint of step {trainer.step} kept"
                if trainer.step > 0 else "nothing trained, nothing saved")
     if error is not None:
@@ -622,7 +604,7 @@ def stop_out_of_memory(trainer: Trainer, error: torch.OutOfMemoryError, last_sav
     line = memory.out_of_memory_message(error, shape, trainer.step + 1)
     trainer.report.print(f"error: {line}", file=sys.stderr)
     if not trainer.info.distributed and trainer.step > 0 and trainer.step != last_saved:
-        trainer.save_unless_in_bad_streak(stopping=True)
+        trainer.save_unless_in_bad_streak(final=True)
     return 1
 
 

@@ -36,7 +36,6 @@ clamp after decoding.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -44,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ae import LOGVAR_RANGE, AutoEncoder, _run_level, decode_latents
+from ae import LOGVAR_RANGE, AutoEncoder, _run_level
 
 
 @dataclass
@@ -466,9 +465,7 @@ class WanImageAutoEncoder(nn.Module):
         image = unpatchify(self.decoder(self.post_quant_conv(z)), self.params.patch_size)
         return image if self.training else image.clamp(-1.0, 1.0)
 
-    def forward(self, x: Tensor, sample: bool = True, latent_transform: Callable[[Tensor], Tensor] | None = None,
-                also_decode: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, ...]:
-        """(reconstruction, mean, logvar[, decode of also_decode(latent)]), as ae.AutoEncoder.forward."""
+    def forward(self, x: Tensor, sample: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(reconstruction, mean, logvar), as ae.AutoEncoder.forward."""
         mean, logvar = self.encode_moments(x)
-        return decode_latents(self, self.sample(mean, logvar) if sample else mean, mean, logvar, latent_transform,
-                              also_decode)
+        return self.decode(self.sample(mean, logvar) if sample else mean), mean, logvar

@@ -35,6 +35,44 @@ TINY = ["--vae_ch", "32", "--vae_ch_mult", "1,2,2", "--vae_num_res_blocks", "1",
 TIMEOUT_SCALE = float(os.environ.get("VAE_TEST_TIMEOUT_SCALE", "4"))
 
 
+def started_programs(request, monkeypatch):
+    """The programs a test starts (subprocess: a CLI command, torchrun, curl, wandb's service, a compiler), recorded
+    as they start; every one still runs."""
+    import multiprocessing.util
+    started = []
+    real_child, real_spawn = subprocess.Popen._execute_child, multiprocessing.util.spawnv_passfds
+
+    def execute_child(self, args, *rest, **kwargs):
+        started.append(args if isinstance(args, (str, bytes)) else " ".join(map(str, args)))
+        return real_child(self, args, *rest, **kwargs)
+
+    def spawnv_passfds(path, args, passfds):  # multiprocessing's spawn and forkserver: a new interpreter
+        started.append(" ".join(map(str, args)))
+        return real_spawn(path, args, passfds)
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", execute_child)
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", spawnv_passfds)
+    return started
+
+
+@pytest.fixture(autouse=True)
+def programs_only_where_marked(request, monkeypatch):
+    """The edit-test loop (`-m "not process"`, docs/extending.md) leaves out the tests that start programs, each of
+    which costs seconds of imports: such a test carries @pytest.mark.process, and an unmarked test that starts one
+    fails, naming the program, so the loop stays fast without anyone keeping a list."""
+    if request.node.get_closest_marker("process") is not None:
+        yield
+        return
+    started = started_programs(request, monkeypatch)
+    yield
+    if os.environ.get("VAE_TEST_PROCESS_AUDIT"):  # list them instead (used once, to mark the suite)
+        if started:
+            with open(os.environ["VAE_TEST_PROCESS_AUDIT"], "a") as f:
+                f.write(f"{request.node.nodeid}\t{started[0][:160]}\n")
+        return
+    assert not started, (f"this test started a program ({started[0][:160]}): mark it @pytest.mark.process, or keep "
+                         f"it in-process")
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         mark = item.get_closest_marker("timeout")
@@ -162,3 +200,11 @@ def record_ops():
                     and any(d in (torch.bfloat16, torch.float16) for d in dtypes)]
 
     return RecordOps()
+
+
+def objective_of(cfg, vgg_features=None, with_lpips: bool = True, z_channels: int | None = None, **kwargs):
+    """objective.VAEObjective.from_config with a whole config's sections (the trainer's composition, without it)."""
+    from objective import VAEObjective
+    return VAEObjective.from_config(cfg.loss, cfg.latents, cfg.critic, cfg.speed.precision, vgg_features, with_lpips,
+                                    z_channels=z_channels or cfg.model.vae_z_channels,
+                                    encoder_trains=cfg.finetune.train_parts != "decoder", **kwargs)

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import objective  # noqa: E402
 import vae_trainer  # noqa: E402
-from ae import AutoEncoder  # noqa: E402
+import train_state  # noqa: E402
 
 
 def steps_from_env(name: str) -> set[int]:
@@ -60,14 +60,14 @@ def faulty_train_step(self, *args):
         current_step[0] = None
 
 
-vae_forward = AutoEncoder.forward
+training_forward = train_state.TrainingForward.forward
 
 
-def faulty_vae_forward(self, *args, **kwargs):
-    recon, mean, logvar = vae_forward(self, *args, **kwargs)
+def faulty_training_forward(self, *args, **kwargs):
+    recon, *rest = training_forward(self, *args, **kwargs)
     if current_step[0] in NAN_RECON:
         recon = recon * float("nan")
-    return recon, mean, logvar
+    return recon, *rest
 
 
 objective_forward = objective.VAEObjective.forward
@@ -81,7 +81,7 @@ def faulty_objective_forward(self, *args, **kwargs):
 
 
 vae_trainer.Trainer.train_step = faulty_train_step
-AutoEncoder.forward = faulty_vae_forward
+train_state.TrainingForward.forward = faulty_training_forward
 objective.VAEObjective.forward = faulty_objective_forward
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
 import memory  # noqa: E402
 from ae import AutoEncoder  # noqa: E402
-from vae_trainer import build_objective  # noqa: E402
+from conftest import objective_of  # noqa: E402
 from ae import AutoEncoderParams
+from objective import MicroBatch
 
 torch.set_num_threads(1)
 batch, resolution, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -25,7 +26,7 @@ cfg = config.resolve_auto(config.unflatten(dict(
 torch.manual_seed(0)
 vae = AutoEncoder(AutoEncoderParams.from_config(cfg.model))
 vae.set_grad_checkpointing(mode)
-objective = build_objective(cfg, None, with_lpips=True)
+objective = objective_of(cfg, None, with_lpips=True)
 # the estimate runs at 64 and 128 px, far below the step measured here, so its own peak stays under the base
 estimate = memory.estimate_step_memory(vae, objective, memory.StepShape(batch, resolution, grad_checkpointing=mode),
                                        ema=False)
@@ -36,7 +37,7 @@ with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets the peak (VmHWM) to the resident memory now
 optimizer = torch.optim.AdamW(vae.parameters())
 recon, mean, logvar = vae(x)
-loss, _ = objective(x, recon.float(), mean, logvar, 0)
+loss, _ = objective(MicroBatch(x, recon.float(), mean, logvar, 0))
 loss.backward()
 optimizer.step()
 with open("/proc/self/status") as f:

@@ -159,20 +159,19 @@ VF_FLAGS = ["--vf_weight", "0.5", "--vf_model", "dinov2_vits14", "--vf_weights",
 def test_alignment_term_through_the_objective():
     """The objective's vf Term: loss/vf is VA-VAE's two terms on the projected latent, loss/total counts it with
     its weight, and its gradient at the latent has GradNorm's norm vf_weight (a branch, like the pixel one)."""
-    import objective
-    import vae_trainer
-    from conftest import TINY
+    from conftest import TINY, objective_of
+    from objective import MicroBatch
     cfg = run_setup.parse_config(["--dataset_url", "x", *TINY, *VF_FLAGS, "--perceptual_weight", "0",
                                     "--kl_weight", "0"])
     torch.manual_seed(0)
-    obj = vae_trainer.build_objective(cfg, None, with_lpips=False, z_channels=4)
+    obj = objective_of(cfg, None, with_lpips=False, z_channels=4)
     vf = obj.alignment
     assert vf.foundation.feature_dim == 384  # ViT-S/14, as --vf_model says
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(2, 3, 64, 64, generator=gen) * 2 - 1
     recon = (torch.rand(2, 3, 64, 64, generator=gen) * 2 - 1).requires_grad_()
     latent = torch.randn(2, 4, 16, 16, generator=gen).requires_grad_()
-    loss, logs = obj(x, recon, latent, None, 0, latent=latent, images=x)
+    loss, logs = obj(MicroBatch(x, recon, latent, None, 0, latent=latent, images=x))
     cosine, distmat = alignment.vf_loss_terms(vf.projection(latent), vf.foundation(x, (16, 16)))
     assert logs["loss/vf"].item() == pytest.approx((cosine + distmat).item(), rel=1e-6) and logs["loss/vf"] > 0
     assert logs["loss/vf_cosine"].item() == pytest.approx(cosine.item(), rel=1e-6)
@@ -254,6 +253,7 @@ def _run_args(url, out, run, steps, save, *extra):
             "--probe_images", "6", "--probe_heldout", "2", "--probe_steps", "2", "--probe_batch_size", "4", *extra]
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_resume_with_alignment_and_probe_on_is_bitwise(shard_url, tmp_path):
     """Stopped at step 3 (before that step's probe, which the uninterrupted run does) and resumed: the VAE, the
@@ -292,6 +292,7 @@ def test_resume_with_alignment_and_probe_on_is_bitwise(shard_url, tmp_path):
     assert all(torch.equal(exported[k], a["training"]["vae"][k]) for k in exported)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_two_ranks_train_the_projection_in_sync_and_probe_like_one(shard_url, tmp_path):
     """2 gloo ranks with the alignment (accumulation, bf16, checkpointing): the VAE and the projection stay equal on

@@ -125,6 +125,7 @@ def test_the_run_lock_never_holds_a_file_its_holder_removed(tmp_path, monkeypatc
         third[0].close()
 
 
+@pytest.mark.process
 def test_the_run_lock_waits_for_a_holder_that_is_exiting(tmp_path):
     """An elastic restart's new rank 0 may start while the old one is still exiting: the lock is waited for (up to
     wait_s), not refused at once (issue 31 item 8)."""

@@ -523,6 +523,7 @@ def short_timeouts(monkeypatch):
     monkeypatch.setattr(sources, "PROBE_TIMEOUT_S", 3)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_remote_shards_stream_like_local_ones(remote, solid_shards):
     """The curl path reads exactly what the local path reads."""
@@ -534,6 +535,7 @@ def test_remote_shards_stream_like_local_ones(remote, solid_shards):
     assert http == local == Counter()
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_dead_or_hung_remote_shards_are_skipped_and_counted(remote, short_timeouts):
     """Mid-run, a refused connection and a server that never answers cost a skipped shard each (counted in
@@ -577,6 +579,7 @@ def shard_server_process(directory: str, port: int):
         proc.wait()
 
 
+@pytest.mark.process
 @pytest.mark.timeout(90)
 def test_a_shard_server_outage_is_ridden_out(solid_shards, capfd):
     """Serve 3 shards, read a few batches, stop the server for OUTAGE_S seconds, start it again: the stream waits
@@ -607,6 +610,7 @@ def test_a_shard_server_outage_is_ridden_out(solid_shards, capfd):
     assert re.search(r"warning: data worker 0: shards readable again after \d+ s", err), err
 
 
+@pytest.mark.process
 @pytest.mark.timeout(90)
 def test_a_shard_server_that_stays_down_ends_the_run_in_one_line_after_the_budget(solid_shards):
     """The budget spent without a readable shard: one line, from the data worker process, naming the URL's
@@ -703,6 +707,7 @@ def newest_checkpoint_step(run_dir) -> int | None:
     return load_checkpoint(files[0])["run"]["step"] if files else None
 
 
+@pytest.mark.process
 @pytest.mark.timeout(150)
 def test_a_run_whose_shard_server_stays_down_stops_in_one_line_with_a_checkpoint_of_its_last_step(solid_shards,
                                                                                                    tmp_path):
@@ -726,6 +731,7 @@ def test_a_run_whose_shard_server_stays_down_stops_in_one_line_with_a_checkpoint
     assert ckpt["run"]["ranks"][0]["data"]["batches"] == last_step  # the stream's position at the end of that step
 
 
+@pytest.mark.process
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("num_workers", [1, 0])
 def test_a_stop_signal_during_an_outage_is_honoured_at_once_with_a_checkpoint(solid_shards, tmp_path, num_workers):
@@ -755,6 +761,7 @@ def test_a_stop_signal_during_an_outage_is_honoured_at_once_with_a_checkpoint(so
     assert stopped_in < 45, stopped_in  # ~1 s to see the flag, then the save and the workers' shutdown (5 s)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(240)
 def test_a_stop_on_one_rank_during_an_outage_stops_every_rank(solid_shards, tmp_path):
     """Issue 31 item 1: torchrun, 2 ranks, --num_workers 0; the shard server goes away and the ranks wait, each in
@@ -856,7 +863,8 @@ def data_workers(trainer_pid: int) -> list[int]:
     return workers
 
 
-@pytest.mark.parametrize("start_method", START_METHODS)
+@pytest.mark.parametrize("start_method", [pytest.param(m, marks=[pytest.mark.process] if m != "fork" else [])
+                                          for m in START_METHODS])  # spawn and forkserver start interpreters
 def test_train_loader_reads_under_every_start_method(solid_shards, start_method):
     """Python 3.14 made forkserver Linux's default start method, and spawn is macOS's: the workers must live as long
     as the trainer under each (they watch the trainer's pid: under forkserver their parent is the fork server, and
@@ -906,6 +914,7 @@ def test_closing_the_loader_survives_a_worker_that_dies_on_its_way_out(solid_sha
     assert sorted(w.exitcode for w in workers) == [-signal.SIGABRT] * 2  # they did die as asked
 
 
+@pytest.mark.process
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("start_method", START_METHODS)
 def test_data_workers_die_with_a_killed_trainer(solid_shards, tmp_path, start_method):
@@ -953,6 +962,7 @@ def test_data_workers_die_with_a_killed_trainer(solid_shards, tmp_path, start_me
                         os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.process
 def test_a_worker_sees_its_trainer_end_also_as_an_unreaped_zombie():
     """The check behind every start method: the watch on the trainer's pid returns as soon as the trainer has
     ended, also while it is an unreaped zombie (it has died; its parent has not waited for it yet), and a worker
@@ -979,6 +989,7 @@ def test_a_worker_sees_its_trainer_end_also_as_an_unreaped_zombie():
     assert not data.TrainerWatch(trainer.pid).alive()  # reaped: exit_with_trainer then exits at once
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_unreadable_remote_dataset_fails_at_start(remote, short_timeouts):
     """The start-up probe: no readable shard among those tried is one line within the probe time; one readable
@@ -992,6 +1003,7 @@ def test_unreadable_remote_dataset_fails_at_start(remote, short_timeouts):
         sources.probe_remote_shards(sources.list_shards(f"{remote['hang']}::{remote['good']}::{remote['dead']}"))
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_unreachable_dataset_url_is_one_line_before_anything_starts(remote, tmp_path):
     """The CLI with the default timeouts: a refused URL is one `error:` line at once, no run directory."""
@@ -1211,6 +1223,7 @@ def read_tar_members(paths: list[str]) -> dict[str, bytes]:
     return members
 
 
+@pytest.mark.process
 def test_make_shards_cli(image_folder, tmp_path):
     src, files = image_folder
     dst = tmp_path / "dst"
@@ -1237,6 +1250,7 @@ def test_make_shards_cli(image_folder, tmp_path):
         assert loader.skipped()["corrupt"] == 0
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("args", [["make-shards", "/nonexistent/src", "/tmp/whatever"],
                                   ["make-shards", "{src}", "{dst}", "--shard_size", "0"]])
 def test_make_shards_bad_input(tmp_path, args):

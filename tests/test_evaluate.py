@@ -277,6 +277,7 @@ def test_tiled_decode_with_groupnorm_is_close_and_seamless():
 EVAL_ARGS = ["--max_images", "3", "--batch_size", "1", "--vgg16_weights", "random", "--inception_weights", "random"]
 
 
+@pytest.mark.process
 def test_cli_metrics_out_and_torchrun_agree(run_dir, shard_url, tmp_path):
     """3 images on 2 ranks (2 + 1): the same numbers as one process. batch_size 1 makes every image's
     forward pass identical in both runs, so only the float64 summation order differs (rel 1e-9)."""
@@ -300,6 +301,7 @@ def test_cli_metrics_out_and_torchrun_agree(run_dir, shard_url, tmp_path):
         assert multi[key] == pytest.approx(single[key], rel=1e-9), key
 
 
+@pytest.mark.process
 def test_cli_missing_weights_give_null_not_fake(run_dir, shard_url, tmp_path):
     """Default weights that cannot be downloaded (an empty cache, a dead proxy): lpips and rfid are null with
     a reason; PSNR/SSIM are still computed."""
@@ -313,6 +315,7 @@ def test_cli_missing_weights_give_null_not_fake(run_dir, shard_url, tmp_path):
     assert result["psnr"] > 0 and result["n_images"] == 2
 
 
+@pytest.mark.process
 def test_cli_latent_stats_with_ema(run_dir, shard_url):
     r = run_cli("evaluate.py", ["--ckpt", run_dir, "--dataset_url", shard_url, "--latent_stats", "--ema",
                                 "--max_images", "4", "--batch_size", "2"])
@@ -325,6 +328,7 @@ def test_cli_latent_stats_with_ema(run_dir, shard_url):
     assert stats["scaling_factor"] == pytest.approx(ref["scaling_factor"], rel=1e-5)
 
 
+@pytest.mark.process
 def test_cli_reconstructs_any_size(run_dir, photos_dir, tmp_path):
     """Sizes that are not multiples of the downsample factor (4) come back at their size and name, tiled
     (tile 32 px) or not."""
@@ -374,6 +378,7 @@ def test_reconstructions_keep_the_full_source_name(photos_dir, tmp_path):
             assert np.array_equal(np.asarray(out), expected), name
 
 
+@pytest.mark.process
 def test_cli_user_errors_are_one_line(run_dir, shard_url, tmp_path):
     r = run_cli("evaluate.py", ["--ckpt", str(tmp_path / "nope"), "--dataset_url", shard_url])
     assert_one_line_error(r)
@@ -401,6 +406,7 @@ def test_user_errors_in_process(run_dir, shard_url, tmp_path, capsys, args, mess
     assert err.startswith("error: ") and message in err and "\n" not in err
 
 
+@pytest.mark.process
 def test_the_standalone_commands_do_not_import_the_trainer():
     """evaluate, export and probe take their plumbing from common.py and checkpoint.py: none imports vae_trainer
     (which imports evaluate for evaluate_model), at import time or in their commands' functions."""

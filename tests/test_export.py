@@ -124,6 +124,7 @@ def test_diffusers_export_loads_back_exactly(name, tmp_path):
         assert torch.equal(vae.decode(z), loaded.decode(z))
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_evaluate_cli_takes_a_diffusers_export(tmp_path, photos_dir):
     """docs/evaluation.md's path: a checkpoint -> its diffusers export -> evaluate.py --ckpt <that folder>."""
@@ -171,6 +172,7 @@ def test_exported_files_honour_the_umask(tmp_path, umask):
     assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
 
 
+@pytest.mark.process
 def test_cli_diffusers_with_factors_and_ema(tmp_path):
     params = CONFIGS["constant_attn_3_levels"]
     save_checkpoint(tmp_path / "ckpt.pt", params)
@@ -190,6 +192,7 @@ def test_cli_diffusers_with_factors_and_ema(tmp_path):
         torch.testing.assert_close(load_diffusers(out).encode(x).latent_dist.mean, ema_vae.encode(x), atol=1e-5, rtol=0)
 
 
+@pytest.mark.process
 def test_cli_factors_from_latent_stats(tmp_path, photos_dir):
     params = CONFIGS["constant_no_attn_2_levels"]
     vae = save_checkpoint(tmp_path / "ckpt.pt", params)
@@ -204,6 +207,7 @@ def test_cli_factors_from_latent_stats(tmp_path, photos_dir):
     assert json.loads(r.stdout)["latent_stats"]["n_images"] == 4
 
 
+@pytest.mark.process
 def test_cli_defaults_and_clamp_warning(tmp_path):
     params = AutoEncoderParams(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4, use_attn=False, clamp_th=4.0)
     save_checkpoint(tmp_path / "ckpt.pt", params)
@@ -215,6 +219,7 @@ def test_cli_defaults_and_clamp_warning(tmp_path):
     assert (config["scaling_factor"], config["shift_factor"], config["sample_size"]) == (1.0, 0.0, 32)
 
 
+@pytest.mark.process
 def test_cli_user_errors(tmp_path, photos_dir):
     r = run_cli("export.py", ["--ckpt", str(tmp_path / "missing.pt"), "--out", str(tmp_path / "o")])
     assert_one_line_error(r, "missing.pt")

@@ -277,6 +277,7 @@ def final_checkpoint(runs, name, step=2) -> dict:
     return checkpoint.load_checkpoint(str(runs / name / "checkpoints" / f"step_{step:08d}.pt"))
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_flux2_decoder_only_fine_tune_under_torchrun_keeps_its_latent_space_bitwise(tmp_path, shard_url, capsys):
     """`torchrun --nproc_per_node=2 vae_trainer.py --init_from <AutoencoderKLFlux2 folder> --train_parts decoder`:
@@ -393,11 +394,11 @@ def test_the_teacher_decodes_the_transformed_latent_with_the_sources_own_decoder
             seen["z"] = z.detach().clone()
             return student_decode(z)
 
-        def forward(*a, **kw):
-            seen["teacher"], seen["recon"] = kw["teacher"], a[1]
-            terms = trainer.objective.terms(*a[:8], torch.ones(()), teacher=kw["teacher"])  # (x .. accum, scale)
+        def forward(batch):
+            seen["teacher"], seen["recon"] = batch.teacher, batch.recon
+            terms = trainer.objective.terms(batch, torch.ones(()))
             seen["distill"] = next(t for t in terms if t.name == "distill")
-            return objective_forward(*a, **kw)
+            return objective_forward(batch)
         trainer.vae.decode, trainer.objective.forward = decode, forward
         batch = next(trainer.loader)
         trainer.loader.close()

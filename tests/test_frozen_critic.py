@@ -12,9 +12,10 @@ import torch
 
 from config import resolve_auto, unflatten, with_values
 from conftest import FAULTY, TINY, cli_env, run_cli
-from vae_trainer import build_objective
+from conftest import objective_of
 from critics import FeatureCriticHeads, vgg16_features
 from utils import generator_active_fraction, generator_loss, gradnorm
+from objective import MicroBatch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -49,7 +50,7 @@ def test_shared_pass_gives_the_vae_the_gradient_of_separate_passes():
     and the generator term on their own trunk passes, each through its own GradNorm (loss scale 8, grad_accum 2,
     the thresholded target's sqrt(active fraction) with half the patches active)."""
     torch.manual_seed(0)
-    objective = build_objective(config(), None)
+    objective = objective_of(config(), None)
     heads = objective.critic
     assert isinstance(heads, FeatureCriticHeads)
     past_neutral_start(heads)
@@ -63,11 +64,11 @@ def test_shared_pass_gives_the_vae_the_gradient_of_separate_passes():
     active = generator_active_fraction(real_logits, fake_logits, cfg.loss.gen_loss, cfg.loss.gan_margin)
     assert 0 < active.item() < 1
 
-    loss, logs = objective(x, recon, mean, None, step, real_logits, fake_logits, accum, loss_scale=scale)
+    loss, logs = objective(MicroBatch(x, recon, mean, None, step, real_logits, fake_logits, accum, loss_scale=scale))
     shared = torch.autograd.grad(loss, recon)[0]
 
     use_config(objective, with_values(cfg, perceptual_weight=0.0, disc_start=10**6))  # pixel + KL only
-    rest, _ = objective(x, recon, mean, None, step, real_logits, fake_logits, accum, loss_scale=scale)
+    rest, _ = objective(MicroBatch(x, recon, mean, None, step, real_logits, fake_logits, accum, loss_scale=scale))
     use_config(objective, cfg)
     perceptual = objective.lpips(gradnorm(recon, scale * cfg.loss.perceptual_weight / accum), x).mean()
     g_in = gradnorm(recon, scale * cfg.loss.gan_weight * active.sqrt() / accum)
@@ -136,7 +137,7 @@ def test_stabiliser_flags_reach_the_step():
     """--gan_ramp_steps scales the generator term's weight; --r1_weight adds gamma/2 * R1 to the critic's loss (on
     the features when frozen); --diffaug changes what the trainable critic sees."""
     torch.manual_seed(0)
-    objective = build_objective(config(), None)
+    objective = objective_of(config(), None)
     past_neutral_start(objective.critic)
     objective.critic.eval()  # spectral norm's power iteration would change the critic between the calls compared
     x, recon, mean = inputs()
@@ -146,7 +147,7 @@ def test_stabiliser_flags_reach_the_step():
 
     def gan_logs(**changes):
         use_config(objective, config(**changes))
-        return objective(x, recon, mean, None, 3, real_logits, fake_logits)[1]
+        return objective(MicroBatch(x, recon, mean, None, 3, real_logits, fake_logits))[1]
     full, ramped = gan_logs(), gan_logs(gan_ramp_steps=8)  # step 3 = disc_start + 1: 2/8 of the weight
     torch.testing.assert_close(ramped["loss/gan_g"], full["loss/gan_g"])
     torch.testing.assert_close(ramped["loss/total"] - full["loss/total"],
@@ -160,7 +161,7 @@ def test_stabiliser_flags_reach_the_step():
     assert d_r1[3]["gan/r1"] > 0
     torch.testing.assert_close(d_r1[0], d_plain[0] + 5.0 * d_r1[3]["gan/r1"])
 
-    trainable = build_objective(config(critic_trunk="trainable", diffaug="translation,cutout"), None)
+    trainable = objective_of(config(critic_trunk="trainable", diffaug="translation,cutout"), None)
     for head in trainable.critic.heads:  # past the neutral start
         torch.nn.init.normal_(head[-1].weight)
     plain_logits = trainable.critic(x)
@@ -169,6 +170,7 @@ def test_stabiliser_flags_reach_the_step():
     assert not torch.allclose(augmented_logits, plain_logits)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(480)
 def test_frozen_critic_two_ranks_stopped_and_resumed_equals_uninterrupted(shard_url, tmp_path):
     """2 gloo ranks, frozen critic, R1 and the ramp on: the heads stay equal on both ranks (the critic's DDP);

@@ -71,6 +71,7 @@ def _channel_stats_worker(rank, world, port, z, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_channel_statistics_are_exact_under_two_ranks():
     """float64 sums all-reduced: 2 ranks over an uneven split give what one process gives over all images,
@@ -231,7 +232,8 @@ def test_the_added_scale_equivariance_term_on_a_constructed_case():
     """--scale_equivariance_form add: the extra decode's pixel losses against the downsampled image, weighted by
     alpha x --mse_weight, added to the full-resolution terms, which stay as they are. A reconstruction off by a
     constant c has pooled and low-pass MSE c^2; LPIPS of an image against itself is 0."""
-    from vae_trainer import build_objective
+    from conftest import objective_of
+    from objective import MicroBatch
     alpha, c = 0.5, 0.1
     args = ["--dataset_url", "x", *TINY, "--scale_equivariance_prob", "1", "--scale_equivariance_form", "add",
             "--scale_equivariance_weight", str(alpha), "--loss_balance", "none"]
@@ -240,9 +242,9 @@ def test_the_added_scale_equivariance_term_on_a_constructed_case():
     small_x = torch.nn.functional.interpolate(x, size=(32, 32), mode="area")
     mean = torch.randn(2, 4, 16, 16)
     cfg = run_setup.parse_config(args + ["--perceptual_weight", "0"])
-    objective = build_objective(cfg, None, with_lpips=False)
-    _, plain = objective(x, recon, mean, None, 0)
-    _, logs = objective(x, recon, mean, None, 0, added=(small_x, small_x + c))
+    objective = objective_of(cfg, None, with_lpips=False)
+    _, plain = objective(MicroBatch(x, recon, mean, None, 0))
+    _, logs = objective(MicroBatch(x, recon, mean, None, 0, added=(small_x, small_x + c)))
     assert logs["loss/se_pooled_mse"].item() == pytest.approx(c ** 2, rel=1e-5)
     assert logs["loss/se_lowpass_mse"].item() == pytest.approx(c ** 2, rel=1e-5)
     for name in ("loss/pooled_mse", "loss/lowpass_mse", "loss/kl"):  # the full-resolution terms, unchanged
@@ -251,9 +253,9 @@ def test_the_added_scale_equivariance_term_on_a_constructed_case():
     assert (logs["loss/total"] - plain["loss/total"]).item() == pytest.approx(added, rel=1e-4)
 
     cfg = run_setup.parse_config(args + ["--perceptual_weight", "1"])
-    objective = build_objective(cfg, None)  # random LPIPS: 0 for identical images whatever its weights
-    _, same_image = objective(x, recon, mean, None, 0, added=(small_x, small_x.clone()))
-    _, off = objective(x, recon, mean, None, 0, added=(small_x, small_x + c))
+    objective = objective_of(cfg, None)  # random LPIPS: 0 for identical images whatever its weights
+    _, same_image = objective(MicroBatch(x, recon, mean, None, 0, added=(small_x, small_x.clone())))
+    _, off = objective(MicroBatch(x, recon, mean, None, 0, added=(small_x, small_x + c)))
     assert same_image["loss/se_perceptual"].item() == 0 and off["loss/se_perceptual"].item() > 0
     assert torch.equal(same_image["loss/perceptual"], off["loss/perceptual"])
 
@@ -270,9 +272,9 @@ def test_the_added_form_keeps_the_full_resolution_losses_on_the_micro_batch_it_p
     trainer.loader.close()
     seen, forward = [], trainer.objective.forward
 
-    def spy(x, recon, *args, added=None, **kwargs):
-        loss, logs = forward(x, recon, *args, added=added, **kwargs)
-        seen.append((x.shape, recon.shape, added[0].shape, added[1].shape, set(logs)))
+    def spy(batch):
+        loss, logs = forward(batch)
+        seen.append((batch.x.shape, batch.recon.shape, batch.added[0].shape, batch.added[1].shape, set(logs)))
         return loss, logs
 
     trainer.objective.forward = spy
@@ -302,6 +304,7 @@ def _args(url, out, run, steps, save, *extra):
             "--keep_last_k", "20", *TINY, *REGS, *extra]
 
 
+@pytest.mark.process
 @pytest.mark.timeout(90)
 def test_resume_with_regularisers_on_is_bitwise(shard_url, tmp_path):
     ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 6, 6))
@@ -318,6 +321,7 @@ def test_resume_with_regularisers_on_is_bitwise(shard_url, tmp_path):
             assert torch.equal(value, b["training"]["optimizer"]["state"][pid][key]), (pid, key)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(90)
 def test_two_ranks_with_regularisers_accumulation_checkpointing_bf16_and_eval_diagnostics(shard_url, tmp_path):
     """DDP with both regularisers, --grad_accum 2, checkpointing and bf16: every rank runs the same collectives
@@ -349,6 +353,7 @@ def test_latent_noise_passes_the_gradient_through_unchanged():
 
 
 # ------------------------------------------------------------------------------------------ export
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_export_writes_per_channel_latents_mean_and_std(tmp_path, photos_dir):
     import evaluate as ev

@@ -19,6 +19,7 @@ import common
 import config
 import flags
 import run_setup
+from objective import MicroBatch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -58,7 +59,7 @@ def kl_to_pixel_gradient_ratio(trainer, x, mean, accum) -> float:
         set_weights(trainer.cfg, **{branch: 1.0})
         latent = mean.clone().requires_grad_()
         recon = trainer.vae.decode(latent).float()
-        loss, _ = trainer.objective(x, recon, latent, None, step=-1, accum=accum)  # -1: before --disc_start
+        loss, _ = trainer.objective(MicroBatch(x, recon, latent, None, step=-1, accum=accum))  # -1: before --disc_start
         norms[branch] = torch.autograd.grad(loss, latent)[0].norm().item()
     return norms["kl_weight"] / norms["mse_weight"]
 
@@ -110,7 +111,7 @@ def gan_gradient(trainer, recon_values, active):
     real = torch.where(active, fake + 1.0, fake - 1.0)
     recon = recon_values.clone().requires_grad_()
     x = torch.zeros_like(recon)
-    loss, _ = trainer.objective(x, recon, torch.zeros(1, 1, 1, 1), None, 0, real, fake)
+    loss, _ = trainer.objective(MicroBatch(x, recon, torch.zeros(1, 1, 1, 1), None, 0, real, fake))
     grad = torch.autograd.grad(loss, recon)[0]
     raw_in = recon_values.clone().requires_grad_()
     raw = torch.autograd.grad(generator_loss(trainer.adversary.critic(raw_in).float(), real, "thresholded", 0.1),
@@ -178,6 +179,7 @@ def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_gradnorm_target_is_the_mean_over_ranks(tmp_path):
     """Ranks with different active fractions: GradNorm averages the target weights with the norms, so every

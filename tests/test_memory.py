@@ -16,7 +16,7 @@ import memory
 import train_state
 from ae import AutoEncoder
 from conftest import ROOT, cli_env
-from vae_trainer import build_objective
+from conftest import objective_of
 from ae import AutoEncoderParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,12 +28,13 @@ WIDTH_32 = dict(vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_chan
 def build(**changes):
     cfg = config.resolve_auto(config.unflatten(dict(dataset_url="unused", **{**WIDTH_32, **changes})))
     torch.manual_seed(0)
-    return AutoEncoder(AutoEncoderParams.from_config(cfg.model)), build_objective(
+    return AutoEncoder(AutoEncoderParams.from_config(cfg.model)), objective_of(
         cfg, None, with_lpips=cfg.loss.perceptual_weight > 0, z_channels=cfg.model.vae_z_channels)
 
 
 # The estimate against the measured growth of a real step's peak RSS (LPIPS on). Measured: ratios 0.84-1.09 at
 # these and two GAN configs; 25% is the tolerance the estimate promises (enough to tell 23 GB from 40).
+@pytest.mark.process
 @pytest.mark.parametrize("batch,resolution,checkpointing", [(2, 192, "none"), (1, 384, "all")])
 def test_estimate_within_25_percent_of_a_real_steps_memory(batch, resolution, checkpointing):
     out = subprocess.run([sys.executable, "tests/memory_step.py", str(batch), str(resolution), checkpointing],
@@ -81,7 +82,7 @@ def test_a_decoder_only_fine_tune_is_estimated_without_the_encoders_activations_
     vae, objective = build(perceptual_weight=0)
     shape = memory.StepShape(batch_size=2, resolution=128)
     full = memory.estimate_step_memory(vae, objective, shape)
-    train_state.DecoderOnly(vae)  # freezes the encoder, as --train_parts decoder does
+    train_state.TrainingForward(vae, frozen_encoder=True)  # freezes the encoder, as --train_parts decoder does
     fine_tune = memory.estimate_step_memory(vae, objective, shape)
     encoder_params = sum(p.numel() for p in vae.encoder.parameters())
     assert fine_tune.weights == full.weights

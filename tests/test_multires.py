@@ -221,6 +221,7 @@ def _same_checkpoints(a: str, b: str) -> None:
         assert mine["data"] == theirs["data"] and torch.equal(mine["rng"]["torch"], theirs["rng"]["torch"])
 
 
+@pytest.mark.process
 def test_stop_inside_the_schedule_and_across_its_stage_change_resumes_bitwise(shard_url, tmp_path):
     """One process, 2 data workers, the critic on: SIGTERM stops the run at step 3 (inside the first stage, an odd
     number of batches read: the workers rotated); the resumed run crosses the stage change at step 4 and finishes.
@@ -239,6 +240,7 @@ def test_stop_inside_the_schedule_and_across_its_stage_change_resumes_bitwise(sh
                       os.path.join(tmp_path, "cut", "checkpoints", "step_00000007.pt"))
 
 
+@pytest.mark.process
 def test_two_ranks_train_every_step_at_one_size_and_the_last_stage_resumes_inside_it_bitwise(shard_url, tmp_path):
     """torchrun, 2 gloo ranks, --grad_accum 2, --last_stage_trains 1. Every micro-batch of a step, on both ranks, has
     the size the schedule draws for that step and its scaled batch; metrics.jsonl's train/resolution is each window's

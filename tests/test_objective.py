@@ -13,8 +13,8 @@ import torch
 
 from ae import kl_divergence
 from config import resolve_auto, unflatten, with_values
-from objective import Term, compose
-from vae_trainer import build_objective
+from objective import Term, compose, MicroBatch
+from conftest import objective_of
 from utils import discriminator_loss, generator_active_fraction, generator_loss, pooled_mse
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -42,7 +42,7 @@ def configured(objective, **changes):
 @pytest.fixture(scope="module")
 def objective():
     torch.manual_seed(0)
-    return build_objective(config(), None)
+    return objective_of(config(), None)
 
 
 @pytest.fixture
@@ -61,8 +61,8 @@ def test_loss_equals_its_recomputation_from_the_pieces(objective, inputs):
     cfg = config()
     real_logits, fake_logits = (objective.critic(t).float().detach() for t in (x, recon.detach()))
     scale = torch.tensor(8.0)
-    loss, logs = objective(x, recon, mean, None, step=cfg.loss.disc_start, real_logits=real_logits,
-                           critic_fake_logits=fake_logits, accum=2, loss_scale=scale)
+    loss, logs = objective(MicroBatch(x, recon, mean, None, step=cfg.loss.disc_start, real_logits=real_logits,
+                           fake_logits=fake_logits, accum=2, loss_scale=scale))
     with torch.no_grad():
         perceptual = objective.lpips(recon, x).float().mean()
         pooled, lowpass = pooled_mse(recon, x, cfg.loss.mse_pool_factor), objective.lowpass_mse(recon, x)
@@ -85,9 +85,9 @@ def test_loss_equals_its_recomputation_from_the_pieces(objective, inputs):
 def test_plain_sum_without_gradnorm(inputs):
     """--loss_balance none: the weighted mean losses over accum, no GAN term before --disc_start."""
     torch.manual_seed(0)
-    objective = build_objective(config(loss_balance="none", perceptual_weight=0.0, kl_weight=0.5), with_lpips=False)
+    objective = objective_of(config(loss_balance="none", perceptual_weight=0.0, kl_weight=0.5), with_lpips=False)
     x, recon, mean = inputs
-    loss, logs = objective(x, recon, mean, None, step=1, accum=4)
+    loss, logs = objective(MicroBatch(x, recon, mean, None, step=1, accum=4))
     cfg = config(loss_balance="none", perceptual_weight=0.0, kl_weight=0.5)
     pixel = (cfg.loss.pooled_mse_weight * pooled_mse(recon, x, 4)
              + cfg.loss.lowpass_mse_weight * objective.lowpass_mse(recon, x))
@@ -104,7 +104,7 @@ def test_each_gradnorm_branch_has_its_weight_as_gradient_norm(objective, inputs,
     """Only one branch on: its gradient on the reconstruction has norm weight * loss scale / accum."""
     x, recon, mean = inputs
     with configured(objective, **{**dict(perceptual_weight=0.0, mse_weight=0.0, kl_weight=0.0), branch: 0.7}):
-        loss, _ = objective(x, recon, mean.detach(), None, step=0, accum=2, loss_scale=torch.tensor(4.0))
+        loss, _ = objective(MicroBatch(x, recon, mean.detach(), None, step=0, accum=2, loss_scale=torch.tensor(4.0)))
         grad = torch.autograd.grad(loss, recon)[0]
     assert grad.norm().item() == pytest.approx(0.7 * 4.0 / 2, rel=1e-4)
 
@@ -121,8 +121,8 @@ def test_gan_target_is_its_weight_times_sqrt_active_fraction(objective, inputs, 
     real = torch.where(active.view_as(fake), fake + 1.0, fake - 1.0)  # active: the fake trails by more than the margin
     with configured(objective, perceptual_weight=0.0, mse_weight=0.0, kl_weight=0.0, gan_weight=0.5,
                     gen_loss="thresholded"):
-        loss, logs = objective(x, recon, mean.detach(), None, step=config().loss.disc_start, real_logits=real,
-                               critic_fake_logits=fake)
+        loss, logs = objective(MicroBatch(x, recon, mean.detach(), None, step=config().loss.disc_start, real_logits=real,
+                               fake_logits=fake))
         grad = torch.autograd.grad(loss, recon)[0]
     fraction = active_patches / fake.numel()
     assert logs["gan/active_fraction"].item() == pytest.approx(fraction)
@@ -139,8 +139,8 @@ def test_critic_loss_carries_lecam_and_the_frozen_critic_takes_no_gradient(objec
     assert not real_logits.requires_grad and torch.equal(logs["loss/disc"], d_loss)
     adversary.lecam.commit(skip=torch.zeros(()))
     with adversary.frozen():
-        loss, _ = objective(x, recon, mean, None, step=disc_start, real_logits=real_logits,
-                            critic_fake_logits=fake_logits)
+        loss, _ = objective(MicroBatch(x, recon, mean, None, step=disc_start, real_logits=real_logits,
+                            fake_logits=fake_logits))
         loss.backward()
     assert all(p.grad is None for p in adversary.critic.parameters())
     assert all(p.requires_grad for p in adversary.critic.parameters())
@@ -177,7 +177,7 @@ def test_the_adversary_trains_and_checkpoints_on_its_own(objective, inputs):
     assert set(state) == {"critic", "optimizer", "scheduler", "scaler", "lecam", "kind"}
     assert state["scheduler"]["last_epoch"] == 2
     assert state["kind"] == {"discriminator": "patchgan", "disc_norm": "none", "critic_trunk": "trainable"}
-    fresh = build_objective(config(), with_lpips=False).adversary
+    fresh = objective_of(config(), with_lpips=False).adversary
     fresh.prepare_training(config().optim, lambda params, lr: torch.optim.AdamW(params, lr=lr))
     other_kind = {**state["kind"], "disc_norm": "group_spectral"}
     fresh.load_state_dict({**state, "kind": other_kind}, log=lambda m: None)

@@ -50,6 +50,7 @@ def test_curves_from_a_synthetic_metrics_file(tmp_path):
     assert image.shape[0] > 400 and image.shape[1] > 800 and image.std() > 10  # drawn, not blank
 
 
+@pytest.mark.process
 def test_the_command_writes_curves_of_a_real_run_and_one_error_line_without_metrics(shard_url, tmp_path, capsys):
     args = ["--dataset_url", shard_url, "--test_dataset_url", shard_url, "--output_dir", str(tmp_path),
             "--run_name", "r", "--max_steps", "2", "--log_every_n_steps", "1", "--evaluate_every_n_steps", "2",

@@ -136,8 +136,9 @@ def test_fp16_backward_through_lpips_and_the_critic_runs_at_the_loss_scale(shard
     for amp in (torch.float16, None):
         trainer.objective.amp_dtype = amp  # None: no autocast, the fp32 reference (same networks, same inputs)
         recon = recon0.clone().requires_grad_(True)
-        loss, _ = trainer.objective(x, recon, torch.zeros(1, 1, 1, 1), None, trainer.cfg.loss.disc_start, real_logits,
-                                    fake_logits, loss_scale=trainer.training.scaler.scale(torch.ones(())))
+        batch = objective.MicroBatch(x, recon, torch.zeros(1, 1, 1, 1), None, trainer.cfg.loss.disc_start,
+                                     real_logits, fake_logits, loss_scale=trainer.training.scaler.scale(torch.ones(())))
+        loss, _ = trainer.objective(batch)
         loss.backward()
     trainer.close()
     for name in ("perceptual", "pixel", "gan"):

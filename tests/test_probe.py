@@ -65,6 +65,7 @@ def _args(vaes, names, url, out, steps=6, *extra):
             "--patch_size", "4", "--warmup_steps", "1", "--max_test_images", "4", "--inception_weights", "none", *extra]
 
 
+@pytest.mark.process
 @pytest.mark.timeout(90)
 def test_two_ranks_table_holds_every_vae_and_is_fair(vaes, shard_url, tmp_path):
     """a, b, a under 2 gloo ranks: one row each; a's two rows are identical (same seed, init, batches and noise
@@ -82,6 +83,7 @@ def test_two_ranks_table_holds_every_vae_and_is_fair(vaes, shard_url, tmp_path):
     assert lines[0].startswith("vae") and all(vaes[n] in line for n, line in zip("aba", lines[1:]))
 
 
+@pytest.mark.process
 @pytest.mark.timeout(90)
 def test_resume_after_a_kill_is_exact(vaes, shard_url, tmp_path):
     ref = run_cli("probe.py", _args(vaes, "a", shard_url, tmp_path / "ref"))
@@ -101,6 +103,7 @@ def test_resume_after_a_kill_is_exact(vaes, shard_url, tmp_path):
     assert other.returncode == 2 and other.stderr.strip().startswith("error:") and "other settings" in other.stderr
 
 
+@pytest.mark.process
 @pytest.mark.timeout(40)
 def test_latents_of_other_shapes_are_refused_with_one_line(vaes, shard_url, tmp_path):
     proc = run_cli("probe.py", _args(vaes, "ac", shard_url, tmp_path))
@@ -117,6 +120,7 @@ def _heldout(path):
     return [row["heldout_loss"] for row in json.loads(path.read_text())["vaes"]]
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_state_and_latents_belong_to_the_vae_not_its_position_or_path(vaes, shard_url, tmp_path, capsys):
     """b probed after a into the same --out gives b's own numbers; a run folder rewritten with other weights and
@@ -196,6 +200,7 @@ def _rank_worker(rank, world, init_file, out):
         close_distributed(DistInfo())  # the probe's DDP may hold the group until the interpreter exits: end it now
 
 
+@pytest.mark.process
 @pytest.mark.timeout(90)
 def test_probe_numbers_are_equal_under_one_and_two_ranks(tmp_path):
     one = _heldout_and_in_loop(0, 1)

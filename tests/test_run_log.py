@@ -45,6 +45,7 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_metrics_under_two_ranks_are_the_mean_over_ranks_of_each_ranks_step_average(tmp_path):
     """What the log shows under DDP is what one rank's own average would be if the ranks agreed: every rank's

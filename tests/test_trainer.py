@@ -32,6 +32,7 @@ def _metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+@pytest.mark.process
 def test_help_lists_every_flag_with_its_default():
     proc = run_cli("vae_trainer.py", ["--help"])
     assert proc.returncode == 0, proc.stderr
@@ -64,6 +65,7 @@ def test_bad_flags_are_one_line_errors_before_anything_starts(tmp_path, capsys, 
     assert os.listdir(tmp_path) == []  # no run directory, no process group, no worker
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("url, message", [("missing/{00000..00003}.tar", "shard not found"),
                                           ("EMPTY_DIR", "holds no image files"),
                                           ("", "no dataset given")])
@@ -78,6 +80,7 @@ def test_bad_dataset_paths_via_the_cli(tmp_path, url, message):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.process
 def test_pixel_only_training_needs_no_vgg16(shard_url, tmp_path):
     """--perceptual_weight 0 without the VGG16 critic, the default --vgg16_weights torchvision and an empty
     torch cache (no download here): the run trains and never loads, requires or mentions VGG16."""
@@ -153,6 +156,7 @@ def wandb_records(path: str):
             yield record
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_wandb_offline_run_holds_the_history(shard_url, tmp_path):
     """The real wandb package, offline: the run's losses and sample grids are in <run_dir>/wandb. Also: a flag
@@ -192,6 +196,7 @@ def test_wandb_offline_run_holds_the_history(shard_url, tmp_path):
         assert logged_grid.size == grid.size == (history[2]["samples/width"], history[2]["samples/height"])
 
 
+@pytest.mark.process
 def test_torchrun_two_ranks_writes_everything(shard_url, tmp_path):
     """The issue's acceptance run: 2 gloo ranks, GAN on, a few steps."""
     out = tmp_path / "runs"
@@ -239,6 +244,7 @@ def test_torchrun_two_ranks_writes_everything(shard_url, tmp_path):
         assert grid.size == (4 * (8 * 66 + 2), 4 * (2 * 66 + 2))  # 64 px tiles written 4x enlarged for viewing
 
 
+@pytest.mark.process
 @pytest.mark.timeout(600)  # 80 CPU steps with 9 evaluations: 1-3 minutes
 def test_it_learns_on_real_photos(shard_url, tmp_path):
     """The held-out reconstruction (fixed center crops, posterior mean) improves clearly in 80 CPU steps. Pixel
@@ -258,6 +264,7 @@ def test_it_learns_on_real_photos(shard_url, tmp_path):
     assert (tmp_path / "learn" / "samples" / "eval_step_00000080.png").exists()
 
 
+@pytest.mark.process
 def test_demo_runs_from_nothing(tmp_path):
     """`python vae_trainer.py --demo` builds its shards from bundled photos and trains (shortened here). Without
     pretrained VGG16 weights (an empty torch hub cache) it says so in one line and builds no random VGG16: no
@@ -341,6 +348,7 @@ def test_automatic_defaults_are_resolved_to_numbers(argv, expected, shard_url):
     cfg.validate()  # every resolved value is a valid flag value
 
 
+@pytest.mark.process
 def test_a_run_written_before_norm_groups_existed_continues_with_its_32_groups(shard_url, tmp_path):
     """Runs from before --vae_norm_groups used 32 groups and did not record them. GroupNorm's weights have the
     same shapes with any group count, so resuming such a run at --vae_ch 32 with the new automatic 8 groups
@@ -412,6 +420,31 @@ def test_max_bad_steps_is_checked_every_step(shard_url, tmp_path, capsys, monkey
     assert "error: 3 consecutive steps had non-finite losses or gradients and were skipped" in capsys.readouterr().out
 
 
+def test_a_run_that_ends_inside_a_streak_of_skipped_steps_still_saves_its_last_step(shard_url, tmp_path,
+                                                                                     capsys, monkeypatch,
+                                                                                     one_torch_thread):
+    """The last steps of a run are non-finite and skipped (fewer than --max_bad_steps): the run ends and its final
+    checkpoint holds the last good weights at the last step. Before, the end of the run was treated as a periodic
+    save inside a streak ("not saving"), and everything since the previous save was lost."""
+    trainer = in_process_trainer(shard_url, tmp_path, "--max_steps", "5", "--save_every_n_steps", "100",
+                                 "--ema_decay", "0")
+    forward = trainer.objective.forward
+
+    def nan_from_step_3(*args, **kwargs):
+        loss, logs = forward(*args, **kwargs)
+        return (loss * float("nan") if trainer.step >= 3 else loss), logs
+    monkeypatch.setattr(trainer.objective, "forward", nan_from_step_3)
+    try:
+        assert trainer.train() == 0
+        weights = {k: v.clone() for k, v in trainer.vae.state_dict().items()}
+    finally:
+        trainer.close()
+    saved = torch.load(tmp_path / "vae" / "checkpoints" / "step_00000005.pt", weights_only=True)
+    assert saved["guard"] == {"bad_steps_total": 2, "bad_streak": 2}
+    assert all(torch.equal(saved["training"]["vae"][k], v) for k, v in weights.items())
+    assert "not saving" not in capsys.readouterr().out
+
+
 # The two edits a new loss term takes (docs/extending.md, "Change the loss"), applied to a copy of the repository:
 # a LossConfig field (its flag, its check, its row of the flag table) and one block in VAEObjective.terms.
 TOY_FIELD = ("    kl_weight: float = opt(",
@@ -423,6 +456,7 @@ TOY_BLOCK = ("        # A GradNorm branch's gradient has norm `weight` over all 
              "        # A GradNorm branch's gradient has norm `weight` over all the reconstruction's elements")
 
 
+@pytest.mark.process
 def test_a_new_loss_term_is_a_field_and_one_block(shard_url, tmp_path):
     """Issue 24 item 5, through the real path: a copy of the repository with the two edits trains with
     --toy_weight given on the command line; the term is backpropagated (the weights differ from a run with weight 0),
@@ -504,6 +538,7 @@ def test_pixel_only_evaluation_reports_lpips_missing_without_vgg16(shard_url, tm
     assert len(notes) == 1 and notes[0].startswith("note: evaluation's LPIPS will not be computed")
 
 
+@pytest.mark.process
 def test_a_step_that_clearly_will_not_fit_stops_before_training(shard_url, tmp_path):
     """Issue 18 item 2's case (2048 px, width 32, on CPU), at batch 16 so that it exceeds any test machine's RAM
     (about 400 GiB; batch 4 is 100 GiB): one line naming the flags that help, exit 2, nothing written."""
@@ -624,6 +659,7 @@ def test_a_continued_run_keeps_its_recipe_and_one_asked_to_stop_before_its_step_
     assert "done:" not in out and run_files(run) == before
 
 
+@pytest.mark.process
 def test_a_run_directory_belongs_to_one_job_at_a_time(shard_url, tmp_path, capsys, one_torch_thread):
     """Issue 23 item 9, two jobs at once in one run directory: the second is refused in one line naming the
     holder, before it writes anything; the lock does not outlive a job killed with SIGKILL."""

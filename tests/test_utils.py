@@ -78,6 +78,7 @@ def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.process
 @pytest.mark.timeout(180)  # two spawned gloo ranks: ~10-25 s
 def test_gradnorm_two_gloo_ranks(tmp_path):
     out = tmp_path / "out"

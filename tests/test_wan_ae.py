@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import ae
 import export
 import pretrained
+import train_state
 import wan_ae
 from wan_ae import WanImageAutoEncoder, WanImageParams
 
@@ -216,9 +217,10 @@ def test_interface_of_ae_autoencoder():
     torch.manual_seed(0)
     vae = WanImageAutoEncoder(WanImageParams(ch=16, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4)).train()
     assert vae.downsample_factor == 4 and vae.params.z_channels == 4
-    assert vae.params.posterior == "learned" and vae.params.quant_conv  # what DecoderOnly freezes with the encoder
+    assert vae.params.posterior == "learned" and vae.params.quant_conv  # frozen with the encoder by --train_parts
     x = images(2, 16)
-    recon, mean, logvar, added = vae(x, latent_transform=lambda z: 0 * z, also_decode=lambda z: z.flip(-1))
+    recon, mean, logvar, added, _ = train_state.TrainingForward(vae)(x, latent_transform=lambda z: 0 * z,
+                                                                     also_decode=lambda z: z.flip(-1))
     assert recon.shape == x.shape and mean.shape == logvar.shape == (2, 4, 4, 4)
     assert mean.dtype == logvar.dtype == torch.float32 and added.shape == x.shape
     with torch.no_grad():
@@ -410,6 +412,7 @@ def trainer_args(folder, shard_url, runs, name, *extra) -> list[str]:
             "--wandb_mode", "disabled", "--evaluate_every_n_steps", "0", "--mse_pool_factor", "4", *extra]
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_qwen_image_decoder_only_fine_tune_under_torchrun_keeps_the_encoder_and_exports_back(tmp_path, shard_url,
                                                                                             capsys):
