@@ -12,7 +12,7 @@ Weighting: VA-VAE scales the VF loss by LDM's adaptive weight, ||grad rec|| / ||
 layer, times 0.1. Here the branch goes through our GradNorm at the latent instead (`AlignmentLoss(z, images,
 weight)`): the VF gradient reaching the encoder has norm `weight`, whatever the loss's raw scale, the same
 mechanism that balances every other branch of our objective, with no extra autograd.grad pass, and exact under
-accumulation and DDP (GradNorm all-reduces its norm). The weight is therefore a gradient norm at the latent, not
+accumulation and DDP (GradNorm normalises each micro-batch on its own). The weight is therefore a gradient norm at the latent, not
 VA-VAE's 0.1 ratio: choose it by measurement.
 """
 from __future__ import annotations

@@ -88,7 +88,8 @@ class DataConfig:
                                      "on resume), and a micro-batch at size s holds max(1, round(batch_size x "
                                      "(vae_resolution / s)^2)) images: about constant pixels per step. '': "
                                      "--vae_resolution alone (docs/training.md, 'Train at 256, serve at 1024')")
-    shuffle_buffer: int = opt(1000, "samples held (as raw bytes) in each worker's shuffle buffer")
+    shuffle_buffer: int = opt(1000, "samples held (as raw bytes) in the shuffle buffers of one micro-batch's lanes "
+                                    "(each lane: this / --batch_size); a rank holds --grad_accum x this")
     resize_prob: float = opt(0.5, "probability of resizing the shorter side to the crop size before cropping "
                                   "(a whole-image view); otherwise crops are taken at native scale")
     max_image_pixels: int = opt(100_000_000, "images with more pixels are skipped (decompression bombs)")
@@ -392,8 +393,9 @@ class LatentsConfig:
     GROUP: ClassVar[str] = "latents"  # the --help group
     TITLE: ClassVar[str] = "Latents for diffusion"  # the flag table's heading
 
-    scale_equivariance_prob: float = opt(0.0, "probability per micro-batch that the latent is downsampled (and "
-                                              "rotated/flipped with --scale_equivariance_rotate) and decoded, and "
+    scale_equivariance_prob: float = opt(0.0, "probability per step (all its micro-batches) that the latent is "
+                                              "downsampled (and rotated/flipped with --scale_equivariance_rotate) "
+                                              "and decoded, and "
                                               "the losses compare with the equally downsampled image (a smoother, "
                                               "more diffusable latent; --scale_equivariance_form). 0: off")
     scale_equivariance_form: str = opt("replace", "replace: that decode replaces the full-resolution reconstruction "

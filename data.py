@@ -4,16 +4,21 @@ once for evaluation. Writing shards, the demo's data and the `make-shards` comma
 Training stream
   * `--dataset_url` is what webdataset accepts (brace-expanded local paths, http(s)://, pipe:...,
     several lists joined by '::') or a plain directory of images.
-  * Shards are split across ranks and dataloader workers (every data worker owns shards[g::G]);
-    with fewer shards than workers every worker reads all shards in its own order.
+  * The stream is global: step s has M = ranks x --grad_accum micro-batches, and image i of micro-batch j comes
+    from lane j * P + i % P (P: --batch_size at the run's start). Every lane reads every shard, epoch after epoch,
+    through its own shuffle buffer of raw bytes (--shuffle_buffer / P samples): the lanes go round one seeded
+    order of the shards per epoch, each starting at its own place (lane g of L at g / L of the way), so at any
+    time they read different shards and one pass of the data reads each image once (with fewer shards than
+    lanes, each lane has an order of its own). Its randomness is counter-based (seed, lane, counter). So a step's images depend on the seed and the step alone, not on
+    which rank or data worker computes them: a rank's lanes are dealt to its workers, and a run resumed on
+    another number of ranks (--grad_accum following, so that M stays) or workers continues the same stream.
   * The stream is endless (epoch after epoch, each in a fresh shard order) and the trainer runs a
     step budget, so every rank runs the same number of steps whatever the shard count.
-  * Samples pass through a shuffle buffer of raw bytes, then are decoded, converted to RGB, cropped
-    in uint8 and flipped. Batches stay uint8 until the device ([-1, 1] floats are made there).
-  * All randomness is counter-based (seed, stream, counter), so a worker's whole state is a few
-    integers plus the keys of the samples in its buffer: checkpoints store it and a resumed run
-    sees exactly the batches the uninterrupted run would have seen. This is why the shuffling is
-    ours and not webdataset's (whose buffer cannot be saved); reading, key grouping and URL
+  * Samples are decoded, converted to RGB, cropped in uint8 and flipped. Batches stay uint8 until the device
+    ([-1, 1] floats are made there).
+  * A lane's whole state is a few integers plus the keys of the samples in its buffer: checkpoints store every
+    lane's, and a resumed run sees exactly the batches the uninterrupted run would have seen. This is why the
+    shuffling is ours and not webdataset's (whose buffer cannot be saved); reading, key grouping and URL
     handling are webdataset's, except that http(s) shards are fetched by our own curl call, whose
     waits are bounded (see "Remote shards").
   * Corrupt, empty, non-image, oversized and unreadable members are skipped and counted, and so
@@ -23,6 +28,7 @@ CLI: python data.py make-shards SRC_DIR DST_DIR [--shard_size 1000]  (shards.py'
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import io
@@ -50,7 +56,7 @@ from sources import IMAGE_EXTS, DatasetError, is_remote, iter_shard, list_shards
 
 SKIP_REASONS = ("corrupt", "non_image", "too_large", "shard_errors")  # events: each time a bad item is met
 # TrainLoader.skipped(): the events, plus "files": the distinct bad samples and shards among them (counted up to
-# MAX_BAD_TRACKED per data worker), and "outage_waits": the back-off waits while no shard could be read
+# MAX_BAD_TRACKED per lane), and "outage_waits": the back-off waits while no shard could be read
 DATA_COUNTS = SKIP_REASONS + ("files", "outage_waits")
 MAX_BAD_TRACKED = 1000
 
@@ -248,15 +254,15 @@ WAIT_POLL_S = 1.0  # how often the trainer's wait for a batch checks for a stop 
 
 
 class Outage:
-    """A time when none of a worker's remote shards could be read: waits with exponential back-off (capped)
+    """A time when none of a lane's remote shards could be read: waits with exponential back-off (capped)
     between passes over the shards, and gives up with one line once `budget_s` has gone by. `should_stop`: asked
     through the waits when the stream runs in the trainer's own process (--num_workers 0), where no DataLoader
     timeout returns to the trainer while it waits: a stop request raises WaitInterrupted at once."""
 
-    def __init__(self, worker: int, budget_s: float, first_error: str, should_stop: Callable[[], bool] | None = None):
-        self.worker, self.budget_s, self.should_stop = worker, budget_s, should_stop
+    def __init__(self, lane: int, budget_s: float, first_error: str, should_stop: Callable[[], bool] | None = None):
+        self.lane, self.budget_s, self.should_stop = lane, budget_s, should_stop
         self.start, self.next_wait = time.monotonic(), RETRY_FIRST_WAIT_S
-        warn(f"data worker {worker}: no shard could be read ({first_error}); retrying for up to "
+        warn(f"data lane {lane}: no shard could be read ({first_error}); retrying for up to "
              f"{budget_s / 60:g} min (--shard_retry_minutes)")
 
     def elapsed(self) -> float:
@@ -272,22 +278,27 @@ class Outage:
         self.next_wait = min(2 * self.next_wait, RETRY_MAX_WAIT_S)
 
 
-class _WorkerStream:
-    """One data worker's endless stream: epochs of its shards in seeded order, a shuffle buffer of
-    raw samples, decoding. `state_dict()` is small and exact."""
+class Lane:
+    """One lane of the run's global stream: epochs of its shards in seeded order, a shuffle buffer of raw samples,
+    decoding. Lane g supplies images g % P, g % P + P, ... of micro-batch g // P of every step (P: lanes per
+    micro-batch), whichever rank and data worker compute it: its randomness is keyed to (seed, lane, counter), so
+    its images depend on neither. `state_dict()` is small and exact, and moves with the lane to any worker."""
 
-    def __init__(self, shards: list, stream_id: int, n_streams: int, seed, resolution: int,
+    def __init__(self, shards: list, lane: int, n_lanes: int, seed, resolution: int,
                  buffer_size: int, resize_prob: float, max_pixels: int, state: dict | None = None,
                  retry_s: float = 1800.0, should_stop: Callable[[], bool] | None = None):
-        self.shards, self.stream_id, self.seed, self.retry_s = shards, stream_id, seed, retry_s
+        state = state or {}
+        self.shards, self.lane, self.retry_s = shards, lane, retry_s
+        self.seed = state.get("seed", seed)  # a lane made after the run's start keeps the seed it was made with
         self.should_stop = should_stop
         self.resolution, self.buffer_size = resolution, max(1, buffer_size)
         self.resize_prob, self.max_pixels = resize_prob, max_pixels
-        if len(shards) >= n_streams:
-            self.own = list(range(stream_id, len(shards), n_streams))
-        else:
-            self.own = list(range(len(shards)))
-        state = state or {}
+        # every lane reads every shard: with at least as many shards as lanes, all lanes go round one seeded order of
+        # the shards per epoch, lane g starting g / n_lanes of the way round, so that at any time the lanes read
+        # different shards and one pass of the data (shards / lanes of them per lane) reads each once; with fewer,
+        # each lane has an order of its own (a lane owning shards[g::n_lanes] sampled the images of lanes that own
+        # fewer, or smaller, shards more often)
+        self.start = lane * len(shards) // n_lanes if len(shards) >= n_lanes else None
         self.epoch = state.get("epoch", 0)
         self.pos = state.get("pos", 0)  # index into this epoch's shard order
         self.sample = state.get("sample", 0)  # next sample index within the current shard
@@ -299,9 +310,12 @@ class _WorkerStream:
         self.raw = self._raw()
 
     def _order(self, epoch: int) -> list[int]:
-        order = list(self.own)
-        _rng(self.seed, self.stream_id, "epoch", epoch).shuffle(order)
-        return order
+        order = list(range(len(self.shards)))
+        if self.start is None:
+            _rng(self.seed, self.lane, "epoch", epoch).shuffle(order)
+            return order
+        _rng(self.seed, "epoch", epoch).shuffle(order)
+        return order[self.start:] + order[:self.start]
 
     def _note_bad(self, key: tuple[int, int]) -> None:
         if len(self.bad) < MAX_BAD_TRACKED:
@@ -311,7 +325,7 @@ class _WorkerStream:
         empty_epochs, outage = 0, None
         # a remote shard that cannot be fetched may be back in a minute: a pass that fetched nothing starts an
         # outage, ridden out with back-off; local files that do not read will not get better by waiting
-        remote = any(isinstance(self.shards[i], str) and is_remote(self.shards[i]) for i in self.own)
+        remote = any(isinstance(shard, str) and is_remote(shard) for shard in self.shards)
         while True:
             order, got_any, errors = self._order(self.epoch), False, []
             while self.pos < len(order):
@@ -328,10 +342,10 @@ class _WorkerStream:
             self.epoch, self.pos = self.epoch + 1, 0
             if got_any:
                 if outage is not None:
-                    warn(f"data worker {self.stream_id}: shards readable again after {outage.elapsed():.0f} s")
+                    warn(f"data lane {self.lane}: shards readable again after {outage.elapsed():.0f} s")
                 empty_epochs, outage = 0, None
             elif remote and (fetch_errors := [reason for kind, reason in errors if kind == "shard"]):
-                outage = outage or Outage(self.stream_id, self.retry_s, fetch_errors[-1], self.should_stop)
+                outage = outage or Outage(self.lane, self.retry_s, fetch_errors[-1], self.should_stop)
                 outage.wait(fetch_errors[-1])
                 self.counters["outage_waits"] += 1
             else:
@@ -357,7 +371,7 @@ class _WorkerStream:
         while True:
             while len(self.buffer) < self.buffer_size:
                 self.buffer.append(next(self.raw))
-            rng = _rng(self.seed, self.stream_id, "draw", self.drawn)
+            rng = _rng(self.seed, self.lane, "draw", self.drawn)
             j = rng.randrange(len(self.buffer))
             key, sample = self.buffer[j]
             self.buffer[j] = self.buffer[-1]
@@ -377,24 +391,27 @@ class _WorkerStream:
                                        f"is this an image dataset?") from None
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos, "sample": self.sample, "drawn": self.drawn,
+        return {"seed": self.seed, "epoch": self.epoch, "pos": self.pos, "sample": self.sample, "drawn": self.drawn,
                 "counters": dict(self.counters), "buffer": [list(k) for k, _ in self.buffer],
                 "bad": [list(k) for k in sorted(self.bad)]}
 
 
 class TrainStream(IterableDataset):
-    """Yields dicts {images: uint8 (B, 3, R, R), worker: logical worker id, state, counters}. With a `schedule`
-    (ResolutionSchedule), R and B are those of the step each batch belongs to: logical worker w produces the
-    batches of global index b = first_batch + ... with b % W == w, micro-batch b belongs to optimizer step
-    b // grad_accum, or first_step + (b - first_batch) // grad_accum from the trainer's step at a step's start (a
-    run resumed with another --grad_accum counts its new steps from there), and the worker computes that step's size itself (the
-    schedule is pure)."""
+    """One rank's part of the global stream, as items of the DataLoader. Step s has M = world_size x grad_accum
+    micro-batches; this rank computes micro-batches rank * grad_accum ... + grad_accum - 1 of every step, and
+    micro-batch j is made of lanes j * P ... j * P + P - 1 (image i from lane j * P + i % P). The rank's lanes are
+    dealt to its data workers (local lane l to worker l % workers); every worker yields one item per `workers`
+    micro-batches, {parts: per micro-batch {index: the places of its images in it, size, count, states: {lane:
+    state}}, pixels: those images, flat uint8 in one tensor (one shared-memory transfer per item: about a
+    micro-batch's worth of images, as when a worker made whole micro-batches)}, so the DataLoader's round robin
+    hands the rank each group of micro-batches' parts in worker order. With a `schedule`
+    (ResolutionSchedule), R and the micro-batch's images are those of its step, which the worker computes itself
+    (the schedule is pure)."""
 
     def __init__(self, shards: list, resolution: int, batch_size: int, seed, rank: int, world_size: int,
-                 num_workers: int, shuffle_buffer: int, resize_prob: float, max_pixels: int,
-                 worker_states: dict | None = None, worker_offset: int = 0, retry_s: float = 1800.0,
-                 schedule: ResolutionSchedule | None = None, grad_accum: int = 1, first_batch: int = 0,
-                 first_step: int | None = None):
+                 num_workers: int, lane_buffer: int, resize_prob: float, max_pixels: int, lanes_per_micro: int,
+                 lane_states: dict | None = None, first: tuple[int, int] = (0, 0), retry_s: float = 1800.0,
+                 schedule: ResolutionSchedule | None = None, grad_accum: int = 1):
         super().__init__()
         self.retry_s = retry_s
         # the trainer's stop check, set on the copy the trainer's own process iterates (--num_workers 0); None in
@@ -402,46 +419,49 @@ class TrainStream(IterableDataset):
         self.should_stop: Callable[[], bool] | None = None
         self.shards, self.resolution, self.batch_size, self.seed = shards, resolution, batch_size, seed
         self.rank, self.world_size, self.num_workers = rank, world_size, max(1, num_workers)
-        self.shuffle_buffer, self.resize_prob, self.max_pixels = shuffle_buffer, resize_prob, max_pixels
-        self.worker_states = worker_states or {}
-        self.worker_offset = worker_offset
-        self.schedule, self.grad_accum, self.first_batch = schedule, max(1, grad_accum), first_batch
-        self.first_step = first_step  # None: every step had grad_accum micro-batches, step = b // grad_accum
+        self.lane_buffer, self.resize_prob, self.max_pixels = lane_buffer, resize_prob, max_pixels
+        self.lanes_per_micro, self.grad_accum = lanes_per_micro, max(1, grad_accum)
+        self.lane_states = lane_states or {}
+        self.first, self.schedule = first, schedule
 
-    def step_shape(self, batch_index: int) -> tuple[int, int]:
-        """(crop size, images) of the micro-batch of global index `batch_index`."""
+    @property
+    def n_lanes(self) -> int:
+        return self.world_size * self.grad_accum * self.lanes_per_micro
+
+    def step_shape(self, step: int) -> tuple[int, int]:
+        """(crop size, images) of a micro-batch of step `step`."""
         if self.schedule is None:
             return self.resolution, self.batch_size
-        step = (batch_index // self.grad_accum if self.first_step is None  # (at a step's start: the trainer's
-                else self.first_step + (batch_index - self.first_batch) // self.grad_accum)  # position is one)
         size = self.schedule.size_at(step)
         return size, self.schedule.batch_for(size)
 
     def __iter__(self):
         sources.forget_warnings()  # each stream names each bad file once: a new stream (a new run, a resume) does again
         info = get_worker_info()
-        physical = info.id if info is not None else 0
-        # DataLoader serves batches round-robin from physical worker 0; after a resume the next
-        # batch must come from logical worker (batches consumed % W), hence the rotation.
-        logical = (physical + self.worker_offset) % self.num_workers
-        stream = _WorkerStream(self.shards, self.rank * self.num_workers + logical,
-                               self.world_size * self.num_workers, self.seed, self.resolution,
-                               self.shuffle_buffer, self.resize_prob, self.max_pixels,
-                               self.worker_states.get(logical), self.retry_s,
-                               self.should_stop if info is None else None)
-        # DataLoader takes batch first_batch + k from physical worker k % W: this one's are every W-th from
-        # first_batch + physical
-        batch_index = self.first_batch + physical
+        worker = info.id if info is not None else 0
+        per_rank = self.grad_accum * self.lanes_per_micro
+        first_lane = self.rank * per_rank
+        lanes = {g: Lane(self.shards, g, self.n_lanes, self.seed, self.resolution, self.lane_buffer,
+                         self.resize_prob, self.max_pixels, self.lane_states.get(g), self.retry_s,
+                         self.should_stop if info is None else None)
+                 for g in range(first_lane + worker, first_lane + per_rank, self.num_workers)}
+        step, micro = self.first
         while True:
-            size, count = self.step_shape(batch_index)
-            batch_index += self.num_workers
-            try:
-                images = np.stack([stream.next_image(size) for _ in range(count)])
-            except DatasetError as e:  # crosses the worker boundary as data: one line, not a traceback
-                yield {"error": str(e)}
-                return
-            yield {"images": torch.from_numpy(images).permute(0, 3, 1, 2), "worker": logical,
-                   "state": stream.state_dict()}
+            parts, pixels = [], []
+            for _ in range(self.num_workers):  # an item: as many images as a whole micro-batch (one shared tensor)
+                size, count = self.step_shape(step)
+                base = first_lane + micro * self.lanes_per_micro
+                index = [i for i in range(count) if base + i % self.lanes_per_micro in lanes]
+                try:
+                    pixels += [lanes[base + i % self.lanes_per_micro].next_image(size).reshape(-1) for i in index]
+                except DatasetError as e:  # crosses the worker boundary as data: one line, not a traceback
+                    yield {"error": str(e)}
+                    return
+                touched = {base + i % self.lanes_per_micro for i in index}
+                parts.append({"index": index, "size": size, "count": count,
+                              "states": {g: lanes[g].state_dict() for g in touched}})
+                step, micro = (step, micro + 1) if micro + 1 < self.grad_accum else (step + 1, 0)
+            yield {"parts": parts, "pixels": torch.from_numpy(np.concatenate(pixels)) if pixels else None}
 
 
 class TrainerWatch:
@@ -529,7 +549,8 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
 
 
 class TrainLoader:
-    """The training batches of one rank, and the state that resumes them exactly."""
+    """The training batches of one rank, and the state that resumes them exactly, on any number of ranks and data
+    workers: the position is the step (and micro-batch) and every lane's state (TrainStream)."""
 
     def __init__(self, url: str, resolution: int, batch_size: int, seed: int, rank: int, world_size: int,
                  num_workers: int = 4, shuffle_buffer: int = 1000, resize_prob: float = 0.5,
@@ -537,24 +558,39 @@ class TrainLoader:
                  shard_retry_minutes: float = 30.0, schedule: ResolutionSchedule | None = None, grad_accum: int = 1,
                  step: int | None = None):
         """`schedule`: each step's crop size and images (--train_resolutions; None: `resolution` and `batch_size`
-        throughout), the step of a batch counted with `grad_accum` micro-batches per step from `step`, the trainer's
-        step at the stream's position, a step's start (default: from batch 0)."""
-        self.num_workers = max(0, num_workers)
-        logical_workers = max(1, self.num_workers)
-        shards = list_shards(url)
+        throughout); `grad_accum` micro-batches per step on each of `world_size` ranks; `step`: the trainer's step
+        at the stream's position, a step's start (default: the state's, else 0). `state`: a position of this
+        run's stream, from any rank count (merge_positions joins the ranks' own)."""
         state = state or {}
-        self.batches = int(state.get("batches", 0))
-        self.worker_states = dict(state.get("worker_states", {}))
-        if self.worker_states and state.get("num_workers") != logical_workers:
-            print(f"warning: the data stream was saved with {state.get('num_workers')} workers, not "
-                  f"{logical_workers}: it restarts from a fresh seed (not an exact resume)", file=sys.stderr)
-            self.worker_states = {}
-        stream_seed = seed if self.batches == 0 or self.worker_states else f"{seed}+{self.batches}"
-        self.few_shards = len(shards) < world_size * logical_workers
-        dataset = TrainStream(shards, resolution, batch_size, stream_seed, rank, world_size, logical_workers,
-                              shuffle_buffer, resize_prob, max_pixels, self.worker_states,
-                              self.batches % logical_workers, retry_s=60.0 * shard_retry_minutes,
-                              schedule=schedule, grad_accum=grad_accum, first_batch=self.batches, first_step=step)
+        shards = list_shards(url)
+        self.grad_accum, self.pin_memory = max(1, grad_accum), pin_memory
+        self.lanes_per_micro = int(state.get("lanes_per_micro", batch_size))
+        self.micro_batches = world_size * self.grad_accum
+        first = (int(state.get("step", 0)), int(state.get("micro", 0)))
+        self.position = first if step is None or step == first[0] else (step, 0)
+        per_rank = self.grad_accum * self.lanes_per_micro
+        mine = range(rank * per_rank, (rank + 1) * per_rank)
+        saved = {int(k): v for k, v in state.get("lanes", {}).items()}
+        self.notes = []
+        if state.get("worker_states") and not saved:
+            self.notes.append(f"the data stream was saved by an earlier release (per data worker): it starts afresh "
+                              f"at step {self.position[0]}")
+        if saved and state.get("micro_batches") != self.micro_batches:  # lanes would own other shards: anew
+            self.notes.append(f"the data stream was saved with {state.get('micro_batches')} micro-batches per step, "
+                              f"this run has {self.micro_batches}: it starts afresh at step {self.position[0]}")
+            saved = {}
+        # lanes of a new stream start from the seed; of one started anew during a run, from the seed and the step
+        fresh = {"seed": seed if self.position == (0, 0) else f"{seed}+{self.position[0]}"}
+        self.lane_states = {g: saved.get(g, fresh) for g in mine}
+        self.num_workers = min(max(0, num_workers), per_rank)  # a worker per lane at most
+        if num_workers > per_rank:
+            self.notes.append(f"--num_workers {num_workers}: {per_rank} data workers, one per lane of this rank "
+                              f"(--grad_accum x the lanes of a micro-batch)")
+        self.parts = max(1, self.num_workers)
+        lane_buffer = max(1, -(-shuffle_buffer // self.lanes_per_micro))
+        dataset = TrainStream(shards, resolution, batch_size, seed, rank, world_size, self.parts, lane_buffer,
+                              resize_prob, max_pixels, self.lanes_per_micro, self.lane_states, self.position,
+                              retry_s=60.0 * shard_retry_minutes, schedule=schedule, grad_accum=self.grad_accum)
         # with workers, the wait for a batch is cut into WAIT_POLL_S slices (DataLoader's timeout), so that a stop
         # request is seen while the workers back off through an outage (should_stop, set by the trainer)
         kwargs = (dict(prefetch_factor=4, persistent_workers=True, timeout=WAIT_POLL_S) if self.num_workers > 0
@@ -562,13 +598,15 @@ class TrainLoader:
         self.should_stop: Callable[[], bool] = lambda: False
         if self.num_workers == 0:  # the stream runs in this process: its outage waits ask the trainer themselves
             dataset.should_stop = lambda: self.should_stop()
-        # its own generator: creating the iterator must not draw from the global torch RNG, or a resumed
-        # run's posterior noise would be shifted by one draw
-        self.loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=pin_memory,
+        # its own generator: creating the iterator must not draw from the global torch RNG
+        # pinned once: by the DataLoader when one worker sends whole micro-batches, else where the parts meet
+        self.loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                                 pin_memory=pin_memory and self.parts == 1,
                                  generator=torch.Generator().manual_seed(0),
                                  worker_init_fn=functools.partial(init_data_worker, trainer_pid=os.getpid()),
                                  **kwargs)
         self._iter = None
+        self.ready: collections.deque = collections.deque()  # micro-batches received, not yet returned: (batch, states)
 
     @classmethod
     def of(cls, data, seed: int, rank: int, world_size: int, pin_memory: bool = False,
@@ -585,14 +623,21 @@ class TrainLoader:
         return self
 
     def __next__(self) -> torch.Tensor:
+        """The next micro-batch: the data workers' parts of it (TrainStream's items), put together."""
         if self._iter is None:
             self._iter = iter(self.loader)
-        item = self._next_item()
-        if "error" in item:
-            raise DatasetError(item["error"])
-        self.worker_states[item["worker"]] = item["state"]
-        self.batches += 1
-        return item["images"]
+        if not self.ready:
+            items = []
+            for _ in range(self.parts):
+                items.append(self._next_item())
+                if "error" in items[-1]:
+                    raise DatasetError(items[-1]["error"])
+            self.ready.extend(assemble(items, self.pin_memory and self.parts > 1))
+        batch, states = self.ready.popleft()
+        self.lane_states.update(states)
+        step, micro = self.position
+        self.position = (step, micro + 1) if micro + 1 < self.grad_accum else (step + 1, 0)
+        return batch
 
     def _next_item(self) -> dict:
         """The next item, waiting in WAIT_POLL_S slices; WaitInterrupted when should_stop() says so meanwhile."""
@@ -626,17 +671,54 @@ class TrainLoader:
         self._iter = None
 
     def skipped(self) -> dict[str, int]:
-        """DATA_COUNTS of this rank: the skip events by reason, the distinct bad files, the outage waits."""
+        """DATA_COUNTS of this rank's lanes since the run's start: the skip events by reason, the distinct bad files,
+        the outage waits."""
         total, bad = Counter(), set()
-        for st in self.worker_states.values():
+        for st in self.lane_states.values():
             total.update(st.get("counters", {}))
-            bad.update(tuple(k) for k in st.get("bad", []))  # workers share shards when they are few
+            bad.update(tuple(k) for k in st.get("bad", []))  # lanes share shards when they are few
         total["files"] = len(bad)
         return {k: int(total.get(k, 0)) for k in DATA_COUNTS}
 
     def state_dict(self) -> dict:
-        return {"batches": self.batches, "num_workers": max(1, self.num_workers),
-                "worker_states": {int(k): v for k, v in self.worker_states.items()}}
+        return {"step": self.position[0], "micro": self.position[1], "micro_batches": self.micro_batches,
+                "lanes_per_micro": self.lanes_per_micro, "lanes": dict(self.lane_states)}
+
+
+def assemble(items: list[dict], pin_memory: bool = False) -> list[tuple[torch.Tensor, dict]]:
+    """The micro-batches of one item from each data worker (TrainStream): [(uint8 (B, 3, R, R) in channels-last
+    memory, as one worker's crops are, {lane: state})]; `pin_memory`: put the parts together in pinned memory."""
+    out, offsets = [], [0] * len(items)
+    for k, first in enumerate(items[0]["parts"]):
+        size, count = first["size"], first["count"]
+        parts = []
+        for w, item in enumerate(items):
+            part, n = item["parts"][k], len(item["parts"][k]["index"]) * size * size * 3
+            parts.append((part, item["pixels"][offsets[w]:offsets[w] + n].view(-1, size, size, 3) if n else None))
+            offsets[w] += n
+        if len(parts) == 1:  # the whole micro-batch from one worker: no copy
+            batch = parts[0][1]
+        else:
+            batch = torch.empty((count, size, size, 3), dtype=torch.uint8, pin_memory=pin_memory)
+            for part, pixels in parts:
+                if pixels is not None:
+                    batch[part["index"]] = pixels
+        out.append((batch.permute(0, 3, 1, 2), {g: st for part, _ in parts for g, st in part["states"].items()}))
+    return out
+
+
+def merge_positions(positions: list[dict]) -> dict:
+    """One position of the global stream from the ranks' own (each holds its lanes): what a run resumed on any
+    number of ranks and workers starts from. An earlier release's (per data worker, no lanes) is passed on as it is:
+    the loader says that its stream starts afresh."""
+    if not positions:
+        return {}
+    if any("lanes" not in p for p in positions):
+        return positions[0]
+    merged = {**positions[0], "lanes": {}}
+    for p in positions:
+        merged["lanes"].update(p["lanes"])
+    return merged
 
 
 # --------------------------------------------------------------------------------------------

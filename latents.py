@@ -190,13 +190,15 @@ class LatentRegularisers:
     """Scale equivariance and latent noise. `draw` returns the loss target and the transform the model
     applies to the latent before decoding ((x, None) when neither applies: the step is bitwise the one
     without the flags); `draw_added` the additive form's extra decode. The equivariance decision, size and
-    rotation come from a CPU generator seeded by (seed, step, micro) only, so every rank takes the same branch;
-    the noise is drawn per rank on the device."""
+    rotation come from a CPU generator seeded by (seed, step) only, so every micro-batch of a step, on every
+    rank, takes the same branch; the noise is drawn on the device from (seed, step, micro-batch), the
+    micro-batch's index among the step's micro-batches of all ranks (`micro`), so it does not depend on which
+    rank computes it."""
 
-    def __init__(self, seed: int, rank: int, *, equivariance_prob: float = 0.0, equivariance_sizes: list[int] = (),
+    def __init__(self, seed: int, *, equivariance_prob: float = 0.0, equivariance_sizes: list[int] = (),
                  equivariance_rotate: bool = False, noise_prob: float = 0.0, noise_max: float = 0.0,
                  downsample_factor: int = 8, equivariance_form: str = "replace", latent_size: int = 0):
-        self.seed, self.rank, self.eq_form = seed, rank, equivariance_form
+        self.seed, self.eq_form = seed, equivariance_form
         self.eq_prob, self.eq_sizes, self.eq_rotate = equivariance_prob, list(equivariance_sizes), equivariance_rotate
         self.noise_prob, self.noise_max = noise_prob, noise_max
         self.factor = downsample_factor
@@ -213,7 +215,7 @@ class LatentRegularisers:
         if added:
             fraction = max(self.eq_sizes) / (self.latent_size or 2 * max(self.eq_sizes))
             size = min(latent_size - 1, max(1, round(latent_size * fraction), -(-min_image // self.factor)))
-        return LatentRegularisers(self.seed, self.rank, equivariance_prob=1.0 if size > 0 else 0.0,
+        return LatentRegularisers(self.seed, equivariance_prob=1.0 if size > 0 else 0.0,
                                   equivariance_sizes=[size] if size > 0 else [], equivariance_rotate=self.eq_rotate,
                                   noise_prob=self.noise_prob, noise_max=self.noise_max,
                                   downsample_factor=self.factor, equivariance_form=self.eq_form,
@@ -223,11 +225,11 @@ class LatentRegularisers:
     def active(self) -> bool:
         return (self.eq_prob > 0 and bool(self.eq_sizes)) or (self.noise_prob > 0 and self.noise_max > 0)
 
-    def equivariance(self, step: int, micro: int) -> tuple[int, int, bool] | None:
-        """(latent size, quarter turns, flip) of this micro-step, or None; the same on every rank."""
+    def equivariance(self, step: int) -> tuple[int, int, bool] | None:
+        """(latent size, quarter turns, flip) of this step, or None; the same for all its micro-batches."""
         if self.eq_prob <= 0 or not self.eq_sizes:
             return None
-        gen = _generator("cpu", self.seed, step, micro, 1)
+        gen = _generator("cpu", self.seed, step, 0, 1)
         draws = torch.rand(4, generator=gen, dtype=torch.float64).tolist()
         if draws[0] >= self.eq_prob:
             return None
@@ -238,13 +240,13 @@ class LatentRegularisers:
     def draw(self, x: Tensor, step: int, micro: int) -> tuple[Tensor, Callable[[Tensor], Tensor] | None]:
         if not self.active:
             return x, None
-        eq = self.equivariance(step, micro) if self.eq_form == "replace" else None
+        eq = self.equivariance(step) if self.eq_form == "replace" else None
         noise = self.noise_prob > 0 and self.noise_max > 0
         if eq is None and not noise:
             return x, None
         if eq is not None:
             x = dihedral(F.interpolate(x, size=(eq[0] * self.factor,) * 2, mode="area"), *eq[1:])
-        keys = (self.seed, step, micro, 2, self.rank)
+        keys = (self.seed, step, micro, 2)
 
         def to_decoder(z: Tensor) -> Tensor:
             if eq is not None:
@@ -259,7 +261,7 @@ class LatentRegularisers:
         """The additive form (`equivariance_form` "add"): on the micro-batches the draw picks (the same draw as
         the replace form's), the downsampled (rotated/flipped) image and the same transform of the latent, whose
         decode is the extra term's reconstruction; None otherwise. The latent noise is not applied to it."""
-        eq = self.equivariance(step, micro) if self.eq_form == "add" else None
+        eq = self.equivariance(step) if self.eq_form == "add" else None
         if eq is None:
             return None
         size, turns, flip = eq

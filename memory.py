@@ -106,7 +106,7 @@ def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_si
         step = objective.loss_cfg.disc_start if objective.adversary is not None else 0
     latent = resolution // vae.downsample_factor
     lpips_on = objective.lpips is not None and objective.loss_cfg.perceptual_weight > 0
-    regularisers = (regularisers or latents_lib.LatentRegularisers(0, 0)).costliest(
+    regularisers = (regularisers or latents_lib.LatentRegularisers(0)).costliest(
         latent, min_image=16 if lpips_on else 1)  # (LPIPS takes images of 16 px and more: config.LPIPS_MIN_SIZE)
     x = torch.rand(batch_size, 3, resolution, resolution, device=device) * 2 - 1
     phases: dict[str, tuple[int, int]] = {}
@@ -308,7 +308,7 @@ def _training_state_untouched(vae: nn.Module, objective):
                 for b, value in zip(buffers, saved):
                     b.copy_(value)
             if objective.adversary is not None and objective.adversary.lecam is not None:
-                objective.adversary.lecam.pending = None
+                objective.adversary.lecam.abandon()
             if cuda:
                 torch.cuda.empty_cache()  # the probes' blocks, before the real step allocates its own
 
@@ -347,7 +347,7 @@ def check_every_rank(vae: nn.Module, objective, shape: StepShape | list[StepShap
                      **features) -> str | None:
     """Before the first step and before anything is written: raises WontFit if the step clearly will not fit
     (REFUSE_ABOVE) on any rank, returns a warning line if it may not, else None. Every rank estimates for its own
-    device (the probes' LeCam update all-reduces, so all must run them); under torchrun the verdicts are gathered."""
+    device; under torchrun the verdicts are gathered (every rank takes part)."""
     # the probes run the modules eagerly: compiled (--compile), each probe size would be one more compilation (and
     # the estimate is of the eager step, which holds more than a compiled one)
     with torch.compiler.set_stance("force_eager"):

@@ -446,7 +446,7 @@ class Adversary:
         if self.moved_by_forward:
             torch._foreach_copy_(self.moved_by_forward, self.at_step_start)
         if self.lecam is not None:
-            self.lecam.pending = None
+            self.lecam.abandon()
 
     def step(self, bad: Tensor, step_optimizer) -> None:
         """The guarded optimizer step (`step_optimizer(optimizer, scaler, bad)`), LeCam's anchors, the schedule."""

@@ -26,10 +26,11 @@ class GradNormFunction(torch.autograd.Function):
     """Identity forward; backward rescales the incoming gradient to `weight / ||grad||`.
 
     One loss branch then contributes a gradient of norm `weight` to the reconstruction, whatever
-    its raw scale, which balances LPIPS, MSE and GAN without hand-tuned loss weights. Under DDP
-    the norm and the weight are the means of the ranks' values, all-reduced as one device tensor (no
-    host sync), so every rank applies the same scale (the GAN branch's weight differs per rank: it
-    follows the rank's active patches). The norm is accumulated in fp32.
+    its raw scale, which balances LPIPS, MSE and GAN without hand-tuned loss weights. The norm is the
+    micro-batch's own (accumulated in fp32), with no collective: a step's gradient is the mean of its
+    micro-batches' normalised gradients whichever ranks and accumulation compute them, so a run resumed on
+    another number of GPUs continues the same math (the reference trainer averaged the norm over the ranks
+    computing at the same time, which ties the step to the world size).
     """
 
     @staticmethod
@@ -41,13 +42,7 @@ class GradNormFunction(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):
         (weight,) = ctx.saved_tensors
         norm = torch.linalg.vector_norm(grad_output, dtype=torch.float32)
-        weight = weight.float()
-        world = _dist_world()
-        if world > 1:
-            stats = torch.stack([norm, weight])
-            dist.all_reduce(stats)  # SUM then divide: ReduceOp.AVG is NCCL-only
-            norm, weight = (stats / world).unbind()
-        scale = weight / (norm + 1e-12)
+        scale = weight.float() / (norm + 1e-12)
         return (grad_output.float() * scale).to(grad_output.dtype), None
 
 
@@ -217,11 +212,12 @@ def adaptive_gan_weight(rec_loss: Tensor, gan_loss: Tensor, last_layer: Tensor, 
 
 class LeCam(nn.Module):
     """LeCam regularisation (Tseng et al. 2021): keeps the critic's logits near EMA anchors of its own
-    past real/fake logits. The anchors are averaged across ranks and saved in checkpoints (buffers).
+    past real/fake logits, saved in checkpoints (buffers).
 
-    `update` moves only pending anchors (what `penalty` uses in this step); `commit` makes them the
-    anchors once the non-finite guard has judged the step. A skipped step (a NaN reconstruction, an
-    fp16 overflow) then leaves the anchors as they were, instead of poisoning them for good."""
+    A micro-batch's penalty uses the anchors of the step's start moved by its own logits' means (`update`);
+    `commit` moves the anchors once per step by the mean over all its micro-batches (one all-reduce), once the
+    non-finite guard has judged the step: a skipped step (a NaN reconstruction, an fp16 overflow) leaves them as
+    they were. Neither depends on how the micro-batches are spread over ranks and accumulation."""
 
     def __init__(self, decay: float = 0.99):
         super().__init__()
@@ -229,30 +225,39 @@ class LeCam(nn.Module):
         self.register_buffer("ema_real", torch.zeros(()))
         self.register_buffer("ema_fake", torch.zeros(()))
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
-        self.pending: tuple[Tensor, Tensor] | None = None  # (real, fake) anchors of the step in progress
+        self.pending: tuple[Tensor, Tensor] | None = None  # (real, fake) anchors of the micro-batch in progress
+        self.sums: Tensor | None = None  # this rank's (real, fake, micro-batches) sums over the step so far
+
+    def _moved(self, means: Tensor) -> tuple[Tensor, Tensor]:
+        decay = self.decay * self.initialized.float()  # the first step sets the anchors
+        return decay * self.ema_real + (1 - decay) * means[0], decay * self.ema_fake + (1 - decay) * means[1]
 
     @torch.no_grad()
     def update(self, real_logits: Tensor, fake_logits: Tensor) -> None:
         means = torch.stack([real_logits.float().mean(), fake_logits.float().mean()])
-        world = _dist_world()
-        if world > 1:
-            dist.all_reduce(means)
-            means /= world
-        real, fake = self.pending if self.pending is not None else (self.ema_real, self.ema_fake)
-        # the first update sets the anchors (grad accumulation: later micro-batches of that step average in)
-        decay = self.decay * (self.initialized | (self.pending is not None)).float()
-        self.pending = (decay * real + (1 - decay) * means[0], decay * fake + (1 - decay) * means[1])
+        self.pending = self._moved(means)
+        sums = torch.cat([means, means.new_ones(1)])
+        self.sums = sums if self.sums is None else self.sums + sums
 
     @torch.no_grad()
     def commit(self, skip: Tensor) -> None:
-        """Adopt the pending anchors unless `skip` (a device flag, no host sync)."""
-        if self.pending is None:
+        """Move the anchors by the step's mean logits unless `skip` (a device flag, no host sync); every rank
+        calls it."""
+        if self.sums is None:
             return
+        sums = self.sums
+        if _dist_world() > 1:
+            dist.all_reduce(sums)
+        real, fake = self._moved(sums[:2] / sums[2])
         keep = skip.bool()
-        self.ema_real.copy_(torch.where(keep, self.ema_real, self.pending[0]))
-        self.ema_fake.copy_(torch.where(keep, self.ema_fake, self.pending[1]))
+        self.ema_real.copy_(torch.where(keep, self.ema_real, real))
+        self.ema_fake.copy_(torch.where(keep, self.ema_fake, fake))
         self.initialized.copy_(self.initialized | ~keep)
-        self.pending = None
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Forget the step in progress (an abandoned step: out of memory)."""
+        self.pending = self.sums = None
 
     def penalty(self, real_logits: Tensor, fake_logits: Tensor) -> Tensor:
         real, fake = self.pending if self.pending is not None else (self.ema_real, self.ema_fake)

@@ -37,7 +37,7 @@ from alignment import fetch_foundation_weights
 from checkpoint import checkpoint_files
 from common import (ConfigError, DistInfo, StopFlag, any_rank, capture_rng, closing_distributed, init_distributed,
                     redact, restore_rng)
-from config import Config, last_stage_levels, public_config, uses_vgg16
+from config import Config, last_stage_levels, public_config, uses_vgg16, with_values
 from objective import AMP_DTYPES, Adversary, VAEObjective, micro_step
 from run_log import Metrics
 from run_setup import config_warnings, cpu_use_line, prepare_run, read_init_source
@@ -127,10 +127,10 @@ def vgg16_for_run(cfg: Config, info: DistInfo, eval_on: bool, log) -> tuple[dict
     return None, False
 
 
-def build_regularisers(cfg: Config, rank: int, downsample_factor: int) -> latents_lib.LatentRegularisers:
+def build_regularisers(cfg: Config, downsample_factor: int) -> latents_lib.LatentRegularisers:
     latents = cfg.latents
     return latents_lib.LatentRegularisers(
-        cfg.optim.seed, rank, equivariance_prob=latents.scale_equivariance_prob,
+        cfg.optim.seed, equivariance_prob=latents.scale_equivariance_prob,
         equivariance_sizes=latents_lib.equivariance_sizes_of(cfg), equivariance_rotate=latents.scale_equivariance_rotate,
         noise_prob=latents.latent_noise_prob, noise_max=latents.latent_noise_max, downsample_factor=downsample_factor,
         equivariance_form=latents.scale_equivariance_form,
@@ -175,6 +175,37 @@ class RunComplete(Exception):
     """The run directory's run has reached --max_steps already: the message says so, and nothing is written."""
 
 
+
+
+def micro_batches_kept(cfg: Config, resume: tuple[str, dict] | None, info: DistInfo, log) -> Config:
+    """A run resumed on another number of ranks keeps its M = ranks x --grad_accum micro-batches per step, whose
+    images and noise do not depend on the rank computing them (data.TrainStream, micro_seed): --grad_accum becomes
+    M / ranks, said in one line, or the run is refused in one line when the ranks cannot share M. An elastic
+    relaunch repeats the first command's --grad_accum, so a value given on another world size is set aside (said);
+    on the same world size it is the user's, as any flag given anew."""
+    if resume is None:
+        return cfg
+    run = resume[1]["run"]
+    world, accum = run.get("world_size", info.world_size), run.get("config", {}).get("grad_accum", 1)
+    if world == info.world_size:
+        return cfg
+    total = world * accum
+    if total % info.world_size:
+        raise ConfigError(f"{resume[0]} was written by {world} ranks x --grad_accum {accum} = {total} micro-batches "
+                          f"per step, which {info.world_size} ranks cannot share: resume on a number of ranks that "
+                          f"divides {total} (to change the step, continue on {world} ranks with another --grad_accum)")
+    kept = total // info.world_size
+    aside = (f" (--grad_accum {cfg.optim.grad_accum} set aside: another step is chosen on the same number of ranks)"
+             if cfg.optim.grad_accum not in (accum, kept) else "")
+    log(f"note: {resume[0]} was written by {world} ranks x --grad_accum {accum}; on {info.world_size} ranks "
+        f"--grad_accum {kept} keeps its {total} micro-batches per step (the same images and noise){aside}")
+    return with_values(cfg, grad_accum=kept)
+
+
+def micro_seed(seed: int, step: int, index: int) -> int:
+    """The global RNG's seed for micro-batch `index` of a step (its index among the step's micro-batches of all
+    ranks): the posterior noise and the critic's augmentations are the same whichever rank computes it."""
+    return hash((seed, step, index, 3)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def read_step_batches(loader, count: int) -> tuple[dict, list[torch.Tensor] | None, str | None]:
@@ -268,6 +299,7 @@ class Trainer:
         # Nothing is written to it before every check that can refuse the run has passed (start_run_dir, below).
         self.run_lock = run_lock or (checkpoint.RunLock(self.run_dir) if info.is_main else None)
         resume, set_aside = checkpoint.find_resume(cfg.run, cfg.model, info, self.log, self.run_lock)
+        cfg = self.cfg = micro_batches_kept(cfg, resume, info, self.log)  # on another number of ranks
         # an evaluation or probe due at the resumed step that a stop interrupted (its record missing) is redone
         self.owed = work_left(resume, cfg, self.eval_on, info, self.run_lock)
         max_steps = cfg.optim.max_steps
@@ -295,7 +327,7 @@ class Trainer:
         self.training = VAETraining(self.vae, cfg.optim, make_optimizer, self.wrap_ddp, self.device,
                                     cfg.finetune.train_parts, cfg.speed.precision, cfg.speed.compile,
                                     self.objective.alignment, teacher)
-        self.regularisers = build_regularisers(cfg, info.rank, self.vae.downsample_factor)
+        self.regularisers = build_regularisers(cfg, self.vae.downsample_factor)
         if cfg.speed.memory_check:  # before the critic's DDP wrapper (the probes run its forward without a backward)
             warning = memory.check_every_rank(
                 self.vae, self.objective, memory.StepShape.to_check(self.schedule, cfg.optim, cfg.speed), self.device,
@@ -313,15 +345,13 @@ class Trainer:
         data_state, self.resumed_from = None, None
         # a stop between steps saves the stream's position and the RNG from before the step it abandons (None: now)
         self.data_position, self.rng_position = None, None
-        torch.manual_seed(cfg.optim.seed + 1000 * info.rank)  # per-rank posterior noise
         if resume is not None:
             data_state = self.state.load_state_dict(*resume, log=self.log)["run"]
         self.loader = data_lib.TrainLoader.of(cfg.data, cfg.optim.seed, info.rank, info.world_size,
                                               pin_memory=self.device.type == "cuda", state=data_state,
                                               grad_accum=cfg.optim.grad_accum, step=self.step, schedule=self.schedule)
-        if self.loader.few_shards and info.is_main:
-            self.log(f"note: fewer shards than data workers ({info.world_size} x {max(1, cfg.data.num_workers)}): "
-                     "every worker reads every shard, in its own order")
+        for note in self.loader.notes:
+            self.log(f"note: {note}")
         self.in_loop_probe = (probe_lib.InLoopProbe(cfg.latents, cfg.data, cfg.optim.seed, self.device)
                               if cfg.latents.probe_every_n_steps else None)
         self.metrics = Metrics()
@@ -372,17 +402,10 @@ class Trainer:
                      f"{precision}" + (" (the fp16 loss scale starts afresh)" if precision == "fp16" else ""))
         self.resumed_from = path
         per_rank = state.get("ranks") or []
-        if len(per_rank) == self.info.world_size:
-            mine = per_rank[self.info.rank]
-            restore_rng(mine["rng"], self.device)
-            data_state = mine["data"]
-        else:
-            self.log(f"warning: {path} was written by {len(per_rank)} ranks, this run has {self.info.world_size}: "
-                     "weights and optimizer resume exactly, the data stream and noise restart from new seeds")
-            torch.manual_seed(self.cfg.optim.seed + 1000 * self.info.rank + 7919 * self.step)
-            data_state = {"batches": self.step * self.cfg.optim.grad_accum}
+        if len(per_rank) == self.info.world_size:  # (the training step seeds its own noise: micro_seed)
+            restore_rng(per_rank[self.info.rank]["rng"], self.device)
         self.log(f"resumed from {path} at step {self.step}")
-        return data_state
+        return data_lib.merge_positions([r["data"] for r in per_rank])  # every lane, whichever rank held it
 
     # ----------------------------------------------------------------------------- the loop
     def train(self) -> int:
@@ -448,7 +471,9 @@ class Trainer:
         for micro in range(accum):
             batch = batches[micro] if batches is not None else next(self.loader)
             x = data_lib.to_model_input(batch, self.device, self.channels_last)
-            out = micro_step(self.objective, self.training.ddp, x, self.step, micro, accum, micro == accum - 1,
+            index = self.info.rank * accum + micro  # among the step's micro-batches: its noise, on any rank count
+            torch.manual_seed(micro_seed(self.cfg.optim.seed, self.step, index))
+            out = micro_step(self.objective, self.training.ddp, x, self.step, index, accum, micro == accum - 1,
                              self.regularisers, self.training.scaler.scale(torch.ones((), device=self.device)),
                              self.vae.decoder.conv_out.weight)
             if out.critic_loss is not None:

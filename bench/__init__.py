@@ -12,4 +12,8 @@ and the modules they share:
     runs     real commands (vae_trainer.py, export.py, evaluate.py) as logged child processes
     report   the human tables and the numbers' formatting
     machine  the CPU, this process's memory, a device's synchronize
+
+and one that runs alone, against this checkout's data.py or an earlier one's:
+
+    mixing   how well the training stream mixes its shards (`python bench/mixing.py [--code DIR]`)
 """

@@ -242,6 +242,7 @@ def test_the_trainable_critic_step_is_the_reference_recipe(shard_url, tmp_path):
     Seen red: --gan_weight 0.45 in the reference only (1.8e-2 of a norm), LeCam left out of it (6e-4)."""
     import copy
 
+    import vae_trainer
     from test_trainer import in_process_trainer
     gan_weight, lecam_weight = 0.5, 1.0
     trainer = in_process_trainer(shard_url, tmp_path, "--do_ganloss", "--disc_start", "1", "--lecam_weight",
@@ -253,6 +254,7 @@ def test_the_trainable_critic_step_is_the_reference_recipe(shard_url, tmp_path):
         trainer.train_step([batches[0]])
         trainer.step = 1
         copies = [copy.deepcopy(m) for m in (trainer.vae, trainer.adversary.critic, trainer.adversary.lecam)]
+        torch.manual_seed(vae_trainer.micro_seed(cfg.optim.seed, 1, 0))  # what the step seeds its noise with
         noise_state = torch.get_rng_state()
         step_optimizer = trainer.guarded_step
 

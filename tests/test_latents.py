@@ -149,10 +149,10 @@ def test_regulariser_changes_the_step_only_when_on_and_is_exactly_off_at_p0(shar
     assert not same(base, weights_after_steps(shard_url, tmp_path, batches, 1, flag, "1", *extra))
     if flag == "--scale_equivariance_prob":
         # at p = 0.5 a step the draw leaves alone is bitwise the plain step; one it picks is not
-        regs = latents.LatentRegularisers(42, 0, equivariance_prob=0.5, equivariance_sizes=[8])
-        draws = [regs.equivariance(step, 0) for step in range(20)]
+        regs = latents.LatentRegularisers(42, equivariance_prob=0.5, equivariance_sizes=[8])
+        draws = [regs.equivariance(step) for step in range(20)]
         off, on = draws.index(None), next(i for i, d in enumerate(draws) if d is not None)
-        assert regs.equivariance(off, 0) is None  # a pure function of (seed, step, micro): what every rank draws
+        assert regs.equivariance(off) is None  # a pure function of (seed, step): what every rank draws
         for step, expect_same in ((off, True), (on, False)):
             plain = _one_step_at(shard_url, tmp_path, batches[0], step)
             trainer_state = _one_step_at(shard_url, tmp_path, batches[0], step, flag, "0.5", *extra)
@@ -181,7 +181,7 @@ def test_equivariance_transform_matches_the_image_side(form):
     term's small image included: issue 23, its rotation/flip dropped from the image side left this file green):
     for a 'VAE' that is area pooling by f, transform(encode(x)) == encode(transform(x)) (exactly so for whole
     factors)."""
-    regs = latents.LatentRegularisers(0, 0, equivariance_prob=1.0, equivariance_sizes=[2, 4],
+    regs = latents.LatentRegularisers(0, equivariance_prob=1.0, equivariance_sizes=[2, 4],
                                       equivariance_rotate=True, downsample_factor=4, equivariance_form=form)
     x = torch.randn(2, 3, 32, 32)
     seen = set()
@@ -193,7 +193,7 @@ def test_equivariance_transform_matches_the_image_side(form):
             target, to_decoder = regs.draw_added(x, step, 0)
         z = to_decoder(torch.nn.functional.avg_pool2d(x, 4))
         torch.testing.assert_close(z, torch.nn.functional.avg_pool2d(target, 4))
-        seen.add(regs.equivariance(step, 0))
+        seen.add(regs.equivariance(step))
     assert {s[0] for s in seen} == {2, 4} and len({s[1:] for s in seen}) > 2
 
 

@@ -172,7 +172,7 @@ def test_every_feature_of_the_step_and_every_copy_of_the_run_is_estimated():
     base = memory.estimate_step_memory(vae, objective, shape)
 
     def regularisers(form):
-        return latents.LatentRegularisers(0, 0, equivariance_prob=0.25, equivariance_sizes=[8], downsample_factor=4,
+        return latents.LatentRegularisers(0, equivariance_prob=0.25, equivariance_sizes=[8], downsample_factor=4,
                                           equivariance_form=form, latent_size=16)
     added = memory.estimate_step_memory(vae, objective, shape, regularisers=regularisers("add"))
     replaced = memory.estimate_step_memory(vae, objective, shape, regularisers=regularisers("replace"))

@@ -591,7 +591,7 @@ def test_a_gpu_out_of_memory_error_becomes_one_line_and_a_checkpoint(shard_url, 
     ckpt, uninterrupted = (checkpoint.load_checkpoint(p) for p in (
         written[0], checkpoint.checkpoint_files(str(tmp_path / "ref" / "vae" / "checkpoints"))[0]))
     assert ckpt["run"]["ranks"][0]["data"] == uninterrupted["run"]["ranks"][0]["data"]
-    assert ckpt["run"]["ranks"][0]["data"]["batches"] == 2
+    assert ckpt["run"]["ranks"][0]["data"]["step"] == 2
     mine, theirs = ckpt["run"]["ranks"][0]["rng"], uninterrupted["run"]["ranks"][0]["rng"]
     assert torch.equal(mine["torch"], theirs["torch"]) and mine["python"] == theirs["python"]
     assert all(torch.equal(ckpt["training"]["vae"][k], v) for k, v in uninterrupted["training"]["vae"].items())
