@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -19,7 +24,7 @@ import shards
 import sources
 import utils
 import vae_trainer
-from conftest import TINY, cli_env, run_cli
+from conftest import ROOT, TINY, cli_env, free_port, kill_tree, run_cli
 
 SLOTS = 4  # micro-batches per step
 BATCH = 2  # images per micro-batch
@@ -170,11 +175,30 @@ def test_lecams_anchors_move_once_per_step_by_the_mean_of_its_micro_batches():
 # --------------------------------------------------------------------------------------------
 # the trainer under torchrun: 2 ranks -> 1 -> 4
 # --------------------------------------------------------------------------------------------
-def elastic_args(url, out, run, steps, *extra):
+def elastic_args(url, out, run, steps, *extra, gan: bool = True):
+    """Checkpoints every step, the last 2 kept (a checkpoint with the VGG16 critic is 200 MB)."""
+    critic = ["--do_ganloss", "--disc_start", "1", "--lecam_weight", "0.1"] if gan else []
     return ["--dataset_url", url, "--output_dir", str(out), "--run_name", run, "--max_steps", str(steps),
             "--save_every_n_steps", "1", "--log_every_n_steps", "1", "--evaluate_every_n_steps", "0",
-            "--keep_last_k", "20", *TINY, "--do_ganloss", "--disc_start", "1", "--lecam_weight", "0.1",
-            "--latent_noise_prob", "0.5", "--latent_noise_max", "0.2", *extra]
+            "--keep_last_k", "2", *TINY, *critic, "--latent_noise_prob", "0.5", "--latent_noise_max", "0.2",
+            "--num_threads", "1", *extra]
+            # one torch thread everywhere: the automatic count follows the ranks per node, and with it the sums' order
+
+
+@pytest.fixture(scope="module")
+def reference(shard_url, tmp_path_factory):
+    """The uninterrupted run both torchrun tests continue: 2 ranks x --grad_accum 2, 8 steps, every step recorded
+    (tests/recording_trainer.py), logged and saved. Returns (its output folder, its record folder)."""
+    out = tmp_path_factory.mktemp("elastic_reference")
+    (out / "record").mkdir()
+    ref = run_cli("tests/recording_trainer.py", elastic_args(shard_url, out, "ref", 8, "--grad_accum", "2",
+                                                            "--num_workers", "0", "--keep_last_k", "20"),
+                  nproc=2, env=cli_env(VAE_TRAINER_RECORD=str(out / "record")))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    for name in os.listdir(out / "ref" / "checkpoints"):  # the steps same_step compares with: 3 and 5
+        if name.startswith("step_") and name not in ("step_00000003.pt", "step_00000005.pt"):
+            os.remove(out / "ref" / "checkpoints" / name)
+    return out, out / "record"
 
 
 def step_images(folder) -> dict[int, list[str]]:
@@ -213,18 +237,16 @@ def same_step(run_dir, other_dir, index: int) -> None:
 
 @pytest.mark.process
 @pytest.mark.timeout(600)
-def test_a_run_stopped_on_2_ranks_continues_on_1_then_on_4_with_the_same_steps(shard_url, tmp_path):
+def test_a_run_stopped_on_2_ranks_continues_on_1_then_on_4_with_the_same_steps(shard_url, tmp_path, reference):
     """torchrun, gloo: 2 ranks x --grad_accum 2 for 2 steps, then 1 rank (--grad_accum follows: 4) with 2 data
     workers for 2, then 4 ranks (--grad_accum 1) without workers; the GAN with LeCam from step 1 and the latent
     noise on. Every step trains on the images of the uninterrupted 2-rank run's step, micro-batch by micro-batch,
     and the first step on each new topology computes what the old one computes from the same checkpoint (the
     uninterrupted run; a 1-rank control), up to the order of the fp32 sums (same_step)."""
     import shutil
-    ref_record, cut_record = tmp_path / "ref_record", tmp_path / "cut_record"
-    ref_record.mkdir(), cut_record.mkdir()
-    ref = run_cli("tests/recording_trainer.py", elastic_args(shard_url, tmp_path, "ref", 6, "--grad_accum", "2"),
-                  nproc=2, env=cli_env(VAE_TRAINER_RECORD=str(ref_record)))
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref_dir, ref_record = reference[0] / "ref", reference[1]
+    cut_record = tmp_path / "cut_record"
+    cut_record.mkdir()
     env = cli_env(VAE_TRAINER_RECORD=str(cut_record))
     first = run_cli("tests/recording_trainer.py", elastic_args(shard_url, tmp_path, "cut", 2, "--grad_accum", "2"),
                     nproc=2, env=env)
@@ -235,6 +257,7 @@ def test_a_run_stopped_on_2_ranks_continues_on_1_then_on_4_with_the_same_steps(s
     assert one.returncode == 0, one.stderr[-3000:]
     assert ("was written by 2 ranks x --grad_accum 2; on 1 ranks --grad_accum 4 keeps its 4 micro-batches per step"
             in one.stdout), one.stdout[-3000:]
+    same_step(tmp_path / "cut", ref_dir, 2)  # 1 rank x 4 from the 2 x 2 run's checkpoint (its steps 3-4 kept)
     shutil.copytree(tmp_path / "cut", tmp_path / "control")
     control = run_cli("vae_trainer.py", elastic_args(shard_url, tmp_path, "control", 5), nproc=1)
     assert control.returncode == 0 and "was written by" not in control.stdout, control.stderr[-3000:]
@@ -244,11 +267,10 @@ def test_a_run_stopped_on_2_ranks_continues_on_1_then_on_4_with_the_same_steps(s
     assert ("on 4 ranks --grad_accum 1 keeps its 4 micro-batches per step (the same images and noise) (--grad_accum 2 "
             "set aside" in four.stdout), four.stdout[-3000:]
     assert "warning" not in one.stderr + four.stderr, one.stderr + four.stderr
-    images = step_images(ref_record)
+    images = {step: digests for step, digests in step_images(ref_record).items() if step < 6}
     assert len(images) == 6 and all(len(set(step)) == 4 for step in images.values())
     assert step_images(cut_record) == images
-    assert logged(tmp_path / "cut")[0] == logged(tmp_path / "ref")[0]  # the same topology: bitwise
-    same_step(tmp_path / "cut", tmp_path / "ref", 2)  # 1 rank x 4 from the 2 x 2 run's checkpoint
+    assert logged(tmp_path / "cut")[0] == logged(ref_dir)[0]  # the same topology: bitwise
     same_step(tmp_path / "cut", tmp_path / "control", 4)  # 4 ranks x 1 from the 1 x 4 run's checkpoint
 
 
@@ -277,3 +299,62 @@ def test_the_trainer_resumes_bitwise_across_data_worker_counts(shard_url, tmp_pa
         for name, value in a[entry][key].items():
             assert torch.equal(value, b[entry][key][name]), f"{entry}.{key}.{name}"
     assert a["run"]["ranks"][0]["data"] == b["run"]["ranks"][0]["data"]
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_an_elastic_job_that_loses_a_node_continues_on_the_other_with_the_same_steps(shard_url, tmp_path):
+    """Two torchrun agents as two nodes on loopback, `--nnodes=1:2` (the README's multi-node recipe made elastic),
+    one rank each, --grad_accum 2, the latent noise on (no critic: the test above has it). Once the step-4
+    checkpoint is written, node 1 goes away (its agent and worker killed); node 0's agent restarts its worker, the
+    job re-forms with one node, --grad_accum becomes 4, and the run finishes with every step's images those of an
+    uninterrupted two-rank run, and the first step after the loss equal to that run's step (losses to 1e-5)."""
+    import shutil
+    ref_record, record = tmp_path / "ref_record", tmp_path / "record"
+    ref_record.mkdir(), record.mkdir()
+    args = elastic_args(shard_url, tmp_path, "nodes", 8, "--grad_accum", "2", "--num_workers", "0",
+                        "--save_every_n_steps", "2", gan=False)
+    ref = run_cli("tests/recording_trainer.py", [*args, "--run_name", "ref"], nproc=2,
+                  env=cli_env(VAE_TRAINER_RECORD=str(ref_record)))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    port = free_port()
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=elastic", "--max-restarts=3",
+            "--rdzv_conf=last_call_timeout=10", "--local-addr=127.0.0.1",
+            os.path.join(ROOT, "tests", "recording_trainer.py"), *args]
+    env = cli_env(VAE_TRAINER_RECORD=str(record))
+    logs = [(open(tmp_path / f"node{i}.out", "w+"), open(tmp_path / f"node{i}.err", "w+")) for i in range(2)]
+    # node 0 first: the agent that binds the endpoint hosts the rendezvous store (on a cluster, the head node's),
+    # which must outlive node 1
+    nodes = [subprocess.Popen(node, stdout=logs[0][0], stderr=logs[0][1], text=True, env=env, cwd=ROOT)]
+    checkpoint = tmp_path / "nodes" / "checkpoints" / "step_00000004.pt"
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and nodes[0].poll() is None:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        nodes.append(subprocess.Popen(node, stdout=logs[1][0], stderr=logs[1][1], text=True, env=env, cwd=ROOT))
+        while not checkpoint.exists() and time.monotonic() < deadline and nodes[0].poll() is None:
+            time.sleep(0.2)
+        assert checkpoint.exists(), "no step-4 checkpoint"
+        kill_tree(nodes[1])  # the node goes away: its agent and its worker
+        nodes[0].wait(timeout=max(1.0, deadline + 90 - time.monotonic()))
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                kill_tree(proc)
+    outputs = []
+    for o, e in logs:
+        o.seek(0), e.seek(0)
+        outputs.append(o.read() + e.read())
+        o.close(), e.close()
+    assert nodes[0].returncode == 0, outputs[0][-4000:]
+    resumed = re.search(r"resumed from \S+ at step (\d+)", outputs[0])
+    assert resumed and "on 1 ranks --grad_accum 4 keeps its 4 micro-batches per step" in outputs[0], outputs[0][-4000:]
+    assert step_images(record) == step_images(ref_record)
+    at = int(resumed.group(1))
+    for key, value in logged(tmp_path / "ref")[at].items():
+        assert logged(tmp_path / "nodes")[at][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    shutil.rmtree(tmp_path / "nodes" / "checkpoints")  # free the disk early
