@@ -135,6 +135,33 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def agent_command(port: int, rdzv_id: str, script: str, args: list[str], nnodes: str = "2",
+                  rdzv_conf: str | None = None) -> list[str]:
+    """One torchrun agent of a job whose nodes are agents on this machine (loopback, c10d rendezvous, one rank
+    each, the README's --max-restarts=3)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=1",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={rdzv_id}", "--max-restarts=3",
+            *([f"--rdzv_conf={rdzv_conf}"] if rdzv_conf else []), "--local-addr=127.0.0.1",
+            os.path.join(ROOT, script), *args]
+
+
+def agent_logs(folder, count: int = 2) -> list[tuple]:
+    """(stdout, stderr) files per agent: files, not pipes (waiting on one agent while the other's unread pipe fills
+    would block that agent, and with it the rendezvous of both)."""
+    return [(open(os.path.join(folder, f"node{i}.out"), "w+"), open(os.path.join(folder, f"node{i}.err"), "w+"))
+            for i in range(count)]
+
+
+def read_agent_logs(logs: list[tuple]) -> list[tuple[str, str]]:
+    """What each agent wrote, (stdout, stderr); closes the files."""
+    outputs = []
+    for out, err in logs:
+        out.seek(0), err.seek(0)
+        outputs.append((out.read(), err.read()))
+        out.close(), err.close()
+    return outputs
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a command and every process it started. Killing torchrun alone (or its process group) is
     not enough: its agent starts each rank in a session of its own, and a hung rank would outlive the test."""

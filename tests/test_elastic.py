@@ -9,7 +9,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -24,7 +23,8 @@ import shards
 import sources
 import utils
 import vae_trainer
-from conftest import ROOT, TINY, cli_env, free_port, kill_tree, run_cli
+from conftest import (ROOT, TINY, agent_command, agent_logs, cli_env, free_port, kill_tree, read_agent_logs,
+                      run_cli)
 
 SLOTS = 4  # micro-batches per step
 BATCH = 2  # images per micro-batch
@@ -318,12 +318,10 @@ def test_an_elastic_job_that_loses_a_node_continues_on_the_other_with_the_same_s
                   env=cli_env(VAE_TRAINER_RECORD=str(ref_record)))
     assert ref.returncode == 0, ref.stderr[-3000:]
     port = free_port()
-    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=elastic", "--max-restarts=3",
-            "--rdzv_conf=last_call_timeout=10", "--local-addr=127.0.0.1",
-            os.path.join(ROOT, "tests", "recording_trainer.py"), *args]
+    node = agent_command(port, "elastic", "tests/recording_trainer.py", args, nnodes="1:2",
+                         rdzv_conf="last_call_timeout=10")
     env = cli_env(VAE_TRAINER_RECORD=str(record))
-    logs = [(open(tmp_path / f"node{i}.out", "w+"), open(tmp_path / f"node{i}.err", "w+")) for i in range(2)]
+    logs = agent_logs(tmp_path)
     # node 0 first: the agent that binds the endpoint hosts the rendezvous store (on a cluster, the head node's),
     # which must outlive node 1
     nodes = [subprocess.Popen(node, stdout=logs[0][0], stderr=logs[0][1], text=True, env=env, cwd=ROOT)]
@@ -345,11 +343,7 @@ def test_an_elastic_job_that_loses_a_node_continues_on_the_other_with_the_same_s
         for proc in nodes:
             if proc.poll() is None:
                 kill_tree(proc)
-    outputs = []
-    for o, e in logs:
-        o.seek(0), e.seek(0)
-        outputs.append(o.read() + e.read())
-        o.close(), e.close()
+    outputs = [out + err for out, err in read_agent_logs(logs)]
     assert nodes[0].returncode == 0, outputs[0][-4000:]
     resumed = re.search(r"resumed from \S+ at step (\d+)", outputs[0])
     assert resumed and "on 1 ranks --grad_accum 4 keeps its 4 micro-batches per step" in outputs[0], outputs[0][-4000:]

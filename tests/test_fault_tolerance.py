@@ -21,7 +21,8 @@ from PIL import Image
 
 import run_log
 import vae_trainer
-from conftest import FAULTY, ROOT, TINY, cli_command, cli_env, free_port, kill_tree, run_cli
+from conftest import (FAULTY, ROOT, TINY, agent_command, agent_logs, cli_command, cli_env, free_port,
+                      kill_tree, read_agent_logs, run_cli)
 import ae
 import common
 import config
@@ -115,13 +116,9 @@ def test_two_nodes_one_killed_worker_re_form_resume_and_match_uninterrupted(shar
     workers must meet all the same (test_workers_meet_when_the_nodes_restart_counts_differ; a namespace named by
     that count hung this test in a loaded CI run)."""
     port = free_port()
-    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes", "--max-restarts=3",
-            "--local-addr=127.0.0.1", os.path.join(ROOT, FAULTY), *_args(shard_url, tmp_path, "nodes", 8, 2, *GAN)]
+    node = agent_command(port, "two_nodes", FAULTY, _args(shard_url, tmp_path, "nodes", 8, 2, *GAN))
     env = cli_env(VAE_TRAINER_KILL_AT="5@1")
-    # each agent writes to files, not pipes: waiting on one agent while the other's unread pipe fills (the
-    # agents' tracebacks of the killed attempt) would block that agent and with it the rendezvous of both
-    logs = [(open(tmp_path / f"node{i}.out", "w+"), open(tmp_path / f"node{i}.err", "w+")) for i in range(2)]
+    logs = agent_logs(tmp_path)  # the agents' tracebacks of the killed attempt would fill a pipe
     nodes = [subprocess.Popen(node, stdout=o, stderr=e, text=True, env=env, cwd=ROOT) for o, e in logs]
     deadline, timed_out = time.monotonic() + 240, False
     try:
@@ -133,11 +130,7 @@ def test_two_nodes_one_killed_worker_re_form_resume_and_match_uninterrupted(shar
         for proc in nodes:
             if proc.poll() is None:
                 kill_tree(proc)
-    outputs = []
-    for o, e in logs:
-        o.seek(0), e.seek(0)
-        outputs.append((o.read(), e.read()))
-        o.close(), e.close()
+    outputs = read_agent_logs(logs)
     out, err = "".join(o for o, _ in outputs), "".join(e for _, e in outputs)
     assert not timed_out, "the agents were still running after 240 s:\n" + out[-2000:] + err[-4000:]
     assert [proc.returncode for proc in nodes] == [0, 0], out[-2000:] + err[-4000:]
