@@ -185,18 +185,18 @@ class Upsample(nn.Module):
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
-def _run_level(modules: list[nn.Module], h: Tensor, use_checkpoint: bool) -> Tensor:
+def _run_level(modules: list[nn.Module], h: Tensor, use_checkpoint: bool, *args) -> Tensor:
     """Runs one resolution level. Checkpointed, each block (and the resampling conv) is its own segment:
     backward then re-materialises one block at a time rather than the whole level, and non-reentrant
     checkpointing stops recomputing once a block's saved tensors are back, so it also costs fewer FLOPs
     than one segment per level (BENCHMARKS.md). Checkpointing only pays when a backward will follow;
-    use_reentrant=False is exact and DDP-safe."""
+    use_reentrant=False is exact and DDP-safe. `args` go to every module after h (the video model's chunk)."""
     use_checkpoint = use_checkpoint and torch.is_grad_enabled()
     for module in modules:
         if use_checkpoint and h.requires_grad:
-            h = checkpoint(module, h, use_reentrant=False)
+            h = checkpoint(module, h, *args, use_reentrant=False)
         else:
-            h = module(h)
+            h = module(h, *args)
     return h
 
 

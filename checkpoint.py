@@ -455,7 +455,7 @@ def load_autoencoder(path: str) -> tuple[AutoEncoder, dict]:
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     fields = {f.name for f in dataclasses.fields(
-        wan_ae.WanImageParams if config.get("family") == "wan" else AutoEncoderParams)} | {"family"}
+        wan_ae.WanParams if config.get("family") == "wan" else AutoEncoderParams)} | {"family"}
     vae = build_model(params_from_dict({k: v for k, v in config.items() if k in fields}))
     vae.load_state_dict(load_file(os.path.join(path, SAFETENSORS_WEIGHTS)))
     return vae.eval(), config

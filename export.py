@@ -202,13 +202,14 @@ def export_single_file(vae: AutoEncoder, out_dir: str, scaling_factor: float | N
 
 
 # ============================================================================================
-# diffusers AutoencoderKLQwenImage / AutoencoderKLWan: the 2D model back into its source's 3D layout
+# diffusers AutoencoderKLQwenImage / AutoencoderKLWan: the image or video model back into its source's layout
 # ============================================================================================
-def export_wan_diffusers(vae: wan_ae.WanImageAutoEncoder, source_dir: str, out_dir: str,
+def export_wan_diffusers(vae: wan_ae.WanAutoEncoder, source_dir: str, out_dir: str,
                          latents_mean: list[float] | None = None, latents_std: list[float] | None = None) -> None:
-    """Write `out_dir` as the diffusers folder `source_dir` is (its class and config), with the trained weights: each
-    2D kernel into the last temporal slice of its causal 3D kernel, the other slices and the temporal resamplers'
-    time_conv kept from the source (the first frame never uses them, so training could not learn them). The config's
+    """Write `out_dir` as the diffusers folder `source_dir` is (its class and config), with the trained weights: the
+    video model's every tensor; the image model's 2D kernels into the last temporal slice of their causal 3D
+    kernels, the other slices and the temporal resamplers' time_conv kept from the source (the first frame never
+    uses them, so training on images could not learn them). The config's
     latents_mean/latents_std stay the source's unless given (re-estimated statistics). Loaded strictly into the
     diffusers class before saving: a key or shape mismatch fails here. ValueError (one line) for a source that is
     not the one the model was trained from."""
@@ -217,7 +218,7 @@ def export_wan_diffusers(vae: wan_ae.WanImageAutoEncoder, source_dir: str, out_d
         config = json.load(f)
     if config.get("_class_name") not in pretrained.WAN_DIFFUSERS_CLASSES:
         raise ValueError(f"{source_dir}: a {config.get('_class_name')}, not one of {pretrained.WAN_DIFFUSERS_CLASSES}")
-    params = pretrained.wan_params_from_diffusers_config(config, source_dir)
+    params = pretrained.wan_params_from_diffusers_config(config, source_dir, vae.params.video)
     if params != vae.params:
         raise ValueError(f"{source_dir}: its architecture {params} is not the model's {vae.params}")
     for name, values in (("latents_mean", latents_mean), ("latents_std", latents_std)):
@@ -351,7 +352,7 @@ def export_latent_bn(args, vae: AutoEncoder, info: dict, resolution: int) -> int
     return 0
 
 
-def export_wan(args, vae: wan_ae.WanImageAutoEncoder, info: dict, resolution: int) -> int:
+def export_wan(args, vae: wan_ae.WanAutoEncoder, info: dict, resolution: int) -> int:
     """main() for a Wan-family model (Qwen-Image's VAE): its pipelines normalise each latent channel by the
     config's latents_mean/latents_std, and read no scaling factor. After a decoder-only fine-tune the source's
     statistics are kept; --dataset_url re-estimates them (after a run that trained the encoder). The diffusers
@@ -416,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--ckpt {args.ckpt} does not record the size it was trained at: give --resolution")
         if not resolution or resolution % vae.downsample_factor:
             raise ConfigError(f"--resolution must be a positive multiple of {vae.downsample_factor}, got {resolution}")
-        if isinstance(vae, wan_ae.WanImageAutoEncoder):
+        if isinstance(vae, wan_ae.WanAutoEncoder):
             return export_wan(args, vae, info, resolution)
         if vae.params.latent_bn:
             return export_latent_bn(args, vae, info, resolution)

@@ -23,8 +23,8 @@ flux2/src/flux2/autoencoder.py defines the single file):
       (`encoder.quant_conv.*`, `decoder.post_quant_conv.*`), and `bn.running_mean`, `bn.running_var` (and
       `bn.num_batches_tracked`, which BFL's strict load_state_dict expects); eps 1e-4 and momentum 0.1 are BFL's
       constants, not in the file.
-A diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder (Qwen-Image's and Wan 2.1's VAE) loads into wan_ae.py's
-2D model (its params a wan_ae.WanImageParams). Imports only ae.py and wan_ae.py (model code): the trainer, export.py
+A diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder (Qwen-Image's and Wan 2.1's VAE, Wan 2.2's) loads into
+wan_ae.py's image model, or with `video=True` its video model (every temporal weight; its params a wan_ae.WanParams). Imports only ae.py and wan_ae.py (model code): the trainer, export.py
 and bench.py all use it without an import cycle.
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Source:
     path: str
     layout: str  # "diffusers" (a folder) or "single_file"
     family: str  # sd | sdxl | sd3 | flux | flux2, or "" (a diffusers folder: its config carries the factors)
-    params: AutoEncoderParams | wan_ae.WanImageParams
+    params: AutoEncoderParams | wan_ae.WanParams
     state: dict[str, Tensor]  # in ae.py's (LDM/FLUX) names; a Wan-family source's in wan_ae.py's (diffusers') names
     factors: dict  # scaling_factor, shift_factor, latents_mean, latents_std (None where the source has none);
     # FLUX.2's bn statistics are not factors: they are in `state` (bn.running_mean / bn.running_var) and `params`
@@ -483,7 +483,7 @@ def _load_single_file(path: str, family: str) -> Source:
     return Source(path, "single_file", family, params, ours, factors, prefix, notes)
 
 
-def _load_diffusers_folder(path: str, family: str) -> Source:
+def _load_diffusers_folder(path: str, family: str, video: bool = False) -> Source:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         if os.path.isfile(os.path.join(path, "vae", "config.json")):  # a whole pipeline (model_index.json)
@@ -507,8 +507,11 @@ def _load_diffusers_folder(path: str, family: str) -> Source:
     if not weights:
         raise SourceError(f"{path}: config.json but no weights ({DIFFUSERS_WEIGHTS} or {DIFFUSERS_WEIGHTS_BIN})")
     notes = []
-    if class_name in WAN_DIFFUSERS_CLASSES:  # Qwen-Image's / Wan 2.1's VAE: wan_ae.py's 2D model
-        params, ours, factors, notes = wan_from_diffusers(config, _read_file(weights[0]), path)
+    if video and class_name not in WAN_DIFFUSERS_CLASSES:
+        raise SourceError(f"{path}: a {class_name}, an image VAE: clips (--video_frames) need a video VAE of the Wan "
+                          f"family ({', '.join(WAN_DIFFUSERS_CLASSES)})")
+    if class_name in WAN_DIFFUSERS_CLASSES:  # Qwen-Image's / Wan's VAE: wan_ae.py's image or video model
+        params, ours, factors, notes = wan_from_diffusers(config, _read_file(weights[0]), path, video)
     else:
         params, ours = from_diffusers_state_dict(_read_file(weights[0]), config, path)
         # FLUX.2's config has no factors (its bn statistics are in the weights): the identity
@@ -548,7 +551,7 @@ def unsupported_class(class_name: str) -> str:
     return f"not an AutoencoderKL ({supported})"
 
 
-def wan_params_from_diffusers_config(config: dict, where: str) -> wan_ae.WanImageParams:
+def wan_params_from_diffusers_config(config: dict, where: str, video: bool = False) -> wan_ae.WanParams:
     """An AutoencoderKLQwenImage / AutoencoderKLWan config -> our params (diffusers' defaults where a key is
     missing); SourceError (one line) for a config this 2D model cannot honour."""
     class_name = config.get("_class_name")
@@ -580,17 +583,19 @@ def wan_params_from_diffusers_config(config: dict, where: str) -> wan_ae.WanImag
     for name in ("latents_mean", "latents_std"):
         if config.get(name) is not None and len(config[name]) != z:
             raise SourceError(f"{where}: {name} has {len(config[name])} entries for z_dim {z}")
-    return wan_ae.WanImageParams(in_channels=in_channels, out_ch=out_channels, ch=base, ch_mult=tuple(dim_mult),
+    return wan_ae.WanParams(in_channels=in_channels, out_ch=out_channels, ch=base, ch_mult=tuple(dim_mult),
                           num_res_blocks=config.get("num_res_blocks", 2), z_channels=z, decoder_ch=decoder_ch,
                           dropout=float(config.get("dropout", 0.0)), patch_size=patch_size,
-                          level_shortcuts=level_shortcuts,
+                          level_shortcuts=level_shortcuts, video=video,
                           # the first frame depends on it only through Wan 2.2's shortcuts
-                          temporal_downsample=tuple(map(bool, temporal)) if level_shortcuts else ())
+                          temporal_downsample=tuple(map(bool, temporal)) if level_shortcuts or video else ())
 
 
 def _wan_one_frame(value: Tensor, like: Tensor) -> Tensor | None:
     """A diffusers tensor -> the tensor of our shape `like`: a causal (out, in, k, k, k) kernel's last temporal slice,
     an RMS norm's (C, 1, 1, 1) gamma reshaped; None when it does not fit."""
+    if value.shape == like.shape:  # (the video model's every kernel)
+        return value
     if value.dim() == 5 and value.shape[2] == value.shape[3] and value[:, :, -1].shape == like.shape:
         return value[:, :, -1]
     if value.dim() == like.dim() + 1 and value.numel() == like.numel() and value.shape[-1] == 1:
@@ -598,12 +603,12 @@ def _wan_one_frame(value: Tensor, like: Tensor) -> Tensor | None:
     return value if value.shape == like.shape else None
 
 
-def wan_from_diffusers_state_dict(state: dict[str, Tensor], params: wan_ae.WanImageParams, where: str) -> dict[str, Tensor]:
+def wan_from_diffusers_state_dict(state: dict[str, Tensor], params: wan_ae.WanParams, where: str) -> dict[str, Tensor]:
     """diffusers' weights -> ours (the same names); SourceError (one line) naming the keys that do not fit. The
-    source's time_conv weights are the only ones left out (the first frame never runs them)."""
+    source's time_conv weights are the only ones the image model leaves out (the first frame never runs them)."""
     try:
         with torch.device("meta"):
-            ours = wan_ae.WanImageAutoEncoder(params).state_dict()
+            ours = wan_ae.WanAutoEncoder(params).state_dict()
     except ValueError as e:  # a shortcut's channel groups that do not divide
         raise SourceError(f"{where}: not a VAE diffusers can build ({e})") from None
     converted, missing, wrong = {}, [], []
@@ -626,8 +631,9 @@ def wan_from_diffusers_state_dict(state: dict[str, Tensor], params: wan_ae.WanIm
 
 
 def wan_to_diffusers_state_dict(state: dict[str, Tensor], source_state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Our weights back into the source's diffusers tensors: each 2D kernel into the last temporal slice of its 3D
-    kernel, the other slices and every time_conv as the source has them (they act on later video frames only)."""
+    """Our weights back into the source's diffusers tensors: the video model's as they are; the image model's 2D
+    kernels into the last temporal slice of their 3D kernels, the other slices and every time_conv as the source has
+    them (they act on later video frames only)."""
     out = {}
     for name, source in source_state.items():
         if name not in state:
@@ -636,7 +642,9 @@ def wan_to_diffusers_state_dict(state: dict[str, Tensor], source_state: dict[str
             out[name] = source.detach().float().clone()
             continue
         value = state[name].detach().float().cpu()
-        if source.dim() == 5:
+        if value.shape == source.shape:
+            out[name] = value.clone()
+        elif source.dim() == 5:
             merged = source.detach().float().clone()
             merged[:, :, -1] = value
             out[name] = merged
@@ -648,44 +656,48 @@ def wan_to_diffusers_state_dict(state: dict[str, Tensor], source_state: dict[str
     return out
 
 
-def wan_from_diffusers(config: dict, state: dict[str, Tensor], where: str
-                   ) -> tuple[wan_ae.WanImageParams, dict[str, Tensor], dict, list[str]]:
+def wan_from_diffusers(config: dict, state: dict[str, Tensor], where: str, video: bool = False
+                   ) -> tuple[wan_ae.WanParams, dict[str, Tensor], dict, list[str]]:
     """A diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder's config and weights -> (params, our weights,
     latent factors, notes). The pipelines normalise with the config's per-channel statistics alone,
     z' = (z - latents_mean) / latents_std: scaling_factor 1, shift_factor 0."""
-    params = wan_params_from_diffusers_config(config, where)
+    params = wan_params_from_diffusers_config(config, where, video)
     converted = wan_from_diffusers_state_dict(state, params, where)
     factors = {"scaling_factor": 1.0, "shift_factor": 0.0, "latents_mean": config.get("latents_mean"),
                "latents_std": config.get("latents_std")}
     notes = []
-    if config.get("_class_name") == "AutoencoderKLWan" and any(TIME_CONV in k for k in state):
+    if not video and config.get("_class_name") == "AutoencoderKLWan" and any(TIME_CONV in k for k in state):
         notes.append("a video VAE trained here on images: its export decodes images (first frames) as trained; later "
                      "video frames also go through the source's earlier temporal kernel slices and time_conv, which "
                      "training does not touch")
     return params, converted, factors, notes
 
 
-def params_from_dict(d: dict) -> AutoEncoderParams | wan_ae.WanImageParams:
+def params_from_dict(d: dict) -> AutoEncoderParams | wan_ae.WanParams:
     """The architecture a checkpoint's or an export's model_params describe: wan_ae's for the Wan family (their
     "family" key), ae's otherwise (every checkpoint written before the Wan family existed)."""
-    return wan_ae.WanImageParams.from_dict(d) if d.get("family") == "wan" else AutoEncoderParams.from_dict(d)
+    return wan_ae.WanParams.from_dict(d) if d.get("family") == "wan" else AutoEncoderParams.from_dict(d)
 
 
-def build_model(params: AutoEncoderParams | wan_ae.WanImageParams) -> AutoEncoder | wan_ae.WanImageAutoEncoder:
+def build_model(params: AutoEncoderParams | wan_ae.WanParams) -> AutoEncoder | wan_ae.WanAutoEncoder:
     """The model of an architecture, of the family it is: the one place that chooses the model class."""
-    if isinstance(params, wan_ae.WanImageParams):
-        return wan_ae.WanImageAutoEncoder(params)
+    if isinstance(params, wan_ae.WanParams):
+        return wan_ae.WanAutoEncoder(params)
     return AutoEncoder(params)
 
 
-def load_source(path: str, family: str = "auto") -> Source:
-    """A released VAE (diffusers folder or single file; module docstring). SourceError: one line."""
+def load_source(path: str, family: str = "auto", video: bool = False) -> Source:
+    """A released VAE (diffusers folder or single file; module docstring). SourceError: one line. `video`: the Wan
+    family's video model (a diffusers folder of the family only)."""
     if family not in FAMILY_CHOICES:
         raise SourceError(f"family must be one of {FAMILY_CHOICES}, got {family!r}")
     if os.path.isdir(path):
-        return _load_diffusers_folder(path, family)
+        return _load_diffusers_folder(path, family, video)
     if not os.path.isfile(path):
         raise SourceError(f"{path}: no such file or folder")
+    if video:
+        raise SourceError(f"{path}: a single file; clips (--video_frames) load a diffusers AutoencoderKLWan / "
+                          "AutoencoderKLQwenImage folder")
     return _load_single_file(path, family)
 
 

@@ -139,7 +139,7 @@ def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Confi
     if (p.in_channels, p.out_ch) != (3, 3):
         raise ConfigError(f"--init_from {init_from}: a VAE of {p.in_channels} input / {p.out_ch} output "
                           "channels; this trainer reads RGB images")
-    if isinstance(p, wan_ae.WanImageParams):  # its architecture travels in the source and the checkpoints; these
+    if isinstance(p, wan_ae.WanParams):  # its architecture travels in the source and the checkpoints; these
         # flags show it and let a resume check it (no GroupNorm: RMS norms, hence 1 group)
         if "vae_decoder_ch" in given:
             raise ConfigError(f"--vae_decoder_ch: a decoder of other widths is for the LDM family's latent spaces, "

@@ -18,7 +18,7 @@ import export
 import pretrained
 import train_state
 import wan_ae
-from wan_ae import WanImageAutoEncoder, WanImageParams
+from wan_ae import WanAutoEncoder, WanParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -59,8 +59,8 @@ def saved(model, folder) -> str:
     return str(folder)
 
 
-def as_model(source: pretrained.Source) -> WanImageAutoEncoder:
-    vae = WanImageAutoEncoder(source.params)
+def as_model(source: pretrained.Source) -> WanAutoEncoder:
+    vae = WanAutoEncoder(source.params)
     vae.load_state_dict(source.state)
     return vae.eval()
 
@@ -74,7 +74,7 @@ def assert_matches(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
 
 
 @torch.no_grad()
-def compare_with_diffusers(vae: WanImageAutoEncoder, reference, x: torch.Tensor, what: str) -> None:
+def compare_with_diffusers(vae: WanAutoEncoder, reference, x: torch.Tensor, what: str) -> None:
     """Posterior mean and log-variance and the (clamped) decode, one frame through diffusers."""
     dist = reference.encode(x[:, :, None]).latent_dist
     mean, logvar = vae.eval().encode_moments(x)
@@ -149,8 +149,8 @@ def test_frame_conv_runs_in_the_layout_of_its_weights():
 def test_diffusers_folder_loads_and_computes_what_diffusers_computes(kind, tmp_path):
     reference = diffusers_vae(kind)
     source = pretrained.load_source(saved(reference, tmp_path / kind))
-    assert isinstance(source.params, WanImageParams) and source.layout == "diffusers"
-    expected = WanImageParams(ch=16, num_res_blocks=1, z_channels=4, **EXPECTED[kind])
+    assert isinstance(source.params, WanParams) and source.layout == "diffusers"
+    expected = WanParams(ch=16, num_res_blocks=1, z_channels=4, **EXPECTED[kind])
     assert source.params == expected and source.params.downsample_factor == (16 if kind == "wan22" else 4)
     assert source.factors == {"scaling_factor": 1.0, "shift_factor": 0.0, "latents_mean": TINY["latents_mean"],
                               "latents_std": TINY["latents_std"]}
@@ -162,7 +162,7 @@ def test_diffusers_folder_loads_and_computes_what_diffusers_computes(kind, tmp_p
 
 
 def test_released_structures_convert():
-    """At release size, on the meta device: Qwen-Image's VAE (diffusers' defaults) is WanImageParams' defaults, and a
+    """At release size, on the meta device: Qwen-Image's VAE (diffusers' defaults) is WanParams' defaults, and a
     Wan 2.2 TI2V-5B structure (base 160, decoder 256, z 48, f16) converts; every weight fits."""
     from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
     wan22 = dict(base_dim=160, decoder_base_dim=256, z_dim=48, is_residual=True, patch_size=2, in_channels=12,
@@ -173,7 +173,7 @@ def test_released_structures_convert():
         params = pretrained.wan_params_from_diffusers_config({**reference.config, "_class_name": cls.__name__}, cls.__name__)
         assert params.downsample_factor == factor and params.z_channels == reference.config.z_dim
         if cls is AutoencoderKLQwenImage:
-            assert params == WanImageParams()
+            assert params == WanParams()
         state = pretrained.wan_from_diffusers_state_dict(reference.state_dict(), params, cls.__name__)
         assert set(state) == {k for k in reference.state_dict() if ".time_conv." not in k}
 
@@ -182,8 +182,8 @@ def test_channels_last_model_computes_the_same():
     """The trainer's --channels_last: a model moved to channels-last runs its convolutions so (FrameConv2d follows
     its weights) and agrees with the contiguous model to float32 rounding."""
     torch.manual_seed(0)
-    vae = WanImageAutoEncoder(WanImageParams(ch=16, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4)).eval()
-    channels_last = WanImageAutoEncoder(vae.params).eval()
+    vae = WanAutoEncoder(WanParams(ch=16, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4)).eval()
+    channels_last = WanAutoEncoder(vae.params).eval()
     channels_last.load_state_dict(vae.state_dict())
     channels_last.to(memory_format=torch.channels_last)
     x = images()
@@ -215,7 +215,7 @@ def test_decode_clamps_in_eval_only(tmp_path):
 # ------------------------------------------------------------------------------------------ the trainer's interface
 def test_interface_of_ae_autoencoder():
     torch.manual_seed(0)
-    vae = WanImageAutoEncoder(WanImageParams(ch=16, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4)).train()
+    vae = WanAutoEncoder(WanParams(ch=16, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4)).train()
     assert vae.downsample_factor == 4 and vae.params.z_channels == 4
     assert vae.params.posterior == "learned" and vae.params.quant_conv  # frozen with the encoder by --train_parts
     x = images(2, 16)
@@ -237,17 +237,17 @@ def test_interface_of_ae_autoencoder():
     for h in hooks:
         h.remove()
     assert order[-1] is vae.decoder.conv_out
-    params = WanImageParams(ch=32, ch_mult=(1, 2), z_channels=8, decoder_ch=48, dropout=0.1)
-    assert params.to_dict()["family"] == "wan" and WanImageParams.from_dict(params.to_dict()) == params
+    params = WanParams(ch=32, ch_mult=(1, 2), z_channels=8, decoder_ch=48, dropout=0.1)
+    assert params.to_dict()["family"] == "wan" and WanParams.from_dict(params.to_dict()) == params
     assert json.loads(json.dumps(params.to_dict())) == params.to_dict()
     with pytest.raises(ValueError, match="family"):
-        WanImageParams.from_dict({**params.to_dict(), "family": "ldm"})
+        WanParams.from_dict({**params.to_dict(), "family": "ldm"})
 
 
 def test_fp32_islands_under_bf16_autocast():
     """The RMS norms, the moments head and the posterior stay fp32 under bf16 autocast (ae.py's islands)."""
     torch.manual_seed(0)
-    vae = WanImageAutoEncoder(WanImageParams(ch=16, ch_mult=(1, 2), num_res_blocks=1, z_channels=4)).eval()
+    vae = WanAutoEncoder(WanParams(ch=16, ch_mult=(1, 2), num_res_blocks=1, z_channels=4)).eval()
     x = images(1, 16)
     norm = vae.encoder.down_blocks[0].norm1
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -266,7 +266,7 @@ def checkpoint_reference(request):
     structure = {"wan2.1": {}, "wan2.2": dict(patch_size=2, level_shortcuts=True, temporal_downsample=(True, False))
                  }[request.param]
     # dropout on: the checkpointed recomputation must draw the same masks
-    vae = WanImageAutoEncoder(WanImageParams(ch=16, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4, dropout=0.1,
+    vae = WanAutoEncoder(WanParams(ch=16, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4, dropout=0.1,
                                              **structure)).train()
     return vae, images(2, 16)  # the reference gradients: each test's own, at its thread count (test_ae.py's note)
 
@@ -443,7 +443,7 @@ def test_qwen_image_decoder_only_fine_tune_under_torchrun_keeps_the_encoder_and_
     assert summary["latent_norm"] == "per_channel" and "Qwen-Image" in summary["serves"]
     exported = AutoencoderKLQwenImage.from_pretrained(tmp_path / "out").eval()
     assert (exported.config.latents_mean, exported.config.latents_std) == (TINY["latents_mean"], TINY["latents_std"])
-    ours = WanImageAutoEncoder(source.params)
+    ours = WanAutoEncoder(source.params)
     ours.load_state_dict(ckpt["training"]["ema"])
     z = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
