@@ -432,14 +432,15 @@ def remove_run_dir_if_unused(run_dir: str) -> None:
 SAFETENSORS_WEIGHTS = "model.safetensors"  # export.py --format safetensors
 
 
-def load_diffusers_export(path: str) -> tuple[AutoEncoder, dict]:
+def load_diffusers_export(path: str, video: bool = False) -> tuple[AutoEncoder, dict]:
     """(AutoEncoder in eval mode, the diffusers config) from a folder written by `export.py --format diffusers`,
-    without diffusers itself. ValueError (one line) for another kind of AutoencoderKL."""
+    without diffusers itself (`video`: a Wan-family folder as the video model). ValueError (one line) for another
+    kind of AutoencoderKL."""
     from safetensors.torch import load_file
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     if config.get("_class_name") in WAN_DIFFUSERS_CLASSES:  # the Wan family's own layout
-        source = load_source(path)
+        source = load_source(path, video=video)
         params, state = source.params, source.state
     else:
         params, state = from_diffusers_state_dict(load_file(os.path.join(path, DIFFUSERS_WEIGHTS)), config)
@@ -480,9 +481,10 @@ def load_single_file(path: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
                         "train_parts": None}
 
 
-def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
+def load_model(ckpt: str, ema: bool = False, video: bool = False) -> tuple[AutoEncoder, dict]:
     """(model on CPU in eval mode, info with `checkpoint`, `step`, `resolution`); ConfigError (one line)
-    for anything the user can get wrong."""
+    for anything the user can get wrong. `video`: a Wan-family diffusers folder loads as the video model (a run's
+    checkpoints and our exports record which model they hold)."""
     if not os.path.exists(ckpt):
         raise ConfigError(f"--ckpt {ckpt}: no such file or directory")
     exported = [name for name in (SAFETENSORS_WEIGHTS, DIFFUSERS_WEIGHTS) if os.path.isfile(os.path.join(ckpt, name))]
@@ -493,7 +495,7 @@ def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
             if exported[0] == SAFETENSORS_WEIGHTS:
                 vae, config = load_autoencoder(ckpt)
                 return vae, {"checkpoint": ckpt, "step": config.get("step"), "resolution": config.get("resolution")}
-            vae, config = load_diffusers_export(ckpt)  # diffusers keeps no step; sample_size is the resolution
+            vae, config = load_diffusers_export(ckpt, video)  # diffusers keeps no step; sample_size: resolution
             return vae, {"checkpoint": ckpt, "step": None, "resolution": config.get("sample_size")}
         except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
             reason = first_line(e) or type(e).__name__
@@ -532,4 +534,5 @@ def load_model(ckpt: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
     # where a fine-tune started (pretrained.Source.describe()) and what it trained: export keeps the source's
     # latent factors after a decoder-only fine-tune
     return vae.eval(), {"checkpoint": path, "step": run.get("step"), "resolution": config.get("vae_resolution"),
-                        "init_source": run.get("init_source"), "train_parts": state["training"]["train_parts"]}
+                        "init_source": run.get("init_source"), "train_parts": state["training"]["train_parts"],
+                        "video_frames": config.get("video_frames", 0)}

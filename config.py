@@ -95,10 +95,18 @@ class DataConfig:
     max_image_pixels: int = opt(100_000_000, "images with more pixels are skipped (decompression bombs)")
     shard_retry_minutes: float = opt(30.0, "while no remote shard can be read (a server outage), keep retrying with "
                                            "back-off for this long before stopping (0: stop at once)")
+    video_frames: int = opt(0, "train on clips: each sample a video (mp4, webm, ...: python data.py make-clips), of "
+                               "which a window of this many consecutive frames, 1 + 4k (5, 9, 17, 33, ...), is taken "
+                               "with one crop and flip for every frame; --batch_size counts clips. Needs --init_from a "
+                               "Wan-family diffusers folder, which loads as the causal video VAE. 0: images "
+                               "(docs/finetuning.md, 'Fine-tune Wan's VAE on your videos')")
 
     def validate(self) -> None:
         check(self, positive=("batch_size", "vae_resolution", "shuffle_buffer", "max_image_pixels"),
-              non_negative=("shard_retry_minutes",), unit=("resize_prob",))
+              non_negative=("shard_retry_minutes", "video_frames"), unit=("resize_prob",))
+        if self.video_frames and (self.video_frames - 1) % VIDEO_TEMPORAL_FACTOR:
+            raise ConfigError(f"--video_frames {self.video_frames}: the Wan family's video VAE takes clips of 1 + "
+                              f"{VIDEO_TEMPORAL_FACTOR}k frames (5, 9, 17, 33, ...)")
         if self.num_workers < -1:  # -1: automatic (run_setup.resolve_cpu)
             raise ConfigError(f"--num_workers must be >= 0 (or -1: auto), got {self.num_workers}")
 
@@ -372,18 +380,20 @@ class SpeedConfig:
         section 4; tests/test_copies.py counts those copies)."""
         return self.channels_last == "true" or (self.channels_last == "auto" and device_type != "cuda")
 
-    def memory_formats(self, device_type: str) -> tuple[torch.memory_format, torch.memory_format]:
+    def memory_formats(self, device_type: str, video_frames: int = 0
+                       ) -> tuple[torch.memory_format, torch.memory_format]:
         """(the VAE's memory format, the loss networks'): LPIPS' VGG16 and the critics (convolutions without norms)
-        are channels_last unless --channels_last false."""
+        are channels_last unless --channels_last false. The video VAE's (Conv3d) is contiguous: the losses see its
+        frames as images."""
         fmt = {True: torch.channels_last, False: torch.contiguous_format}
-        return fmt[self.vae_channels_last(device_type)], fmt[self.channels_last != "false"]
+        return fmt[self.vae_channels_last(device_type) and not video_frames], fmt[self.channels_last != "false"]
 
-    def describe(self, device_type: str) -> str:
+    def describe(self, device_type: str, video_frames: int = 0) -> str:
         """The start line's precision, TF32, compile and memory-format state: 'fp32 (TF32 on), eager, VAE NCHW'."""
         precision = self.precision if self.precision == "fp32" else f"{self.precision} autocast"
         if device_type == "cuda" and self.precision == "fp32":
             precision += f" (TF32 {'on' if self.tf32('cuda') else 'off'})"
-        layout = "channels_last" if self.vae_channels_last(device_type) else "NCHW"
+        layout = "channels_last" if self.vae_channels_last(device_type) and not video_frames else "NCHW"
         return f"{precision}, {'compiled' if self.compile else 'eager'}, VAE {layout}"
 
 
@@ -740,9 +750,32 @@ def last_stage_levels(cfg: Config) -> int | None:
     return int(value)
 
 
+# clips of the video VAE (wan_ae.py) have 1 + 4k frames: both its releases halve time at two levels
+VIDEO_TEMPORAL_FACTOR = 4
+
+
+def check_video(cfg: Config) -> None:
+    """One line for --video_frames without the video VAE, or with what does not take clips yet."""
+    if not cfg.data.video_frames:
+        return
+    flag = f"--video_frames {cfg.data.video_frames}"
+    if not cfg.finetune.init_from:
+        raise ConfigError(f"{flag}: clips train the Wan family's video VAE, loaded with --init_from from a diffusers "
+                          "AutoencoderKLWan / AutoencoderKLQwenImage folder")
+    latents = cfg.latents
+    for value, name in ((latents.scale_equivariance_prob, "--scale_equivariance_prob"),
+                        (latents.latent_noise_prob, "--latent_noise_prob"), (latents.vf_weight, "--vf_weight"),
+                        (latents.probe_every_n_steps, "--probe_every_n_steps"),
+                        (cfg.eval.eval_tile_size, "--eval_tile_size"),
+                        (cfg.eval.eval_resolutions, "--eval_resolutions")):
+        if value:
+            raise ConfigError(f"{flag}: {name} takes images, not clips (yet): leave it off for video")
+
+
 def validate_across_sections(cfg: Config) -> None:
     """The checks that read two sections or more."""
     data, model, loss, critic, latents = cfg.data, cfg.model, cfg.loss, cfg.critic, cfg.latents
+    check_video(cfg)
     factor = downsample_factor_of(model)
     check_train_resolutions(cfg, factor)
     last_stage_levels(cfg)

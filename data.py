@@ -50,11 +50,14 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import sources
+from clips import decode_clip, pick_video
 from common import guard_console, redact
 from config import parse_schedule
-from sources import IMAGE_EXTS, DatasetError, is_remote, iter_shard, list_shards, warn, warn_once
+from sources import IMAGE_EXTS, DatasetError, SkipSample, is_remote, iter_shard, list_shards, warn, warn_once
 
-SKIP_REASONS = ("corrupt", "non_image", "too_large", "shard_errors")  # events: each time a bad item is met
+# events: each time a bad item is met (non_video and too_short: a clip stream's samples without a video, or with fewer
+# frames than --video_frames)
+SKIP_REASONS = ("corrupt", "non_image", "too_large", "shard_errors", "non_video", "too_short")
 # TrainLoader.skipped(): the events, plus "files": the distinct bad samples and shards among them (counted up to
 # MAX_BAD_TRACKED per lane), and "outage_waits": the back-off waits while no shard could be read
 DATA_COUNTS = SKIP_REASONS + ("files", "outage_waits")
@@ -63,12 +66,6 @@ MAX_BAD_TRACKED = 1000
 
 class WaitInterrupted(Exception):
     """A stop request (the trainer's SIGTERM/SIGINT) came while the training stream was waiting for a batch."""
-
-
-class SkipSample(Exception):
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,8 +184,11 @@ def decode_crop(data: bytes, resolution: int, rng: random.Random | None, resize_
 
 
 def to_model_input(batch: torch.Tensor, device: torch.device, channels_last: bool = True) -> torch.Tensor:
-    """uint8 (B, 3, H, W) -> float32 in [-1, 1] on the device (the 4x smaller uint8 crosses the bus)."""
+    """uint8 (B, 3, H, W) images or (B, 3, T, H, W) clips -> float32 in [-1, 1] on the device (the 4x smaller uint8
+    crosses the bus); clips contiguous (the video model's Conv3d layout)."""
     x = batch.to(device, non_blocking=True).float().div_(127.5).sub_(1.0)
+    if x.dim() == 5:
+        return x.contiguous()
     return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
@@ -286,8 +286,9 @@ class Lane:
 
     def __init__(self, shards: list, lane: int, n_lanes: int, seed, resolution: int,
                  buffer_size: int, resize_prob: float, max_pixels: int, state: dict | None = None,
-                 retry_s: float = 1800.0, should_stop: Callable[[], bool] | None = None):
+                 retry_s: float = 1800.0, should_stop: Callable[[], bool] | None = None, frames: int = 0):
         state = state or {}
+        self.frames = frames  # > 0: the lane reads videos, and a sample is a clip of that many frames
         self.shards, self.lane, self.retry_s = shards, lane, retry_s
         self.seed = state.get("seed", seed)  # a lane made after the run's start keeps the seed it was made with
         self.should_stop = should_stop
@@ -366,7 +367,8 @@ class Lane:
         return [((s, i), found[(s, i)]) for s, i in keys if (s, i) in found]
 
     def next_image(self, resolution: int | None = None) -> np.ndarray:
-        """The next training crop, `resolution` px square (default: the stream's)."""
+        """The next training crop, `resolution` px square (default: the stream's): uint8 (R, R, 3), or a clip's
+        (frames, R, R, 3)."""
         resolution = resolution or self.resolution
         while True:
             while len(self.buffer) < self.buffer_size:
@@ -378,7 +380,11 @@ class Lane:
             self.buffer.pop()
             self.drawn += 1
             try:
-                image = decode_crop(_pick_image(sample), resolution, rng, self.resize_prob, self.max_pixels)
+                if self.frames:
+                    image = decode_clip(pick_video(sample), self.frames, resolution, rng, self.resize_prob,
+                                        self.max_pixels)
+                else:
+                    image = decode_crop(_pick_image(sample), resolution, rng, self.resize_prob, self.max_pixels)
                 self.failures = 0
                 return image
             except SkipSample as skip:
@@ -387,8 +393,9 @@ class Lane:
                 self.failures += 1
                 warn_once(f"skipped a {skip.reason.replace('_', '-')} sample ({sample.get('__key__')})")
                 if self.failures > 10 * self.buffer_size + 1000:
-                    raise DatasetError(f"{self.failures} samples in a row could not be decoded: "
-                                       f"is this an image dataset?") from None
+                    raise DatasetError(f"{self.failures} samples in a row could not be decoded: is this "
+                                       f"{'a video dataset of clips of --video_frames frames' if self.frames else 'an image dataset'}?"
+                                       ) from None
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "epoch": self.epoch, "pos": self.pos, "sample": self.sample, "drawn": self.drawn,
@@ -411,8 +418,9 @@ class TrainStream(IterableDataset):
     def __init__(self, shards: list, resolution: int, batch_size: int, seed, rank: int, world_size: int,
                  num_workers: int, lane_buffer: int, resize_prob: float, max_pixels: int, lanes_per_micro: int,
                  lane_states: dict | None = None, first: tuple[int, int] = (0, 0), retry_s: float = 1800.0,
-                 schedule: ResolutionSchedule | None = None, grad_accum: int = 1):
+                 schedule: ResolutionSchedule | None = None, grad_accum: int = 1, frames: int = 0):
         super().__init__()
+        self.frames = frames
         self.retry_s = retry_s
         # the trainer's stop check, set on the copy the trainer's own process iterates (--num_workers 0); None in
         # data workers, whose waits the trainer interrupts from outside (TrainLoader._next_item)
@@ -443,7 +451,7 @@ class TrainStream(IterableDataset):
         first_lane = self.rank * per_rank
         lanes = {g: Lane(self.shards, g, self.n_lanes, self.seed, self.resolution, self.lane_buffer,
                          self.resize_prob, self.max_pixels, self.lane_states.get(g), self.retry_s,
-                         self.should_stop if info is None else None)
+                         self.should_stop if info is None else None, self.frames)
                  for g in range(first_lane + worker, first_lane + per_rank, self.num_workers)}
         step, micro = self.first
         while True:
@@ -556,14 +564,15 @@ class TrainLoader:
                  num_workers: int = 4, shuffle_buffer: int = 1000, resize_prob: float = 0.5,
                  max_pixels: int = 100_000_000, pin_memory: bool = False, state: dict | None = None,
                  shard_retry_minutes: float = 30.0, schedule: ResolutionSchedule | None = None, grad_accum: int = 1,
-                 step: int | None = None):
+                 step: int | None = None, frames: int = 0):
         """`schedule`: each step's crop size and images (--train_resolutions; None: `resolution` and `batch_size`
         throughout); `grad_accum` micro-batches per step on each of `world_size` ranks; `step`: the trainer's step
         at the stream's position, a step's start (default: the state's, else 0). `state`: a position of this
-        run's stream, from any rank count (merge_positions joins the ranks' own)."""
+        run's stream, from any rank count (merge_positions joins the ranks' own). `frames` > 0: the samples are
+        videos, and each image a clip of that many frames (B, 3, T, R, R)."""
         state = state or {}
         shards = list_shards(url)
-        self.grad_accum, self.pin_memory = max(1, grad_accum), pin_memory
+        self.grad_accum, self.pin_memory, self.frames = max(1, grad_accum), pin_memory, frames
         self.lanes_per_micro = int(state.get("lanes_per_micro", batch_size))
         self.micro_batches = world_size * self.grad_accum
         first = (int(state.get("step", 0)), int(state.get("micro", 0)))
@@ -590,7 +599,8 @@ class TrainLoader:
         lane_buffer = max(1, -(-shuffle_buffer // self.lanes_per_micro))
         dataset = TrainStream(shards, resolution, batch_size, seed, rank, world_size, self.parts, lane_buffer,
                               resize_prob, max_pixels, self.lanes_per_micro, self.lane_states, self.position,
-                              retry_s=60.0 * shard_retry_minutes, schedule=schedule, grad_accum=self.grad_accum)
+                              retry_s=60.0 * shard_retry_minutes, schedule=schedule, grad_accum=self.grad_accum,
+                              frames=frames)
         # with workers, the wait for a batch is cut into WAIT_POLL_S slices (DataLoader's timeout), so that a stop
         # request is seen while the workers back off through an outage (should_stop, set by the trainer)
         kwargs = (dict(prefetch_factor=4, persistent_workers=True, timeout=WAIT_POLL_S) if self.num_workers > 0
@@ -617,7 +627,8 @@ class TrainLoader:
         schedule = schedule if data.train_resolutions else None
         return cls(data.dataset_url, data.vae_resolution, data.batch_size, seed, rank, world_size, data.num_workers,
                    data.shuffle_buffer, data.resize_prob, data.max_image_pixels, pin_memory=pin_memory, state=state,
-                   shard_retry_minutes=data.shard_retry_minutes, schedule=schedule, grad_accum=grad_accum, step=step)
+                   shard_retry_minutes=data.shard_retry_minutes, schedule=schedule, grad_accum=grad_accum, step=step,
+                   frames=data.video_frames)
 
     def __iter__(self):
         return self
@@ -632,7 +643,7 @@ class TrainLoader:
                 items.append(self._next_item())
                 if "error" in items[-1]:
                     raise DatasetError(items[-1]["error"])
-            self.ready.extend(assemble(items, self.pin_memory and self.parts > 1))
+            self.ready.extend(assemble(items, self.pin_memory and self.parts > 1, self.frames))
         batch, states = self.ready.popleft()
         self.lane_states.update(states)
         step, micro = self.position
@@ -685,25 +696,29 @@ class TrainLoader:
                 "lanes_per_micro": self.lanes_per_micro, "lanes": dict(self.lane_states)}
 
 
-def assemble(items: list[dict], pin_memory: bool = False) -> list[tuple[torch.Tensor, dict]]:
+def assemble(items: list[dict], pin_memory: bool = False, frames: int = 0) -> list[tuple[torch.Tensor, dict]]:
     """The micro-batches of one item from each data worker (TrainStream): [(uint8 (B, 3, R, R) in channels-last
-    memory, as one worker's crops are, {lane: state})]; `pin_memory`: put the parts together in pinned memory."""
+    memory, as one worker's crops are, or clips (B, 3, T, R, R) with `frames` T, {lane: state})]; `pin_memory`: put
+    the parts together in pinned memory."""
     out, offsets = [], [0] * len(items)
+    sample = (frames,) if frames else ()
     for k, first in enumerate(items[0]["parts"]):
         size, count = first["size"], first["count"]
         parts = []
         for w, item in enumerate(items):
-            part, n = item["parts"][k], len(item["parts"][k]["index"]) * size * size * 3
-            parts.append((part, item["pixels"][offsets[w]:offsets[w] + n].view(-1, size, size, 3) if n else None))
+            part, n = item["parts"][k], len(item["parts"][k]["index"]) * max(1, frames) * size * size * 3
+            parts.append((part, item["pixels"][offsets[w]:offsets[w] + n].view(-1, *sample, size, size, 3)
+                          if n else None))
             offsets[w] += n
         if len(parts) == 1:  # the whole micro-batch from one worker: no copy
             batch = parts[0][1]
         else:
-            batch = torch.empty((count, size, size, 3), dtype=torch.uint8, pin_memory=pin_memory)
+            batch = torch.empty((count, *sample, size, size, 3), dtype=torch.uint8, pin_memory=pin_memory)
             for part, pixels in parts:
                 if pixels is not None:
                     batch[part["index"]] = pixels
-        out.append((batch.permute(0, 3, 1, 2), {g: st for part, _ in parts for g, st in part["states"].items()}))
+        batch = batch.permute(0, 4, 1, 2, 3) if frames else batch.permute(0, 3, 1, 2)
+        out.append((batch, {g: st for part, _ in parts for g, st in part["states"].items()}))
     return out
 
 
@@ -751,20 +766,25 @@ class FixedBatches:
 
 def iter_eval_batches(url: str, resolution: int, batch_size: int, rank: int = 0, world_size: int = 1,
                       max_images: int | None = None, max_pixels: int = 100_000_000,
-                      counters: Counter | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:
+                      counters: Counter | None = None, frames: int = 0) -> Iterator[tuple[list[int], torch.Tensor]]:
     """Deterministic center crops of a dataset, in shard order. Image i (counting every sample
     that carries an image, up to `max_images`) belongs to rank i % world_size, so every image is
-    seen exactly once across ranks, whatever the count. Yields (global indices, uint8 batch)."""
+    seen exactly once across ranks, whatever the count. Yields (global indices, uint8 batch). `frames` > 0: the
+    samples are videos, and each image the clip of their first `frames` frames, (B, 3, T, R, R)."""
     counters = counters if counters is not None else Counter()
     indices, images, i = [], [], 0
+
+    def batch() -> torch.Tensor:
+        stacked = torch.from_numpy(np.stack(images))
+        return stacked.permute(0, 4, 1, 2, 3) if frames else stacked.permute(0, 3, 1, 2)
     for shard in list_shards(url):
         for _, sample in iter_shard(shard, counters):
             if max_images is not None and i >= max_images:
                 if images:
-                    yield indices, torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)
+                    yield indices, batch()
                 return
             try:
-                data = _pick_image(sample)
+                data = pick_video(sample) if frames else _pick_image(sample)
             except SkipSample as skip:
                 counters[skip.reason] += 1
                 continue
@@ -772,16 +792,17 @@ def iter_eval_batches(url: str, resolution: int, batch_size: int, rank: int = 0,
             if not mine:
                 continue
             try:
-                images.append(decode_crop(data, resolution, None, max_pixels=max_pixels))
+                images.append(decode_clip(data, frames, resolution, None, max_pixels=max_pixels) if frames else
+                              decode_crop(data, resolution, None, max_pixels=max_pixels))
                 indices.append(i - 1)
             except SkipSample as skip:
                 counters[skip.reason] += 1
                 continue
             if len(images) == batch_size:
-                yield indices, torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)
+                yield indices, batch()
                 indices, images = [], []
     if images:
-        yield indices, torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)
+        yield indices, batch()
 
 
 if __name__ == "__main__":  # `python data.py make-shards ...`, the documented command: shards.py's CLI

@@ -34,6 +34,7 @@ import data as data_lib
 import sources
 import latents as latents_lib
 from ae import AutoEncoder, patchify_latents
+from clips import frames_of
 from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
 from common import (ConfigError, DistInfo, OneLineParser, all_reduce_sum, closing_distributed, first_line,
                     guard_console, init_distributed)
@@ -54,6 +55,28 @@ def psnr_per_image(recon: Tensor, target: Tensor) -> Tensor:
     capped at 100 dB (MSE floor 1e-10) so that an average stays finite."""
     mse = (recon.double() - target.double()).square().flatten(1).mean(1)
     return 10.0 * torch.log10(1.0 / mse.clamp_min(1e-10))
+
+
+def temporal_psnr_per_clip(recon: Tensor, target: Tensor) -> Tensor:
+    """PSNR in dB of the reconstruction's frame differences against the input's, for clips (B, C, T, H, W) in
+    [0, 1], one value per clip (float64): 10 log10(1 / mean(((r[t+1] - r[t]) - (x[t+1] - x[t]))^2)). It sees what a
+    per-frame PSNR does not: an error that changes from frame to frame (flicker), while one that stays put (a
+    constant colour shift) costs nothing; it is the frame-difference error of the video-compression literature
+    (the "temporal" term of TCVAE-style and VSR evaluations). Capped at 100 dB as psnr_per_image."""
+    recon, target = recon.double(), target.double()
+    diff = (recon[:, :, 1:] - recon[:, :, :-1]) - (target[:, :, 1:] - target[:, :, :-1])
+    return 10.0 * torch.log10(1.0 / diff.square().flatten(1).mean(1).clamp_min(1e-10))
+
+
+def tlp_per_clip(recon: Tensor, target: Tensor, lpips_model: nn.Module) -> Tensor:
+    """tLP (Chu et al. 2020, "Learning temporal coherence via self-supervision for GAN-based video generation",
+    TecoGAN): the mean over t of |LPIPS(x[t], x[t-1]) - LPIPS(r[t], r[t-1])| for clips (B, C, T, H, W) in [-1, 1],
+    one value per clip (float64; the paper reports it x100). Lower is better: the reconstruction changes from frame
+    to frame as perceptibly as the input does."""
+    b, t = target.shape[0], target.shape[2]
+    moved = [lpips_model(frames_of(v[:, :, 1:]).contiguous(), frames_of(v[:, :, :-1]).contiguous()).double()
+             for v in (target, recon)]
+    return (moved[0] - moved[1]).abs().reshape(b, t - 1).mean(1)
 
 
 def _gaussian_window(size: int = 11, sigma: float = 1.5) -> Tensor:
@@ -244,7 +267,8 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
                    lpips_model: nn.Module | None = None, inception: nn.Module | None = None,
                    autocast: Callable | None = None, channels_last: bool = False, grid_images: int = GRID_IMAGES,
                    max_pixels: int = 100_000_000, log: Callable | None = None,
-                   latent_diagnostics: bool = False, tile_size: int = 0, tile_overlap: int = 0) -> dict:
+                   latent_diagnostics: bool = False, tile_size: int = 0, tile_overlap: int = 0,
+                   frames: int = 0) -> dict:
     """PSNR, SSIM, LPIPS and rFID of `vae` on the center crops of `url`, in one pass.
 
     Every rank must call this (it all-reduces on the default process group, on `device`). The result,
@@ -256,9 +280,13 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
     `latent_diagnostics` adds latents.LatentDiagnostics' keys (`latent_*`, `image_*`) from the same pass.
     `tile_size` > 0 and below `resolution`: encode and decode in tiles of that many pixels overlapping by
     `tile_overlap` (tiled_encode / tiled_decode, as `reconstruct`), for crops too large to pass whole.
+    `frames` > 0: the test set's videos as clips of their first `frames` frames (a video VAE's evaluation): the
+    metrics above are per frame (n_images counts frames, the grid shows the first clip's), and `temporal_psnr` and
+    `tlp` (temporal_psnr_per_clip, tlp_per_clip) are averaged over the clips, `n_clips` of them.
     """
     autocast = autocast or contextlib.nullcontext
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # psnr, ssim, lpips, images
+    # psnr, ssim, lpips, images; over clips: temporal psnr, tLP, clips
+    sums = torch.zeros(7, dtype=torch.float64, device=device)
     real_stats = FeatureStats(FID_DIM, device) if inception is not None else None
     recon_stats = FeatureStats(FID_DIM, device) if inception is not None else None
     grid_inputs, grid_recons = [], []
@@ -266,7 +294,7 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
     was_training = vae.training
     vae.eval()
     for n_batches, (_, batch) in enumerate(data_lib.iter_eval_batches(
-            url, resolution, batch_size, rank, world_size, max_images, max_pixels), start=1):
+            url, resolution, batch_size, rank, world_size, max_images, max_pixels, frames=frames), start=1):
         x = data_lib.to_model_input(batch, device, channels_last)
         with autocast():
             if 0 < tile_size < resolution:
@@ -275,10 +303,17 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
             else:
                 z = vae.encode(x)
                 recon = vae.decode(z)
-        if diagnostics is not None:
-            diagnostics.update(z.float(), x.float())
         recon = recon.float().clamp(-1.0, 1.0)
         x = x.float()
+        if x.dim() == 5:  # clips: the temporal measures, then every frame as an image
+            if x.shape[2] > 1:
+                sums[4] += temporal_psnr_per_clip(recon * 0.5 + 0.5, x * 0.5 + 0.5).sum()
+                if lpips_model is not None:
+                    sums[5] += tlp_per_clip(recon, x, lpips_model).sum()
+                sums[6] += x.shape[0]
+            x, recon, z, batch = frames_of(x), frames_of(recon), frames_of(z), frames_of(batch)
+        if diagnostics is not None:
+            diagnostics.update(z.float(), x.float())
         target01, recon01 = x * 0.5 + 0.5, recon * 0.5 + 0.5
         sums[0] += psnr_per_image(recon01, target01).sum()
         sums[1] += ssim_per_image(recon01, target01).sum()
@@ -311,6 +346,12 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
         out["rfid_missing"] = f"FID needs at least 2 images, got {n}"
     else:
         out["rfid"] = frechet_distance(*real_stats.mean_cov(), *recon_stats.mean_cov())
+    if frames:
+        clips = int(sums[6].item())
+        out.update(temporal_psnr=(sums[4] / clips).item() if clips else None,
+                   tlp=(sums[5] / clips).item() if clips and lpips_model is not None else None, n_clips=clips)
+        if not clips:
+            out["temporal_missing"] = "no clip of 2 frames or more"
     if diagnostics is not None:
         if diagnostics.channels is None:  # this rank had no image: still take part in the all-reduces
             diagnostics.update(*_empty_latent_batch(vae, resolution, device))
@@ -374,7 +415,7 @@ class Validator:
                     inception=self.inception, autocast=autocast, channels_last=self.channels_last,
                     grid_images=self.grid_images, max_pixels=data.max_image_pixels,
                     latent_diagnostics=training_size, tile_size=self.ev.eval_tile_size,
-                    tile_overlap=self.ev.eval_tile_overlap)
+                    tile_overlap=self.ev.eval_tile_overlap, frames=data.video_frames)
                 grid = res.pop("grid")
                 if training_size:
                     grids[prefix] = grid
@@ -393,18 +434,21 @@ def _empty_latent_batch(vae: AutoEncoder, resolution: int, device: torch.device)
 @torch.no_grad()
 def latent_stats(vae: AutoEncoder, url: str, resolution: int, *, batch_size: int, device: torch.device,
                  rank: int = 0, world_size: int = 1, max_images: int | None = None,
-                 autocast: Callable | None = None, max_pixels: int = 100_000_000) -> dict:
+                 autocast: Callable | None = None, max_pixels: int = 100_000_000, frames: int = 0) -> dict:
     """Mean and std of the latents (posterior means of center crops), global and per channel, from
     float64 sums all-reduced across ranks. FLUX convention: z' = (z - shift_factor) * scaling_factor,
     with shift_factor = mean and scaling_factor = 1 / std, so z' has zero mean and unit variance.
     These are statistics of the posterior mean; a diffusion model trained on sampled latents sees a
-    variance larger by the posterior variance."""
+    variance larger by the posterior variance. `frames` > 0: over clips of the videos' first `frames` frames, every
+    latent frame counted (n_images counts them)."""
     autocast = autocast or contextlib.nullcontext
     stats = latents_lib.ChannelStats(vae.params.z_channels, device)
     images = torch.zeros((), dtype=torch.float64, device=device)
-    for _, batch in data_lib.iter_eval_batches(url, resolution, batch_size, rank, world_size, max_images, max_pixels):
+    for _, batch in data_lib.iter_eval_batches(url, resolution, batch_size, rank, world_size, max_images, max_pixels,
+                                               frames=frames):
         with autocast():
             z = vae.encode(data_lib.to_model_input(batch, device, channels_last=False))
+        z = frames_of(z) if z.dim() == 5 else z
         stats.update(z)
         images += z.shape[0]
     stats.all_reduce()
@@ -596,6 +640,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "default: 1024 for --images, 0 for metrics: the numbers "
                                                              "of training's evaluation without --eval_tile_size)")
     p.add_argument("--tile_overlap", type=int, default=128, help="overlap of neighbouring tiles, pixels")
+    p.add_argument("--video_frames", type=int, default=0,
+                   help="clips: the videos of --dataset_url as clips of their first N frames (1 + 4k), through the "
+                        "Wan family's video VAE (a video run's checkpoint, or a Wan diffusers folder, loaded as the "
+                        "video model): per-frame metrics with temporal_psnr and tlp (docs/evaluation.md). 0: images")
     return p
 
 
@@ -610,6 +658,16 @@ def validate(args, vae: AutoEncoder, resolutions: tuple[int, ...]) -> None:
         raise ConfigError("--images and --reconstruct_to go together")
     if args.images and args.latent_stats:
         raise ConfigError("--latent_stats works on --dataset_url, not on --images")
+    if args.video_frames:
+        temporal = getattr(vae.params, "temporal_factor", 0) if getattr(vae.params, "video", False) else 0
+        if not temporal:
+            raise ConfigError(f"--video_frames {args.video_frames}: {args.ckpt} holds an image VAE; clips take the Wan "
+                              "family's video VAE (a run trained with --video_frames, or a Wan diffusers folder)")
+        if args.video_frames < 0 or (args.video_frames - 1) % temporal:
+            raise ConfigError(f"--video_frames {args.video_frames}: the video VAE takes clips of 1 + {temporal}k "
+                              "frames")
+        if args.images or tile_size:
+            raise ConfigError(f"--video_frames {args.video_frames}: --images and --tile_size take images, not clips")
     if tile_size < 0 or (tile_size and (tile_size % f or args.tile_overlap % f)):
         raise ConfigError(f"--tile_size and --tile_overlap must be multiples of the downsample factor {f}")
     if tile_size and not 0 <= args.tile_overlap < tile_size:
@@ -648,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
-        vae, info = load_model(args.ckpt, args.ema)
+        vae, info = load_model(args.ckpt, args.ema, video=args.video_frames > 0)
         resolutions = parse_sizes(args.resolution, "resolution") or (info["resolution"],)
         if resolutions == (None,):
             raise ConfigError(f"--ckpt {args.ckpt} does not record the size it was trained at: give --resolution")
@@ -663,7 +721,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.precision == "bf16":  # the VAE only; every metric stays in fp32/fp64
         autocast = lambda: torch.autocast(dist_info.device.type, dtype=torch.bfloat16)  # noqa: E731
     common = dict(batch_size=args.batch_size, device=dist_info.device, rank=dist_info.rank,
-                  world_size=dist_info.world_size, max_images=args.max_images or None, autocast=autocast)
+                  world_size=dist_info.world_size, max_images=args.max_images or None, autocast=autocast,
+                  frames=args.video_frames)
     with closing_distributed(dist_info):  # however the command ends
         try:
             if args.images:

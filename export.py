@@ -373,8 +373,10 @@ def export_wan(args, vae: wan_ae.WanAutoEncoder, info: dict, resolution: int) ->
         latents_mean, latents_std = source.get("latents_mean"), source.get("latents_std")
         if args.dataset_url:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            # a video run's statistics over clips of its training length (every latent frame counted)
+            frames = info.get("video_frames", 0) if vae.params.video else 0
             stats = evaluate.latent_stats(vae.to(device), args.dataset_url, resolution, batch_size=args.batch_size,
-                                          device=device, max_images=args.latent_stats_images)
+                                          device=device, max_images=args.latent_stats_images, frames=frames)
             vae.cpu()
             latents_mean, latents_std = stats["channel_mean"], stats["channel_std"]
             summary["latent_stats"] = stats

@@ -32,27 +32,29 @@ BACKWARD_TENSORS = 4
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
-    """What sets a step's memory besides the networks: one micro-batch of `batch_size` images (a step runs
-    `grad_accum` of them one after another, so accumulation costs no activation memory)."""
+    """What sets a step's memory besides the networks: one micro-batch of `batch_size` images, or clips of `frames`
+    frames (a step runs `grad_accum` of them one after another, so accumulation costs no activation memory)."""
     batch_size: int
     resolution: int
     grad_accum: int = 1
     precision: str = "fp32"  # fp32 | bf16 | fp16
     grad_checkpointing: str = "none"  # config.GRAD_CHECKPOINTING
+    frames: int = 0  # --video_frames (0: images)
 
     @classmethod
-    def of(cls, schedule, optim, speed, resolution: int | None = None) -> "StepShape":
+    def of(cls, schedule, optim, speed, resolution: int | None = None, frames: int = 0) -> "StepShape":
         """The shape of a run's step at `resolution` (default: the reference, --vae_resolution) with the micro-batch
         the run's schedule (data.ResolutionSchedule) gives that size, from its optimisation and speed sections."""
         size = schedule.reference if resolution is None else resolution
-        return cls(schedule.batch_for(size), size, optim.grad_accum, speed.precision, speed.grad_checkpointing)
+        return cls(schedule.batch_for(size), size, optim.grad_accum, speed.precision, speed.grad_checkpointing,
+                   frames)
 
     @classmethod
-    def to_check(cls, schedule, optim, speed) -> list["StepShape"]:
+    def to_check(cls, schedule, optim, speed, frames: int = 0) -> list["StepShape"]:
         """The step shapes the memory check estimates: every size of the run's schedule (one without
         --train_resolutions) with its micro-batch, the largest first (a smaller size holds more images, and the
         floor of one image more pixels: any of them can need the most; the sizes are few)."""
-        return [cls.of(schedule, optim, speed, size) for size in reversed(schedule.sizes)]
+        return [cls.of(schedule, optim, speed, size, frames) for size in reversed(schedule.sizes)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +110,9 @@ def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_si
     lpips_on = objective.lpips is not None and objective.loss_cfg.perceptual_weight > 0
     regularisers = (regularisers or latents_lib.LatentRegularisers(0)).costliest(
         latent, min_image=16 if lpips_on else 1)  # (LPIPS takes images of 16 px and more: config.LPIPS_MIN_SIZE)
-    x = torch.rand(batch_size, 3, resolution, resolution, device=device) * 2 - 1
+    # a clip of the run's length: what a step keeps grows with its frames (and its latent frames, 1 + (T - 1) / 4)
+    x = torch.rand(batch_size, 3, *((shape.frames,) if shape.frames else ()), resolution, resolution,
+                   device=device) * 2 - 1
     phases: dict[str, tuple[int, int]] = {}
 
     @contextlib.contextmanager
@@ -152,7 +156,7 @@ def estimate_step_memory(vae: nn.Module, objective, shape: StepShape, ema: bool 
     `probes`: a dict that keeps the probes' results across calls (they depend on the precision, the checkpointing
     and the probe sizes only: another batch size or resolution is the same probes extrapolated)."""
     r1, r2 = probe_resolutions or (min(64, shape.resolution), min(128, shape.resolution))
-    key = (shape.precision, shape.grad_checkpointing, r1, r2)
+    key = (shape.precision, shape.grad_checkpointing, shape.frames, r1, r2)
     if probes is not None and key in probes:
         a1, a2, largest = probes[key]
     else:

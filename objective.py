@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ae import kl_divergence
 from alignment import AlignmentLoss
+from clips import frames_of
 from config import CriticConfig, LatentsConfig, LossConfig, OptimConfig
 from critics import (FeatureCriticHeads, NLayerDiscriminator, VGG16Discriminator, build_lpips, diff_augment,
                      lpips_from_features, r1_penalty, vgg16_features)
@@ -534,6 +535,11 @@ def micro_step(objective: VAEObjective, model: nn.Module, x: Tensor, step: int, 
             out = Decoded(*model(x, latent_transform=to_decoder, also_decode=added and added[1]))
         mean, logvar = out.mean, out.logvar
         x, recon = target, out.recon.float()  # every loss reduces in fp32
+        # clips: the losses (a loss per frame; the KL per latent element is the KL over the latent clip), the critic
+        # and the latent statistics see their frames as images
+        if x.dim() == 5:
+            x, recon, images, mean = frames_of(x), frames_of(recon), frames_of(images), frames_of(mean)
+            logvar = frames_of(logvar) if logvar is not None else None
         real_logits = fake_logits = d_loss = None
         critic_logs = {}
         with phase("critic"):

@@ -239,11 +239,24 @@ CURVES_EVERY_S = 60.0
 
 
 def fixed_sample_images(data: DataConfig, count: int) -> torch.Tensor:
-    """The first `count` images of the test set (or the training set): the same in every grid of a run."""
+    """The first `count` images of the test set (or the training set): the same in every grid of a run. With
+    --video_frames, the first count / 4 clips (at least one): a grid row is a clip's frames."""
+    frames = data.video_frames
+    count = max(1, count // 4) if frames else count
     batches = data_lib.iter_eval_batches(data.test_dataset_url or data.dataset_url, data.vae_resolution, count,
-                                         max_images=count, max_pixels=data.max_image_pixels)
-    empty = torch.zeros(0, 3, data.vae_resolution, data.vae_resolution, dtype=torch.uint8)
+                                         max_images=count, max_pixels=data.max_image_pixels, frames=frames)
+    empty = torch.zeros(0, 3, *((frames,) if frames else ()), data.vae_resolution, data.vae_resolution,
+                        dtype=torch.uint8)
     return next(iter(batches), (None, empty))[1]
+
+
+def grid_tiles(x: torch.Tensor, recon: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(tiles, per row) of a grid of inputs over reconstructions: images in one row over theirs; clips a row each
+    (their frames), each over its reconstruction's."""
+    if x.dim() == 4:
+        return torch.cat([x, recon]), len(x)
+    rows = [clip.transpose(0, 1) for pair in zip(x, recon) for clip in pair]
+    return torch.cat(rows), x.shape[2]
 
 
 class Reporter:
@@ -405,8 +418,8 @@ class Reporter:
         x = data_lib.to_model_input(self.sample_images, self.info.device, self.channels_last)
         with autocast():
             recon = vae.decode(vae.encode(x)).float()
-        grid = torchvision.utils.make_grid(torch.cat([x, recon.clamp(-1, 1)]).float().cpu() * 0.5 + 0.5,
-                                           nrow=len(x), padding=2)
+        tiles, per_row = grid_tiles(x, recon.clamp(-1, 1))
+        grid = torchvision.utils.make_grid(tiles.float().cpu() * 0.5 + 0.5, nrow=per_row, padding=2)
         path = os.path.join(self.sample_dir, f"step_{step:08d}.png")
         self._save_grid(grid, path)
         self.plot_curves()
@@ -428,9 +441,12 @@ class Reporter:
                 self.wandb.log({f"{prefix}/grid": wandb.Image(path)}, step=step)
 
         def fmt(prefix, suffix):
-            vals = [f"{k} {results[f'{prefix}/{k}{suffix}']:.4f}" for k in ("psnr", "ssim", "lpips", "rfid")
+            vals = [f"{k} {results[f'{prefix}/{k}{suffix}']:.4f}"
+                    for k in ("psnr", "ssim", "lpips", "rfid", "temporal_psnr", "tlp")
                     if results.get(f"{prefix}/{k}{suffix}") is not None]
-            return " ".join(vals) + f" ({results[f'{prefix}/n_images{suffix}']} images)"
+            clips = results.get(f"{prefix}/n_clips{suffix}")
+            return " ".join(vals) + (f" ({clips} clips, {results[f'{prefix}/n_images{suffix}']} frames)" if clips
+                                     else f" ({results[f'{prefix}/n_images{suffix}']} images)")
         # the training size's line, then one per other size of --eval_resolutions (its keys end in @SIZE)
         for suffix in [""] + [k[len("eval/n_images"):] for k in results if k.startswith("eval/n_images@")]:
             line = f"eval{' ' + suffix if suffix else ''} step {step} | {fmt('eval', suffix)}"

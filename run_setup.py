@@ -107,9 +107,10 @@ def prepare_demo(cfg: Config) -> Config:
     return with_values(cfg, **changes)
 
 
-def read_init_source(init_from: str, init_family: str) -> pretrained.Source:
+def read_init_source(init_from: str, init_family: str, video: bool = False) -> pretrained.Source:
+    """The --init_from source (`video`: the Wan family's video model, for --video_frames)."""
     try:
-        return pretrained.load_source(init_from, init_family)
+        return pretrained.load_source(init_from, init_family, video)
     except pretrained.SourceError as e:
         raise ConfigError(f"--init_from {e}") from None
 
@@ -134,8 +135,11 @@ def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Confi
         if isinstance(saved, dict) and saved.get("init_from") == init_from:
             then = as_released(saved)
             return with_values(cfg, **{k: then[k] for k in SOURCE_FIELDS}), None
-    source = read_init_source(init_from, cfg.finetune.init_family)
+    source = read_init_source(init_from, cfg.finetune.init_family, cfg.data.video_frames > 0)
     p = source.params
+    if cfg.data.video_frames and (cfg.data.video_frames - 1) % p.temporal_factor:
+        raise ConfigError(f"--video_frames {cfg.data.video_frames}: {init_from}'s video VAE takes clips of 1 + "
+                          f"{p.temporal_factor}k frames")
     if (p.in_channels, p.out_ch) != (3, 3):
         raise ConfigError(f"--init_from {init_from}: a VAE of {p.in_channels} input / {p.out_ch} output "
                           "channels; this trainer reads RGB images")

@@ -2,6 +2,7 @@
 stream (data.py) reads.
 
     python data.py make-shards SRC_DIR DST_DIR [--shard_size 1000]     # (data.py runs this module's CLI)
+    python data.py make-clips SRC_DIR DST_DIR [--shard_size 100]       # videos (or --from_photos) for --video_frames
     paths, skipped = write_shards(files, "shards/", shard_size=1000)   # the images' own bytes, decoded to check
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import numpy as np
 from PIL import Image
 
+import clips
 from data import SkipSample, load_rgb
 from sources import DatasetError, brace_url, image_files
 
@@ -23,10 +25,11 @@ from sources import DatasetError, brace_url, image_files
 # Writing shards
 # --------------------------------------------------------------------------------------------
 def write_shards(files: list[str], dst: str, shard_size: int = 1000, verify: bool = True,
-                 root: str | None = None, prefix: str = "") -> tuple[list[str], list[str]]:
+                 root: str | None = None, prefix: str = "", check=load_rgb) -> tuple[list[str], list[str]]:
     """Pack image files into `dst/{prefix}{00000..}.tar` with their original bytes (no re-encode).
     With `verify` each image is decoded in full first (a truncated JPEG opens but does not decode: training
-    would skip it at every epoch). Returns (shard paths, the files skipped as unreadable)."""
+    would skip it at every epoch): `check(bytes)` raises SkipSample (videos: clips.check_video). Returns (shard
+    paths, the files skipped as unreadable)."""
     import webdataset as wds
     os.makedirs(dst, exist_ok=True)
     if root is None:
@@ -39,7 +42,7 @@ def write_shards(files: list[str], dst: str, shard_size: int = 1000, verify: boo
                 with open(path, "rb") as f:
                     data = f.read()
                 if verify:
-                    load_rgb(data)
+                    check(data)
             except (OSError, SkipSample):
                 skipped.append(path)
                 continue
@@ -153,7 +156,76 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("--no_verify", action="store_true",
                     help="do not decode each image to check it (faster; broken files are then skipped at every "
                          "epoch of training)")
+    mc = sub.add_parser("make-clips", help="pack a folder of videos into webdataset tar shards (--video_frames), or "
+                                           "make moving-camera clips of a folder of photos", allow_abbrev=False)
+    mc.add_argument("src", help=f"folder of videos ({', '.join(clips.VIDEO_EXTS)}; searched recursively), or of "
+                                "photos with --from_photos")
+    mc.add_argument("dst", help="output folder for NNNNN.tar shards")
+    mc.add_argument("--shard_size", type=int, default=100, help="clips per shard (default 100)")
+    mc.add_argument("--no_verify", action="store_true", help="do not decode each video's first frame to check it")
+    mc.add_argument("--from_photos", action="store_true",
+                    help="each photo seen by a moving camera (pans, zooms, small rotations), encoded as H.264 mp4: "
+                         "clips to try the video path on without videos")
+    mc.add_argument("--frames", type=int, default=33, help="--from_photos: frames per clip (default 33)")
+    mc.add_argument("--size", type=int, default=256, help="--from_photos: frame size in pixels, even (default 256)")
+    mc.add_argument("--per_photo", type=int, default=4, help="--from_photos: clips per photo (default 4)")
+    mc.add_argument("--fps", type=int, default=16, help="--from_photos: frame rate (default 16, Wan 2.1's)")
+    mc.add_argument("--seed", type=int, default=0, help="--from_photos: the camera paths' seed")
     return parser
+
+
+def write_photo_clips(photos: list[str], dst: str, frames: int, size: int, per_photo: int, fps: int, seed: int,
+                      shard_size: int, prefix: str = "") -> list[str]:
+    """Moving-camera clips of each photo (clips.photo_clips) as mp4 samples of `dst/{prefix}NNNNN.tar` shards;
+    their paths."""
+    import webdataset as wds
+    os.makedirs(dst, exist_ok=True)
+    pattern = os.path.join(dst, f"{prefix}%05d.tar")
+    with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as sink:
+        for i, path in enumerate(photos):
+            with open(path, "rb") as f:
+                photo = load_rgb(f.read())
+            videos = clips.photo_clips([photo], frames, size, per_photo, seed + i, fps)
+            name = re.sub(r"[^A-Za-z0-9_-]", "_", os.path.splitext(os.path.basename(path))[0])
+            for j, video in enumerate(videos):
+                sink.write({"__key__": f"{name}_{j:03d}", "mp4": video})
+        n = sink.shard
+    return [pattern % i for i in range(n) if os.path.exists(pattern % i)]
+
+
+def make_clips(args) -> int:
+    """`python data.py make-clips`: a folder of videos, or of photos (--from_photos), into clip shards."""
+    if args.from_photos:
+        if args.frames < 1 or args.size < 2 or args.size % 2 or args.per_photo < 1 or args.fps < 1:
+            print("error: --frames, --per_photo and --fps must be positive, --size even", file=sys.stderr)
+            return 2
+        photos = image_files(args.src)
+        if not photos:
+            print(f"error: {args.src}: no image files found", file=sys.stderr)
+            return 2
+        paths = write_photo_clips(photos, args.dst, args.frames, args.size, args.per_photo, args.fps, args.seed,
+                                  args.shard_size)
+        print(f"wrote {len(photos) * args.per_photo} clips of {args.frames} frames ({args.size} px, {args.fps} fps) "
+              f"into {len(paths)} shards")
+    else:
+        files = image_files(args.src, clips.VIDEO_EXTS)
+        if not files:
+            print(f"error: {args.src}: no video files found ({', '.join(clips.VIDEO_EXTS)})", file=sys.stderr)
+            return 2
+        paths, skipped = write_shards(files, args.dst, args.shard_size, verify=not args.no_verify, root=args.src,
+                                      check=clips.check_video)
+        names = [os.path.relpath(p, args.src) for p in skipped]
+        if len(skipped) == len(files):
+            for p in paths:
+                os.remove(p)
+            print(f"error: {args.src}: none of the {len(files)} videos could be decoded ({name_a_few(names)})",
+                  file=sys.stderr)
+            return 2
+        print(f"wrote {len(files) - len(skipped)} videos into {len(paths)} shards ({len(skipped)} unreadable skipped"
+              + (f": {name_a_few(names)})" if skipped else ")"))
+    url = brace_url(paths)
+    print(f"--dataset_url '{url}' --video_frames N to train on clips of them (or --test_dataset_url to evaluate)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.shard_size <= 0:
         print("error: --shard_size must be positive", file=sys.stderr)
         return 2
+    if args.command == "make-clips":
+        return make_clips(args)
     files = image_files(args.src)
     if not files:
         print(f"error: {args.src}: no image files found", file=sys.stderr)

@@ -23,6 +23,14 @@ class DatasetError(RuntimeError):
     """A problem with the user's data that stops training; the message is one line."""
 
 
+class SkipSample(Exception):
+    """One sample that cannot be used (its reason a data.SKIP_REASONS entry): skipped and counted, never fatal."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 # --------------------------------------------------------------------------------------------
 # Shard lists
 # --------------------------------------------------------------------------------------------
@@ -30,12 +38,13 @@ def is_remote(url: str) -> bool:
     return bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", url)) or url.startswith("pipe:")
 
 
-def image_files(root: str) -> list[str]:
+def image_files(root: str, exts: tuple[str, ...] = IMAGE_EXTS) -> list[str]:
+    """The files under `root` with one of `exts` (images by default), in a stable order."""
     files = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         dirnames.sort()
         for name in sorted(filenames):
-            if name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS and not name.startswith("."):
+            if name.rsplit(".", 1)[-1].lower() in exts and not name.startswith("."):
                 files.append(os.path.join(dirpath, name))
     return files
 

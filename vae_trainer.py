@@ -67,7 +67,7 @@ def build_vae(cfg: Config, device: torch.device, memory_format, resume: tuple[st
     from the source again on resume)."""
     ft, init_weights = cfg.finetune, resume is None
     if ft.init_from and (init_weights or cfg.loss.distill_weight > 0) and source is None:
-        source = read_init_source(ft.init_from, ft.init_family)
+        source = read_init_source(ft.init_from, ft.init_family, cfg.data.video_frames > 0)
     vae = pretrained.build_model(model_architecture(cfg, source, resume))
     described, teacher = None, None
     if cfg.run.load_path and init_weights:
@@ -154,8 +154,9 @@ def start_lines(cfg: Config, vae: AutoEncoder, info: DistInfo, run_dir: str,
                      f"per micro-batch: {stages}")
     lines.append(f"run dir {run_dir} | {info.world_size} x {info.device.type} | VAE {n_params / 1e6:.1f}M params | "
                  f"f{vae.downsample_factor} z{cfg.model.vae_z_channels} {cfg.model.posterior} posterior | "
-                 f"{cfg.speed.describe(info.device.type)} | batch {cfg.data.batch_size} x {cfg.optim.grad_accum} "
-                 f"accum x {info.world_size} ranks")
+                 f"{cfg.speed.describe(info.device.type, cfg.data.video_frames)} | batch {cfg.data.batch_size}"
+                 f"{f' clips of {cfg.data.video_frames} frames' if cfg.data.video_frames else ''} x "
+                 f"{cfg.optim.grad_accum} accum x {info.world_size} ranks")
     return lines
 
 
@@ -289,7 +290,7 @@ class Trainer:
                                 enabled=self.amp_dtype is not None)
         self.wrap_ddp = partial(wrap_ddp, info=info)  # DDP under torchrun, the module itself otherwise
         # the VAE's memory format and the loss networks' (--channels_last; auto: per device, config.SpeedConfig)
-        self.memory_format, self.loss_memory_format = cfg.speed.memory_formats(self.device.type)
+        self.memory_format, self.loss_memory_format = cfg.speed.memory_formats(self.device.type, cfg.data.video_frames)
         self.channels_last = self.memory_format == torch.channels_last
         self.step, self.eval_on = 0, bool(cfg.data.test_dataset_url and cfg.eval.evaluate_every_n_steps)
         self.created_run_dir = False  # by this run (rank 0, once every check that can refuse the run passed)
@@ -329,8 +330,9 @@ class Trainer:
                                     self.objective.alignment, teacher)
         self.regularisers = build_regularisers(cfg, self.vae.downsample_factor)
         if cfg.speed.memory_check:  # before the critic's DDP wrapper (the probes run its forward without a backward)
+            shapes = memory.StepShape.to_check(self.schedule, cfg.optim, cfg.speed, cfg.data.video_frames)
             warning = memory.check_every_rank(
-                self.vae, self.objective, memory.StepShape.to_check(self.schedule, cfg.optim, cfg.speed), self.device,
+                self.vae, self.objective, shapes, self.device,
                 self.training.ema is not None, info.ctrl_group, model=self.training.trained,
                 regularisers=self.regularisers, eval_copy=self.eval_on and self.training.ema is not None,
                 probe_copy=bool(cfg.latents.probe_every_n_steps))
@@ -625,7 +627,8 @@ def stop_out_of_memory(trainer: Trainer, error: torch.OutOfMemoryError, last_sav
     if trainer.adversary is not None:
         trainer.adversary.abandon_step()  # what its forward passes moved
     torch.cuda.empty_cache()  # a no-op without CUDA
-    shape = memory.StepShape.of(trainer.schedule, cfg.optim, cfg.speed, trainer.schedule.size_at(trainer.step))
+    shape = memory.StepShape.of(trainer.schedule, cfg.optim, cfg.speed, trainer.schedule.size_at(trainer.step),
+                                cfg.data.video_frames)
     line = memory.out_of_memory_message(error, shape, trainer.step + 1)
     trainer.report.print(f"error: {line}", file=sys.stderr)
     if not trainer.info.distributed and trainer.step > 0 and trainer.step != last_saved:

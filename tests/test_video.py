@@ -1,0 +1,316 @@
+"""Training, evaluating and exporting the Wan family's video VAE on clips (--video_frames): clips.py's decoding
+(window, one crop for every frame, skips), `data.py make-clips`, the clip stream and its exact resume, the trainer
+on clips (stop and resume bitwise; a decoder-only fine-tune under torchrun that keeps the encoder and exports a
+folder diffusers decodes as we do), evaluation's per-frame and temporal measures, the memory estimate's frames, and
+the refusals. The model itself against diffusers: test_wan_video.py. Clips are real H.264 mp4 files made from
+photos with a moving camera (clips.camera_clip)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import clips
+import data as data_lib
+import evaluate
+import export
+import pretrained
+import shards
+import sources
+from conftest import run_cli
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+FRAMES = 9  # the clips' length in the shards: windows of 5 out of 9
+# Wan 2.1's structure made small: time halves at both levels (clips of 1 + 4k frames), f4 in space
+TINY_WAN = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[True, True],
+                latents_mean=[0.1, -0.2, 0.3, -0.4], latents_std=[1.5, 2.0, 2.5, 3.0])
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory) -> str:
+    import diffusers
+    torch.manual_seed(0)
+    model = diffusers.AutoencoderKLWan(**TINY_WAN)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(0.2 * torch.randn_like(p) if name.endswith("gamma") else 0.05 * torch.randn_like(p))
+    folder = str(tmp_path_factory.mktemp("wan"))
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def clip_url(photos_dir, tmp_path_factory) -> tuple[str, str]:
+    """(training shards, held-out shard): moving-camera clips of the photos, 9 frames of 48 px, mp4."""
+    dst = str(tmp_path_factory.mktemp("clips"))
+    photos = sorted(os.path.join(photos_dir, f) for f in os.listdir(photos_dir))
+    train = shards.write_photo_clips(photos[:-2], dst, FRAMES, 48, 2, 16, 0, shard_size=3)
+    test = shards.write_photo_clips(photos[-2:], dst, FRAMES, 48, 1, 16, 99, shard_size=8, prefix="test-")
+    return sources.brace_url(train), test[0]
+
+
+def an_mp4(frames: int = FRAMES, size: int = 64, seed: int = 0) -> tuple[bytes, np.ndarray]:
+    import skimage.data
+    raw = clips.camera_clip(skimage.data.astronaut(), frames, size, np.random.default_rng(seed))
+    return clips.encode_clip(raw), raw
+
+
+# ------------------------------------------------------------------------------------------ clips and shards
+def test_a_training_clip_is_a_window_of_consecutive_frames_with_one_crop_and_flip():
+    """decode_clip's training draw is frames s .. s+4 of the video, each cropped at the same place and flipped (or
+    not) together: it is found, bitwise, inside the whole decoded video. The codec is real: the decoded video is
+    the moving-camera frames to H.264's error (and a pan moves the picture between frames)."""
+    mp4, raw = an_mp4()
+    whole = clips.decode_clip(mp4, FRAMES, 64, None)  # evaluation: the first frames, centre (= whole) crop
+    assert whole.shape == (FRAMES, 64, 64, 3) and whole.dtype == np.uint8
+    assert 10 * np.log10(255 ** 2 / ((whole.astype(float) - raw) ** 2).mean()) > 25
+    assert np.abs(whole[0].astype(float) - whole[-1]).mean() > 5  # the camera moved
+    seen = set()
+    for seed in range(12):
+        clip = clips.decode_clip(mp4, 5, 40, random.Random(seed))
+        assert clip.shape == (5, 40, 40, 3)
+        found = [(s, y, x, flip) for s in range(FRAMES - 4) for y in range(25) for x in range(25) for flip in (0, 1)
+                 if np.array_equal(clip, (whole[s:s + 5, y:y + 40, x:x + 40])[:, :, ::-1 if flip else 1])]
+        assert found, seed
+        seen.add((found[0][0], found[0][3]))
+    assert len({s for s, _ in seen}) > 1 and len({f for _, f in seen}) == 2  # windows and flips vary
+
+
+def test_what_cannot_be_a_clip_is_skipped_with_its_reason():
+    mp4, _ = an_mp4()
+    for data, frames, reason in ((mp4, FRAMES + 4, "too_short"), (b"\x00not a video" * 50, 5, "corrupt"),
+                                 (mp4[: len(mp4) // 3], FRAMES, None)):
+        try:
+            clips.decode_clip(data, frames, 32, None)
+            assert reason is None
+        except sources.SkipSample as skip:
+            assert skip.reason in ((reason,) if reason else ("corrupt", "too_short")), skip.reason
+    with pytest.raises(sources.SkipSample, match="non_video"):
+        clips.pick_video({"jpg": b""})
+
+
+def test_make_clips_packs_videos_and_makes_clips_of_photos(photos_dir, tmp_path, capsys):
+    """`python data.py make-clips` (shards.main): --from_photos writes moving-camera mp4 clips; a folder of videos
+    is packed with each file's bytes, an unreadable one skipped and named."""
+    assert shards.main(["make-clips", photos_dir, str(tmp_path / "made"), "--from_photos", "--frames", "5",
+                        "--size", "32", "--per_photo", "1", "--shard_size", "4"]) == 0
+    assert "--video_frames" in capsys.readouterr().out
+    made = sorted(str(p) for p in (tmp_path / "made").iterdir())
+    samples = [s for shard in made for _, s in sources.iter_shard(shard, Counter())]
+    assert len(samples) == len(os.listdir(photos_dir)) and all(set(s) >= {"mp4"} for s in samples)
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    for i, sample in enumerate(samples[:3]):
+        (videos / f"v{i}.mp4").write_bytes(sample["mp4"])
+    (videos / "broken.webm").write_bytes(b"\x1a\x45\xdf\xa3 not really")
+    assert shards.main(["make-clips", str(videos), str(tmp_path / "packed")]) == 0
+    out = capsys.readouterr().out
+    assert "wrote 3 videos into 1 shards (1 unreadable skipped: broken.webm)" in out
+    packed = [s for _, s in sources.iter_shard(str(tmp_path / "packed" / "00000.tar"),
+                                               Counter())]
+    assert sorted(s["mp4"] for s in packed) == sorted(s["mp4"] for s in samples[:3])
+
+
+def test_the_clip_stream_resumes_exactly_and_counts_what_it_skips(clip_url, tmp_path):
+    """TrainLoader with clips: uint8 (B, 3, T, R, R) micro-batches; stopped after 3 and resumed from its state
+    (with 2 data workers instead of none) it gives the uninterrupted stream's next micro-batches, bitwise. A shard
+    with an image and a too-short video among the clips: both skipped and counted, the stream goes on."""
+    import webdataset as wds
+    train, _ = clip_url
+    mp4, _ = an_mp4(frames=3, size=48)
+    odd = str(tmp_path / "odd.tar")
+    with wds.TarWriter(odd) as sink:
+        sink.write({"__key__": "short", "mp4": mp4})
+        sink.write({"__key__": "photo", "png": b"\x89PNG not used"})
+    url = f"{train}::{odd}"
+
+    def loader(workers, state=None):
+        return data_lib.TrainLoader(url, 32, 2, 0, 0, 1, num_workers=workers, shuffle_buffer=4, state=state,
+                                    frames=5)
+    ref = loader(0)
+    try:
+        batches = [next(ref) for _ in range(6)]
+        skipped = ref.skipped()
+    finally:
+        ref.close()
+    assert batches[0].shape == (2, 3, 5, 32, 32) and batches[0].dtype == torch.uint8
+    first = loader(0)
+    try:
+        assert all(torch.equal(next(first), b) for b in batches[:3])
+        state = first.state_dict()
+    finally:
+        first.close()
+    resumed = loader(2, state)
+    try:
+        assert all(torch.equal(next(resumed), b) for b in batches[3:])
+    finally:
+        resumed.close()
+    assert skipped["too_short"] >= 1 and skipped["non_video"] >= 1, skipped
+
+
+# ------------------------------------------------------------------------------------------------- training
+def trainer_args(folder, url, test_url, runs, name, *extra) -> list[str]:
+    """vae_trainer.py's flags for a short fine-tune of the tiny Wan video VAE on 5-frame clips of 32 px."""
+    return ["--init_from", folder, "--video_frames", "5", "--dataset_url", url, "--test_dataset_url", test_url,
+            "--output_dir", str(runs), "--run_name", name, "--vae_resolution", "32", "--batch_size", "2",
+            "--shuffle_buffer", "4", "--warmup_steps", "1", "--vgg16_weights", "random",
+            "--wandb_mode", "disabled", "--evaluate_every_n_steps", "0",
+            "--mse_pool_factor", "4", "--num_samples", "4", "--min_lr_ratio", "1", *extra]
+
+
+def test_a_run_on_clips_stopped_and_resumed_is_the_uninterrupted_run(wan_folder, clip_url, tmp_path, capsys):
+    """A full fine-tune on clips with the critic (PatchGAN on frames) and decoder checkpointing: 4 steps at once, or
+    2 and 2 more resumed from the step-2 checkpoint; every tensor of the step-4 checkpoint (VAE, EMA, critic) and
+    the stream's position are equal. Its sample grid is a clip's frames over their reconstruction."""
+    import vae_trainer
+    flags = ["--do_ganloss", "--discriminator", "patchgan", "--disc_start", "1", "--save_every_n_steps", "2",
+             "--num_workers", "0", "--grad_checkpointing", "decoder"]
+    train, test = clip_url
+    assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "ref", *flags, "--max_steps", "4")) == 0
+    out = capsys.readouterr().out
+    assert "batch 2 clips of 5 frames x 1 accum" in out and "VAE NCHW" in out
+    for steps in ("2", "4"):
+        assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "cut", *flags, "--max_steps",
+                                             steps)) == 0
+    a, b = (torch.load(tmp_path / run / "checkpoints" / "step_00000004.pt", weights_only=True)
+            for run in ("ref", "cut"))
+    for part in ("vae", "ema"):
+        for name, value in a["training"][part].items():
+            assert torch.equal(value, b["training"][part][name]), f"{part}.{name}"
+    assert all(torch.equal(v, b["adversary"]["critic"][k]) for k, v in a["adversary"]["critic"].items())
+    assert a["run"]["ranks"][0]["data"] == b["run"]["ranks"][0]["data"]
+    assert a["run"]["model_params"]["video"] is True
+    source = pretrained.load_source(wan_folder, video=True)
+    assert not torch.equal(a["training"]["vae"]["encoder.conv_in.weight"], source.state["encoder.conv_in.weight"])
+    from PIL import Image
+    grid = Image.open(tmp_path / "ref" / "samples" / "step_00000004.png")
+    width, height = grid.size  # (enlarged for viewing) one clip: its 5 frames over their reconstruction
+    assert width * (2 + 2 * 34) == height * (2 + 5 * 34)
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_a_decoder_only_fine_tune_on_clips_under_torchrun_keeps_the_encoder_and_exports_back(
+        wan_folder, clip_url, tmp_path, capsys):
+    """`torchrun --nproc_per_node=2 vae_trainer.py --init_from <AutoencoderKLWan folder> --video_frames 5
+    --train_parts decoder`: the encoder and quant_conv (every temporal kernel and time_conv) stay bitwise the
+    source's, on both ranks; the decoder's time_convs train; the in-loop evaluation reports the temporal measures;
+    the export is an AutoencoderKLWan folder that diffusers loads and that decodes a latent clip as our model does,
+    with the source's latents_mean/latents_std kept (the latent space did not move)."""
+    import checkpoint
+    from diffusers import AutoencoderKLWan
+    train, test = clip_url
+    runs = tmp_path / "runs"
+    proc = run_cli("vae_trainer.py", trainer_args(wan_folder, train, test, runs, "ft", "--train_parts", "decoder",
+                                                  "--num_workers", "1", "--max_steps", "2",
+                                                  "--evaluate_every_n_steps", "2", "--eval_max_images", "2",
+                                                  "--inception_weights", "none"),
+                   nproc=2, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "(weights identical on all ranks)" in proc.stdout
+    assert "temporal_psnr" in proc.stdout and "(2 clips, 10 frames)" in proc.stdout
+    ckpt = checkpoint.load_checkpoint(str(runs / "ft" / "checkpoints" / "step_00000002.pt"))
+    assert ckpt["run"]["ranks_in_sync"] is True
+    source = pretrained.load_source(wan_folder, video=True)
+    frozen = [k for k in source.state if k.startswith(("encoder.", "quant_conv."))]
+    assert any(".time_conv." in k for k in frozen)
+    for part in ("vae", "ema"):
+        assert all(torch.equal(ckpt["training"][part][k], source.state[k]) for k in frozen), part
+    time_conv = "decoder.up_blocks.0.upsamplers.0.time_conv.weight"
+    assert not torch.equal(ckpt["training"]["vae"][time_conv], source.state[time_conv])
+
+    assert export.main(["--ckpt", str(runs / "ft"), "--out", str(tmp_path / "out"), "--ema"]) == 0
+    assert json.loads(capsys.readouterr().out)["latent_norm"] == "per_channel"
+    exported = AutoencoderKLWan.from_pretrained(tmp_path / "out").eval()
+    assert (exported.config.latents_mean, exported.config.latents_std) == (TINY_WAN["latents_mean"],
+                                                                           TINY_WAN["latents_std"])
+    import wan_ae
+    ours = wan_ae.WanAutoEncoder(source.params)
+    ours.load_state_dict(ckpt["training"]["ema"])
+    ours.eval().time_chunks = (4, 1)  # diffusers' plan: bitwise
+    z = torch.randn(1, 4, 3, 8, 8, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert torch.equal(ours.decode(z), exported.decode(z).sample)
+
+
+# ----------------------------------------------------------------------------------------------- evaluation
+def test_the_temporal_measures_see_flicker_and_not_a_steady_error():
+    """temporal_psnr: a constant colour shift (the same error in every frame) costs nothing (the 100 dB cap), an
+    error that changes from frame to frame does; tLP is 0 for a perfect reconstruction and grows with flicker."""
+    from critics import build_lpips
+    torch.manual_seed(0)
+    x = torch.rand(2, 3, 5, 32, 32)
+    shifted = x + 0.1
+    assert evaluate.temporal_psnr_per_clip(shifted, x).min() > 99
+    flicker = x + 0.05 * torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0]).view(1, 1, 5, 1, 1)
+    assert evaluate.temporal_psnr_per_clip(flicker, x).max() < 30
+    lpips_model = build_lpips(None).eval()
+    with torch.no_grad():
+        assert evaluate.tlp_per_clip(x * 2 - 1, x * 2 - 1, lpips_model).abs().max() == 0
+        assert (evaluate.tlp_per_clip(flicker * 2 - 1, x * 2 - 1, lpips_model) > 0).all()
+
+
+def test_evaluate_on_clips_reports_per_frame_and_temporal_metrics(wan_folder, clip_url, tmp_path, capsys):
+    """`python evaluate.py --ckpt <Wan folder> --video_frames 9`: the folder loads as the video model, the held-out
+    videos as clips of their first 9 frames; per-frame PSNR (the same as evaluating the decoded frames as images)
+    and the temporal measures over the clips. An image VAE, or a frame count the model cannot take, is refused in
+    one line."""
+    _, test = clip_url
+    assert evaluate.main(["--ckpt", wan_folder, "--dataset_url", test, "--resolution", "32", "--video_frames", "9",
+                          "--vgg16_weights", "random", "--inception_weights", "none", "--batch_size", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["n_clips"], result["n_images"]) == (2, 18)
+    assert result["temporal_psnr"] > 0 and result["tlp"] >= 0
+    vae = pretrained.build_model(pretrained.load_source(wan_folder, video=True).params)
+    vae.load_state_dict(pretrained.load_source(wan_folder, video=True).state)
+    vae.eval()
+    psnrs = []
+    for _, batch in data_lib.iter_eval_batches(test, 32, 2, frames=9):
+        x = data_lib.to_model_input(batch, torch.device("cpu"))
+        with torch.no_grad():
+            recon = vae.decode(vae.encode(x)).clamp(-1, 1)
+        psnrs.append(evaluate.psnr_per_image(clips.frames_of(recon) * 0.5 + 0.5, clips.frames_of(x) * 0.5 + 0.5))
+    assert result["psnr"] == pytest.approx(torch.cat(psnrs).mean().item(), rel=1e-9)
+    for args, message in ((["--video_frames", "6"], "takes clips of 1 + 4k frames"),
+                          (["--video_frames", "5", "--tile_size", "16"], "--images and --tile_size take images")):
+        assert evaluate.main(["--ckpt", wan_folder, "--dataset_url", test, "--resolution", "32", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+
+
+# -------------------------------------------------------------------------------------------- refusals, memory
+def test_what_clips_cannot_do_is_refused_in_one_line(wan_folder, clip_url, tmp_path, capsys):
+    import vae_trainer
+    train, test = clip_url
+    cases = ((["--video_frames", "8"], "video VAE takes clips of 1 + 4k frames"),
+             (["--scale_equivariance_prob", "0.5"], "--scale_equivariance_prob takes images, not clips"),
+             (["--eval_tile_size", "16", "--eval_tile_overlap", "8"], "--eval_tile_size takes images, not clips"))
+    for extra, message in cases:
+        assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "x", *extra)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    no_source = [a for a in trainer_args(wan_folder, train, test, tmp_path, "x") if a not in ("--init_from",
+                                                                                              wan_folder)]
+    assert vae_trainer.main(no_source) == 2
+    assert "clips train the Wan family's video VAE, loaded with --init_from" in capsys.readouterr().err
+
+
+def test_the_memory_estimate_counts_the_frames(wan_folder):
+    """The memory check probes a clip of the run's length: more frames, more activation memory (about in
+    proportion to the frames)."""
+    import memory
+    from conftest import objective_of
+    import run_setup
+    vae = pretrained.build_model(pretrained.load_source(wan_folder, video=True).params)
+    cfg = run_setup.parse_config(["--perceptual_weight", "0", "--mse_pool_factor", "4"])
+    objective = objective_of(cfg, with_lpips=False, z_channels=4)
+    need = {t: memory.estimate_step_memory(vae, objective, memory.StepShape(1, 32, frames=t),
+                                           probe_resolutions=(16, 32)).activations for t in (1, 5, 9)}
+    assert need[1] < need[5] < need[9]
+    assert 1.5 < need[9] / need[5] < 2.2
