@@ -100,10 +100,14 @@ class DataConfig:
                                "with one crop and flip for every frame; --batch_size counts clips. Needs --init_from a "
                                "Wan-family diffusers folder, which loads as the causal video VAE. 0: images "
                                "(docs/finetuning.md, 'Fine-tune Wan's VAE on your videos')")
+    video_image_prob: float = opt(0.0, "with --video_frames: the probability that a step trains on single frames "
+                                       "instead of clips (Wan's recipe trains its VAE on images and videos): each "
+                                       "sample an image of the shards (kept for these steps) or a random frame of a "
+                                       "video; drawn from --seed and the step (the same on every rank and on resume)")
 
     def validate(self) -> None:
         check(self, positive=("batch_size", "vae_resolution", "shuffle_buffer", "max_image_pixels"),
-              non_negative=("shard_retry_minutes", "video_frames"), unit=("resize_prob",))
+              non_negative=("shard_retry_minutes", "video_frames"), unit=("resize_prob", "video_image_prob"))
         if self.video_frames and (self.video_frames - 1) % VIDEO_TEMPORAL_FACTOR:
             raise ConfigError(f"--video_frames {self.video_frames}: the Wan family's video VAE takes clips of 1 + "
                               f"{VIDEO_TEMPORAL_FACTOR}k frames (5, 9, 17, 33, ...)")
@@ -233,6 +237,10 @@ class LossConfig:
                                      "own decoder's reconstruction of the same latent (the teacher: frozen, never "
                                      "saved), for a narrower decoder (--vae_decoder_ch); what it buys: "
                                      "BENCHMARKS.md section 8. Needs --init_from and --train_parts decoder. 0: off")
+    temporal_weight: float = opt(0.0, "clips (--video_frames): a GradNorm branch on the frame-difference error, "
+                                      "mean(((r[t+1] - r[t]) - (x[t+1] - x[t]))^2): the reconstruction should change "
+                                      "from frame to frame as the input does (no flicker; evaluation's temporal_psnr "
+                                      "is its PSNR). What it buys: BENCHMARKS.md section 12. 0: off")
     kl_weight: float = opt(0.003, "weight of the KL / latent penalty (constant posterior: 0.5 * mean^2). gradnorm: "
                                   "summed over the rank's latent elements and divided by the square root of their "
                                   "count, so its gradient at the latent has norm kl_weight * rms(mean) at any batch "
@@ -757,6 +765,9 @@ VIDEO_TEMPORAL_FACTOR = 4
 def check_video(cfg: Config) -> None:
     """One line for --video_frames without the video VAE, or with what does not take clips yet."""
     if not cfg.data.video_frames:
+        if cfg.loss.temporal_weight > 0 or cfg.data.video_image_prob > 0:
+            raise ConfigError(f"{'--temporal_weight' if cfg.loss.temporal_weight > 0 else '--video_image_prob'} is "
+                              "for clips: it needs --video_frames")
         return
     flag = f"--video_frames {cfg.data.video_frames}"
     if not cfg.finetune.init_from:

@@ -50,7 +50,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import sources
-from clips import decode_clip, pick_video
+from clips import VIDEO_EXTS, decode_clip, pick_video
 from common import guard_console, redact
 from config import parse_schedule
 from sources import IMAGE_EXTS, DatasetError, SkipSample, is_remote, iter_shard, list_shards, warn, warn_once
@@ -286,9 +286,12 @@ class Lane:
 
     def __init__(self, shards: list, lane: int, n_lanes: int, seed, resolution: int,
                  buffer_size: int, resize_prob: float, max_pixels: int, state: dict | None = None,
-                 retry_s: float = 1800.0, should_stop: Callable[[], bool] | None = None, frames: int = 0):
+                 retry_s: float = 1800.0, should_stop: Callable[[], bool] | None = None, frames: int = 0,
+                 keep_images: bool = False):
         state = state or {}
         self.frames = frames  # > 0: the lane reads videos, and a sample is a clip of that many frames
+        # a clip stream with image steps (--video_image_prob): its images wait in the buffer for those steps
+        self.keep_images = keep_images
         self.shards, self.lane, self.retry_s = shards, lane, retry_s
         self.seed = state.get("seed", seed)  # a lane made after the run's start keeps the seed it was made with
         self.should_stop = should_stop
@@ -366,22 +369,41 @@ class Lane:
                     found[(shard_idx, idx)] = sample
         return [((s, i), found[(s, i)]) for s, i in keys if (s, i) in found]
 
-    def next_image(self, resolution: int | None = None) -> np.ndarray:
+    def _video_index(self, rng: random.Random) -> int:
+        """A clip step's draw when the buffer also keeps images for the image steps: among its videos, reading on
+        until one comes; images beyond twice the buffer's size (when image steps are rarer than images) leave it,
+        the oldest first, counted as non_video skips."""
+        fits = [i for i, (_, s) in enumerate(self.buffer) if any(ext in s for ext in VIDEO_EXTS)]
+        while not fits:
+            self.buffer.append(next(self.raw))
+            if any(ext in self.buffer[-1][1] for ext in VIDEO_EXTS):
+                fits = [len(self.buffer) - 1]
+        while len(self.buffer) > 2 * self.buffer_size:
+            oldest = next(i for i, (_, s) in enumerate(self.buffer) if not any(ext in s for ext in VIDEO_EXTS))
+            self.counters["non_video"] += 1
+            del self.buffer[oldest]
+            fits = [i - (i > oldest) for i in fits]
+        return fits[rng.randrange(len(fits))]
+
+    def next_image(self, resolution: int | None = None, frames: int | None = None) -> np.ndarray:
         """The next training crop, `resolution` px square (default: the stream's): uint8 (R, R, 3), or a clip's
-        (frames, R, R, 3)."""
+        (frames, R, R, 3); `frames` 1 on an image step of a clip stream (an image, or a random frame of a video)."""
         resolution = resolution or self.resolution
+        frames = self.frames if frames is None else frames
         while True:
             while len(self.buffer) < self.buffer_size:
                 self.buffer.append(next(self.raw))
             rng = _rng(self.seed, self.lane, "draw", self.drawn)
-            j = rng.randrange(len(self.buffer))
+            j = self._video_index(rng) if self.keep_images and frames > 1 else rng.randrange(len(self.buffer))
             key, sample = self.buffer[j]
             self.buffer[j] = self.buffer[-1]
             self.buffer.pop()
             self.drawn += 1
             try:
-                if self.frames:
-                    image = decode_clip(pick_video(sample), self.frames, resolution, rng, self.resize_prob,
+                if self.keep_images and frames == 1 and not any(ext in sample for ext in VIDEO_EXTS):
+                    image = decode_crop(_pick_image(sample), resolution, rng, self.resize_prob, self.max_pixels)[None]
+                elif self.frames:
+                    image = decode_clip(pick_video(sample), frames, resolution, rng, self.resize_prob,
                                         self.max_pixels)
                 else:
                     image = decode_crop(_pick_image(sample), resolution, rng, self.resize_prob, self.max_pixels)
@@ -393,8 +415,8 @@ class Lane:
                 self.failures += 1
                 warn_once(f"skipped a {skip.reason.replace('_', '-')} sample ({sample.get('__key__')})")
                 if self.failures > 10 * self.buffer_size + 1000:
-                    raise DatasetError(f"{self.failures} samples in a row could not be decoded: is this "
-                                       f"{'a video dataset of clips of --video_frames frames' if self.frames else 'an image dataset'}?"
+                    kind = "a video dataset of clips of --video_frames frames" if self.frames else "an image dataset"
+                    raise DatasetError(f"{self.failures} samples in a row could not be decoded: is this {kind}?"
                                        ) from None
 
     def state_dict(self) -> dict:
@@ -418,9 +440,10 @@ class TrainStream(IterableDataset):
     def __init__(self, shards: list, resolution: int, batch_size: int, seed, rank: int, world_size: int,
                  num_workers: int, lane_buffer: int, resize_prob: float, max_pixels: int, lanes_per_micro: int,
                  lane_states: dict | None = None, first: tuple[int, int] = (0, 0), retry_s: float = 1800.0,
-                 schedule: ResolutionSchedule | None = None, grad_accum: int = 1, frames: int = 0):
+                 schedule: ResolutionSchedule | None = None, grad_accum: int = 1, frames: int = 0,
+                 image_prob: float = 0.0):
         super().__init__()
-        self.frames = frames
+        self.frames, self.image_prob = frames, image_prob
         self.retry_s = retry_s
         # the trainer's stop check, set on the copy the trainer's own process iterates (--num_workers 0); None in
         # data workers, whose waits the trainer interrupts from outside (TrainLoader._next_item)
@@ -443,6 +466,13 @@ class TrainStream(IterableDataset):
         size = self.schedule.size_at(step)
         return size, self.schedule.batch_for(size)
 
+    def frames_at(self, step: int) -> int:
+        """The frames of step `step`'s samples: --video_frames, or 1 on an image step (--video_image_prob, drawn from
+        the seed and the step: the same on every rank, worker and resume)."""
+        if self.image_prob and _rng(self.seed, "image_step", step).random() < self.image_prob:
+            return 1
+        return self.frames
+
     def __iter__(self):
         sources.forget_warnings()  # each stream names each bad file once: a new stream (a new run, a resume) does again
         info = get_worker_info()
@@ -451,22 +481,24 @@ class TrainStream(IterableDataset):
         first_lane = self.rank * per_rank
         lanes = {g: Lane(self.shards, g, self.n_lanes, self.seed, self.resolution, self.lane_buffer,
                          self.resize_prob, self.max_pixels, self.lane_states.get(g), self.retry_s,
-                         self.should_stop if info is None else None, self.frames)
+                         self.should_stop if info is None else None, self.frames, self.image_prob > 0)
                  for g in range(first_lane + worker, first_lane + per_rank, self.num_workers)}
         step, micro = self.first
         while True:
             parts, pixels = [], []
             for _ in range(self.num_workers):  # an item: as many images as a whole micro-batch (one shared tensor)
                 size, count = self.step_shape(step)
+                frames = self.frames_at(step)
                 base = first_lane + micro * self.lanes_per_micro
                 index = [i for i in range(count) if base + i % self.lanes_per_micro in lanes]
                 try:
-                    pixels += [lanes[base + i % self.lanes_per_micro].next_image(size).reshape(-1) for i in index]
+                    pixels += [lanes[base + i % self.lanes_per_micro].next_image(size, frames).reshape(-1)
+                               for i in index]
                 except DatasetError as e:  # crosses the worker boundary as data: one line, not a traceback
                     yield {"error": str(e)}
                     return
                 touched = {base + i % self.lanes_per_micro for i in index}
-                parts.append({"index": index, "size": size, "count": count,
+                parts.append({"index": index, "size": size, "count": count, "frames": frames,
                               "states": {g: lanes[g].state_dict() for g in touched}})
                 step, micro = (step, micro + 1) if micro + 1 < self.grad_accum else (step + 1, 0)
             yield {"parts": parts, "pixels": torch.from_numpy(np.concatenate(pixels)) if pixels else None}
@@ -564,12 +596,13 @@ class TrainLoader:
                  num_workers: int = 4, shuffle_buffer: int = 1000, resize_prob: float = 0.5,
                  max_pixels: int = 100_000_000, pin_memory: bool = False, state: dict | None = None,
                  shard_retry_minutes: float = 30.0, schedule: ResolutionSchedule | None = None, grad_accum: int = 1,
-                 step: int | None = None, frames: int = 0):
+                 step: int | None = None, frames: int = 0, image_prob: float = 0.0):
         """`schedule`: each step's crop size and images (--train_resolutions; None: `resolution` and `batch_size`
         throughout); `grad_accum` micro-batches per step on each of `world_size` ranks; `step`: the trainer's step
         at the stream's position, a step's start (default: the state's, else 0). `state`: a position of this
         run's stream, from any rank count (merge_positions joins the ranks' own). `frames` > 0: the samples are
-        videos, and each image a clip of that many frames (B, 3, T, R, R)."""
+        videos, and each image a clip of that many frames (B, 3, T, R, R); `image_prob`: the probability that a
+        step's are one frame instead (an image of the shards, or a random frame of a video)."""
         state = state or {}
         shards = list_shards(url)
         self.grad_accum, self.pin_memory, self.frames = max(1, grad_accum), pin_memory, frames
@@ -600,7 +633,7 @@ class TrainLoader:
         dataset = TrainStream(shards, resolution, batch_size, seed, rank, world_size, self.parts, lane_buffer,
                               resize_prob, max_pixels, self.lanes_per_micro, self.lane_states, self.position,
                               retry_s=60.0 * shard_retry_minutes, schedule=schedule, grad_accum=self.grad_accum,
-                              frames=frames)
+                              frames=frames, image_prob=image_prob)
         # with workers, the wait for a batch is cut into WAIT_POLL_S slices (DataLoader's timeout), so that a stop
         # request is seen while the workers back off through an outage (should_stop, set by the trainer)
         kwargs = (dict(prefetch_factor=4, persistent_workers=True, timeout=WAIT_POLL_S) if self.num_workers > 0
@@ -628,7 +661,7 @@ class TrainLoader:
         return cls(data.dataset_url, data.vae_resolution, data.batch_size, seed, rank, world_size, data.num_workers,
                    data.shuffle_buffer, data.resize_prob, data.max_image_pixels, pin_memory=pin_memory, state=state,
                    shard_retry_minutes=data.shard_retry_minutes, schedule=schedule, grad_accum=grad_accum, step=step,
-                   frames=data.video_frames)
+                   frames=data.video_frames, image_prob=data.video_image_prob)
 
     def __iter__(self):
         return self
@@ -701,9 +734,10 @@ def assemble(items: list[dict], pin_memory: bool = False, frames: int = 0) -> li
     memory, as one worker's crops are, or clips (B, 3, T, R, R) with `frames` T, {lane: state})]; `pin_memory`: put
     the parts together in pinned memory."""
     out, offsets = [], [0] * len(items)
-    sample = (frames,) if frames else ()
     for k, first in enumerate(items[0]["parts"]):
         size, count = first["size"], first["count"]
+        frames = first.get("frames", frames)  # (1 on an image step of a clip stream)
+        sample = (frames,) if frames else ()
         parts = []
         for w, item in enumerate(items):
             part, n = item["parts"][k], len(item["parts"][k]["index"]) * max(1, frames) * size * size * 3

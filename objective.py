@@ -127,7 +127,8 @@ class MicroBatch:
     input (`latent`, `images`: for the alignment term, as they were before a regulariser transformed them; None:
     `mean`, `x`); `added` (downsampled image, its reconstruction in fp32) for the additive scale-equivariance term;
     `shared` the frozen trunk's features (shared_trunk_pass; --critic_trunk frozen); `teacher` a frozen decoder's
-    reconstruction of the same latent, fp32 (--distill_weight)."""
+    reconstruction of the same latent, fp32 (--distill_weight); `clip_frames` the frames per clip when x and recon
+    are clips' frames (clips.frames_of)."""
     x: Tensor
     recon: Tensor
     mean: Tensor
@@ -143,6 +144,7 @@ class MicroBatch:
     added: tuple[Tensor, Tensor] | None = None
     shared: SharedTrunkPass | None = None
     teacher: Tensor | None = None
+    clip_frames: int = 0  # x and recon are clips' frames, clip by clip, this many per clip (0: images)
 
 
 # ------------------------------------------------------------------------------------------ the VAE's objective
@@ -259,6 +261,14 @@ class VAEObjective(nn.Module):
         terms.append(Term("pixel", loss.pooled_mse_weight * pooled + loss.lowpass_mse_weight * lowpass,
                           loss.mse_weight, balanced=True, logged=False,
                           logs={"loss/pooled_mse": pooled, "loss/lowpass_mse": lowpass}))
+
+        if loss.temporal_weight > 0 and batch.clip_frames > 1:
+            # the frame-difference error of clips: a GradNorm branch like the pixel one (what it buys:
+            # BENCHMARKS.md section 12)
+            recon_clips = branch(loss.temporal_weight).unflatten(0, (-1, batch.clip_frames))
+            x_clips = x.unflatten(0, (-1, batch.clip_frames))
+            temporal = ((recon_clips[:, 1:] - recon_clips[:, :-1]) - (x_clips[:, 1:] - x_clips[:, :-1])).square()
+            terms.append(Term("temporal", temporal.mean(), loss.temporal_weight, balanced=True))
 
         if teacher is not None:
             # distillation: the reconstruction pulled toward the teacher decoder's of the same latent, a GradNorm
@@ -537,7 +547,8 @@ def micro_step(objective: VAEObjective, model: nn.Module, x: Tensor, step: int, 
         x, recon = target, out.recon.float()  # every loss reduces in fp32
         # clips: the losses (a loss per frame; the KL per latent element is the KL over the latent clip), the critic
         # and the latent statistics see their frames as images
-        if x.dim() == 5:
+        clip_frames = x.shape[2] if x.dim() == 5 else 0
+        if clip_frames:
             x, recon, images, mean = frames_of(x), frames_of(recon), frames_of(images), frames_of(mean)
             logvar = frames_of(logvar) if logvar is not None else None
         real_logits = fake_logits = d_loss = None
@@ -553,7 +564,7 @@ def micro_step(objective: VAEObjective, model: nn.Module, x: Tensor, step: int, 
             loss, logs = objective(MicroBatch(
                 x, recon, mean, logvar, step, real_logits, fake_logits, accum, loss_scale, last_layer, latent=mean,
                 images=images, added=(added[0], out.added.float()) if added else None, shared=shared,
-                teacher=out.teacher.float() if out.teacher is not None else None))
+                teacher=out.teacher.float() if out.teacher is not None else None, clip_frames=clip_frames))
             if backward:
                 loss.backward()
     return MicroStep(d_loss, loss.detach(), critic_logs, logs, mean, logvar)

@@ -37,6 +37,13 @@ Sections
   precision (only when named in --sections) Does fp32 with TF32 (emulated: TF32Emulation) or bf16 train as well as
           strict fp32: `vae_trainer.py --demo` runs of --precision_steps steps for each seed of --precision_seeds,
           held-out PSNR/SSIM at every evaluation.
+  video (only when named in --sections) Fine-tuning Wan's video VAE on clips (issue 33; bench/video.py): the memory
+          check's estimate for one clip per GPU of Wan 2.1's VAE as released, three recipes x --video_memory_frames x
+          --video_memory_sizes; and, with real commands, a small Wan-structured VAE trained on moving-camera clips of
+          the demo's photos (--video_release_steps; the "release", exported), then fine-tuned on clips of
+          --video_photos (decoder only, the same with --temporal_weight 1, the whole VAE; --video_finetune_steps
+          each, concurrently), `evaluate.py --video_frames` of each on held-out clips: per-frame PSNR/SSIM, temporal
+          PSNR.
   latents (only when named in --sections) What each latent feature of issue 20 costs per step, on the demo's
           model (ch 32 x 1,2,2, z 4, 64 px, batch 4; LPIPS on, no critic, fp32): the real Trainer's step with
           nothing, --scale_equivariance_prob 0.5, --latent_noise_prob 0.5, --vf_weight with DINOv2 ViT-S/14 at
@@ -138,10 +145,11 @@ from bench.quality import bench_quality
 from bench.report import Report, finite
 from bench.resolutions import bench_resolutions
 from bench.train import bench_train
+from bench.video import bench_video
 
 
 SECTIONS = ("data", "train", "memory", "gpu", "quality", "finetune", "latents", "decoders", "decoder_quality",
-            "resolutions", "copies", "precision")
+            "resolutions", "copies", "precision", "video")
 TARGETS = {  # key: (comparison, threshold)
     "pipeline_fraction_of_decode": (">=", 0.90),
     "train_step_speedup": (">=", 1.3),
@@ -252,6 +260,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--res_runs_dir", default="",
                    help="keep the resolutions section's runs here (default: a temporary folder); finished runs are "
                         "not trained again")
+    g = p.add_argument_group("video")
+    g.add_argument("--video_memory_frames", default="17,33", help="clip lengths of the video memory table")
+    g.add_argument("--video_memory_sizes", default="256,480", help="frame sizes of the video memory table")
+    g.add_argument("--video_frames", type=int, default=9, help="clip length of the video quality runs (1 + 4k)")
+    g.add_argument("--video_release_steps", type=int, default=600,
+                   help="steps of the run that is the released small Wan-structured VAE")
+    g.add_argument("--video_finetune_steps", type=int, default=300, help="steps of each fine-tune from it")
+    g.add_argument("--video_photos", default="/usr/share/backgrounds/mate/nature",
+                   help="photos of the fine-tunes' domain (a quarter held out; default mate-backgrounds' nature "
+                        "photos; without 4 of them, the demo's held-out photos)")
+    g.add_argument("--video_runs_dir", default="", help="keep the video runs here (default: a temporary folder)")
+    g.add_argument("--video_skip_memory", action="store_true", help="the video section without its memory table")
+    g.add_argument("--video_skip_quality", action="store_true", help="the video section without its quality runs")
     g = p.add_argument_group("precision")
     g.add_argument("--precision_steps", type=int, default=900, help="steps of each run of the precision section")
     g.add_argument("--precision_seeds", default="0,1", help="comma-separated seeds of the precision section")
@@ -442,7 +463,7 @@ def main(argv=None) -> int:
                 f"{torch.__version__}, {torch.get_num_threads()} threads); VGG16 weights random (timing only)")
     # Trainer construction and the data tools print progress lines: keep stdout for the JSON object
     with contextlib.redirect_stdout(report.stream), tempfile.TemporaryDirectory(prefix="vae_bench_") as tmp:
-        if set(args.sections) - {"quality", "decoders", "decoder_quality", "resolutions", "precision"}:
+        if set(args.sections) - {"quality", "decoders", "decoder_quality", "resolutions", "precision", "video"}:
             report.line(f"generating {args.images} photo-like {args.height}x{args.width} images as PNG and JPEG "
                         "shards ...")
             datasets = make_datasets(tmp, args.images, args.height, args.width, args.seed)
@@ -471,6 +492,8 @@ def main(argv=None) -> int:
             results["copies"] = bench_copies(args, train_url, tmp, device, report)
         if "precision" in args.sections:
             results["precision"] = bench_precision(args, tmp, report)
+        if "video" in args.sections:
+            results["video"] = bench_video(args, tmp, report)
         if "gpu" in args.sections and device.type == "cuda":
             results["gpu"] = bench_gpu(args, train_url, tmp, device, report)
         elif "gpu" in args.sections:

@@ -154,6 +154,40 @@ def test_the_clip_stream_resumes_exactly_and_counts_what_it_skips(clip_url, tmp_
     assert skipped["too_short"] >= 1 and skipped["non_video"] >= 1, skipped
 
 
+def test_image_steps_take_single_frames_of_images_and_videos_and_resume_exactly(clip_url, shard_url):
+    """--video_image_prob: a step is, by the seed and the step, one of clips or one of single frames; on a frame
+    step a lane's sample is an image of the shards (images wait in the buffer for these steps) or one frame of a
+    video. Mixed shards (clips and photos): both kinds of micro-batch come, resumed with other workers they are
+    the uninterrupted stream's, and the photos are used, not skipped."""
+    url = f"{clip_url[0]}::{shard_url}"
+
+    def loader(workers, state=None):
+        return data_lib.TrainLoader(url, 32, 2, 0, 0, 1, num_workers=workers, shuffle_buffer=8, state=state,
+                                    frames=5, image_prob=0.5)
+    ref = loader(0)
+    try:
+        batches = [next(ref) for _ in range(10)]
+        skipped = ref.skipped()
+    finally:
+        ref.close()
+    kinds = [b.shape[2] for b in batches]
+    assert set(kinds) == {1, 5} and all(b.shape[:2] == (2, 3) for b in batches), kinds
+    stream = data_lib.TrainStream([], 32, 2, 0, 0, 1, 1, 4, 0.5, 1 << 30, 2, frames=5, image_prob=0.5)
+    assert kinds == [stream.frames_at(step) for step in range(10)]
+    assert skipped["non_video"] == 0 and skipped["non_image"] == 0, skipped
+    first = loader(0)
+    try:
+        assert all(torch.equal(next(first), b) for b in batches[:4])
+        state = first.state_dict()
+    finally:
+        first.close()
+    resumed = loader(2, state)
+    try:
+        assert all(torch.equal(next(resumed), b) for b in batches[4:])
+    finally:
+        resumed.close()
+
+
 # ------------------------------------------------------------------------------------------------- training
 def trainer_args(folder, url, test_url, runs, name, *extra) -> list[str]:
     """vae_trainer.py's flags for a short fine-tune of the tiny Wan video VAE on 5-frame clips of 32 px."""
@@ -314,3 +348,30 @@ def test_the_memory_estimate_counts_the_frames(wan_folder):
                                            probe_resolutions=(16, 32)).activations for t in (1, 5, 9)}
     assert need[1] < need[5] < need[9]
     assert 1.5 < need[9] / need[5] < 2.2
+
+
+def test_the_temporal_term_is_the_frame_difference_error_as_a_gradnorm_branch():
+    """--temporal_weight: the mean squared error of the reconstruction's frame differences against the input's,
+    within each clip of the micro-batch's frames (never across two clips), as a GradNorm branch: alone, its
+    gradient on the reconstruction has the norm weight * loss scale / accum. Images (clip_frames 0) have none;
+    without --video_frames the flag is refused."""
+    import run_setup
+    from conftest import objective_of
+    from objective import MicroBatch
+    cfg = run_setup.parse_config(["--perceptual_weight", "0", "--mse_weight", "0", "--kl_weight", "0",
+                                  "--temporal_weight", "0.7", "--mse_pool_factor", "4"])
+    objective = objective_of(cfg, with_lpips=False, z_channels=4)
+    torch.manual_seed(0)
+    x = torch.rand(2, 3, 5, 16, 16) * 2 - 1
+    recon = (x + 0.1 * torch.randn_like(x)).requires_grad_()
+    mean = torch.randn(2, 4, 2, 4, 4)
+    loss, logs = objective(MicroBatch(clips.frames_of(x), clips.frames_of(recon), clips.frames_of(mean), None,
+                                      step=0, accum=2, loss_scale=torch.tensor(4.0), clip_frames=5))
+    diff = (recon[:, :, 1:] - recon[:, :, :-1]) - (x[:, :, 1:] - x[:, :, :-1])
+    assert logs["loss/temporal"].item() == pytest.approx(diff.square().mean().item(), rel=1e-6)
+    grad = torch.autograd.grad(loss, recon)[0]
+    assert grad.norm().item() == pytest.approx(0.7 * 4.0 / 2, rel=1e-4)
+    _, logs = objective(MicroBatch(clips.frames_of(x), clips.frames_of(recon), clips.frames_of(mean), None, step=0))
+    assert "loss/temporal" not in logs
+    with pytest.raises(Exception, match="--temporal_weight is for clips: it needs --video_frames"):
+        run_setup.parse_config(["--temporal_weight", "1", "--dataset_url", "x"]).validate()
