@@ -535,4 +535,5 @@ def load_model(ckpt: str, ema: bool = False, video: bool = False) -> tuple[AutoE
     # latent factors after a decoder-only fine-tune
     return vae.eval(), {"checkpoint": path, "step": run.get("step"), "resolution": config.get("vae_resolution"),
                         "init_source": run.get("init_source"), "train_parts": state["training"]["train_parts"],
-                        "video_frames": config.get("video_frames", 0)}
+                        "video_frames": config.get("video_frames", 0),
+                        "video_frame_stride": config.get("video_frame_stride", 1)}

@@ -100,13 +100,17 @@ class DataConfig:
                                "with one crop and flip for every frame; --batch_size counts clips. Needs --init_from a "
                                "Wan-family diffusers folder, which loads as the causal video VAE. 0: images "
                                "(docs/finetuning.md, 'Fine-tune Wan's VAE on your videos')")
+    video_frame_stride: int = opt(1, "with --video_frames: every k-th frame of a window of (T - 1) k + 1 frames: "
+                                     "a 32 fps video at 2 is 16 fps, Wan 2.1's rate (Wan 2.2: 24). Evaluation's clips "
+                                     "too")
     video_image_prob: float = opt(0.0, "with --video_frames: the probability that a step trains on single frames "
                                        "instead of clips (Wan's recipe trains its VAE on images and videos): each "
                                        "sample an image of the shards (kept for these steps) or a random frame of a "
                                        "video; drawn from --seed and the step (the same on every rank and on resume)")
 
     def validate(self) -> None:
-        check(self, positive=("batch_size", "vae_resolution", "shuffle_buffer", "max_image_pixels"),
+        check(self, positive=("batch_size", "vae_resolution", "shuffle_buffer", "max_image_pixels",
+                              "video_frame_stride"),
               non_negative=("shard_retry_minutes", "video_frames"), unit=("resize_prob", "video_image_prob"))
         if self.video_frames and (self.video_frames - 1) % VIDEO_TEMPORAL_FACTOR:
             raise ConfigError(f"--video_frames {self.video_frames}: the Wan family's video VAE takes clips of 1 + "
@@ -781,6 +785,9 @@ def check_video(cfg: Config) -> None:
                         (cfg.eval.eval_resolutions, "--eval_resolutions")):
         if value:
             raise ConfigError(f"{flag}: {name} takes images, not clips (yet): leave it off for video")
+    if cfg.speed.compile:
+        raise ConfigError(f"{flag}: --compile is not tested with the video VAE's temporal cache (its chunks and "
+                          "their frame counts vary): leave it off for video")
 
 
 def validate_across_sections(cfg: Config) -> None:

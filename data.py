@@ -287,9 +287,10 @@ class Lane:
     def __init__(self, shards: list, lane: int, n_lanes: int, seed, resolution: int,
                  buffer_size: int, resize_prob: float, max_pixels: int, state: dict | None = None,
                  retry_s: float = 1800.0, should_stop: Callable[[], bool] | None = None, frames: int = 0,
-                 keep_images: bool = False):
+                 keep_images: bool = False, frame_stride: int = 1):
         state = state or {}
         self.frames = frames  # > 0: the lane reads videos, and a sample is a clip of that many frames
+        self.frame_stride = frame_stride  # every frame_stride-th frame of the video
         # a clip stream with image steps (--video_image_prob): its images wait in the buffer for those steps
         self.keep_images = keep_images
         self.shards, self.lane, self.retry_s = shards, lane, retry_s
@@ -310,6 +311,8 @@ class Lane:
         self.counters = Counter(state.get("counters", {}))
         self.bad = {tuple(k) for k in state.get("bad", [])}  # distinct (shard, sample) keys; sample -1: the shard
         self.buffer: list[tuple[tuple[int, int], dict]] = self._reload(state.get("buffer", []))
+        # keep_images: the images, apart (a clip step draws from the videos alone), at most buffer_size of them
+        self.images: list[tuple[tuple[int, int], dict]] = self._reload(state.get("images", []))
         self.failures = 0
         self.raw = self._raw()
 
@@ -369,21 +372,23 @@ class Lane:
                     found[(shard_idx, idx)] = sample
         return [((s, i), found[(s, i)]) for s, i in keys if (s, i) in found]
 
-    def _video_index(self, rng: random.Random) -> int:
-        """A clip step's draw when the buffer also keeps images for the image steps: among its videos, reading on
-        until one comes; images beyond twice the buffer's size (when image steps are rarer than images) leave it,
-        the oldest first, counted as non_video skips."""
-        fits = [i for i, (_, s) in enumerate(self.buffer) if any(ext in s for ext in VIDEO_EXTS)]
-        while not fits:
-            self.buffer.append(next(self.raw))
-            if any(ext in self.buffer[-1][1] for ext in VIDEO_EXTS):
-                fits = [len(self.buffer) - 1]
-        while len(self.buffer) > 2 * self.buffer_size:
-            oldest = next(i for i, (_, s) in enumerate(self.buffer) if not any(ext in s for ext in VIDEO_EXTS))
-            self.counters["non_video"] += 1
-            del self.buffer[oldest]
-            fits = [i - (i > oldest) for i in fits]
-        return fits[rng.randrange(len(fits))]
+    def _fill(self) -> None:
+        """Fill the shuffle buffer. Keeping images (keep_images), they wait apart, at most buffer_size of them (more,
+        when image steps are rarer than images, are skipped and counted as non_video), and the buffer holds videos."""
+        images_read = 0
+        while len(self.buffer) < self.buffer_size:
+            key, sample = next(self.raw)
+            if self.keep_images and not any(ext in sample for ext in VIDEO_EXTS):
+                images_read += 1
+                if images_read > 10 * self.buffer_size + 1000:
+                    raise DatasetError(f"no video among {images_read} samples in a row: clips (--video_frames) need "
+                                       "videos (--video_image_prob adds images to them)")
+                if len(self.images) < self.buffer_size:
+                    self.images.append((key, sample))
+                else:
+                    self.counters["non_video"] += 1
+                continue
+            self.buffer.append((key, sample))
 
     def next_image(self, resolution: int | None = None, frames: int | None = None) -> np.ndarray:
         """The next training crop, `resolution` px square (default: the stream's): uint8 (R, R, 3), or a clip's
@@ -391,20 +396,22 @@ class Lane:
         resolution = resolution or self.resolution
         frames = self.frames if frames is None else frames
         while True:
-            while len(self.buffer) < self.buffer_size:
-                self.buffer.append(next(self.raw))
+            self._fill()
             rng = _rng(self.seed, self.lane, "draw", self.drawn)
-            j = self._video_index(rng) if self.keep_images and frames > 1 else rng.randrange(len(self.buffer))
-            key, sample = self.buffer[j]
-            self.buffer[j] = self.buffer[-1]
-            self.buffer.pop()
+            pool = self.buffer
+            j = rng.randrange(len(self.buffer) + (len(self.images) if frames == 1 else 0))
+            if j >= len(self.buffer):  # an image step drew an image
+                pool, j = self.images, j - len(self.buffer)
+            key, sample = pool[j]
+            pool[j] = pool[-1]
+            pool.pop()
             self.drawn += 1
             try:
                 if self.keep_images and frames == 1 and not any(ext in sample for ext in VIDEO_EXTS):
                     image = decode_crop(_pick_image(sample), resolution, rng, self.resize_prob, self.max_pixels)[None]
                 elif self.frames:
                     image = decode_clip(pick_video(sample), frames, resolution, rng, self.resize_prob,
-                                        self.max_pixels)
+                                        self.max_pixels, self.frame_stride)
                 else:
                     image = decode_crop(_pick_image(sample), resolution, rng, self.resize_prob, self.max_pixels)
                 self.failures = 0
@@ -422,6 +429,7 @@ class Lane:
     def state_dict(self) -> dict:
         return {"seed": self.seed, "epoch": self.epoch, "pos": self.pos, "sample": self.sample, "drawn": self.drawn,
                 "counters": dict(self.counters), "buffer": [list(k) for k, _ in self.buffer],
+                **({"images": [list(k) for k, _ in self.images]} if self.keep_images else {}),
                 "bad": [list(k) for k in sorted(self.bad)]}
 
 
@@ -441,9 +449,9 @@ class TrainStream(IterableDataset):
                  num_workers: int, lane_buffer: int, resize_prob: float, max_pixels: int, lanes_per_micro: int,
                  lane_states: dict | None = None, first: tuple[int, int] = (0, 0), retry_s: float = 1800.0,
                  schedule: ResolutionSchedule | None = None, grad_accum: int = 1, frames: int = 0,
-                 image_prob: float = 0.0):
+                 image_prob: float = 0.0, frame_stride: int = 1):
         super().__init__()
-        self.frames, self.image_prob = frames, image_prob
+        self.frames, self.image_prob, self.frame_stride = frames, image_prob, frame_stride
         self.retry_s = retry_s
         # the trainer's stop check, set on the copy the trainer's own process iterates (--num_workers 0); None in
         # data workers, whose waits the trainer interrupts from outside (TrainLoader._next_item)
@@ -481,7 +489,8 @@ class TrainStream(IterableDataset):
         first_lane = self.rank * per_rank
         lanes = {g: Lane(self.shards, g, self.n_lanes, self.seed, self.resolution, self.lane_buffer,
                          self.resize_prob, self.max_pixels, self.lane_states.get(g), self.retry_s,
-                         self.should_stop if info is None else None, self.frames, self.image_prob > 0)
+                         self.should_stop if info is None else None, self.frames, self.image_prob > 0,
+                         self.frame_stride)
                  for g in range(first_lane + worker, first_lane + per_rank, self.num_workers)}
         step, micro = self.first
         while True:
@@ -596,7 +605,7 @@ class TrainLoader:
                  num_workers: int = 4, shuffle_buffer: int = 1000, resize_prob: float = 0.5,
                  max_pixels: int = 100_000_000, pin_memory: bool = False, state: dict | None = None,
                  shard_retry_minutes: float = 30.0, schedule: ResolutionSchedule | None = None, grad_accum: int = 1,
-                 step: int | None = None, frames: int = 0, image_prob: float = 0.0):
+                 step: int | None = None, frames: int = 0, image_prob: float = 0.0, frame_stride: int = 1):
         """`schedule`: each step's crop size and images (--train_resolutions; None: `resolution` and `batch_size`
         throughout); `grad_accum` micro-batches per step on each of `world_size` ranks; `step`: the trainer's step
         at the stream's position, a step's start (default: the state's, else 0). `state`: a position of this
@@ -633,7 +642,7 @@ class TrainLoader:
         dataset = TrainStream(shards, resolution, batch_size, seed, rank, world_size, self.parts, lane_buffer,
                               resize_prob, max_pixels, self.lanes_per_micro, self.lane_states, self.position,
                               retry_s=60.0 * shard_retry_minutes, schedule=schedule, grad_accum=self.grad_accum,
-                              frames=frames, image_prob=image_prob)
+                              frames=frames, image_prob=image_prob, frame_stride=frame_stride)
         # with workers, the wait for a batch is cut into WAIT_POLL_S slices (DataLoader's timeout), so that a stop
         # request is seen while the workers back off through an outage (should_stop, set by the trainer)
         kwargs = (dict(prefetch_factor=4, persistent_workers=True, timeout=WAIT_POLL_S) if self.num_workers > 0
@@ -661,7 +670,8 @@ class TrainLoader:
         return cls(data.dataset_url, data.vae_resolution, data.batch_size, seed, rank, world_size, data.num_workers,
                    data.shuffle_buffer, data.resize_prob, data.max_image_pixels, pin_memory=pin_memory, state=state,
                    shard_retry_minutes=data.shard_retry_minutes, schedule=schedule, grad_accum=grad_accum, step=step,
-                   frames=data.video_frames, image_prob=data.video_image_prob)
+                   frames=data.video_frames, image_prob=data.video_image_prob,
+                   frame_stride=data.video_frame_stride)
 
     def __iter__(self):
         return self
@@ -800,7 +810,8 @@ class FixedBatches:
 
 def iter_eval_batches(url: str, resolution: int, batch_size: int, rank: int = 0, world_size: int = 1,
                       max_images: int | None = None, max_pixels: int = 100_000_000,
-                      counters: Counter | None = None, frames: int = 0) -> Iterator[tuple[list[int], torch.Tensor]]:
+                      counters: Counter | None = None, frames: int = 0,
+                      frame_stride: int = 1) -> Iterator[tuple[list[int], torch.Tensor]]:
     """Deterministic center crops of a dataset, in shard order. Image i (counting every sample
     that carries an image, up to `max_images`) belongs to rank i % world_size, so every image is
     seen exactly once across ranks, whatever the count. Yields (global indices, uint8 batch). `frames` > 0: the
@@ -826,7 +837,8 @@ def iter_eval_batches(url: str, resolution: int, batch_size: int, rank: int = 0,
             if not mine:
                 continue
             try:
-                images.append(decode_clip(data, frames, resolution, None, max_pixels=max_pixels) if frames else
+                images.append(decode_clip(data, frames, resolution, None, max_pixels=max_pixels, stride=frame_stride)
+                              if frames else
                               decode_crop(data, resolution, None, max_pixels=max_pixels))
                 indices.append(i - 1)
             except SkipSample as skip:

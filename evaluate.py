@@ -268,7 +268,7 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
                    autocast: Callable | None = None, channels_last: bool = False, grid_images: int = GRID_IMAGES,
                    max_pixels: int = 100_000_000, log: Callable | None = None,
                    latent_diagnostics: bool = False, tile_size: int = 0, tile_overlap: int = 0,
-                   frames: int = 0) -> dict:
+                   frames: int = 0, frame_stride: int = 1) -> dict:
     """PSNR, SSIM, LPIPS and rFID of `vae` on the center crops of `url`, in one pass.
 
     Every rank must call this (it all-reduces on the default process group, on `device`). The result,
@@ -294,7 +294,8 @@ def evaluate_model(vae: AutoEncoder, url: str, resolution: int, *, batch_size: i
     was_training = vae.training
     vae.eval()
     for n_batches, (_, batch) in enumerate(data_lib.iter_eval_batches(
-            url, resolution, batch_size, rank, world_size, max_images, max_pixels, frames=frames), start=1):
+            url, resolution, batch_size, rank, world_size, max_images, max_pixels, frames=frames,
+            frame_stride=frame_stride), start=1):
         x = data_lib.to_model_input(batch, device, channels_last)
         with autocast():
             if 0 < tile_size < resolution:
@@ -415,7 +416,8 @@ class Validator:
                     inception=self.inception, autocast=autocast, channels_last=self.channels_last,
                     grid_images=self.grid_images, max_pixels=data.max_image_pixels,
                     latent_diagnostics=training_size, tile_size=self.ev.eval_tile_size,
-                    tile_overlap=self.ev.eval_tile_overlap, frames=data.video_frames)
+                    tile_overlap=self.ev.eval_tile_overlap, frames=data.video_frames,
+                    frame_stride=data.video_frame_stride)
                 grid = res.pop("grid")
                 if training_size:
                     grids[prefix] = grid
@@ -434,7 +436,8 @@ def _empty_latent_batch(vae: AutoEncoder, resolution: int, device: torch.device)
 @torch.no_grad()
 def latent_stats(vae: AutoEncoder, url: str, resolution: int, *, batch_size: int, device: torch.device,
                  rank: int = 0, world_size: int = 1, max_images: int | None = None,
-                 autocast: Callable | None = None, max_pixels: int = 100_000_000, frames: int = 0) -> dict:
+                 autocast: Callable | None = None, max_pixels: int = 100_000_000, frames: int = 0,
+                 frame_stride: int = 1) -> dict:
     """Mean and std of the latents (posterior means of center crops), global and per channel, from
     float64 sums all-reduced across ranks. FLUX convention: z' = (z - shift_factor) * scaling_factor,
     with shift_factor = mean and scaling_factor = 1 / std, so z' has zero mean and unit variance.
@@ -445,7 +448,7 @@ def latent_stats(vae: AutoEncoder, url: str, resolution: int, *, batch_size: int
     stats = latents_lib.ChannelStats(vae.params.z_channels, device)
     images = torch.zeros((), dtype=torch.float64, device=device)
     for _, batch in data_lib.iter_eval_batches(url, resolution, batch_size, rank, world_size, max_images, max_pixels,
-                                               frames=frames):
+                                               frames=frames, frame_stride=frame_stride):
         with autocast():
             z = vae.encode(data_lib.to_model_input(batch, device, channels_last=False))
         z = frames_of(z) if z.dim() == 5 else z
@@ -644,6 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clips: the videos of --dataset_url as clips of their first N frames (1 + 4k), through the "
                         "Wan family's video VAE (a video run's checkpoint, or a Wan diffusers folder, loaded as the "
                         "video model): per-frame metrics with temporal_psnr and tlp (docs/evaluation.md). 0: images")
+    p.add_argument("--video_frame_stride", type=int, default=1,
+                   help="with --video_frames: every k-th frame of the videos (the run's --video_frame_stride)")
     return p
 
 
@@ -668,6 +673,8 @@ def validate(args, vae: AutoEncoder, resolutions: tuple[int, ...]) -> None:
                               "frames")
         if args.images or tile_size:
             raise ConfigError(f"--video_frames {args.video_frames}: --images and --tile_size take images, not clips")
+        if args.video_frame_stride < 1:
+            raise ConfigError(f"--video_frame_stride must be positive, got {args.video_frame_stride}")
     if tile_size < 0 or (tile_size and (tile_size % f or args.tile_overlap % f)):
         raise ConfigError(f"--tile_size and --tile_overlap must be multiples of the downsample factor {f}")
     if tile_size and not 0 <= args.tile_overlap < tile_size:
@@ -722,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
         autocast = lambda: torch.autocast(dist_info.device.type, dtype=torch.bfloat16)  # noqa: E731
     common = dict(batch_size=args.batch_size, device=dist_info.device, rank=dist_info.rank,
                   world_size=dist_info.world_size, max_images=args.max_images or None, autocast=autocast,
-                  frames=args.video_frames)
+                  frames=args.video_frames, frame_stride=args.video_frame_stride)
     with closing_distributed(dist_info):  # however the command ends
         try:
             if args.images:

@@ -376,7 +376,8 @@ def export_wan(args, vae: wan_ae.WanAutoEncoder, info: dict, resolution: int) ->
             # a video run's statistics over clips of its training length (every latent frame counted)
             frames = info.get("video_frames", 0) if vae.params.video else 0
             stats = evaluate.latent_stats(vae.to(device), args.dataset_url, resolution, batch_size=args.batch_size,
-                                          device=device, max_images=args.latent_stats_images, frames=frames)
+                                          device=device, max_images=args.latent_stats_images, frames=frames,
+                                          frame_stride=info.get("video_frame_stride", 1))
             vae.cpu()
             latents_mean, latents_std = stats["channel_mean"], stats["channel_std"]
             summary["latent_stats"] = stats

@@ -244,7 +244,8 @@ def fixed_sample_images(data: DataConfig, count: int) -> torch.Tensor:
     frames = data.video_frames
     count = max(1, count // 4) if frames else count
     batches = data_lib.iter_eval_batches(data.test_dataset_url or data.dataset_url, data.vae_resolution, count,
-                                         max_images=count, max_pixels=data.max_image_pixels, frames=frames)
+                                         max_images=count, max_pixels=data.max_image_pixels, frames=frames,
+                                         frame_stride=data.video_frame_stride)
     empty = torch.zeros(0, 3, *((frames,) if frames else ()), data.vae_resolution, data.vae_resolution,
                         dtype=torch.uint8)
     return next(iter(batches), (None, empty))[1]

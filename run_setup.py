@@ -387,6 +387,7 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
         (("init_family",), not cfg.finetune.init_from, "without --init_from"),
         (("decoder_init",), not (cfg.finetune.init_from and "vae_decoder_ch" in given), "without --init_from and "
                                                                                           "--vae_decoder_ch"),
+        (("video_frame_stride", "video_image_prob"), not cfg.data.video_frames, "without --video_frames"),
     ]
     lines, named = [], set()
     for flags, ignored, why in ignored_when:
@@ -395,6 +396,10 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
             named.update(hit)
             verb = "has" if len(hit) == 1 else "have"
             lines.append(f"warning: {', '.join('--' + f for f in hit)} {verb} no effect {why}")
+    if cfg.data.video_frames and cfg.data.shuffle_buffer > 256:
+        lines.append(f"warning: --shuffle_buffer {cfg.data.shuffle_buffer} holds that many videos' raw bytes per "
+                     "micro-batch's lanes (x --grad_accum per rank): with clips of a few MB that is GBs of memory; "
+                     "64-256 is plenty for clips")
     if optim.warmup_steps > optim.max_steps:
         lines.append(f"warning: --warmup_steps {optim.warmup_steps} > --max_steps {optim.max_steps}: the learning "
                      f"rate peaks at {optim.max_steps / optim.warmup_steps:.0%} of its set value and never decays")

@@ -6,6 +6,7 @@ drives them."""
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from dataclasses import dataclass
 
 import torch
@@ -134,8 +135,9 @@ class VAETraining:
         if compile:
             vae.encoder.compile()  # the inner modules, never the DDP wrapper
             vae.decoder.compile()
-        self.wrap_ddp = wrap_ddp
-        self.ddp = wrap_ddp(self.trained)
+        # the video VAE's temporal resamplers do not run on one-frame clips (--video_image_prob's steps)
+        self.wrap_ddp = partial(wrap_ddp, find_unused=getattr(vae.params, "video", False))
+        self.ddp = self.wrap_ddp(self.trained)
         # the VAE's frozen parts (--train_parts decoder) stay out: no state, and weight decay never moves them
         self.optimizer = make_optimizer([p for p in vae.parameters() if p.requires_grad], optim.learning_rate_vae)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -327,12 +329,14 @@ def compile_for_sizes(sizes: int) -> None:
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
 
 
-def wrap_ddp(module: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
-    """DDP around `module` under torchrun (the gradients' buckets as views: no copy); the module itself otherwise."""
+def wrap_ddp(module: torch.nn.Module, info: DistInfo, find_unused: bool = False) -> torch.nn.Module:
+    """DDP around `module` under torchrun (the gradients' buckets as views: no copy); the module itself otherwise.
+    `find_unused`: a step may leave parameters without a gradient (the video VAE's time_convs on a one-frame step),
+    which DDP then marks ready instead of waiting for them."""
     if not info.distributed:
         return module
     ids = [info.device.index] if info.device.type == "cuda" else None
-    return DDP(module, device_ids=ids, gradient_as_bucket_view=True)
+    return DDP(module, device_ids=ids, gradient_as_bucket_view=True, find_unused_parameters=find_unused)
 
 
 def adamw(optim: OptimConfig, params, lr: float) -> torch.optim.AdamW:

@@ -53,9 +53,12 @@ def model_architecture(cfg: Config, source: pretrained.Source | None, resume: tu
     from the checkpoint a run resumes from (the source may have moved since)."""
     if cfg.model.vae_family == "ldm":
         return AutoEncoderParams.from_config(cfg.model)
-    if source is not None:
-        return source.params
-    return pretrained.params_from_dict(resume[1]["run"]["model_params"])
+    saved = pretrained.params_from_dict(resume[1]["run"]["model_params"]) if resume is not None else None
+    if saved is not None and saved.video != bool(cfg.data.video_frames):  # the family's other model
+        raise ConfigError(f"--video_frames {cfg.data.video_frames}: the run being continued trains the Wan family's "
+                          f"{'video' if saved.video else 'image'} model; clips and images need a run of their own "
+                          "(a new --run_name)")
+    return source.params if source is not None else saved
 
 
 def build_vae(cfg: Config, device: torch.device, memory_format, resume: tuple[str, dict] | None = None,

@@ -558,9 +558,12 @@ class WanAutoEncoder(nn.Module):
     checkpoint_levels, decoder.conv_out as the last layer, quant_conv). The image model takes (B, C, H, W); the video
     model takes clips (B, C, T, H, W) of T = 1 + 4k frames, and images as one-frame clips.
 
-    `time_chunks` (video model): (encoder frames, decoder latent frames) per chunk after the clip's first frame, or
-    None for the whole clip in one pass (the default); diffusers' plan is (4, 1). Every plan computes the same
-    clip; a chunked one holds fewer frames' activations at once when no backward follows."""
+    `time_chunks` (video model): (encoder frames, decoder latent frames) per chunk after the clip's first frame, 0
+    for the whole clip in one pass; diffusers' plan is (4, 1). Every plan computes the same clip (to float
+    rounding); a chunked one holds fewer frames' activations at once when no backward follows. None (the default):
+    in eval mode without gradients (evaluation, export's statistics, sample grids) diffusers' plan, so that a long
+    or large clip fits where diffusers' does and the numbers are diffusers'; else the whole clip (training: one
+    pass per layer is faster, and the backward holds every frame's activations anyway)."""
 
     def __init__(self, params: WanParams):
         super().__init__()
@@ -584,6 +587,13 @@ class WanAutoEncoder(nn.Module):
     # checkpoint_levels; the blocks run through ae._run_level, one checkpoint segment each)
     set_grad_checkpointing = AutoEncoder.set_grad_checkpointing
 
+    def _frames_per_chunk(self, part: int) -> int | None:
+        """Frames (part 0: the encoder's) or latent frames (part 1: the decoder's) per chunk; None: the whole clip."""
+        plan = self.time_chunks
+        if plan is None:
+            plan = (self.params.temporal_factor, 1) if not self.training and not torch.is_grad_enabled() else (0, 0)
+        return plan[part] or None
+
     def _as_clip(self, x: Tensor) -> tuple[Tensor, bool]:
         if x.dim() == 5 and not self.params.video:
             raise ValueError("a clip given to the image model of the Wan family: build it with video=True (the "
@@ -598,7 +608,7 @@ class WanAutoEncoder(nn.Module):
         x = patchify(x, self.params.patch_size)
         if x.dim() == 5:
             check_frames(x.shape[2], self.params.temporal_factor)
-            per_chunk = None if self.time_chunks is None else self.time_chunks[0]
+            per_chunk = self._frames_per_chunk(0)
             if per_chunk is not None and per_chunk % self.params.temporal_factor:
                 raise ValueError(f"encoder chunks of {per_chunk} frames: a multiple of {self.params.temporal_factor}")
             h = run_chunks(self.encoder, x, _chunk_sizes(x.shape[2], 1, per_chunk))
@@ -627,8 +637,7 @@ class WanAutoEncoder(nn.Module):
         z, image = self._as_clip(z)
         z = self.post_quant_conv(z)
         if z.dim() == 5:
-            per_chunk = None if self.time_chunks is None else self.time_chunks[1]
-            out = run_chunks(self.decoder, z, _chunk_sizes(z.shape[2], 1, per_chunk))
+            out = run_chunks(self.decoder, z, _chunk_sizes(z.shape[2], 1, self._frames_per_chunk(1)))
         else:
             out = self.decoder(z)
         out = unpatchify(out, self.params.patch_size)

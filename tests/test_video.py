@@ -80,6 +80,8 @@ def test_a_training_clip_is_a_window_of_consecutive_frames_with_one_crop_and_fli
         assert found, seed
         seen.add((found[0][0], found[0][3]))
     assert len({s for s, _ in seen}) > 1 and len({f for _, f in seen}) == 2  # windows and flips vary
+    strided = clips.decode_clip(mp4, 3, 64, random.Random(0), stride=3)  # --video_frame_stride 3: every third frame
+    assert any(np.array_equal(strided, whole[s:s + 7:3][:, :, ::flip]) for s in range(FRAMES - 6) for flip in (1, -1))
 
 
 def test_what_cannot_be_a_clip_is_skipped_with_its_reason():
@@ -154,12 +156,27 @@ def test_the_clip_stream_resumes_exactly_and_counts_what_it_skips(clip_url, tmp_
     assert skipped["too_short"] >= 1 and skipped["non_video"] >= 1, skipped
 
 
-def test_image_steps_take_single_frames_of_images_and_videos_and_resume_exactly(clip_url, shard_url):
+def test_image_steps_take_single_frames_of_images_and_videos_and_resume_exactly(clip_url, shard_url, monkeypatch):
     """--video_image_prob: a step is, by the seed and the step, one of clips or one of single frames; on a frame
-    step a lane's sample is an image of the shards (images wait in the buffer for these steps) or one frame of a
-    video. Mixed shards (clips and photos): both kinds of micro-batch come, resumed with other workers they are
-    the uninterrupted stream's, and the photos are used, not skipped."""
+    step a lane's sample is an image of the shards (images wait apart from the videos for these steps) or one frame
+    of a video. Mixed shards (clips and photos): both kinds of micro-batch come, resumed with other workers they are
+    the uninterrupted stream's. A lane uses the photos on frame steps and keeps its buffer of videos full
+    whatever the images (clip steps stay shuffled) and at most as many images; images alone are one error."""
     url = f"{clip_url[0]}::{shard_url}"
+    decoded_images = []
+    monkeypatch.setattr(data_lib, "decode_crop", lambda *a, **k: decoded_images.append(1) or
+                        np.zeros((a[1], a[1], 3), np.uint8))
+    lane = data_lib.Lane(sources.list_shards(url), 0, 1, 0, 32, 4, 0.0, 1 << 30, frames=5, keep_images=True)
+    for _ in range(12):
+        assert lane.next_image(32, 5).shape == (5, 32, 32, 3)
+        assert len(lane.buffer) == 3 and all("mp4" in s for _, s in lane.buffer) and len(lane.images) <= 4
+    assert len(lane.images) == 4 and not decoded_images
+    assert all(lane.next_image(32, 1).shape == (1, 32, 32, 3) for _ in range(8)) and decoded_images
+    photos_only = data_lib.Lane(sources.list_shards(shard_url), 0, 1, 0, 32, 1, 0.0, 1 << 30, frames=5,
+                                keep_images=True)
+    with pytest.raises(sources.DatasetError, match="clips .--video_frames. need videos"):
+        photos_only.next_image(32, 5)
+    monkeypatch.undo()
 
     def loader(workers, state=None):
         return data_lib.TrainLoader(url, 32, 2, 0, 0, 1, num_workers=workers, shuffle_buffer=8, state=state,
@@ -174,7 +191,7 @@ def test_image_steps_take_single_frames_of_images_and_videos_and_resume_exactly(
     assert set(kinds) == {1, 5} and all(b.shape[:2] == (2, 3) for b in batches), kinds
     stream = data_lib.TrainStream([], 32, 2, 0, 0, 1, 1, 4, 0.5, 1 << 30, 2, frames=5, image_prob=0.5)
     assert kinds == [stream.frames_at(step) for step in range(10)]
-    assert skipped["non_video"] == 0 and skipped["non_image"] == 0, skipped
+    assert skipped["non_image"] == 0, skipped  # (photos beyond a lane's image buffer are non_video skips)
     first = loader(0)
     try:
         assert all(torch.equal(next(first), b) for b in batches[:4])
@@ -233,15 +250,20 @@ def test_a_run_on_clips_stopped_and_resumed_is_the_uninterrupted_run(wan_folder,
 def test_a_decoder_only_fine_tune_on_clips_under_torchrun_keeps_the_encoder_and_exports_back(
         wan_folder, clip_url, tmp_path, capsys):
     """`torchrun --nproc_per_node=2 vae_trainer.py --init_from <AutoencoderKLWan folder> --video_frames 5
-    --train_parts decoder`: the encoder and quant_conv (every temporal kernel and time_conv) stay bitwise the
-    source's, on both ranks; the decoder's time_convs train; the in-loop evaluation reports the temporal measures;
-    the export is an AutoencoderKLWan folder that diffusers loads and that decodes a latent clip as our model does,
-    with the source's latents_mean/latents_std kept (the latent space did not move)."""
+    --train_parts decoder --video_image_prob 0.5`, seeded so that a step of single frames (where the time_convs do
+    not run: DDP must not wait for their gradients) comes before a step of clips: the encoder and quant_conv (every
+    temporal kernel and time_conv) stay bitwise the source's, on both ranks; the decoder's time_convs train; the
+    in-loop evaluation reports the temporal measures; the export is an AutoencoderKLWan folder that diffusers loads
+    and that decodes a latent clip as our model does, with the source's latents_mean/latents_std kept (the latent
+    space did not move)."""
     import checkpoint
     from diffusers import AutoencoderKLWan
     train, test = clip_url
     runs = tmp_path / "runs"
+    seed = next(s for s in range(100) if [data_lib.TrainStream([], 32, 2, s, 0, 1, 1, 1, 0.5, 1, 2, frames=5,
+                                                               image_prob=0.5).frames_at(i) for i in (0, 1)] == [1, 5])
     proc = run_cli("vae_trainer.py", trainer_args(wan_folder, train, test, runs, "ft", "--train_parts", "decoder",
+                                                  "--video_image_prob", "0.5", "--seed", str(seed),
                                                   "--num_workers", "1", "--max_steps", "2",
                                                   "--evaluate_every_n_steps", "2", "--eval_max_images", "2",
                                                   "--inception_weights", "none"),
@@ -319,12 +341,13 @@ def test_evaluate_on_clips_reports_per_frame_and_temporal_metrics(wan_folder, cl
 
 
 # -------------------------------------------------------------------------------------------- refusals, memory
-def test_what_clips_cannot_do_is_refused_in_one_line(wan_folder, clip_url, tmp_path, capsys):
+def test_what_clips_cannot_do_is_refused_in_one_line(wan_folder, clip_url, shard_url, tmp_path, capsys):
     import vae_trainer
     train, test = clip_url
     cases = ((["--video_frames", "8"], "video VAE takes clips of 1 + 4k frames"),
              (["--scale_equivariance_prob", "0.5"], "--scale_equivariance_prob takes images, not clips"),
-             (["--eval_tile_size", "16", "--eval_tile_overlap", "8"], "--eval_tile_size takes images, not clips"))
+             (["--eval_tile_size", "16", "--eval_tile_overlap", "8"], "--eval_tile_size takes images, not clips"),
+             (["--compile"], "--compile is not tested with the video VAE's temporal cache"))
     for extra, message in cases:
         assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "x", *extra)) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -333,6 +356,15 @@ def test_what_clips_cannot_do_is_refused_in_one_line(wan_folder, clip_url, tmp_p
                                                                                               wan_folder)]
     assert vae_trainer.main(no_source) == 2
     assert "clips train the Wan family's video VAE, loaded with --init_from" in capsys.readouterr().err
+    # a run of the image model continued with clips (its source gone: the architecture comes from its checkpoint)
+    images = [a for a in trainer_args(wan_folder, train, test, tmp_path, "img", "--max_steps", "1", "--num_workers",
+                                      "0", "--dataset_url", shard_url) if a != "--video_frames"]
+    images.remove("5")
+    assert vae_trainer.main(images) == 0
+    capsys.readouterr()
+    assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "img", "--max_steps", "2")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the run being continued trains the Wan family's image model" in err[0], err
 
 
 def test_the_memory_estimate_counts_the_frames(wan_folder):

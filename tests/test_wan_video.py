@@ -86,25 +86,27 @@ def test_clips_compute_what_diffusers_computes(source, frames):
 
 @torch.no_grad()
 def test_every_chunk_plan_computes_the_same_clip(source):
-    """The whole clip at once, diffusers' plan, and others: the same causal windows, the same clip (to float32
-    rounding: a convolution over more frames may sum in another order). The temporal layers matter: with their
-    weights changed the clip changes."""
+    """The whole clip at once, diffusers' plan, and others, on 17 frames (several multi-frame chunks after the
+    first): the same causal windows, the same clip (to float32 rounding: a convolution over more frames may sum in
+    another order). Evaluation (eval mode, no gradient) takes diffusers' plan by default. The temporal layers
+    matter: with their weights changed the clip changes."""
     structure, _, folder = source
     vae = loaded(folder)
-    x = clip(9, batch=1)
+    x = clip(17, batch=1, size=16)
     outputs = {}
-    for plan in (None, (4, 1), (8, 2), (4, 3)):
+    for plan in ((0, 0), (4, 1), (8, 2), (4, 3), (12, 2), None):
         vae.time_chunks = plan
         mean, logvar = vae.encode_moments(x)
         outputs[plan] = mean, logvar, vae.decode(mean)
     for plan, tensors in outputs.items():
-        for what, ours, whole in zip(("mean", "logvar", "decode"), tensors, outputs[None]):
+        for what, ours, whole in zip(("mean", "logvar", "decode"), tensors, outputs[(0, 0)]):
             assert_matches(ours, whole, f"{structure} plan {plan}: {what}")
+    assert all(torch.equal(a, b) for a, b in zip(outputs[None], outputs[(4, 1)]))
     time_convs = [m for m in vae.modules() if isinstance(m, wan_ae.CausalConv3d) and m.kernel_size == (3, 1, 1)]
     assert len(time_convs) == 4  # two temporal levels, each in the encoder and the decoder
-    vae.time_chunks = None
+    vae.time_chunks = (0, 0)
     time_convs[0].weight.data.add_(0.1)
-    assert (vae.encode_moments(x)[0] - outputs[None][0]).abs().max() > 1e-3
+    assert (vae.encode_moments(x)[0] - outputs[(0, 0)][0]).abs().max() > 1e-3
 
 
 def test_frame_counts_that_are_not_1_plus_4k_are_refused(source):
