@@ -291,7 +291,7 @@ class Lane:
         state = state or {}
         self.frames = frames  # > 0: the lane reads videos, and a sample is a clip of that many frames
         self.frame_stride = frame_stride  # every frame_stride-th frame of the video
-        # a clip stream with image steps (--video_image_prob): its images wait in the buffer for those steps
+        # a clip stream with image steps (--video_image_prob): its images wait (in self.images) for those steps
         self.keep_images = keep_images
         self.shards, self.lane, self.retry_s = shards, lane, retry_s
         self.seed = state.get("seed", seed)  # a lane made after the run's start keeps the seed it was made with
