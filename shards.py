@@ -19,7 +19,7 @@ from PIL import Image
 
 import clips
 from data import SkipSample, load_rgb
-from sources import DatasetError, brace_url, image_files
+from sources import IMAGE_EXTS, DatasetError, brace_url, image_files
 
 # --------------------------------------------------------------------------------------------
 # Writing shards
@@ -208,24 +208,33 @@ def make_clips(args) -> int:
         print(f"wrote {len(photos) * args.per_photo} clips of {args.frames} frames ({args.size} px, {args.fps} fps) "
               f"into {len(paths)} shards")
     else:
-        files = image_files(args.src, clips.VIDEO_EXTS)
-        if not files:
-            print(f"error: {args.src}: no video files found ({', '.join(clips.VIDEO_EXTS)})", file=sys.stderr)
+        paths = pack_folder(args, clips.VIDEO_EXTS, "video files", "videos", clips.check_video)
+        if paths is None:
             return 2
-        paths, skipped = write_shards(files, args.dst, args.shard_size, verify=not args.no_verify, root=args.src,
-                                      check=clips.check_video)
-        names = [os.path.relpath(p, args.src) for p in skipped]
-        if len(skipped) == len(files):
-            for p in paths:
-                os.remove(p)
-            print(f"error: {args.src}: none of the {len(files)} videos could be decoded ({name_a_few(names)})",
-                  file=sys.stderr)
-            return 2
-        print(f"wrote {len(files) - len(skipped)} videos into {len(paths)} shards ({len(skipped)} unreadable skipped"
-              + (f": {name_a_few(names)})" if skipped else ")"))
     url = brace_url(paths)
     print(f"--dataset_url '{url}' --video_frames N to train on clips of them (or --test_dataset_url to evaluate)")
     return 0
+
+
+def pack_folder(args, exts: tuple[str, ...], files_noun: str, noun: str, check) -> list[str] | None:
+    """The files of `exts` under args.src into shards (write_shards, `check` verifying each), what was written and
+    skipped said on stdout; None (the error said on stderr) when there is nothing to write."""
+    files = image_files(args.src, exts)
+    if not files:
+        print(f"error: {args.src}: no {files_noun} found", file=sys.stderr)
+        return None
+    paths, skipped = write_shards(files, args.dst, args.shard_size, verify=not args.no_verify, root=args.src,
+                                  check=check)
+    names = [os.path.relpath(p, args.src) for p in skipped]
+    if len(skipped) == len(files):
+        for p in paths:
+            os.remove(p)
+        print(f"error: {args.src}: none of the {len(files)} {files_noun} could be decoded ({name_a_few(names)})",
+              file=sys.stderr)
+        return None
+    print(f"wrote {len(files) - len(skipped)} {noun} into {len(paths)} shards ({len(skipped)} unreadable skipped"
+          + (f": {name_a_few(names)})" if skipped else ")"))
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,20 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "make-clips":
         return make_clips(args)
-    files = image_files(args.src)
-    if not files:
-        print(f"error: {args.src}: no image files found", file=sys.stderr)
+    paths = pack_folder(args, IMAGE_EXTS, "image files", "images", load_rgb)
+    if paths is None:
         return 2
-    paths, skipped = write_shards(files, args.dst, args.shard_size, verify=not args.no_verify, root=args.src)
-    names = [os.path.relpath(p, args.src) for p in skipped]
-    if len(skipped) == len(files):
-        for p in paths:
-            os.remove(p)
-        print(f"error: {args.src}: none of the {len(files)} image files could be decoded ({name_a_few(names)})",
-              file=sys.stderr)
-        return 2
-    print(f"wrote {len(files) - len(skipped)} images into {len(paths)} shards ({len(skipped)} unreadable skipped"
-          + (f": {name_a_few(names)})" if skipped else ")"))
     url = brace_url(paths)  # training data or a held-out set: the same shards, another flag
     print(f"--dataset_url '{url}' to train on them, or --test_dataset_url '{url}' to evaluate on them")
     return 0

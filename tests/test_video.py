@@ -119,6 +119,31 @@ def test_make_clips_packs_videos_and_makes_clips_of_photos(photos_dir, tmp_path,
     assert sorted(s["mp4"] for s in packed) == sorted(s["mp4"] for s in samples[:3])
 
 
+def uninterrupted(loader, count: int) -> tuple[list[torch.Tensor], dict]:
+    """The first `count` micro-batches of `loader(0)` and what it skipped."""
+    ref = loader(0)
+    try:
+        return [next(ref) for _ in range(count)], ref.skipped()
+    finally:
+        ref.close()
+
+
+def assert_resumes(loader, batches: list[torch.Tensor], cut: int) -> None:
+    """`loader(workers, state)` stopped after `cut` micro-batches (no data workers) and resumed from its state with
+    2 workers gives the rest of `batches`, bitwise."""
+    first = loader(0)
+    try:
+        assert all(torch.equal(next(first), b) for b in batches[:cut])
+        state = first.state_dict()
+    finally:
+        first.close()
+    resumed = loader(2, state)
+    try:
+        assert all(torch.equal(next(resumed), b) for b in batches[cut:])
+    finally:
+        resumed.close()
+
+
 def test_the_clip_stream_resumes_exactly_and_counts_what_it_skips(clip_url, tmp_path):
     """TrainLoader with clips: uint8 (B, 3, T, R, R) micro-batches; stopped after 3 and resumed from its state
     (with 2 data workers instead of none) it gives the uninterrupted stream's next micro-batches, bitwise. A shard
@@ -135,24 +160,9 @@ def test_the_clip_stream_resumes_exactly_and_counts_what_it_skips(clip_url, tmp_
     def loader(workers, state=None):
         return data_lib.TrainLoader(url, 32, 2, 0, 0, 1, num_workers=workers, shuffle_buffer=4, state=state,
                                     frames=5)
-    ref = loader(0)
-    try:
-        batches = [next(ref) for _ in range(6)]
-        skipped = ref.skipped()
-    finally:
-        ref.close()
+    batches, skipped = uninterrupted(loader, 6)
     assert batches[0].shape == (2, 3, 5, 32, 32) and batches[0].dtype == torch.uint8
-    first = loader(0)
-    try:
-        assert all(torch.equal(next(first), b) for b in batches[:3])
-        state = first.state_dict()
-    finally:
-        first.close()
-    resumed = loader(2, state)
-    try:
-        assert all(torch.equal(next(resumed), b) for b in batches[3:])
-    finally:
-        resumed.close()
+    assert_resumes(loader, batches, 3)
     assert skipped["too_short"] >= 1 and skipped["non_video"] >= 1, skipped
 
 
@@ -181,28 +191,13 @@ def test_image_steps_take_single_frames_of_images_and_videos_and_resume_exactly(
     def loader(workers, state=None):
         return data_lib.TrainLoader(url, 32, 2, 0, 0, 1, num_workers=workers, shuffle_buffer=8, state=state,
                                     frames=5, image_prob=0.5)
-    ref = loader(0)
-    try:
-        batches = [next(ref) for _ in range(10)]
-        skipped = ref.skipped()
-    finally:
-        ref.close()
+    batches, skipped = uninterrupted(loader, 10)
     kinds = [b.shape[2] for b in batches]
     assert set(kinds) == {1, 5} and all(b.shape[:2] == (2, 3) for b in batches), kinds
     stream = data_lib.TrainStream([], 32, 2, 0, 0, 1, 1, 4, 0.5, 1 << 30, 2, frames=5, image_prob=0.5)
     assert kinds == [stream.frames_at(step) for step in range(10)]
     assert skipped["non_image"] == 0, skipped  # (photos beyond a lane's image buffer are non_video skips)
-    first = loader(0)
-    try:
-        assert all(torch.equal(next(first), b) for b in batches[:4])
-        state = first.state_dict()
-    finally:
-        first.close()
-    resumed = loader(2, state)
-    try:
-        assert all(torch.equal(next(resumed), b) for b in batches[4:])
-    finally:
-        resumed.close()
+    assert_resumes(loader, batches, 4)
 
 
 # ------------------------------------------------------------------------------------------------- training
