@@ -44,34 +44,47 @@ def wan21_params():
                             temporal_downsample=(False, True, True), video=True)
 
 
-def bench_video_memory(args, report: Report) -> dict:
+def memory_case(recipe: int, frames: list[int], sizes: list[int]) -> dict[str, float]:
+    """GiB of each (frames, size) for one recipe of MEMORY_RECIPES, in this process (a fresh one per recipe: the
+    allocator keeps what the largest probe took)."""
     import memory
     import run_setup
     import wan_ae
     from objective import VAEObjective
     from train_state import TrainingForward
+    label, parts, precision, checkpointing = MEMORY_RECIPES[recipe]
+    torch.manual_seed(0)
+    vae = wan_ae.WanAutoEncoder(wan21_params())
+    model = TrainingForward(vae, frozen_encoder=parts == "decoder")
+    cfg = run_setup.parse_config(["--do_ganloss", "--vgg16_weights", "random", "--train_parts", parts])
+    objective = VAEObjective.from_config(cfg.loss, cfg.latents, cfg.critic, precision, None, True,
+                                         torch.device("cpu"), torch.channels_last, 16, encoder_trains=parts == "all")
+    out, probes = {}, {}
+    for t in frames:
+        for size in sizes:
+            shape = memory.StepShape(1, size, precision=precision, grad_checkpointing=checkpointing, frames=t)
+            need = memory.estimate_step_memory(vae, objective, shape, model=model, probes=probes,
+                                               probe_resolutions=(64, 96))
+            out[f"{t}x{size}"] = round(need.total / 1024 ** 3, 2)
+    return out
+
+
+def bench_video_memory(args, report: Report) -> dict:
+    import subprocess
+    from bench.harness import HERE
     frames = [int(t) for t in args.video_memory_frames.split(",")]
     sizes = [int(s) for s in args.video_memory_sizes.split(",")]
     out, rows = {"architecture": wan21_params().to_dict(), "estimates_gib": {}}, []
-    for label, parts, precision, checkpointing in MEMORY_RECIPES:
-        torch.manual_seed(0)
-        vae = wan_ae.WanAutoEncoder(wan21_params())
-        model = TrainingForward(vae, frozen_encoder=parts == "decoder")
-        cfg = run_setup.parse_config(["--do_ganloss", "--vgg16_weights", "random", "--train_parts", parts])
-        objective = VAEObjective.from_config(cfg.loss, cfg.latents, cfg.critic, precision, None, True,
-                                             torch.device("cpu"), torch.channels_last, 16,
-                                             encoder_trains=parts == "all")
-        probes: dict = {}
+    for recipe, (label, *_) in enumerate(MEMORY_RECIPES):
+        code = f"import json, bench.video as v; print(json.dumps(v.memory_case({recipe}, {frames}, {sizes})))"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE)
+        if proc.returncode != 0:
+            raise RuntimeError(f"video memory case {label} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        gib = json.loads(proc.stdout.strip().splitlines()[-1])
         for t in frames:
-            row = [label, t]
-            for size in sizes:
-                shape = memory.StepShape(1, size, precision=precision, grad_checkpointing=checkpointing, frames=t)
-                need = memory.estimate_step_memory(vae, objective, shape, model=model, probes=probes,
-                                                   probe_resolutions=(64, 96))
-                gib = need.total / 1024 ** 3
-                out["estimates_gib"][f"{label} | {t} frames | {size} px"] = round(gib, 2)
-                row.append(f"{gib:.1f}")
+            row = [label, t] + [f"{gib[f'{t}x{s}']:.1f}" for s in sizes]
             rows.append(row)
+            out["estimates_gib"].update({f"{label} | {t} frames | {s} px": gib[f"{t}x{s}"] for s in sizes})
             report.line(f"  {label}, {t} frames: " + ", ".join(f"{s} px {g} GiB" for s, g in zip(sizes, row[2:])))
     report.table("Peak memory of one clip per GPU, Wan 2.1's VAE (the memory check's estimate, GiB; LPIPS and the "
                  "VGG16 critic on, EMA on)", ["recipe", "frames"] + [f"{s}x{s}" for s in sizes], rows)
