@@ -232,6 +232,14 @@ def test_a_run_on_clips_stopped_and_resumed_is_the_uninterrupted_run(wan_folder,
     assert all(torch.equal(v, b["adversary"]["critic"][k]) for k, v in a["adversary"]["critic"].items())
     assert a["run"]["ranks"][0]["data"] == b["run"]["ranks"][0]["data"]
     assert a["run"]["model_params"]["video"] is True
+    # a full fine-tune's export re-estimates latents_mean / latents_std over clips of the run's length: every
+    # latent frame of the held-out clips (2 clips of 5 frames: 2 latent frames each)
+    assert export.main(["--ckpt", str(tmp_path / "ref"), "--out", str(tmp_path / "exported"), "--dataset_url", test,
+                        "--resolution", "32", "--latent_stats_images", "2", "--batch_size", "2"]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["latent_stats"]
+    assert stats["n_images"] == 4
+    with open(tmp_path / "exported" / "config.json") as f:
+        assert json.load(f)["latents_mean"] == pytest.approx(stats["channel_mean"])
     source = pretrained.load_source(wan_folder, video=True)
     assert not torch.equal(a["training"]["vae"]["encoder.conv_in.weight"], source.state["encoder.conv_in.weight"])
     from PIL import Image
