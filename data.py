@@ -614,7 +614,7 @@ class TrainLoader:
         step's are one frame instead (an image of the shards, or a random frame of a video)."""
         state = state or {}
         shards = list_shards(url)
-        self.grad_accum, self.pin_memory, self.frames = max(1, grad_accum), pin_memory, frames
+        self.grad_accum, self.pin_memory = max(1, grad_accum), pin_memory
         self.lanes_per_micro = int(state.get("lanes_per_micro", batch_size))
         self.micro_batches = world_size * self.grad_accum
         first = (int(state.get("step", 0)), int(state.get("micro", 0)))
@@ -686,7 +686,7 @@ class TrainLoader:
                 items.append(self._next_item())
                 if "error" in items[-1]:
                     raise DatasetError(items[-1]["error"])
-            self.ready.extend(assemble(items, self.pin_memory and self.parts > 1, self.frames))
+            self.ready.extend(assemble(items, self.pin_memory and self.parts > 1))
         batch, states = self.ready.popleft()
         self.lane_states.update(states)
         step, micro = self.position
@@ -739,14 +739,14 @@ class TrainLoader:
                 "lanes_per_micro": self.lanes_per_micro, "lanes": dict(self.lane_states)}
 
 
-def assemble(items: list[dict], pin_memory: bool = False, frames: int = 0) -> list[tuple[torch.Tensor, dict]]:
+def assemble(items: list[dict], pin_memory: bool = False) -> list[tuple[torch.Tensor, dict]]:
     """The micro-batches of one item from each data worker (TrainStream): [(uint8 (B, 3, R, R) in channels-last
-    memory, as one worker's crops are, or clips (B, 3, T, R, R) with `frames` T, {lane: state})]; `pin_memory`: put
-    the parts together in pinned memory."""
+    memory, as one worker's crops are, or clips (B, 3, T, R, R) where the part says T frames, {lane: state})];
+    `pin_memory`: put the parts together in pinned memory."""
     out, offsets = [], [0] * len(items)
     for k, first in enumerate(items[0]["parts"]):
         size, count = first["size"], first["count"]
-        frames = first.get("frames", frames)  # (1 on an image step of a clip stream)
+        frames = first["frames"]  # 0: images; 1 on an image step of a clip stream
         sample = (frames,) if frames else ()
         parts = []
         for w, item in enumerate(items):

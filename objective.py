@@ -549,7 +549,10 @@ def micro_step(objective: VAEObjective, model: nn.Module, x: Tensor, step: int, 
         # and the latent statistics see their frames as images
         clip_frames = x.shape[2] if x.dim() == 5 else 0
         if clip_frames:
-            x, recon, images, mean = frames_of(x), frames_of(recon), frames_of(images), frames_of(mean)
+            untransformed = images is x  # (no regulariser: one fold of the clips serves both)
+            x = frames_of(x)
+            images = x if untransformed else frames_of(images)
+            recon, mean = frames_of(recon), frames_of(mean)
             logvar = frames_of(logvar) if logvar is not None else None
         real_logits = fake_logits = d_loss = None
         critic_logs = {}
