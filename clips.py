@@ -106,7 +106,7 @@ def decode_clip(data: bytes, frames: int, resolution: int, rng: random.Random | 
     return out
 
 
-def check_video(data: bytes) -> None:
+def verify_video(data: bytes) -> None:
     """Raises SkipSample unless the first frame of the video decodes (what make-clips verifies)."""
     _frames(data, 0, 1, 1 << 40, None)
 

@@ -28,7 +28,7 @@ def write_shards(files: list[str], dst: str, shard_size: int = 1000, verify: boo
                  root: str | None = None, prefix: str = "", check=load_rgb) -> tuple[list[str], list[str]]:
     """Pack image files into `dst/{prefix}{00000..}.tar` with their original bytes (no re-encode).
     With `verify` each image is decoded in full first (a truncated JPEG opens but does not decode: training
-    would skip it at every epoch): `check(bytes)` raises SkipSample (videos: clips.check_video). Returns (shard
+    would skip it at every epoch): `check(bytes)` raises SkipSample (videos: clips.verify_video). Returns (shard
     paths, the files skipped as unreadable)."""
     import webdataset as wds
     os.makedirs(dst, exist_ok=True)
@@ -208,7 +208,7 @@ def make_clips(args) -> int:
         print(f"wrote {len(photos) * args.per_photo} clips of {args.frames} frames ({args.size} px, {args.fps} fps) "
               f"into {len(paths)} shards")
     else:
-        paths = pack_folder(args, clips.VIDEO_EXTS, "video files", "videos", clips.check_video)
+        paths = pack_folder(args, clips.VIDEO_EXTS, "video files", "videos", clips.verify_video)
         if paths is None:
             return 2
     url = brace_url(paths)
