@@ -16,6 +16,11 @@ sys.path.insert(0, ROOT)
 import sources  # noqa: E402
 import shards  # noqa: E402
 
+# matplotlib builds its font cache on first import, running fc-list: on a machine without the cache (a new user's,
+# a fresh CI runner) that happened inside whichever test imported it first, which then failed for starting a
+# program. Built here, once per process, before any test runs.
+import matplotlib.font_manager  # noqa: E402,F401
+
 PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png", "camera.png",
           "logo.png", "hubble_deep_field.jpg")
 
