@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from common import ConfigError
 from config import GRAD_CHECKPOINTING, POSTERIORS, ch_mult_of, decoder_channels_of
 
 LOGVAR_RANGE = (-30.0, 20.0)  # LDM's clamp of the learned log-variance
@@ -51,6 +51,7 @@ class AutoEncoderParams:
     latent_bn: bool = False
     latent_bn_eps: float = 1e-4
     latent_bn_momentum: float = 0.1  # unused here; kept because FLUX.2's configs carry it
+    family: ClassVar[str] = "ldm"  # (families.py; not in to_dict: checkpoints without a family are this one's)
 
     @property
     def encoder_channels(self) -> tuple[int, ...]:
@@ -73,11 +74,7 @@ class AutoEncoderParams:
 
     @classmethod
     def from_config(cls, model) -> "AutoEncoderParams":
-        """The architecture of a run's model section (config.ModelConfig), the LDM family's; the Wan family's comes
-        from its --init_from source or the run's checkpoints (vae_trainer.model_architecture)."""
-        if model.vae_family != "ldm":
-            raise ConfigError(f"--vae_family {model.vae_family}: its architecture is read from --init_from (a "
-                              "diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder) or the run's checkpoints")
+        """The architecture of a run's model section (config.ModelConfig): the LDM family's flags."""
         return cls(ch=model.vae_ch, ch_mult=ch_mult_of(model), num_res_blocks=model.vae_num_res_blocks,
                    z_channels=model.vae_z_channels, norm_groups=model.vae_norm_groups, use_attn=model.do_attn,
                    posterior=model.posterior, posterior_var=model.posterior_var,
@@ -336,12 +333,13 @@ def check_widths(params: AutoEncoderParams) -> None:
 class AutoEncoder(nn.Module):
     def __init__(self, params: AutoEncoderParams):
         super().__init__()
-        if params.posterior not in POSTERIORS:
-            raise ValueError(f"posterior must be one of {POSTERIORS}, got {params.posterior!r}")
+        if params.posterior not in POSTERIORS[:2]:  # (none, a deterministic encoder, is diffusers classes')
+            raise ValueError(f"posterior must be one of {POSTERIORS[:2]}, got {params.posterior!r}")
         if params.quant_conv and params.posterior != "learned":
             raise ValueError("quant_conv needs the learned posterior (as in the SD VAEs)")
         check_widths(params)
         self.params = params
+        self.grad_checkpointing = "none"
         moments = params.z_channels * (2 if params.posterior == "learned" else 1)
         self.encoder = Encoder(params.in_channels, params.ch, params.ch_mult, params.num_res_blocks,
                                moments, params.use_attn, params.norm_groups)
@@ -366,6 +364,7 @@ class AutoEncoder(nn.Module):
         decoder's backward) | decoder (every decoder level) | all (every level of both)."""
         if mode not in GRAD_CHECKPOINTING:
             raise ValueError(f"grad checkpointing must be one of {GRAD_CHECKPOINTING}, got {mode!r}")
+        self.grad_checkpointing = mode  # (the memory check sets its probes' mode and this one back)
         every, high = set(range(self.decoder.num_resolutions)), {0, 1} & set(range(self.decoder.num_resolutions))
         self.decoder.checkpoint_levels = {"none": set(), "decoder_hr": high, "hr": high,
                                           "decoder": every, "all": every}[mode]

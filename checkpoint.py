@@ -27,12 +27,10 @@ import time
 import torch
 import torch.distributed as dist
 
-import wan_ae
-from ae import AutoEncoder, AutoEncoderParams
+import families
 from common import ConfigError, DistInfo, atomic_write, first_line
-from config import ARCH_FIELDS, LEGACY_ARCH, CriticConfig, ModelConfig, RunConfig
-from pretrained import (DIFFUSERS_WEIGHTS, WAN_DIFFUSERS_CLASSES, build_model, from_diffusers_state_dict, load_source,
-                        params_from_dict)
+from config import ARCH_FIELDS, CriticConfig, ModelConfig, RunConfig, with_legacy_arch
+from pretrained import DIFFUSERS_WEIGHTS
 
 # A run directory written with other values of config.ARCH_FIELDS (the ModelConfig fields marked `arch`) cannot
 # be resumed: the VAE's weights would not fit. The GAN settings are not among them: switching the critic on after
@@ -191,7 +189,7 @@ def recorded_norm_groups(path: str, file) -> int | None:
     if isinstance(run.get("model_params"), dict) and "norm_groups" in run["model_params"]:
         return run["model_params"]["norm_groups"]
     if isinstance(run.get("config"), dict):
-        return {**LEGACY_ARCH, **run["config"]}["vae_norm_groups"]
+        return with_legacy_arch(run["config"])["vae_norm_groups"]
     return None
 
 
@@ -206,7 +204,7 @@ def restore_scaler(scaler, state: dict | None) -> None:
 def check_compatible(model: ModelConfig, force: bool, saved: dict, where: str) -> bool:
     """False (with --force) or ConfigError if `saved` (a config dict) describes another VAE architecture than
     `model`'s (its fields marked `arch`)."""
-    saved = {**LEGACY_ARCH, **saved}
+    saved = with_legacy_arch(saved)
     diff = [f"{k}: {saved.get(k)!r} -> {getattr(model, k)!r}" for k in ARCH_FIELDS
             if k in saved and saved[k] != getattr(model, k)]
     if diff and not force:
@@ -432,62 +430,62 @@ def remove_run_dir_if_unused(run_dir: str) -> None:
 SAFETENSORS_WEIGHTS = "model.safetensors"  # export.py --format safetensors
 
 
-def load_diffusers_export(path: str, video: bool = False) -> tuple[AutoEncoder, dict]:
-    """(AutoEncoder in eval mode, the diffusers config) from a folder written by `export.py --format diffusers`,
-    without diffusers itself (`video`: a Wan-family folder as the video model). ValueError (one line) for another
-    kind of AutoencoderKL."""
+def json_file(path: str) -> dict:
+    """A JSON object's file, {} where there is none or it is not one."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def load_diffusers_export(path: str, video: bool = False) -> tuple[torch.nn.Module, dict]:
+    """(model in eval mode, the diffusers config) from a folder written by `export.py --format diffusers` (a
+    diffusers folder of any family: families.load_source reads it; `video`: the Wan family's video model).
+    SourceError (one line) for a class no family reads."""
+    return families.load_exported_folder(path, video)
+
+
+def load_autoencoder(path: str) -> tuple[torch.nn.Module, dict]:
+    """(model in eval mode, config dict with scaling_factor / shift_factor / resolution / step) from a folder
+    written by `export.py --format safetensors`."""
     from safetensors.torch import load_file
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    if config.get("_class_name") in WAN_DIFFUSERS_CLASSES:  # the Wan family's own layout
-        source = load_source(path, video=video)
-        params, state = source.params, source.state
-    else:
-        params, state = from_diffusers_state_dict(load_file(os.path.join(path, DIFFUSERS_WEIGHTS)), config)
-    vae = build_model(params)
-    vae.load_state_dict(state)
-    return vae.eval(), config
-
-
-def load_autoencoder(path: str) -> tuple[AutoEncoder, dict]:
-    """(AutoEncoder in eval mode, config dict with scaling_factor / shift_factor / resolution / step) from a
-    folder written by `export.py --format safetensors`."""
-    from safetensors.torch import load_file
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    fields = {f.name for f in dataclasses.fields(
-        wan_ae.WanParams if config.get("family") == "wan" else AutoEncoderParams)} | {"family"}
-    vae = build_model(params_from_dict({k: v for k, v in config.items() if k in fields}))
+    vae = families.build_model(families.our_format_params(config))
     vae.load_state_dict(load_file(os.path.join(path, SAFETENSORS_WEIGHTS)))
     return vae.eval(), config
 
 
-def load_single_file(path: str, ema: bool = False) -> tuple[AutoEncoder, dict]:
+def load_single_file(path: str, ema: bool = False) -> tuple[torch.nn.Module, dict]:
     """export.py --format single_file's ae.safetensors (or a released FLUX/SD VAE file): the model its weights and
     metadata describe, with the notes of what had to be assumed on stderr; no step or resolution (--resolution)."""
     from pretrained import SourceError
     if ema:
         raise ConfigError(f"--ema: {path} is a single file, which holds one set of weights")
     try:
-        source = load_source(path)
+        source = families.load_source(path)
     except SourceError as e:
         raise ConfigError(f"--ckpt {e}") from None
     if os.environ.get("RANK", "0") == "0":
         for note in source.notes:
             print(f"note: {note}", file=sys.stderr)
-    vae = build_model(source.params)
+    vae = families.build_model(source.params)
     vae.load_state_dict(source.state)
     return vae.eval(), {"checkpoint": path, "step": None, "resolution": None, "init_source": None,
                         "train_parts": None}
 
 
-def load_model(ckpt: str, ema: bool = False, video: bool = False) -> tuple[AutoEncoder, dict]:
+def load_model(ckpt: str, ema: bool = False, video: bool = False) -> tuple[torch.nn.Module, dict]:
     """(model on CPU in eval mode, info with `checkpoint`, `step`, `resolution`); ConfigError (one line)
     for anything the user can get wrong. `video`: a Wan-family diffusers folder loads as the video model (a run's
     checkpoints and our exports record which model they hold)."""
     if not os.path.exists(ckpt):
         raise ConfigError(f"--ckpt {ckpt}: no such file or directory")
     exported = [name for name in (SAFETENSORS_WEIGHTS, DIFFUSERS_WEIGHTS) if os.path.isfile(os.path.join(ckpt, name))]
+    if os.path.isdir(ckpt) and not exported and "_class_name" in json_file(os.path.join(ckpt, "config.json")):
+        exported = [DIFFUSERS_WEIGHTS]  # a diffusers folder whose weights are sharded
     if os.path.isdir(ckpt) and exported:
         if ema:
             raise ConfigError(f"--ema: {ckpt} is an exported model, which holds one set of weights")
@@ -525,7 +523,7 @@ def load_model(ckpt: str, ema: bool = False, video: bool = False) -> tuple[AutoE
     if ema and not trained_weights(state, ema=True):
         raise ConfigError(f"--ema: {path} holds no EMA weights (trained with --ema_decay 0?)")
     try:
-        vae = build_model(params_from_dict(run["model_params"]))
+        vae = families.build_model(families.params_from_dict(run["model_params"]))
         vae.load_state_dict(trained_weights(state, ema))
     except (TypeError, ValueError, RuntimeError) as e:
         reason = first_line(e) or type(e).__name__

@@ -365,3 +365,12 @@ def restore_rng(state: dict, device: torch.device) -> None:
             cuda = cuda[device.index] if device.index is not None and device.index < len(cuda) else None
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, device)  # never another device's generator
+
+
+def honour_umask(path: str) -> None:
+    """safetensors writes through a private temp file (mode 0600) that it renames: give the file the mode a
+    plain open() would have (0666 minus the umask), like config.json next to it, so others on a shared file
+    system can read the export."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)

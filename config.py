@@ -25,7 +25,7 @@ from common import ConfigError, redact
 
 
 # The vocabularies of the choice flags, which their owners check against too (one home: the schema).
-POSTERIORS = ("constant", "learned")  # ae.AutoEncoder
+POSTERIORS = ("constant", "learned", "none")  # ae.AutoEncoder: constant, learned; none: a deterministic encoder
 GRAD_CHECKPOINTING = ("none", "decoder_hr", "hr", "decoder", "all")  # ae.AutoEncoder.set_grad_checkpointing
 DISC_TYPES = ("hinge", "bce")  # utils.discriminator_loss
 DISC_NORMS = ("batch", "group_spectral", "spectral", "none")  # critics.NLayerDiscriminator
@@ -96,10 +96,11 @@ class DataConfig:
     shard_retry_minutes: float = opt(30.0, "while no remote shard can be read (a server outage), keep retrying with "
                                            "back-off for this long before stopping (0: stop at once)")
     video_frames: int = opt(0, "train on clips: each sample a video (mp4, webm, ...: python data.py make-clips), of "
-                               "which a window of this many consecutive frames, 1 + 4k (5, 9, 17, 33, ...), is taken "
-                               "with one crop and flip for every frame; --batch_size counts clips. Needs --init_from a "
-                               "Wan-family diffusers folder, which loads as the causal video VAE. 0: images "
-                               "(docs/finetuning.md, 'Fine-tune Wan's VAE on your videos')")
+                               "which a window of this many consecutive frames, 1 + t k for the VAE's temporal factor "
+                               "t (Wan's 4: 5, 9, 17, 33, ...), is taken with one crop and flip for every frame; "
+                               "--batch_size counts clips. Needs --init_from a video VAE's diffusers folder "
+                               "(docs/families.md). 0: images (docs/finetuning.md, 'Fine-tune Wan's VAE on your "
+                               "videos')")
     video_frame_stride: int = opt(1, "with --video_frames: every k-th frame of a window of (T - 1) k + 1 frames: "
                                      "a 32 fps video at 2 is 16 fps, Wan 2.1's rate (Wan 2.2: 24). Evaluation's clips "
                                      "too")
@@ -112,9 +113,6 @@ class DataConfig:
         check(self, positive=("batch_size", "vae_resolution", "shuffle_buffer", "max_image_pixels",
                               "video_frame_stride"),
               non_negative=("shard_retry_minutes", "video_frames"), unit=("resize_prob", "video_image_prob"))
-        if self.video_frames and (self.video_frames - 1) % VIDEO_TEMPORAL_FACTOR:
-            raise ConfigError(f"--video_frames {self.video_frames}: the Wan family's video VAE takes clips of 1 + "
-                              f"{VIDEO_TEMPORAL_FACTOR}k frames (5, 9, 17, 33, ...)")
         if self.num_workers < -1:  # -1: automatic (run_setup.resolve_cpu)
             raise ConfigError(f"--num_workers must be >= 0 (or -1: auto), got {self.num_workers}")
 
@@ -126,9 +124,13 @@ class ModelConfig:
     TITLE: ClassVar[str] = "Model"  # the flag table's heading
 
     vae_family: str = opt("ldm", "ldm: the LDM/FLUX autoencoder of ae.py (FLUX.1, FLUX.2, SD, SDXL, SD3); wan: the "
-                                 "Wan 2.1 family of wan_ae.py (Qwen-Image's VAE, Wan 2.1/2.2's on images), whose "
-                                 "architecture only --init_from (or the run's checkpoints) gives. Set by --init_from",
-                          ("ldm", "wan"), arch=True)
+                                 "Wan 2.1 family of wan_ae.py (Qwen-Image's VAE, Wan 2.1/2.2's); diffusers: any other "
+                                 "autoencoder diffusers ships, through its own module (docs/families.md). The "
+                                 "architecture of wan and diffusers comes from --init_from (or the run's checkpoints). "
+                                 "Set by --init_from; give diffusers with it to train a native family's folder through "
+                                 "diffusers' module", arch=True)
+    vae_class: str = opt("", "the diffusers class of --vae_family diffusers (docs/families.md). Set by --init_from",
+                         arch=True)
     vae_ch: int = opt(128, "base channel count", arch=True)
     vae_ch_mult: str = opt("1,2,4,4", "channel multiplier per level; downsampling = 2^(levels-1)", arch=True)
     vae_num_res_blocks: int = opt(2, "ResnetBlocks per level", arch=True)
@@ -139,7 +141,9 @@ class ModelConfig:
                                   "image's per-channel mean (its colour) at every norm and learns slower", arch=True)
     do_attn: bool = opt(True, "self-attention in the mid blocks", arch=True)
     posterior: str = opt("constant", "constant: z = mean + sqrt(posterior_var) * noise; learned: the encoder "
-                                     "also predicts the log-variance (standard SD VAE)", POSTERIORS, arch=True)
+                                     "also predicts the log-variance (standard SD VAE); none: a deterministic encoder, "
+                                     "z = mean and no KL term (a diffusers class without a posterior: Cosmos, DC-AE; "
+                                     "set by --init_from)", POSTERIORS, arch=True)
     posterior_var: float = opt(0.1, "the fixed VARIANCE sigma^2 of the constant posterior (std = sqrt)")
     do_clamp: bool = opt(False, "clamp the posterior mean to [-clamp_th, clamp_th]")
     clamp_th: float = opt(8.0, "latent clamp threshold used with --do_clamp")
@@ -157,16 +161,17 @@ class ModelConfig:
     vae_patch_size: int = opt(1, "the image enters the encoder as P x P pixel patches stacked on the channels (Wan "
                                  "2.2's VAE: 2), for a downsample factor 2^(levels-1) x P. Set by --init_from",
                               arch=True)
+    vae_spatial_factor: int = opt(0, "the latent grid's downsampling where --vae_ch_mult does not give it (a diffusers "
+                                     "class's). 0: 2^(levels-1) x --vae_patch_size. Set by --init_from", arch=True)
+    vae_temporal_factor: int = opt(0, "a video VAE's temporal compression t: it takes clips of 1 + t k frames "
+                                      "(--video_frames). 0: an image VAE. Set by --init_from", arch=True)
 
     def validate(self) -> None:
+        """The values' ranges and what the LDM flags must agree on (every family's flags satisfy them: the other
+        families set neutral values); a family's own refusals are its registry entry's (families.py)."""
         check(self, positive=("vae_ch", "vae_num_res_blocks", "vae_z_channels", "vae_norm_groups", "posterior_var",
-                              "vae_latent_bn_eps", "vae_patch_size"))
-        ch_mult_of(self)  # one line for a malformed --vae_ch_mult, in either family
-        if self.vae_family == "wan":  # the rest is the LDM family's: the Wan family's comes from its source
-            return
-        if self.vae_patch_size != 1:
-            raise ConfigError(f"--vae_patch_size {self.vae_patch_size}: the LDM family's encoder reads pixels (1); "
-                              "patches are the Wan family's (Wan 2.2)")
+                              "vae_latent_bn_eps", "vae_patch_size"),
+              non_negative=("vae_spatial_factor", "vae_temporal_factor"))
         if self.do_clamp and self.clamp_th <= 0:
             raise ConfigError(f"--clamp_th must be positive with --do_clamp, got {self.clamp_th}")
         if self.vae_quant_conv and self.posterior != "learned":
@@ -195,10 +200,12 @@ class FinetuneConfig:
     GROUP: ClassVar[str] = "finetune"  # the --help group
     TITLE: ClassVar[str] = "Fine-tuning a released VAE ([how](finetuning.md))"  # the flag table's heading
 
-    init_from: str = opt("", "start from a released VAE: a diffusers AutoencoderKL or AutoencoderKLFlux2 folder, "
-                             "FLUX.1's or FLUX.2's ae.safetensors, an SD VAE file or a full SD checkpoint "
-                             "(first_stage_model.*). The architecture (the --vae_* flags, --posterior) and the latent "
-                             "factors (FLUX.2: its bn statistics) are read from it")
+    init_from: str = opt("", "start from a released VAE: a diffusers VAE folder of any family (FLUX, SD, SDXL, SD3, "
+                             "FLUX.2, Qwen-Image, Wan, LTX-Video, HunyuanVideo, CogVideoX, Mochi, Cosmos, ...: "
+                             "docs/families.md), FLUX.1's or FLUX.2's ae.safetensors, an SD VAE file or a full SD "
+                             "checkpoint (first_stage_model.*). The architecture (the --vae_* flags, --posterior) and "
+                             "the latent normalisation (factors, FLUX.2's bn statistics, per-channel statistics) are "
+                             "read from it")
     init_family: str = opt("auto", "the family of an --init_from single file, for its latent factors (a VAE-only "
                                    "file does not say whether it is SD's or SDXL's, FLUX.1's or SD3's; one with bn "
                                    "statistics is FLUX.2's)",
@@ -604,7 +611,10 @@ SOURCE_FIELDS = ARCH_FIELDS + ("posterior_var", "do_clamp", "vae_latent_bn_eps")
 # What runs written before a field existed used (config.json without it): 32 groups before --vae_norm_groups,
 # no quant convs before --vae_quant_conv.
 LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False, "vae_decoder_ch": "", "vae_latent_bn": False,
-               "vae_family": "ldm", "vae_patch_size": 1}
+               "vae_family": "ldm", "vae_patch_size": 1, "vae_class": "", "vae_spatial_factor": 0,
+               "vae_temporal_factor": 0}
+# Before --vae_temporal_factor, the one video VAE was the Wan family's, whose clips have 1 + 4k frames.
+LEGACY_VIDEO_TEMPORAL_FACTOR = 4
 
 
 def as_released(saved: dict) -> dict:
@@ -614,7 +624,15 @@ def as_released(saved: dict) -> dict:
     it has no bn to normalise). For comparing a saved run with this one; tests/test_releases.py continues runs
     written by earlier releases."""
     defaults = {f.name: f.default for kind in SECTIONS.values() for f in dataclasses.fields(kind)}
-    return {**defaults, **LEGACY_ARCH, **{k: as_written_now(k, v) for k, v in saved.items()}}
+    return {**defaults, **with_legacy_arch(saved)}
+
+
+def with_legacy_arch(saved: dict) -> dict:
+    """`saved` (a flat config of any release) with the architecture fields it lacks as that release had them."""
+    legacy = dict(LEGACY_ARCH)
+    if saved.get("video_frames"):  # a video run of a release before --vae_temporal_factor: Wan's video model
+        legacy["vae_temporal_factor"] = LEGACY_VIDEO_TEMPORAL_FACTOR
+    return {**legacy, **{k: as_written_now(k, v) for k, v in saved.items()}}
 
 
 def ch_mult_of(model: ModelConfig) -> tuple[int, ...]:
@@ -628,8 +646,9 @@ def ch_mult_of(model: ModelConfig) -> tuple[int, ...]:
 
 
 def downsample_factor_of(model: ModelConfig) -> int:
-    """The latent grid's downsampling, in either family: 2^(levels - 1) x the pixel patch."""
-    return 2 ** (len(ch_mult_of(model)) - 1) * model.vae_patch_size
+    """The latent grid's downsampling: --vae_spatial_factor where a source set it, else 2^(levels - 1) x the pixel
+    patch."""
+    return model.vae_spatial_factor or 2 ** (len(ch_mult_of(model)) - 1) * model.vae_patch_size
 
 
 def decoder_channels_of(model: ModelConfig) -> tuple[int, ...]:
@@ -754,29 +773,28 @@ def last_stage_levels(cfg: Config) -> int | None:
     if len(parse_schedule(cfg.data.train_resolutions)) < 2:
         raise ConfigError(f"--last_stage_trains {value} needs a --train_resolutions schedule of 2 stages or more "
                           "(it freezes the rest in the last one)")
-    if cfg.model.vae_family != "ldm":
-        raise ConfigError(f"--last_stage_trains {value}: the decoder's levels are the LDM family's (ae.py), not "
-                          f"--vae_family {cfg.model.vae_family}'s")
     if cfg.latents.vf_weight > 0:
         raise ConfigError(f"--last_stage_trains {value} freezes the encoder that --vf_weight aligns: use one of them")
     return int(value)
 
 
-# clips of the video VAE (wan_ae.py) have 1 + 4k frames: both its releases halve time at two levels
-VIDEO_TEMPORAL_FACTOR = 4
-
-
 def check_video(cfg: Config) -> None:
-    """One line for --video_frames without the video VAE, or with what does not take clips yet."""
+    """One line for --video_frames without a video VAE, of a length it cannot take, or with what does not take clips
+    yet."""
     if not cfg.data.video_frames:
         if cfg.loss.temporal_weight > 0 or cfg.data.video_image_prob > 0:
             raise ConfigError(f"{'--temporal_weight' if cfg.loss.temporal_weight > 0 else '--video_image_prob'} is "
                               "for clips: it needs --video_frames")
         return
-    flag = f"--video_frames {cfg.data.video_frames}"
-    if not cfg.finetune.init_from:
-        raise ConfigError(f"{flag}: clips train the Wan family's video VAE, loaded with --init_from from a diffusers "
-                          "AutoencoderKLWan / AutoencoderKLQwenImage folder")
+    frames, t = cfg.data.video_frames, cfg.model.vae_temporal_factor
+    flag = f"--video_frames {frames}"
+    if not t:
+        raise ConfigError(f"{flag}: clips train a video VAE, loaded with --init_from from its diffusers folder "
+                          "(docs/families.md lists them)")
+    if (frames - 1) % t:
+        below = 1 + (frames - 1) // t * t
+        raise ConfigError(f"{flag}: this VAE takes clips of 1 + {t}k frames: the nearest are "
+                          f"{' and '.join(str(n) for n in (below, below + t) if n >= 1)}")
     latents = cfg.latents
     for value, name in ((latents.scale_equivariance_prob, "--scale_equivariance_prob"),
                         (latents.latent_noise_prob, "--latent_noise_prob"), (latents.vf_weight, "--vf_weight"),
@@ -786,8 +804,8 @@ def check_video(cfg: Config) -> None:
         if value:
             raise ConfigError(f"{flag}: {name} takes images, not clips (yet): leave it off for video")
     if cfg.speed.compile:
-        raise ConfigError(f"{flag}: --compile is not tested with the video VAE's temporal cache (its chunks and "
-                          "their frame counts vary): leave it off for video")
+        raise ConfigError(f"{flag}: --compile is not tested with the video VAEs' temporal caches (their chunks and "
+                          "frame counts vary): leave it off for video")
 
 
 def validate_across_sections(cfg: Config) -> None:
@@ -820,9 +838,6 @@ def validate_across_sections(cfg: Config) -> None:
                           f"be multiples of the downsample factor {factor}")
     if cfg.run.load_path and cfg.finetune.init_from:
         raise ConfigError("give --init_from (a released VAE) or --load_path (our weights), not both")
-    if model.vae_family != "ldm" and (loss.distill_weight > 0 or cfg.finetune.decoder_init != "fresh"):
-        raise ConfigError("--distill_weight and --decoder_init are for a narrower decoder of the LDM family's "
-                          f"latent spaces (FLUX.2, FLUX.1, SD, SDXL, SD3), not --vae_family {model.vae_family}")
     if loss.distill_weight > 0 and not (cfg.finetune.init_from and cfg.finetune.train_parts == "decoder"):
         raise ConfigError("--distill_weight needs --init_from (the teacher is its decoder) and --train_parts decoder "
                           "(the teacher decodes the same latent as the decoder that trains)")

@@ -31,8 +31,9 @@ import torchvision
 from torch import Tensor, nn
 
 import data as data_lib
-import sources
+import families
 import latents as latents_lib
+import sources
 from ae import AutoEncoder, patchify_latents
 from clips import frames_of
 from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
@@ -657,17 +658,18 @@ def tile_size_of(args) -> int:
     return args.tile_size if args.tile_size is not None else (1024 if args.images else 0)
 
 
-def validate(args, vae: AutoEncoder, resolutions: tuple[int, ...]) -> None:
+def validate(args, vae: nn.Module, resolutions: tuple[int, ...]) -> None:
     f, tile_size = vae.downsample_factor, tile_size_of(args)
     if bool(args.images) != bool(args.reconstruct_to):
         raise ConfigError("--images and --reconstruct_to go together")
     if args.images and args.latent_stats:
         raise ConfigError("--latent_stats works on --dataset_url, not on --images")
+    family = families.of(vae)
     if args.video_frames:
-        temporal = getattr(vae.params, "temporal_factor", 0) if getattr(vae.params, "video", False) else 0
+        temporal = family.temporal_factor(vae.params)
         if not temporal:
-            raise ConfigError(f"--video_frames {args.video_frames}: {args.ckpt} holds an image VAE; clips take the Wan "
-                              "family's video VAE (a run trained with --video_frames, or a Wan diffusers folder)")
+            raise ConfigError(f"--video_frames {args.video_frames}: {args.ckpt} holds an image VAE; clips take a video "
+                              "VAE (a run trained with --video_frames, or a video VAE's diffusers folder)")
         if args.video_frames < 0 or (args.video_frames - 1) % temporal:
             raise ConfigError(f"--video_frames {args.video_frames}: the video VAE takes clips of 1 + {temporal}k "
                               "frames")
@@ -675,6 +677,9 @@ def validate(args, vae: AutoEncoder, resolutions: tuple[int, ...]) -> None:
             raise ConfigError(f"--video_frames {args.video_frames}: --images and --tile_size take images, not clips")
         if args.video_frame_stride < 1:
             raise ConfigError(f"--video_frame_stride must be positive, got {args.video_frame_stride}")
+    elif not family.takes_images(vae.params):
+        raise ConfigError(f"{args.ckpt} holds {family.describe(vae.params)}, which takes clips: give --video_frames "
+                          f"(1 + {family.temporal_factor(vae.params)}k)")
     if tile_size < 0 or (tile_size and (tile_size % f or args.tile_overlap % f)):
         raise ConfigError(f"--tile_size and --tile_overlap must be multiples of the downsample factor {f}")
     if tile_size and not 0 <= args.tile_overlap < tile_size:

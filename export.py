@@ -42,16 +42,14 @@ import sys
 import torch
 
 import data as data_lib
-import sources
 import evaluate
+import families
 import pretrained
-import wan_ae
-from ae import AutoEncoder
+import sources
 from checkpoint import SAFETENSORS_WEIGHTS, load_autoencoder, load_diffusers_export, load_model  # noqa: F401
-from common import ConfigError, OneLineParser
-from pretrained import DIFFUSERS_WEIGHTS, diffusers_config, to_diffusers_state_dict
+from common import ConfigError, OneLineParser, honour_umask
+from pretrained import export_single_file
 
-SINGLE_FILE_WEIGHTS = "ae.safetensors"
 
 
 def pipelines_served(latent_norm: str, channels: int, shift_factor: float) -> str:
@@ -70,186 +68,21 @@ def pipelines_served(latent_norm: str, channels: int, shift_factor: float) -> st
             "SD3 pipelines (they ignore latents_mean/latents_std: use --latent_norm scalar for them)")
 
 
-def honour_umask(path: str) -> None:
-    """safetensors writes through a private temp file (mode 0600) that it renames: give the file the mode a
-    plain open() would have (0666 minus the umask), like config.json next to it, so others on a shared file
-    system can read the export."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 # ============================================================================================
-# diffusers AutoencoderKL (the conversion itself lives in pretrained.py, shared with --init_from)
+# Our own format: the model's state dict as safetensors, its params as config.json (any family)
 # ============================================================================================
-# What an export of a run that started from a diffusers folder keeps from that folder's config: what training does
-# not change (sample_size sets diffusers' tile size; force_upcast its pipelines' fp32 decode; FLUX.2's bn momentum).
-FROM_SOURCE_CONFIG = ("sample_size", "force_upcast", "batch_norm_momentum")
-
-
-def with_source_config(config: dict, source_config: dict | None, model_class) -> dict:
-    """`config` (what this trainer writes for the model) over the source folder's: the source's values of
-    FROM_SOURCE_CONFIG, and its entries `config` lacks that `model_class` takes (diffusers' own options); the
-    architecture and the latent factors stay `config`'s, since they are what training may change."""
-    if not source_config:
-        return config
-    accepted = constructor_args(model_class)
-    kept = {k: v for k, v in source_config.items() if k in accepted and (k not in config or k in FROM_SOURCE_CONFIG)}
-    return {**config, **kept}
-
-
-def constructor_args(model_class) -> set[str]:
-    import inspect
-    return set(inspect.signature(model_class.__init__).parameters)
-
-
-def keep_source_extras(model, source_config: dict | None) -> None:
-    """The source config's entries that the model's class does not take (FLUX.2's force_upcast on an
-    AutoencoderKLFlux2, which diffusers kept in its config when it loaded the folder): kept in the export's config,
-    where pipelines read them from model.config."""
-    extras = {k: v for k, v in (source_config or {}).items()
-              if not k.startswith("_") and k not in constructor_args(type(model)) and k not in model.config}
-    if extras:
-        model.register_to_config(**extras)
-
-
-def export_diffusers(vae: AutoEncoder, out_dir: str, resolution: int, scaling_factor: float = 1.0,
-                     shift_factor: float = 0.0, latents_mean: list[float] | None = None,
-                     latents_std: list[float] | None = None, source_config: dict | None = None) -> None:
-    """Write `out_dir/config.json` and `diffusion_pytorch_model.safetensors` of a diffusers AutoencoderKL, or of an
-    AutoencoderKLFlux2 (pretrained.diffusers_class): FLUX.2's VAE with its bn statistics (and
-    decoder_block_out_channels where its decoder is narrower), or a narrower decoder of another family, whose
-    factors then ride in its config as entries diffusers keeps in `model.config`.
-    The converted weights are loaded strictly into the diffusers model before saving: a key or shape mismatch
-    fails here, not in the user's pipeline. ValueError for factors on a model that normalises by bn.
-    `source_config`: the diffusers config.json of the folder the run started from (--init_from), whose settings
-    that training does not change are kept (with_source_config)."""
-    params = vae.params
-    if params.clamp_th > 0:
-        print(f"warning: this model clamps its posterior mean to +-{params.clamp_th}; diffusers' AutoencoderKL does "
-              "not clamp, so latents of unusual inputs may exceed that range", file=sys.stderr)
-    state = to_diffusers_state_dict(vae.state_dict(), params)
-    if pretrained.diffusers_class(params) == "AutoencoderKL":
-        from diffusers import AutoencoderKL
-        model = AutoencoderKL(**with_source_config(diffusers_config(
-            params, resolution, scaling_factor, shift_factor, latents_mean, latents_std), source_config, AutoencoderKL))
-    else:
-        model = flux2_model(params, resolution, source_config)
-        if params.latent_bn:
-            if (scaling_factor, shift_factor, latents_mean, latents_std) != (1.0, 0.0, None, None):
-                raise ValueError("a VAE with FLUX.2's bn statistics normalises its latents by them: AutoencoderKLFlux2 "
-                                 "has no scaling/shift factors or latents_mean/latents_std")
-        else:
-            # a narrower decoder of a family with factors: its pipelines read them from model.config, where diffusers
-            # keeps config.json entries the constructor does not take (ConfigMixin's hidden config, with a logged
-            # warning); their presence also tells pretrained.from_diffusers_state_dict that the bn is unused, which
-            # keeps BatchNorm's defaults
-            state.update({f"bn.{k}": v for k, v in model.bn.state_dict().items()})
-            model.register_to_config(scaling_factor=scaling_factor, shift_factor=shift_factor,
-                                     latents_mean=None if latents_mean is None else list(latents_mean),
-                                     latents_std=None if latents_std is None else list(latents_std),
-                                     force_upcast=(source_config or {}).get("force_upcast", True))
-    keep_source_extras(model, source_config)
-    model.load_state_dict(state, strict=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    honour_umask(os.path.join(out_dir, DIFFUSERS_WEIGHTS))
-
-
-def flux2_model(params, resolution: int, source_config: dict | None = None):
-    """diffusers' AutoencoderKLFlux2 for `params` (over the source folder's config: with_source_config); ConfigError
-    (one line) where the installed diffusers lacks it or, for a narrower decoder, its decoder_block_out_channels
-    (diffusers 0.38)."""
-    import inspect
-    try:
-        from diffusers import AutoencoderKLFlux2
-    except ImportError:
-        raise ConfigError("this export is an AutoencoderKLFlux2, which the installed diffusers lacks: "
-                          "pip install 'diffusers>=0.38'") from None
-    config = pretrained.flux2_config(params, resolution)
-    if "decoder_block_out_channels" not in inspect.signature(AutoencoderKLFlux2.__init__).parameters:
-        if config["decoder_block_out_channels"] is not None:
-            raise ConfigError("a decoder narrower than the encoder needs AutoencoderKLFlux2's "
-                              "decoder_block_out_channels: pip install 'diffusers>=0.38'")
-        del config["decoder_block_out_channels"]
-    return AutoencoderKLFlux2(**with_source_config(config, source_config, AutoencoderKLFlux2))
-
-
-def export_single_file(vae: AutoEncoder, out_dir: str, scaling_factor: float | None = None,
-                       shift_factor: float | None = None) -> str:
-    """`out_dir/ae.safetensors` in the LDM/FLUX single-file layout: what FLUX's `ae.safetensors` and SD's VAE files
-    (`vae-ft-mse-840000-ema-pruned.safetensors`, with quant_conv) hold, loadable by their own code, by
-    `--init_from` and by diffusers' `AutoencoderKL.from_single_file` (with `config=` the family's diffusers
-    folder: the file carries no latent factors). Returns the path."""
-    from safetensors.torch import save_file
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, SINGLE_FILE_WEIGHTS)
-    metadata = {"format": "pt"}  # the factors ride along as metadata for the reader's information
-    metadata.update({k: str(v) for k, v in (("scaling_factor", scaling_factor), ("shift_factor", shift_factor))
-                     if v is not None})
-    # what the layout cannot hold, for --init_from, evaluate.py and export.py to read back (pretrained.py)
-    recorded = {name: getattr(vae.params, name) for name in pretrained.SINGLE_FILE_ASSUMED
-                if vae.params.latent_bn or not name.startswith("latent_bn")}
-    metadata.update({k: str(v) for k, v in recorded.items()})
-    unusual = [f"{k} {v}" for k, v in recorded.items() if v != pretrained.SINGLE_FILE_ASSUMED[k]]
-    if unusual:
-        assumed = ", ".join(f"{k.split()[0]} {pretrained.SINGLE_FILE_ASSUMED[k.split()[0]]}" for k in unusual)
-        print(f"warning: {SINGLE_FILE_WEIGHTS} records {', '.join(unusual)} in its metadata, which only this trainer "
-              f"reads: BFL's and diffusers' single-file loaders assume {assumed}, another model; --format diffusers "
-              "carries them for every reader", file=sys.stderr)
-    save_file(pretrained.single_file_state_dict(vae), path, metadata=metadata)
-    honour_umask(path)
-    return path
-
-
-# ============================================================================================
-# diffusers AutoencoderKLQwenImage / AutoencoderKLWan: the image or video model back into its source's layout
-# ============================================================================================
-def export_wan_diffusers(vae: wan_ae.WanAutoEncoder, source_dir: str, out_dir: str,
-                         latents_mean: list[float] | None = None, latents_std: list[float] | None = None) -> None:
-    """Write `out_dir` as the diffusers folder `source_dir` is (its class and config), with the trained weights: the
-    video model's every tensor; the image model's 2D kernels into the last temporal slice of their causal 3D
-    kernels, the other slices and the temporal resamplers' time_conv kept from the source (the first frame never
-    uses them, so training on images could not learn them). The config's
-    latents_mean/latents_std stay the source's unless given (re-estimated statistics). Loaded strictly into the
-    diffusers class before saving: a key or shape mismatch fails here. ValueError (one line) for a source that is
-    not the one the model was trained from."""
-    import diffusers
-    with open(os.path.join(source_dir, "config.json")) as f:
-        config = json.load(f)
-    if config.get("_class_name") not in pretrained.WAN_DIFFUSERS_CLASSES:
-        raise ValueError(f"{source_dir}: a {config.get('_class_name')}, not one of {pretrained.WAN_DIFFUSERS_CLASSES}")
-    params = pretrained.wan_params_from_diffusers_config(config, source_dir, vae.params.video)
-    if params != vae.params:
-        raise ValueError(f"{source_dir}: its architecture {params} is not the model's {vae.params}")
-    for name, values in (("latents_mean", latents_mean), ("latents_std", latents_std)):
-        if values is not None:
-            if len(values) != vae.params.z_channels:
-                raise ValueError(f"{name} has {len(values)} entries for {vae.params.z_channels} latent channels")
-            config[name] = [float(v) for v in values]
-    weights = [os.path.join(source_dir, n) for n in (DIFFUSERS_WEIGHTS, pretrained.DIFFUSERS_WEIGHTS_BIN)
-               if os.path.isfile(os.path.join(source_dir, n))]
-    if not weights:  # the kept temporal slices come from them
-        raise ValueError(f"{source_dir}: no {DIFFUSERS_WEIGHTS}: the export needs the source's weights")
-    model = getattr(diffusers, config["_class_name"]).from_config(config)
-    model.load_state_dict(pretrained.wan_to_diffusers_state_dict(vae.state_dict(), pretrained._read_file(weights[0])),
-                          strict=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    honour_umask(os.path.join(out_dir, DIFFUSERS_WEIGHTS))
-
-
-# ============================================================================================
-# Our own format: ae.py's state dict as safetensors, AutoEncoderParams as config.json
-# ============================================================================================
-def export_safetensors(vae: AutoEncoder, out_dir: str, resolution: int | None, scaling_factor: float = 1.0,
+def export_safetensors(vae: torch.nn.Module, out_dir: str, resolution: int | None, scaling_factor: float = 1.0,
                        shift_factor: float = 0.0, step: int | None = None, latents_mean: list[float] | None = None,
-                       latents_std: list[float] | None = None) -> None:
+                       latents_std: list[float] | None = None, **fields) -> None:
+    """`fields`: a family's own latent normalisation (families.Family.source_fields), recorded with the factors."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     state = {k: pretrained.as_stored(v) for k, v in vae.state_dict().items()}
     save_file(state, os.path.join(out_dir, SAFETENSORS_WEIGHTS), metadata={"format": "pt"})  # bn.* included
     honour_umask(os.path.join(out_dir, SAFETENSORS_WEIGHTS))
     config = {**vae.params.to_dict(), "scaling_factor": scaling_factor, "shift_factor": shift_factor,
-              "resolution": resolution, "step": step, "latents_mean": latents_mean, "latents_std": latents_std}
+              "resolution": resolution, "step": step, "latents_mean": latents_mean, "latents_std": latents_std,
+              **fields}
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
@@ -264,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "--resolution)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--format", default="diffusers", choices=("diffusers", "safetensors", "single_file"),
-                   help="diffusers: AutoencoderKL folder; safetensors: ae.py weights + config.json (load_autoencoder); "
+                   help="diffusers: a diffusers folder of the model's class (the source's class for a fine-tune); "
+                        "safetensors: the model's weights + config.json (load_autoencoder); "
                         "single_file: OUT/ae.safetensors in the LDM/FLUX layout (FLUX's ae.safetensors, SD's VAE "
                         "files)")
     p.add_argument("--ema", action="store_true", help="export the checkpoint's EMA weights")
@@ -315,7 +149,7 @@ def export_summary(args, info: dict, resolution: int) -> dict:
             "ema": args.ema, "resolution": resolution}
 
 
-def export_latent_bn(args, vae: AutoEncoder, info: dict, resolution: int) -> int:
+def export_latent_bn(args, vae: torch.nn.Module, info: dict, resolution: int) -> int:
     """main() for a model that normalises its latents by FLUX.2's bn statistics, not by factors: --dataset_url
     re-estimates them (evaluate.latent_bn_stats: after a run that trained the encoder), else they are exported as
     the model holds them (the source's after a decoder-only fine-tune)."""
@@ -340,7 +174,7 @@ def export_latent_bn(args, vae: AutoEncoder, info: dict, resolution: int) -> int
                   "they describe the latents of the encoder it started from: give --dataset_url to re-estimate them",
                   file=sys.stderr)
         if args.format == "diffusers":
-            export_diffusers(vae, args.out, resolution, source_config=source_config(args, info))
+            families.of(vae).write_diffusers(vae, args.out, resolution, {}, source_config(args, info), None)
         elif args.format == "single_file":
             summary["file"] = export_single_file(vae, args.out)
         else:
@@ -352,47 +186,43 @@ def export_latent_bn(args, vae: AutoEncoder, info: dict, resolution: int) -> int
     return 0
 
 
-def export_wan(args, vae: wan_ae.WanAutoEncoder, info: dict, resolution: int) -> int:
-    """main() for a Wan-family model (Qwen-Image's VAE): its pipelines normalise each latent channel by the
-    config's latents_mean/latents_std, and read no scaling factor. After a decoder-only fine-tune the source's
-    statistics are kept; --dataset_url re-estimates them (after a run that trained the encoder). The diffusers
-    layout is the source's own folder with the trained weights (export_wan_diffusers: it needs the source)."""
+def export_fields(args, vae: torch.nn.Module, info: dict, resolution: int) -> int:
+    """main() for a family whose pipelines normalise latents by fields of its own config (the Wan family's and many
+    diffusers classes' latents_mean/latents_std per channel, others' scaling_factor; families.Family.source_fields):
+    after a decoder-only fine-tune the source's values are kept; --dataset_url re-estimates them (after a run that
+    trained the encoder), over clips of the run's length for a video run. The diffusers layout is the source's own
+    (its class and config, every field kept, with the trained weights)."""
+    family = families.of(vae)
     try:
-        if args.scaling_factor is not None or args.shift_factor is not None:
-            raise ConfigError("a Wan-family VAE (Qwen-Image's) is normalised per channel by latents_mean/latents_std, "
-                              "not by --scaling_factor / --shift_factor (--dataset_url re-estimates them)")
+        if args.scaling_factor is not None or args.shift_factor is not None or args.latent_norm != "scalar":
+            raise ConfigError(f"{family.describe(vae.params)} is normalised by its own config's fields "
+                              f"({family.serves(vae)}), not by --scaling_factor / --shift_factor / --latent_norm "
+                              "(--dataset_url re-estimates them)")
         if args.format == "single_file":
-            raise ConfigError("a Wan-family VAE exports as its diffusers folder (--format diffusers) or ours "
-                              "(--format safetensors): this trainer writes no single file of it")
-        source = info.get("init_source") or {}
-        if args.format == "diffusers" and not os.path.isdir(source.get("path") or ""):
-            raise ConfigError(f"--format diffusers writes the source's layout back and keeps its earlier temporal "
-                              f"slices: the run's --init_from folder {source.get('path')} is needed and is not there")
+            raise ConfigError(f"{family.describe(vae.params)} exports as its diffusers folder (--format diffusers) or "
+                              "ours (--format safetensors): this trainer writes no single file of it")
         check_data_and_out(args)
-        summary = {**export_summary(args, info, resolution), "latent_norm": "per_channel"}
-        latents_mean, latents_std = source.get("latents_mean"), source.get("latents_std")
+        source = info.get("init_source") or {}
+        summary = {**export_summary(args, info, resolution), "latent_norm": family.norm_label(vae)}
+        fields = family.source_fields(vae, source)
         if args.dataset_url:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             # a video run's statistics over clips of its training length (every latent frame counted)
-            frames = info.get("video_frames", 0) if vae.params.video else 0
+            frames = info.get("video_frames", 0) if family.temporal_factor(vae.params) else 0
             stats = evaluate.latent_stats(vae.to(device), args.dataset_url, resolution, batch_size=args.batch_size,
                                           device=device, max_images=args.latent_stats_images, frames=frames,
                                           frame_stride=info.get("video_frame_stride", 1))
             vae.cpu()
-            latents_mean, latents_std = stats["channel_mean"], stats["channel_std"]
+            fields = family.fields_from_stats(vae, stats)
             summary["latent_stats"] = stats
         elif info.get("train_parts") != "decoder":
-            print("note: latents_mean/latents_std are the source's; if this run trained the encoder they describe the "
-                  "latents of the encoder it started from: give --dataset_url to re-estimate them", file=sys.stderr)
+            print("note: the latent normalisation is the source's; if this run trained the encoder it describes the "
+                  "latents of the encoder it started from: give --dataset_url to re-estimate it", file=sys.stderr)
         if args.format == "diffusers":
-            try:
-                export_wan_diffusers(vae, source["path"], args.out, latents_mean, latents_std)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-            summary["serves"] = "Qwen-Image and Wan pipelines ((z - latents_mean) / latents_std per channel)"
+            family.write_diffusers(vae, args.out, resolution, fields, source_config(args, info), source.get("path"))
+            summary["serves"] = family.serves(vae)
         else:
-            export_safetensors(vae, args.out, resolution, step=info["step"], latents_mean=latents_mean,
-                               latents_std=latents_std)
+            export_safetensors(vae, args.out, resolution, step=info["step"], **fields)
     except (ConfigError, data_lib.DatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -420,9 +250,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--ckpt {args.ckpt} does not record the size it was trained at: give --resolution")
         if not resolution or resolution % vae.downsample_factor:
             raise ConfigError(f"--resolution must be a positive multiple of {vae.downsample_factor}, got {resolution}")
-        if isinstance(vae, wan_ae.WanAutoEncoder):
-            return export_wan(args, vae, info, resolution)
-        if vae.params.latent_bn:
+        norm = families.of(vae).latent_norm(vae)  # factors, bn (the LDM family), or the family's own fields
+        if norm == "fields":
+            return export_fields(args, vae, info, resolution)
+        if norm == "bn":
             return export_latent_bn(args, vae, info, resolution)
         check_data_and_out(args)
 
@@ -458,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                 print("note: no --scaling_factor/--shift_factor or --dataset_url: writing scaling_factor 1.0 and "
                       "shift_factor 0.0 (compute them with evaluate.py --latent_stats)", file=sys.stderr)
         if args.format == "diffusers":
-            export_diffusers(vae, args.out, resolution, scale, shift, latents_mean, latents_std,
-                             source_config(args, info))
+            families.of(vae).write_diffusers(vae, args.out, resolution, dict(
+                scaling_factor=scale, shift_factor=shift, latents_mean=latents_mean, latents_std=latents_std),
+                source_config(args, info), None)
         elif args.format == "single_file":
             summary["file"] = export_single_file(vae, args.out, scale, shift)
         else:

@@ -22,6 +22,7 @@ import os
 import torch
 from torch import nn
 
+import families
 from config import GRAD_CHECKPOINTING
 from train_state import TrainingForward
 from common import first_line
@@ -73,16 +74,22 @@ class StepMemory:
 
 @contextlib.contextmanager
 def _probe_settings(vae: nn.Module, objective, shape: StepShape):
-    """The VAE's checkpointing mode and the objective's autocast dtype as `shape` asks, restored after."""
-    old_levels = (set(vae.encoder.checkpoint_levels), set(vae.decoder.checkpoint_levels))
-    old_amp = objective.amp_dtype
+    """The VAE's checkpointing mode and the objective's autocast dtype as `shape` asks, restored after, and the VAE's
+    buffers as they were (the probes run in training mode)."""
+    old_mode, old_amp = vae.grad_checkpointing, objective.amp_dtype
+    # what a training-mode forward moves (a BatchNorm's running statistics: DC-AE's decoder), as the run had it
+    buffers = {name: b.clone() for name, b in vae.named_buffers() if b.is_floating_point() or name.endswith("tracked")}
     vae.set_grad_checkpointing(shape.grad_checkpointing)
     objective.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[shape.precision]
     try:
         yield
     finally:
-        vae.encoder.checkpoint_levels, vae.decoder.checkpoint_levels = old_levels
+        vae.set_grad_checkpointing(old_mode)
         objective.amp_dtype = old_amp
+        with torch.no_grad():
+            for name, b in vae.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
 
 
 def _networks(vae: nn.Module, objective) -> list[nn.Module]:
@@ -131,7 +138,7 @@ def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_si
 
     with _probe_settings(vae, objective, shape):
         micro_step(objective, model or TrainingForward(vae), x, step, 0, 1, True, regularisers,
-                   loss_scale=torch.ones((), device=device), last_layer=vae.decoder.conv_out.weight, phase=phase,
+                   loss_scale=torch.ones((), device=device), last_layer=families.of(vae).last_layer(vae), phase=phase,
                    backward=False)
     forward, critic, loss = (phases[name] for name in ("forward", "critic", "loss"))
     return forward[0] + max(critic[0], loss[0]), max(forward[1], critic[1], loss[1])

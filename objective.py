@@ -158,9 +158,10 @@ class VAEObjective(nn.Module):
 
     def __init__(self, loss: LossConfig, latents: LatentsConfig, lpips: nn.Module | None = None,
                  adversary: Adversary | None = None, alignment: AlignmentLoss | None = None, precision: str = "fp32",
-                 device: torch.device | str = "cpu", memory_format=torch.contiguous_format):
+                 device: torch.device | str = "cpu", memory_format=torch.contiguous_format, with_kl: bool = True):
         super().__init__()
         self.loss_cfg, self.latents_cfg = loss, latents
+        self.with_kl = with_kl  # False: a deterministic encoder (--posterior none), whose latent has no KL term
         self.device = torch.device(device)
         self.memory_format = memory_format
         self.amp_dtype = AMP_DTYPES[precision]
@@ -173,18 +174,19 @@ class VAEObjective(nn.Module):
     def from_config(cls, loss: LossConfig, latents: LatentsConfig, critic: CriticConfig, precision: str = "fp32",
                     vgg_features: dict | None = None, with_lpips: bool = True, device: torch.device | str = "cpu",
                     memory_format=torch.contiguous_format, z_channels: int = 16,
-                    encoder_trains: bool = True) -> "VAEObjective":
+                    encoder_trains: bool = True, with_kl: bool = True) -> "VAEObjective":
         """The objective of a run's loss, latents and critic sections, with its loss networks built in this order
         (with random weights each draws from the global RNG): LPIPS (when `with_lpips`: a loss or the evaluation's
         metric wants it), the critic's owner (Adversary, with --do_ganloss), the alignment (--vf_weight, when the
         encoder trains: a frozen encoder's latent has no gradient; `z_channels`: the latent's channels).
-        `vgg_features`: VGG16's `features` weights (None: random)."""
+        `vgg_features`: VGG16's `features` weights (None: random); `with_kl`: the posterior has a KL term (not a
+        deterministic encoder's)."""
         lpips = build_lpips(vgg_features).to(device, memory_format=memory_format) if with_lpips else None
         adversary = (Adversary(critic, build_critic(critic, vgg_features), precision, device=device,
                                memory_format=memory_format) if critic.do_ganloss else None)
         alignment = (AlignmentLoss(z_channels, latents.vf_model, latents.vf_weights, latents.vf_image_size).to(device)
                      if latents.vf_weight > 0 and encoder_trains else None)
-        return cls(loss, latents, lpips, adversary, alignment, precision, device, memory_format)
+        return cls(loss, latents, lpips, adversary, alignment, precision, device, memory_format, with_kl)
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
@@ -326,7 +328,8 @@ class VAEObjective(nn.Module):
         # A GradNorm branch's gradient has norm `weight` over all the reconstruction's elements, so its per-element
         # size falls as 1/sqrt(their count); a mean KL's would fall as 1/count. Summed and divided by sqrt(count)
         # (gradnorm_factor), the KL scales like the branches: kl_weight means the same at any batch and resolution.
-        terms.append(Term("kl", kl, loss.kl_weight, balanced=False, gradnorm_factor=math.sqrt(mean.numel())))
+        if self.with_kl:
+            terms.append(Term("kl", kl, loss.kl_weight, balanced=False, gradnorm_factor=math.sqrt(mean.numel())))
         return terms
 
     # kept for callers that freeze the critic through the objective (bench.py)

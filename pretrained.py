@@ -1,18 +1,21 @@
-"""The layouts released VAEs come in, both ways: diffusers' AutoencoderKL / AutoencoderKLFlux2 folder and the
-LDM/FLUX single file.
+"""The native families' layouts, both ways (families.py is the registry that calls them): diffusers' AutoencoderKL /
+AutoencoderKLFlux2 folder and the LDM/FLUX single file for ae.py's model, the AutoencoderKLQwenImage /
+AutoencoderKLWan folder for wan_ae.py's.
 
-    source = pretrained.load_source("black-forest-labs/FLUX.1-dev/ae.safetensors")   # or a diffusers folder,
+    source = families.load_source("black-forest-labs/FLUX.1-dev/ae.safetensors")    # or a diffusers folder,
     source.params, source.state, source.factors                                       # an SD VAE / SD checkpoint
     vae = pretrained.narrow_decoder_model(source, (96, 192, 384, 384))                # the same latent space,
                                                                                       # a narrower decoder
+    pretrained.export_diffusers(vae, "out", 512, scaling_factor=0.3611, shift_factor=0.1159)   # and back
 
-`load_source` reads a diffusers folder (config.json + weights), FLUX.1's or FLUX.2's `ae.safetensors`, an SD/LDM VAE
-file (with `quant_conv`), or a full SD checkpoint whose VAE keys carry `first_stage_model.` (or `vae.`): it returns the
-architecture (read from the config or from the weights' shapes, never from flags), the weights in ae.py's names
-and the latent factors (z' = (z - shift_factor) * scaling_factor; the config's, or for a single file the released
-values of its family). FLUX.2 normalises its latent otherwise: by the running statistics of a BatchNorm (`bn`) over
-the 2x2-patchified latent, which travel with the weights (`bn.running_mean`, `bn.running_var`: ae.AutoEncoder's
-buffers when params.latent_bn) while its factors are the identity.
+`load_ldm_folder` and `load_single_file` read a diffusers folder (config.json + weights), FLUX.1's or FLUX.2's
+`ae.safetensors`, an SD/LDM VAE file (with `quant_conv`), or a full SD checkpoint whose VAE keys carry
+`first_stage_model.` (or `vae.`): they return the architecture (read from the config or from the weights' shapes,
+never from flags), the weights in ae.py's names and the latent factors (z' = (z - shift_factor) * scaling_factor;
+the config's, or for a single file the released values of its family). FLUX.2 normalises its latent otherwise: by the
+running statistics of a BatchNorm (`bn`) over the 2x2-patchified latent, which travel with the weights
+(`bn.running_mean`, `bn.running_var`: ae.AutoEncoder's buffers when params.latent_bn) while its factors are the
+identity.
 
 The two FLUX.2 layouts (diffusers' scripts/convert_flux2_to_diffusers.py maps one onto the other; BFL's
 flux2/src/flux2/autoencoder.py defines the single file):
@@ -24,8 +27,9 @@ flux2/src/flux2/autoencoder.py defines the single file):
       `bn.num_batches_tracked`, which BFL's strict load_state_dict expects); eps 1e-4 and momentum 0.1 are BFL's
       constants, not in the file.
 A diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder (Qwen-Image's and Wan 2.1's VAE, Wan 2.2's) loads into
-wan_ae.py's image model, or with `video=True` its video model (every temporal weight; its params a wan_ae.WanParams). Imports only ae.py and wan_ae.py (model code): the trainer, export.py
-and bench.py all use it without an import cycle.
+wan_ae.py's image model, or with `video=True` its video model (every temporal weight; its params a wan_ae.WanParams).
+Imports only the model modules and common.py: families.py, the trainer, export.py and bench.py use it without an
+import cycle.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import json
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -40,11 +45,13 @@ from torch import Tensor
 
 import wan_ae
 from ae import AutoEncoder, AutoEncoderParams, check_widths
-from common import first_line
+from common import ConfigError, first_line, honour_umask
 from config import DECODER_INITS, FAMILY_CHOICES
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_WEIGHTS_BIN = "diffusion_pytorch_model.bin"
+DIFFUSERS_WEIGHTS_INDEX = "diffusion_pytorch_model.safetensors.index.json"  # weights sharded over several files
+SINGLE_FILE_WEIGHTS = "ae.safetensors"  # export.py --format single_file
 
 # Released latent factors of each family (the diffusers configs of the released VAEs). FLUX.2's are the identity:
 # its pipeline normalises by the bn statistics in the weights instead.
@@ -284,6 +291,129 @@ def from_diffusers_state_dict(state: dict[str, Tensor], config: dict,
 
 
 # ============================================================================================
+# Writing ae.py's model back: a diffusers AutoencoderKL / AutoencoderKLFlux2 folder, the LDM/FLUX single file
+# ============================================================================================
+# What an export of a run that started from a diffusers folder keeps from that folder's config: what training does
+# not change (sample_size sets diffusers' tile size; force_upcast its pipelines' fp32 decode; FLUX.2's bn momentum).
+FROM_SOURCE_CONFIG = ("sample_size", "force_upcast", "batch_norm_momentum")
+
+
+def with_source_config(config: dict, source_config: dict | None, model_class) -> dict:
+    """`config` (what this trainer writes for the model) over the source folder's: the source's values of
+    FROM_SOURCE_CONFIG, and its entries `config` lacks that `model_class` takes (diffusers' own options); the
+    architecture and the latent factors stay `config`'s, since they are what training may change."""
+    if not source_config:
+        return config
+    accepted = constructor_args(model_class)
+    kept = {k: v for k, v in source_config.items() if k in accepted and (k not in config or k in FROM_SOURCE_CONFIG)}
+    return {**config, **kept}
+
+
+def constructor_args(model_class) -> set[str]:
+    import inspect
+    return set(inspect.signature(model_class.__init__).parameters)
+
+
+def keep_source_extras(model, source_config: dict | None) -> None:
+    """The source config's entries that the model's class does not take (FLUX.2's force_upcast on an
+    AutoencoderKLFlux2, which diffusers kept in its config when it loaded the folder): kept in the export's config,
+    where pipelines read them from model.config."""
+    extras = {k: v for k, v in (source_config or {}).items()
+              if not k.startswith("_") and k not in constructor_args(type(model)) and k not in model.config}
+    if extras:
+        model.register_to_config(**extras)
+
+
+def export_diffusers(vae: AutoEncoder, out_dir: str, resolution: int, scaling_factor: float = 1.0,
+                     shift_factor: float = 0.0, latents_mean: list[float] | None = None,
+                     latents_std: list[float] | None = None, source_config: dict | None = None) -> None:
+    """Write `out_dir/config.json` and `diffusion_pytorch_model.safetensors` of a diffusers AutoencoderKL, or of an
+    AutoencoderKLFlux2 (diffusers_class): FLUX.2's VAE with its bn statistics (and
+    decoder_block_out_channels where its decoder is narrower), or a narrower decoder of another family, whose
+    factors then ride in its config as entries diffusers keeps in `model.config`.
+    The converted weights are loaded strictly into the diffusers model before saving: a key or shape mismatch
+    fails here, not in the user's pipeline. ValueError for factors on a model that normalises by bn.
+    `source_config`: the diffusers config.json of the folder the run started from (--init_from), whose settings
+    that training does not change are kept (with_source_config)."""
+    params = vae.params
+    if params.clamp_th > 0:
+        print(f"warning: this model clamps its posterior mean to +-{params.clamp_th}; diffusers' AutoencoderKL does "
+              "not clamp, so latents of unusual inputs may exceed that range", file=sys.stderr)
+    state = to_diffusers_state_dict(vae.state_dict(), params)
+    if diffusers_class(params) == "AutoencoderKL":
+        from diffusers import AutoencoderKL
+        model = AutoencoderKL(**with_source_config(diffusers_config(
+            params, resolution, scaling_factor, shift_factor, latents_mean, latents_std), source_config, AutoencoderKL))
+    else:
+        model = flux2_model(params, resolution, source_config)
+        if params.latent_bn:
+            if (scaling_factor, shift_factor, latents_mean, latents_std) != (1.0, 0.0, None, None):
+                raise ValueError("a VAE with FLUX.2's bn statistics normalises its latents by them: AutoencoderKLFlux2 "
+                                 "has no scaling/shift factors or latents_mean/latents_std")
+        else:
+            # a narrower decoder of a family with factors: its pipelines read them from model.config, where diffusers
+            # keeps config.json entries the constructor does not take (ConfigMixin's hidden config, with a logged
+            # warning); their presence also tells from_diffusers_state_dict that the bn is unused, which
+            # keeps BatchNorm's defaults
+            state.update({f"bn.{k}": v for k, v in model.bn.state_dict().items()})
+            model.register_to_config(scaling_factor=scaling_factor, shift_factor=shift_factor,
+                                     latents_mean=None if latents_mean is None else list(latents_mean),
+                                     latents_std=None if latents_std is None else list(latents_std),
+                                     force_upcast=(source_config or {}).get("force_upcast", True))
+    keep_source_extras(model, source_config)
+    model.load_state_dict(state, strict=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    honour_umask(os.path.join(out_dir, DIFFUSERS_WEIGHTS))
+
+
+def flux2_model(params, resolution: int, source_config: dict | None = None):
+    """diffusers' AutoencoderKLFlux2 for `params` (over the source folder's config: with_source_config); ConfigError
+    (one line) where the installed diffusers lacks it or, for a narrower decoder, its decoder_block_out_channels
+    (diffusers 0.38)."""
+    import inspect
+    try:
+        from diffusers import AutoencoderKLFlux2
+    except ImportError:
+        raise ConfigError("this export is an AutoencoderKLFlux2, which the installed diffusers lacks: "
+                          "pip install 'diffusers>=0.38'") from None
+    config = flux2_config(params, resolution)
+    if "decoder_block_out_channels" not in inspect.signature(AutoencoderKLFlux2.__init__).parameters:
+        if config["decoder_block_out_channels"] is not None:
+            raise ConfigError("a decoder narrower than the encoder needs AutoencoderKLFlux2's "
+                              "decoder_block_out_channels: pip install 'diffusers>=0.38'")
+        del config["decoder_block_out_channels"]
+    return AutoencoderKLFlux2(**with_source_config(config, source_config, AutoencoderKLFlux2))
+
+
+def export_single_file(vae: AutoEncoder, out_dir: str, scaling_factor: float | None = None,
+                       shift_factor: float | None = None) -> str:
+    """`out_dir/ae.safetensors` in the LDM/FLUX single-file layout: what FLUX's `ae.safetensors` and SD's VAE files
+    (`vae-ft-mse-840000-ema-pruned.safetensors`, with quant_conv) hold, loadable by their own code, by
+    `--init_from` and by diffusers' `AutoencoderKL.from_single_file` (with `config=` the family's diffusers
+    folder: the file carries no latent factors). Returns the path."""
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, SINGLE_FILE_WEIGHTS)
+    metadata = {"format": "pt"}  # the factors ride along as metadata for the reader's information
+    metadata.update({k: str(v) for k, v in (("scaling_factor", scaling_factor), ("shift_factor", shift_factor))
+                     if v is not None})
+    # what the layout cannot hold, for --init_from, evaluate.py and export.py to read back (py)
+    recorded = {name: getattr(vae.params, name) for name in SINGLE_FILE_ASSUMED
+                if vae.params.latent_bn or not name.startswith("latent_bn")}
+    metadata.update({k: str(v) for k, v in recorded.items()})
+    unusual = [f"{k} {v}" for k, v in recorded.items() if v != SINGLE_FILE_ASSUMED[k]]
+    if unusual:
+        assumed = ", ".join(f"{k.split()[0]} {SINGLE_FILE_ASSUMED[k.split()[0]]}" for k in unusual)
+        print(f"warning: {SINGLE_FILE_WEIGHTS} records {', '.join(unusual)} in its metadata, which only this trainer "
+              f"reads: BFL's and diffusers' single-file loaders assume {assumed}, another model; --format diffusers "
+              "carries them for every reader", file=sys.stderr)
+    save_file(single_file_state_dict(vae), path, metadata=metadata)
+    honour_umask(path)
+    return path
+
+
+
+# ============================================================================================
 # The LDM/FLUX single file: our names, with the log-variance channels of the released layout
 # ============================================================================================
 def params_from_ldm_state(state: dict[str, Tensor], where: str) -> AutoEncoderParams:
@@ -352,6 +482,13 @@ def single_file_state_dict(vae: AutoEncoder) -> dict[str, Tensor]:
 
 
 def _read_file(path: str) -> dict[str, Tensor]:
+    if path.endswith(".index.json"):  # a sharded safetensors: the index names each tensor's file
+        try:
+            with open(path) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise SourceError(f"{path}: unreadable index of sharded weights ({type(e).__name__})") from None
+        return {k: v for name in files for k, v in _read_file(os.path.join(os.path.dirname(path), name)).items()}
     try:
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
@@ -445,7 +582,10 @@ def _with_recorded_fields(params: AutoEncoderParams, path: str, notes: list[str]
     return replace(params, **values)
 
 
-def _load_single_file(path: str, family: str) -> Source:
+def load_single_file(path: str, family: str = "auto") -> Source:
+    """An LDM/FLUX single file (module docstring) as ae.py's model; `family`: its release, for the latent factors."""
+    if family not in FAMILY_CHOICES:
+        raise SourceError(f"family must be one of {FAMILY_CHOICES}, got {family!r}")
     full = _read_file(path)
     # diffusers' names (AutoencoderKL's and the Wan family's) have an encoder.conv_in.weight too: told apart first
     if "encoder.mid_block.resnets.0.conv1.weight" in full:
@@ -457,9 +597,9 @@ def _load_single_file(path: str, family: str) -> Source:
                               "diffusers folder instead (config.json + diffusion_pytorch_model.safetensors, as in "
                               "Qwen/Qwen-Image's vae/)")
         example = next(iter(full), "none")
-        raise SourceError(f"{path}: no VAE in it (no encoder.conv_in.weight, with or without the "
-                          f"{' / '.join(LDM_PREFIXES)} prefix; its first key is {example!r}): not a VAE of the "
-                          "FLUX/SD family")
+        raise SourceError(f"{path}: no VAE of the FLUX/SD family in it (no encoder.conv_in.weight, with or without "
+                          f"the {' / '.join(LDM_PREFIXES)} prefix; its first key is {example!r}): the other families "
+                          "load from their diffusers folder, config.json beside the weights (docs/families.md)")
     state = from_bfl_names({k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)} if prefix else full)
     notes: list[str] = []
     params = _with_recorded_fields(params_from_ldm_state(state, path), path, notes)
@@ -483,7 +623,9 @@ def _load_single_file(path: str, family: str) -> Source:
     return Source(path, "single_file", family, params, ours, factors, prefix, notes)
 
 
-def _load_diffusers_folder(path: str, family: str, video: bool = False) -> Source:
+def read_diffusers_folder(path: str) -> tuple[dict, str]:
+    """A diffusers model folder's config.json and the path of its weights; SourceError (one line) for a pipeline's
+    root (its VAE is vae/), a folder without config.json or weights, an unreadable config."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         if os.path.isfile(os.path.join(path, "vae", "config.json")):  # a whole pipeline (model_index.json)
@@ -492,63 +634,61 @@ def _load_diffusers_folder(path: str, family: str, video: bool = False) -> Sourc
             raise SourceError(f"{path}: a diffusers pipeline folder (model_index.json): its VAE is the vae/ subfolder, "
                               f"{os.path.join(path, 'vae')}, which holds no config.json here (download the VAE too: "
                               "huggingface-cli download REPO --include 'vae/*')")
-        raise SourceError(f"{path}: a folder without config.json: not a diffusers AutoencoderKL folder (a "
-                          "pipeline's VAE is its vae/ subfolder)")
+        raise SourceError(f"{path}: a folder without config.json: not a diffusers model folder (a pipeline's VAE is "
+                          "its vae/ subfolder)")
     try:
         with open(config_path) as f:
             config = json.load(f)
     except (OSError, ValueError) as e:
         raise SourceError(f"{config_path}: unreadable ({type(e).__name__})") from None
-    class_name = config.get("_class_name", "AutoencoderKL")
-    if class_name not in ("AutoencoderKL", "AutoencoderKLFlux2") + WAN_DIFFUSERS_CLASSES:
-        raise SourceError(f"{path}: a {class_name}, {unsupported_class(class_name)}")
-    weights = [os.path.join(path, n) for n in (DIFFUSERS_WEIGHTS, DIFFUSERS_WEIGHTS_BIN)
+    if not isinstance(config, dict):
+        raise SourceError(f"{config_path}: not a diffusers config (a JSON object)")
+    weights = [os.path.join(path, n) for n in (DIFFUSERS_WEIGHTS, DIFFUSERS_WEIGHTS_BIN, DIFFUSERS_WEIGHTS_INDEX)
                if os.path.isfile(os.path.join(path, n))]
     if not weights:
         raise SourceError(f"{path}: config.json but no weights ({DIFFUSERS_WEIGHTS} or {DIFFUSERS_WEIGHTS_BIN})")
-    notes = []
-    if video and class_name not in WAN_DIFFUSERS_CLASSES:
-        raise SourceError(f"{path}: a {class_name}, an image VAE: clips (--video_frames) need a video VAE of the Wan "
-                          f"family ({', '.join(WAN_DIFFUSERS_CLASSES)})")
-    if class_name in WAN_DIFFUSERS_CLASSES:  # Qwen-Image's / Wan's VAE: wan_ae.py's image or video model
-        params, ours, factors, notes = wan_from_diffusers(config, _read_file(weights[0]), path, video)
-    else:
-        params, ours = from_diffusers_state_dict(_read_file(weights[0]), config, path)
-        # FLUX.2's config has no factors (its bn statistics are in the weights): the identity
-        factors = {"scaling_factor": float(config.get("scaling_factor", 1.0)),
-                   "shift_factor": float(config.get("shift_factor") or 0.0),
-                   "latents_mean": config.get("latents_mean"), "latents_std": config.get("latents_std")}
-    latent_bn = getattr(params, "latent_bn", False)  # (the Wan family normalises by latents_mean/latents_std)
-    if family != "auto":
-        notes.append(f"--init_family {family} ignored: the diffusers config carries the latent factors"
+    return config, weights[0]
+
+
+def _folder_factors(config: dict, notes: list[str], init_family: str, latent_bn: bool = False) -> dict:
+    """The latent factors a diffusers config carries (FLUX.2's none: its bn statistics are in the weights)."""
+    if init_family != "auto":
+        notes.append(f"--init_family {init_family} ignored: the diffusers config carries the latent factors"
                      + (" (FLUX.2's bn statistics, in its weights)" if latent_bn else ""))
-    kept = {k: v for k, v in config.items() if not k.startswith("_")}  # (_diffusers_version, _name_or_path)
-    return Source(path, "diffusers", "flux2" if latent_bn else "", params, ours, factors, "", notes,
-                  {"_class_name": class_name, **kept})
+    return {"scaling_factor": float(config.get("scaling_factor", 1.0)),
+            "shift_factor": float(config.get("shift_factor") or 0.0),
+            "latents_mean": config.get("latents_mean"), "latents_std": config.get("latents_std")}
+
+
+def kept_config(config: dict, class_name: str) -> dict:
+    """What a Source records of a folder's config: every field, with its class (not _diffusers_version or
+    _name_or_path)."""
+    return {"_class_name": class_name, **{k: v for k, v in config.items() if not k.startswith("_")}}
+
+
+def load_ldm_folder(path: str, config: dict, weights: str, init_family: str = "auto") -> Source:
+    """A diffusers AutoencoderKL / AutoencoderKLFlux2 folder as ae.py's model."""
+    params, ours = from_diffusers_state_dict(_read_file(weights), config, path)
+    notes: list[str] = []
+    factors = _folder_factors(config, notes, init_family, params.latent_bn)
+    return Source(path, "diffusers", "flux2" if params.latent_bn else "", params, ours, factors, "", notes,
+                  kept_config(config, config.get("_class_name", "AutoencoderKL")))
+
+
+def load_wan_folder(path: str, config: dict, weights: str, init_family: str = "auto", video: bool = False) -> Source:
+    """A diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder as wan_ae.py's image model, or its video model."""
+    params, ours, factors, notes = wan_from_diffusers(config, _read_file(weights), path, video)
+    if init_family != "auto":
+        notes.append(f"--init_family {init_family} ignored: the diffusers config carries the latent factors")
+    return Source(path, "diffusers", "", params, ours, factors, "", notes, kept_config(config, config["_class_name"]))
 
 
 # ============================================================================================
 # diffusers AutoencoderKLQwenImage / AutoencoderKLWan (Wan 2.1): config and weights, both ways
 # ============================================================================================
 WAN_DIFFUSERS_CLASSES = ("AutoencoderKLQwenImage", "AutoencoderKLWan")
-# diffusers' video VAEs of other architectures: a user may well give one as "an image VAE"; each is one line
-VIDEO_VAE_CLASSES = ("AutoencoderKLHunyuanVideo", "AutoencoderKLHunyuanVideo15", "AutoencoderKLLTXVideo",
-                     "AutoencoderKLLTX2Video", "AutoencoderKLCogVideoX", "AutoencoderKLMochi", "AutoencoderKLAllegro",
-                     "AutoencoderKLMagvit", "AutoencoderKLCosmos", "AutoencoderKLTemporalDecoder",
-                     "AutoencoderKLKVAEVideo", "AutoencoderKLMiniMaxH3")
 # causal Conv3d kernels are (out, in, k, k, k): their last temporal slice is the one-frame Conv2d
 TIME_CONV = ".time_conv."  # the temporal resamplers' convolutions: no part of the first frame's computation
-
-
-def unsupported_class(class_name: str) -> str:
-    """Why a diffusers folder of `class_name` does not load (the end of a one-line error)."""
-    supported = ("loadable are AutoencoderKL, AutoencoderKLFlux2 and the Wan 2.1 family (" + ", ".join(WAN_DIFFUSERS_CLASSES)
-                 + ")")
-    if class_name in VIDEO_VAE_CLASSES:
-        return f"a video VAE of another architecture than Wan 2.1's: {supported}"
-    if class_name == "AutoencoderKLQwenImage21":
-        return f"Qwen-Image 2's VAE (z64, residual blocks), another architecture: {supported}"
-    return f"not an AutoencoderKL ({supported})"
 
 
 def wan_params_from_diffusers_config(config: dict, where: str, video: bool = False) -> wan_ae.WanParams:
@@ -673,32 +813,38 @@ def wan_from_diffusers(config: dict, state: dict[str, Tensor], where: str, video
     return params, converted, factors, notes
 
 
-def params_from_dict(d: dict) -> AutoEncoderParams | wan_ae.WanParams:
-    """The architecture a checkpoint's or an export's model_params describe: wan_ae's for the Wan family (their
-    "family" key), ae's otherwise (every checkpoint written before the Wan family existed)."""
-    return wan_ae.WanParams.from_dict(d) if d.get("family") == "wan" else AutoEncoderParams.from_dict(d)
+def export_wan_diffusers(vae: wan_ae.WanAutoEncoder, source_dir: str, out_dir: str,
+                         latents_mean: list[float] | None = None, latents_std: list[float] | None = None) -> None:
+    """Write `out_dir` as the diffusers folder `source_dir` is (its class and config), with the trained weights: the
+    video model's every tensor; the image model's 2D kernels into the last temporal slice of their causal 3D
+    kernels, the other slices and the temporal resamplers' time_conv kept from the source (the first frame never
+    uses them, so training on images could not learn them). The config's
+    latents_mean/latents_std stay the source's unless given (re-estimated statistics). Loaded strictly into the
+    diffusers class before saving: a key or shape mismatch fails here. ValueError (one line) for a source that is
+    not the one the model was trained from."""
+    import diffusers
+    with open(os.path.join(source_dir, "config.json")) as f:
+        config = json.load(f)
+    if config.get("_class_name") not in WAN_DIFFUSERS_CLASSES:
+        raise ValueError(f"{source_dir}: a {config.get('_class_name')}, not one of {WAN_DIFFUSERS_CLASSES}")
+    params = wan_params_from_diffusers_config(config, source_dir, vae.params.video)
+    if params != vae.params:
+        raise ValueError(f"{source_dir}: its architecture {params} is not the model's {vae.params}")
+    for name, values in (("latents_mean", latents_mean), ("latents_std", latents_std)):
+        if values is not None:
+            if len(values) != vae.params.z_channels:
+                raise ValueError(f"{name} has {len(values)} entries for {vae.params.z_channels} latent channels")
+            config[name] = [float(v) for v in values]
+    weights = [os.path.join(source_dir, n) for n in (DIFFUSERS_WEIGHTS, DIFFUSERS_WEIGHTS_BIN)
+               if os.path.isfile(os.path.join(source_dir, n))]
+    if not weights:  # the kept temporal slices come from them
+        raise ValueError(f"{source_dir}: no {DIFFUSERS_WEIGHTS}: the export needs the source's weights")
+    model = getattr(diffusers, config["_class_name"]).from_config(config)
+    model.load_state_dict(wan_to_diffusers_state_dict(vae.state_dict(), _read_file(weights[0])),
+                          strict=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    honour_umask(os.path.join(out_dir, DIFFUSERS_WEIGHTS))
 
-
-def build_model(params: AutoEncoderParams | wan_ae.WanParams) -> AutoEncoder | wan_ae.WanAutoEncoder:
-    """The model of an architecture, of the family it is: the one place that chooses the model class."""
-    if isinstance(params, wan_ae.WanParams):
-        return wan_ae.WanAutoEncoder(params)
-    return AutoEncoder(params)
-
-
-def load_source(path: str, family: str = "auto", video: bool = False) -> Source:
-    """A released VAE (diffusers folder or single file; module docstring). SourceError: one line. `video`: the Wan
-    family's video model (a diffusers folder of the family only)."""
-    if family not in FAMILY_CHOICES:
-        raise SourceError(f"family must be one of {FAMILY_CHOICES}, got {family!r}")
-    if os.path.isdir(path):
-        return _load_diffusers_folder(path, family, video)
-    if not os.path.isfile(path):
-        raise SourceError(f"{path}: no such file or folder")
-    if video:
-        raise SourceError(f"{path}: a single file; clips (--video_frames) load a diffusers AutoencoderKLWan / "
-                          "AutoencoderKLQwenImage folder")
-    return _load_single_file(path, family)
 
 
 # ============================================================================================

@@ -417,8 +417,13 @@ class Reporter:
         if not self.is_main or len(self.sample_images) == 0:
             return None
         x = data_lib.to_model_input(self.sample_images, self.info.device, self.channels_last)
-        with autocast():
-            recon = vae.decode(vae.encode(x)).float()
+        training = vae.training  # decoded as at inference: eval mode (a BatchNorm's statistics stay), no graph
+        vae.eval()
+        try:
+            with torch.no_grad(), autocast():
+                recon = vae.decode(vae.encode(x)).float()
+        finally:
+            vae.train(training)
         tiles, per_row = grid_tiles(x, recon.clamp(-1, 1))
         grid = torchvision.utils.make_grid(tiles.float().cpu() * 0.5 + 0.5, nrow=per_row, padding=2)
         path = os.path.join(self.sample_dir, f"step_{step:08d}.png")

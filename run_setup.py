@@ -15,16 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import data as data_lib
-import sources
+import families
 import pretrained
 import shards
-import wan_ae
-from ae import AutoEncoderParams
+import sources
 from common import ConfigError
 from flags import parse_flags
-from config import (FIELD_SECTION, LEGACY_ARCH, LR_TIMES_WIDTH, SOURCE_FIELDS, Config, as_released, as_written_now,
+from config import (FIELD_SECTION, SOURCE_FIELDS, Config, as_released, as_written_now,
                     downsample_factor_of, eval_sizes, is_plain_local_path, min_loss_image_size, parse_schedule,
-                    resolve_auto, unflatten, uses_vgg16, with_values)
+                    resolve_auto, unflatten, uses_vgg16, with_legacy_arch, with_values)
 from latents import equivariance_sizes_of
 from weights import vgg16_cache_path
 
@@ -57,9 +56,9 @@ def prepare_run(argv: list[str] | None = None, builds_demo_data: bool = True) ->
     derived, again = {}, []
     if saved is not None:
         cfg, derived, again = continue_run(cfg, given, saved)
-    if cfg.model.vae_family != "ldm" and source is None and saved is None:
+    if families.named(cfg.model.vae_family).needs_source and source is None and saved is None:
         raise ConfigError(f"--vae_family {cfg.model.vae_family}: its architecture is read from --init_from (a "
-                          "diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder) or the run being continued")
+                          "diffusers folder of the family) or the run being continued")
     derived.update(automatic_values(cfg, given))
     cfg = resolve_cpu(resolve_auto(cfg))
     check_config(cfg)
@@ -81,6 +80,7 @@ def check_config(cfg: Config) -> None:
     """Config.validate (each section's values and the checks across sections), then the checks that need an owner's
     rule: one line for the first value the run cannot use."""
     cfg.validate()
+    families.named(cfg.model.vae_family).check(cfg)
     data, loss, latents = cfg.data, cfg.loss, cfg.latents
     factor = downsample_factor_of(cfg.model)
     if latents.scale_equivariance_prob > 0 and not equivariance_sizes_of(cfg):
@@ -107,19 +107,18 @@ def prepare_demo(cfg: Config) -> Config:
     return with_values(cfg, **changes)
 
 
-def read_init_source(init_from: str, init_family: str, video: bool = False) -> pretrained.Source:
-    """The --init_from source (`video`: the Wan family's video model, for --video_frames)."""
+def read_init_source(init_from: str, init_family: str, video: bool = False,
+                     vae_family: str | None = None) -> pretrained.Source:
+    """The --init_from source (`video`: the run takes clips; `vae_family`: the family the user asked for)."""
     try:
-        return pretrained.load_source(init_from, init_family, video)
+        return families.load_source(init_from, init_family, video, vae_family)
     except pretrained.SourceError as e:
         raise ConfigError(f"--init_from {e}") from None
 
 
 def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Config, pretrained.Source | None]:
     """--init_from: load the source and take the run's architecture from it (one ConfigError line if it does not
-    load), but for a --vae_decoder_ch the user gave: a decoder of its own widths for the source's latent space,
-    which then trains from the rate of a new decoder of its width when it starts fresh (--decoder_init) and no
-    --learning_rate_vae is given (a tenth of that for a fine-tune). Runs before the checks, on every rank, before
+    load; its family may change more, families.Family.apply_source). Runs before the checks, on every rank, before
     any process group exists."""
     init_from = cfg.finetune.init_from
     if not init_from:
@@ -135,35 +134,14 @@ def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Confi
         if isinstance(saved, dict) and saved.get("init_from") == init_from:
             then = as_released(saved)
             return with_values(cfg, **{k: then[k] for k in SOURCE_FIELDS}), None
-    source = read_init_source(init_from, cfg.finetune.init_family, cfg.data.video_frames > 0)
-    p = source.params
-    if cfg.data.video_frames and (cfg.data.video_frames - 1) % p.temporal_factor:
-        raise ConfigError(f"--video_frames {cfg.data.video_frames}: {init_from}'s video VAE takes clips of 1 + "
-                          f"{p.temporal_factor}k frames")
-    if (p.in_channels, p.out_ch) != (3, 3):
-        raise ConfigError(f"--init_from {init_from}: a VAE of {p.in_channels} input / {p.out_ch} output "
+    source = read_init_source(init_from, cfg.finetune.init_family, cfg.data.video_frames > 0,
+                              cfg.model.vae_family if "vae_family" in given else None)
+    family = families.of_params(source.params)
+    cfg = family.apply_source(cfg, given, source)
+    channels = family.image_channels(source.params)
+    if channels != (3, 3):
+        raise ConfigError(f"--init_from {init_from}: a VAE of {channels[0]} input / {channels[1]} output "
                           "channels; this trainer reads RGB images")
-    if isinstance(p, wan_ae.WanParams):  # its architecture travels in the source and the checkpoints; these
-        # flags show it and let a resume check it (no GroupNorm: RMS norms, hence 1 group)
-        if "vae_decoder_ch" in given:
-            raise ConfigError(f"--vae_decoder_ch: a decoder of other widths is for the LDM family's latent spaces, "
-                              f"not {init_from}'s (the Wan family)")
-        decoder = "" if p.decoder_ch == p.ch else ",".join(str(p.decoder_ch * m) for m in p.ch_mult)
-        return with_values(cfg, vae_family="wan", vae_ch=p.ch, vae_ch_mult=",".join(str(m) for m in p.ch_mult),
-                           vae_num_res_blocks=p.num_res_blocks, vae_z_channels=p.z_channels, vae_norm_groups=1,
-                           do_attn=True, posterior="learned", vae_quant_conv=True, do_clamp=False,
-                           vae_decoder_ch=decoder, vae_latent_bn=False, vae_patch_size=p.patch_size), source
-    arch = dict(vae_family="ldm", vae_patch_size=1, vae_ch=p.ch, vae_ch_mult=",".join(str(m) for m in p.ch_mult), vae_num_res_blocks=p.num_res_blocks,
-                vae_z_channels=p.z_channels, vae_norm_groups=p.norm_groups, do_attn=p.use_attn, posterior=p.posterior,
-                posterior_var=p.posterior_var, vae_quant_conv=p.quant_conv, do_clamp=False,
-                vae_decoder_ch=",".join(str(c) for c in p.decoder_channels), vae_latent_bn=p.latent_bn,
-                vae_latent_bn_eps=p.latent_bn_eps)
-    if "vae_decoder_ch" in given:  # a decoder of its own widths for the source's latent space
-        arch.pop("vae_decoder_ch")
-    cfg = with_values(cfg, **arch)
-    widths = AutoEncoderParams.from_config(cfg.model).decoder_widths
-    if widths != p.decoder_widths and cfg.finetune.decoder_init == "fresh" and "learning_rate_vae" not in given:
-        cfg = with_values(cfg, learning_rate_vae=LR_TIMES_WIDTH / widths[0])  # a new decoder, not a fine-tune
     return cfg, source
 
 
@@ -194,7 +172,7 @@ def saved_run_config(cfg: Config, explicit: set[str]) -> dict | None:
     model = cfg.model
     same_arch = all(then[k] == getattr(model, k) for k in explicit
                     if hasattr(model, k) and getattr(model, k) != AUTO_FIELDS.get(k))  # (0 groups: automatic)
-    return {**LEGACY_ARCH, **saved} if same_arch else None
+    return with_legacy_arch(saved) if same_arch else None
 
 
 def check_paths(cfg: Config) -> None:
@@ -298,7 +276,7 @@ def continue_run(cfg: Config, given: set[str], saved: dict) -> tuple[Config, dic
     again is the saved one (the whole recipe, not only the automatic values), and an automatic value whose basis
     changed in kind is set back to automatic. Returns (cfg, the "derived" record of the values kept automatic,
     [(name, value then, basis then, basis now)] of those derived again)."""
-    saved = {**LEGACY_ARCH, **saved}
+    saved = with_legacy_arch(saved)
     cfg = unflatten({k: v for k, v in saved.items() if k not in given and k not in PER_INVOCATION_FIELDS}, cfg)
     record = saved.get("derived")
     if not isinstance(record, dict):  # written before the record existed: what that code kept, and the thread

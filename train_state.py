@@ -13,6 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
+import families
 from ae import AutoEncoder
 from common import ConfigError, DistInfo
 from config import OptimConfig
@@ -72,14 +73,16 @@ class TrainingForward(torch.nn.Module):
     teacher's decode of the transformed latent (without gradient). Passed through this forward, the whole pass stays
     inside DDP's. Returns Decoded's fields as a tuple (what DDP hands back): Decoded(*outputs).
 
-    `frozen_encoder` (--train_parts decoder): the encoder, quant_conv and the posterior are frozen (no requires_grad,
-    eval mode) and run under no_grad; only post_quant_conv and the decoder train, so DDP's buckets hold the decoder's
-    gradients only (DDP skips parameters that do not require grad). `teacher`: a frozen decoder (TeacherDecoder)."""
+    `frozen_encoder` (--train_parts decoder): the encoder side (the encoder and quant_conv: what the family names)
+    and the posterior are frozen (no requires_grad, eval mode) and run under no_grad; only post_quant_conv and the
+    decoder train, so DDP's buckets hold the decoder's gradients only (DDP skips parameters that do not require
+    grad). `teacher`: a frozen decoder (TeacherDecoder)."""
 
     def __init__(self, vae: torch.nn.Module, teacher: TeacherDecoder | None = None, frozen_encoder: bool = False):
         super().__init__()
         self.vae, self.teacher = vae, teacher
-        self.frozen = [vae.encoder] + ([vae.quant_conv] if vae.params.quant_conv else []) if frozen_encoder else []
+        # what computes the posterior from pixels, as the model's family names it (families.Family.encoder_side)
+        self.frozen = [module for _, module in families.of(vae).encoder_side(vae)] if frozen_encoder else []
         for module in self.frozen:
             module.requires_grad_(False).eval()
 
@@ -135,8 +138,8 @@ class VAETraining:
         if compile:
             vae.encoder.compile()  # the inner modules, never the DDP wrapper
             vae.decoder.compile()
-        # the video VAE's temporal resamplers do not run on one-frame clips (--video_image_prob's steps)
-        self.wrap_ddp = partial(wrap_ddp, find_unused=getattr(vae.params, "video", False))
+        # a video VAE's temporal layers do not run on one-frame clips (--video_image_prob's steps)
+        self.wrap_ddp = partial(wrap_ddp, find_unused=families.of(vae).unused_parameters(vae.params))
         self.ddp = self.wrap_ddp(self.trained)
         # the VAE's frozen parts (--train_parts decoder) stay out: no state, and weight decay never moves them
         self.optimizer = make_optimizer([p for p in vae.parameters() if p.requires_grad], optim.learning_rate_vae)

@@ -27,12 +27,12 @@ import checkpoint
 import common
 import data as data_lib
 import evaluate as evaluate_lib
+import families
 import latents as latents_lib
 import memory
 import pretrained
 import probe as probe_lib
 import run_log
-from ae import AutoEncoder, AutoEncoderParams
 from alignment import fetch_foundation_weights
 from checkpoint import checkpoint_files
 from common import (ConfigError, DistInfo, StopFlag, any_rank, capture_rng, closing_distributed, init_distributed,
@@ -48,54 +48,35 @@ from weights import WeightsUnavailable, ensure_vgg16_weights, fetch_weights, loa
 # ============================================================================================
 # Building the parts from the config (the only functions outside config.py that take all of it)
 # ============================================================================================
-def model_architecture(cfg: Config, source: pretrained.Source | None, resume: tuple[str, dict] | None):
-    """The model's architecture: the flags' for the LDM family; the Wan family's from its --init_from source, or
-    from the checkpoint a run resumes from (the source may have moved since)."""
-    if cfg.model.vae_family == "ldm":
-        return AutoEncoderParams.from_config(cfg.model)
-    saved = pretrained.params_from_dict(resume[1]["run"]["model_params"]) if resume is not None else None
-    if saved is not None and saved.video != bool(cfg.data.video_frames):  # the family's other model
-        raise ConfigError(f"--video_frames {cfg.data.video_frames}: the run being continued trains the Wan family's "
-                          f"{'video' if saved.video else 'image'} model; clips and images need a run of their own "
-                          "(a new --run_name)")
-    return source.params if source is not None else saved
-
-
 def build_vae(cfg: Config, device: torch.device, memory_format, resume: tuple[str, dict] | None = None,
               source: pretrained.Source | None = None, log=print
-              ) -> tuple[AutoEncoder, dict | None, TeacherDecoder | None]:
-    """The autoencoder on the device, with --load_path's or --init_from's weights when not resuming (a decoder of
-    other widths than the source's starts as --decoder_init says); the description of the --init_from source it was
-    initialised from (None otherwise); and, with --distill_weight, the source's own decoder as the teacher (read
-    from the source again on resume)."""
+              ) -> tuple[torch.nn.Module, dict | None, TeacherDecoder | None]:
+    """The autoencoder of the run's family (families.py) on the device: its architecture the flags' (the LDM
+    family's new model), the --init_from source's, or the checkpoint's a run resumes from (the source may have moved
+    since); with --load_path's or --init_from's weights when not resuming. Also the description of the --init_from
+    source it was initialised from (None otherwise) and, with --distill_weight, the source's own decoder as the
+    teacher (read from the source again on resume)."""
     ft, init_weights = cfg.finetune, resume is None
+    family = families.named(cfg.model.vae_family)
     if ft.init_from and (init_weights or cfg.loss.distill_weight > 0) and source is None:
-        source = read_init_source(ft.init_from, ft.init_family, cfg.data.video_frames > 0)
-    vae = pretrained.build_model(model_architecture(cfg, source, resume))
+        source = read_init_source(ft.init_from, ft.init_family, cfg.data.video_frames > 0, family.name)
+    saved = families.params_from_dict(resume[1]["run"]["model_params"]) if resume is not None else None
+    vae = family.build(family.architecture(cfg.model, source, saved))
     described, teacher = None, None
     if cfg.run.load_path and init_weights:
         checkpoint.load_vae_weights_into(vae, cfg.run.load_path)
         log(f"initialised VAE weights from {cfg.run.load_path}")
     if ft.init_from and init_weights:
-        # a decoder of its own widths for the source's latent space (the LDM family's)
-        widths = vae.params.decoder_widths if isinstance(vae, AutoEncoder) else None
-        narrow = widths is not None and widths != source.params.decoder_widths
-        if narrow:
-            vae.load_state_dict(pretrained.narrow_decoder_model(source, widths, ft.decoder_init,
-                                                                cfg.optim.seed).state_dict())
-        else:
-            vae.load_state_dict(source.state)
+        decoder = family.init_weights(vae, source, cfg, log)
         described = source.describe()
         for note in source.notes:
             log(f"note: {note}")
-        family = f", {source.family}" if source.family else ""
-        decoder = f"; a decoder of widths {','.join(map(str, widths))} ({ft.decoder_init})" if narrow else ""
-        log(f"initialised the VAE from {ft.init_from} ({source.layout}{family}){decoder}")
+        release = f", {source.family}" if source.family else ""
+        log(f"initialised the VAE from {ft.init_from} ({source.layout}{release}: {family.describe(source.params)})"
+            f"{decoder}")
     if cfg.loss.distill_weight > 0:
-        wide = AutoEncoder(source.params)
-        wide.load_state_dict(source.state)
-        teacher = TeacherDecoder(wide).to(device, memory_format=memory_format)
-        log(f"distilling from the decoder of {ft.init_from} (widths {','.join(map(str, wide.params.decoder_widths))})")
+        teacher = TeacherDecoder(family.teacher(source)).to(device, memory_format=memory_format)
+        log(f"distilling from the decoder of {ft.init_from}")
     vae.set_grad_checkpointing(cfg.speed.grad_checkpointing)
     return vae.to(device, memory_format=memory_format), described, teacher
 
@@ -140,23 +121,23 @@ def build_regularisers(cfg: Config, downsample_factor: int) -> latents_lib.Laten
         latent_size=cfg.data.vae_resolution // downsample_factor)
 
 
-def start_lines(cfg: Config, vae: AutoEncoder, info: DistInfo, run_dir: str,
+def start_lines(cfg: Config, vae: torch.nn.Module, info: DistInfo, run_dir: str,
                 schedule: data_lib.ResolutionSchedule) -> list[str]:
     """The lines that open a run: what trains, on what, in which precision and batch."""
     n_params = sum(p.numel() for p in vae.parameters())
     lines = []
     if cfg.finetune.train_parts == "decoder":
         trained = sum(p.numel() for p in vae.parameters() if p.requires_grad)
-        frozen = "the encoder and quant_conv are" if cfg.model.vae_quant_conv else "the encoder is"
         lines.append(f"training the decoder only: {trained / 1e6:.1f}M of {n_params / 1e6:.1f}M parameters; "
-                     f"{frozen} frozen")
+                     f"{families.frozen_in_words(vae)} frozen")
     if cfg.data.train_resolutions:
         stages = "; ".join(f"from step {begin}: " + ", ".join(f"{size} px x {schedule.batch_for(size)}" for size in sizes)
                            for begin, sizes in schedule.stages)
         lines.append(f"multi-resolution training (--train_resolutions {cfg.data.train_resolutions}), size x images "
                      f"per micro-batch: {stages}")
     lines.append(f"run dir {run_dir} | {info.world_size} x {info.device.type} | VAE {n_params / 1e6:.1f}M params | "
-                 f"f{vae.downsample_factor} z{cfg.model.vae_z_channels} {cfg.model.posterior} posterior | "
+                 f"{families.of(vae).describe(vae.params)} | f{vae.downsample_factor} z{cfg.model.vae_z_channels} "
+                 f"{cfg.model.posterior} posterior | "
                  f"{cfg.speed.describe(info.device.type, cfg.data.video_frames)} | batch {cfg.data.batch_size}"
                  f"{f' clips of {cfg.data.video_frames} frames' if cfg.data.video_frames else ''} x "
                  f"{cfg.optim.grad_accum} accum x {info.world_size} ranks")
@@ -268,7 +249,7 @@ def first_error(error: str | None, info: DistInfo) -> str | None:
 class Trainer:
     """One training run. Its parts, each built from the config sections it reads and each the owner of its own
     state (checkpointed under its name through `state`):"""
-    vae: AutoEncoder                                  # the model (ae.py)
+    vae: torch.nn.Module                              # the model, of its family (families.py)
     training: VAETraining                             # what trains it: DDP, AdamW, schedule, scaler, EMA
     adversary: Adversary | None                       # the critic's owner (objective.py); None without --do_ganloss
     objective: VAEObjective                           # the loss, composed once (objective.py)
@@ -316,10 +297,12 @@ class Trainer:
         self.vae, source_described, teacher = build_vae(cfg, self.device, self.memory_format, resume, source,
                                                         self.log)
         self.init_source = source_described or self.init_source
+        self.last_layer = families.of(self.vae).last_layer(self.vae)  # (LDM's adaptive weight reads it)
         vgg_features, with_lpips = vgg16_for_run(cfg, info, self.eval_on, self.log)
         self.objective = VAEObjective.from_config(
             cfg.loss, cfg.latents, cfg.critic, cfg.speed.precision, vgg_features, with_lpips, self.device,
-            self.loss_memory_format, self.vae.params.z_channels, encoder_trains=cfg.finetune.train_parts != "decoder")
+            self.loss_memory_format, cfg.model.vae_z_channels, encoder_trains=cfg.finetune.train_parts != "decoder",
+            with_kl=cfg.model.posterior != "none")
         self.adversary = self.objective.adversary
         self.validator = (evaluate_lib.Validator(
             cfg.eval, cfg.data, self.objective.lpips, self.device, info, self.memory_format, self.log,
@@ -480,7 +463,7 @@ class Trainer:
             torch.manual_seed(micro_seed(self.cfg.optim.seed, self.step, index))
             out = micro_step(self.objective, self.training.ddp, x, self.step, index, accum, micro == accum - 1,
                              self.regularisers, self.training.scaler.scale(torch.ones((), device=self.device)),
-                             self.vae.decoder.conv_out.weight)
+                             self.last_layer)
             if out.critic_loss is not None:
                 self.metrics.add(**{k: v / accum for k, v in out.critic_logs.items()})
                 step_loss = step_loss + out.critic_loss
@@ -596,9 +579,8 @@ def before_step(trainer: Trainer) -> None:
 def enter_last_stage(trainer: Trainer) -> None:
     """--last_stage_trains N: from the last stage's first step, only the decoder's N highest-resolution levels,
     norm_out and conv_out train (DC-AE's high-resolution adaptation); every rank reaches it at the same step."""
-    decoder, levels = trainer.vae.decoder, trainer.last_stage[1]
-    trained = trainer.training.train_only([decoder.up[i] for i in range(levels)] + [decoder.norm_out,
-                                                                                  decoder.conv_out])
+    levels = trainer.last_stage[1]
+    trained = trainer.training.train_only(families.of(trainer.vae).last_stage_modules(trainer.vae, levels))
     trainer.last_stage = None
     trainer.log(f"step {trainer.step}: the last stage trains the decoder's {levels} highest levels, norm_out and "
                 f"conv_out ({trained / 1e6:.2f}M parameters); the rest is frozen (--last_stage_trains)")

@@ -568,6 +568,7 @@ class WanAutoEncoder(nn.Module):
     def __init__(self, params: WanParams):
         super().__init__()
         self.params = params
+        self.grad_checkpointing = "none"
         self.time_chunks: tuple[int, int] | None = None
         moments, video = 2 * params.z_channels, params.video
         patch_area = params.patch_size ** 2

@@ -44,6 +44,10 @@ Sections
           --video_photos (decoder only, the same with --temporal_weight 1, the whole VAE; --video_finetune_steps
           each, concurrently), `evaluate.py --video_frames` of each on held-out clips: per-frame PSNR/SSIM, temporal
           PSNR.
+  families (only when named in --sections) Issue 39 (bench/families.py): the memory check's estimate per GPU for LTX-2's
+          and HunyuanVideo 1.5's VAE at diffusers' default configs (decoder only and whole, --families_frames x
+          --families_sizes), and Wan's VAE through wan_ae.py and through diffusers' own AutoencoderKLWan on the same
+          clips (step time and saved bytes).
   latents (only when named in --sections) What each latent feature of issue 20 costs per step, on the demo's
           model (ch 32 x 1,2,2, z 4, 64 px, batch 4; LPIPS on, no critic, fp32): the real Trainer's step with
           nothing, --scale_equivariance_prob 0.5, --latent_noise_prob 0.5, --vf_weight with DINOv2 ViT-S/14 at
@@ -146,10 +150,11 @@ from bench.report import Report, finite
 from bench.resolutions import bench_resolutions
 from bench.train import bench_train
 from bench.video import bench_video
+from bench.families import bench_families
 
 
 SECTIONS = ("data", "train", "memory", "gpu", "quality", "finetune", "latents", "decoders", "decoder_quality",
-            "resolutions", "copies", "precision", "video")
+            "resolutions", "copies", "precision", "video", "families")
 TARGETS = {  # key: (comparison, threshold)
     "pipeline_fraction_of_decode": (">=", 0.90),
     "train_step_speedup": (">=", 1.3),
@@ -273,6 +278,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--video_runs_dir", default="", help="keep the video runs here (default: a temporary folder)")
     g.add_argument("--video_skip_memory", action="store_true", help="the video section without its memory table")
     g.add_argument("--video_skip_quality", action="store_true", help="the video section without its quality runs")
+    g = p.add_argument_group("families")
+    g.add_argument("--families_frames", default="17,33", help="clip lengths of the families memory table")
+    g.add_argument("--families_sizes", default="256,480", help="frame sizes of the families memory table")
+    g.add_argument("--families_steps", type=int, default=5, help="interleaved steps of each path of Wan's VAE")
+    g.add_argument("--families_skip_memory", action="store_true", help="the families section without its memory table")
     g = p.add_argument_group("precision")
     g.add_argument("--precision_steps", type=int, default=900, help="steps of each run of the precision section")
     g.add_argument("--precision_seeds", default="0,1", help="comma-separated seeds of the precision section")
@@ -463,7 +473,8 @@ def main(argv=None) -> int:
                 f"{torch.__version__}, {torch.get_num_threads()} threads); VGG16 weights random (timing only)")
     # Trainer construction and the data tools print progress lines: keep stdout for the JSON object
     with contextlib.redirect_stdout(report.stream), tempfile.TemporaryDirectory(prefix="vae_bench_") as tmp:
-        if set(args.sections) - {"quality", "decoders", "decoder_quality", "resolutions", "precision", "video"}:
+        if set(args.sections) - {"quality", "decoders", "decoder_quality", "resolutions", "precision", "video",
+                                 "families"}:
             report.line(f"generating {args.images} photo-like {args.height}x{args.width} images as PNG and JPEG "
                         "shards ...")
             datasets = make_datasets(tmp, args.images, args.height, args.width, args.seed)
@@ -494,6 +505,8 @@ def main(argv=None) -> int:
             results["precision"] = bench_precision(args, tmp, report)
         if "video" in args.sections:
             results["video"] = bench_video(args, tmp, report)
+        if "families" in args.sections:
+            results["families"] = bench_families(args, report)
         if "gpu" in args.sections and device.type == "cuda":
             results["gpu"] = bench_gpu(args, train_url, tmp, device, report)
         elif "gpu" in args.sections:

@@ -76,7 +76,7 @@ def bench_decoder_quality(args, tmp, report: Report) -> dict:
     (EMA weights) on the demo's 4 held-out photos at 64 px, and a grid of their reconstructions."""
     from dataclasses import replace
 
-    import pretrained
+    import families
     root = args.decoder_runs_dir or os.path.join(tmp, "decoder_quality")
     os.makedirs(root, exist_ok=True)
     threads = args.threads or os.cpu_count()
@@ -132,7 +132,7 @@ def bench_decoder_quality(args, tmp, report: Report) -> dict:
             evaluated[run] = json.load(f)
 
     # 4. what each decoder costs at this size, and what the runs were
-    source = pretrained.load_source(released)
+    source = families.load_source(released)
     size = common["vae_resolution"] // source.params.downsample_factor
     latent = (1, source.params.z_channels, size, size)
     narrow_params = replace(source.params, decoder_channels=tuple(widths))

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import ae
+import families
+import pretrained
 from ae import AutoEncoder, AutoEncoderParams, GroupNorm32, kl_divergence
 from conftest import record_ops
 
@@ -441,12 +443,12 @@ def test_init_from_errors_name_what_to_give(tmp_path):
     bad = tmp_path / "ae.safetensors"
     bad.write_bytes(b"\xff" * 64)
     with pytest.raises(pretrained.SourceError) as e:
-        pretrained.load_source(str(bad))
+        families.load_source(str(bad))
     assert "unreadable" in str(e.value) and "\n" not in str(e.value)
     pipeline = tmp_path / "pipeline"
     pipeline.mkdir()
     (pipeline / "model_index.json").write_text("{}")
     with pytest.raises(pretrained.SourceError, match=r"its VAE is the vae/ subfolder, .*pipeline/vae"):
-        pretrained.load_source(str(pipeline))
+        families.load_source(str(pipeline))
     with pytest.raises(pretrained.SourceError, match="a pipeline's VAE is its vae/ subfolder"):
-        pretrained.load_source(str(tmp_path))
+        families.load_source(str(tmp_path))

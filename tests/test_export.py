@@ -15,6 +15,7 @@ pytestmark = pytest.mark.timeout(180)  # the CLI tests take 10-20 s: a hang fail
 
 import evaluate as ev
 import export
+import pretrained
 from ae import AutoEncoder, AutoEncoderParams
 
 CONFIGS = {
@@ -67,7 +68,7 @@ def assert_one_line_error(r, message: str) -> None:
 def test_diffusers_export_matches_our_model(name, tmp_path):
     params = CONFIGS[name]
     vae = make_vae(params)
-    export.export_diffusers(vae, str(tmp_path), resolution=32, scaling_factor=0.7, shift_factor=-0.1)
+    pretrained.export_diffusers(vae, str(tmp_path), resolution=32, scaling_factor=0.7, shift_factor=-0.1)
     theirs = load_diffusers(tmp_path)
     torch.manual_seed(1)
     x = torch.rand(2, 3, 32, 40) * 2 - 1
@@ -110,7 +111,7 @@ def test_diffusers_export_loads_back_exactly(name, tmp_path):
     architecture (the posterior kind and variance included) and bitwise the same outputs."""
     params = CONFIGS[name]
     vae = make_vae(params)
-    export.export_diffusers(vae, str(tmp_path), resolution=32)
+    pretrained.export_diffusers(vae, str(tmp_path), resolution=32)
     loaded, info = ev.load_model(str(tmp_path))
     ours, theirs = params.to_dict(), loaded.params.to_dict()
     assert ours.keys() == theirs.keys() and info["resolution"] == 32
@@ -132,7 +133,7 @@ def test_evaluate_cli_takes_a_diffusers_export(tmp_path, photos_dir):
     save_checkpoint(tmp_path / "ckpt.pt", params)
     ema_vae, _ = ev.load_model(str(tmp_path / "ckpt.pt"), ema=True)
     out = tmp_path / "vae-diffusers"
-    export.export_diffusers(ema_vae, str(out), resolution=32)  # what `export.py --ema` writes (tested above)
+    pretrained.export_diffusers(ema_vae, str(out), resolution=32)  # what `export.py --ema` writes (tested above)
     r = run_cli("evaluate.py", ["--ckpt", str(out), "--dataset_url", photos_dir, "--max_images", "2",
                                 "--vgg16_weights", "none", "--inception_weights", "none"])
     assert r.returncode == 0, r.stderr[-2000:]
@@ -161,7 +162,7 @@ def test_exported_files_honour_the_umask(tmp_path, umask):
     vae = make_vae(CONFIGS["constant_no_attn_2_levels"])
     old = os.umask(umask)
     try:
-        export.export_diffusers(vae, str(tmp_path / "d"), resolution=32)
+        pretrained.export_diffusers(vae, str(tmp_path / "d"), resolution=32)
         export.export_safetensors(vae, str(tmp_path / "s"), resolution=32)
     finally:
         os.umask(old)
@@ -348,13 +349,13 @@ def test_a_diffusers_export_starts_from_its_source_config(tmp_path):
     vae = make_vae(params)
     source_config = {"_class_name": "AutoencoderKL", "sample_size": 512, "force_upcast": False,
                      "scaling_factor": 0.5, "shift_factor": 0.1, "norm_num_groups": 16, "block_out_channels": [1]}
-    export.export_diffusers(vae, str(tmp_path / "out"), 32, scaling_factor=0.25, shift_factor=0.0,
+    pretrained.export_diffusers(vae, str(tmp_path / "out"), 32, scaling_factor=0.25, shift_factor=0.0,
                             source_config=source_config)
     with open(tmp_path / "out" / "config.json") as f:
         written = json.load(f)
     assert (written["sample_size"], written["force_upcast"]) == (512, False)
     assert (written["scaling_factor"], written["shift_factor"]) == (0.25, 0.0)
     assert written["norm_num_groups"] == params.norm_groups and written["block_out_channels"] == [32, 32, 64]
-    export.export_diffusers(vae, str(tmp_path / "plain"), 32)  # no source: what this trainer writes
+    pretrained.export_diffusers(vae, str(tmp_path / "plain"), 32)  # no source: what this trainer writes
     with open(tmp_path / "plain" / "config.json") as f:
         assert json.load(f)["sample_size"] == 32

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import export
+import families
 import pretrained
 import vae_trainer
 from ae import AutoEncoder, AutoEncoderParams
@@ -115,7 +116,7 @@ def test_each_family_loads_like_diffusers(family, tmp_path):
     with quant convs where the source had them, and the single file) gives the same model and factors."""
     reference = random_diffusers_vae(family)
     reference.save_pretrained(tmp_path / "folder")
-    folder = pretrained.load_source(str(tmp_path / "folder"))
+    folder = families.load_source(str(tmp_path / "folder"))
     quant = FAMILIES[family]["use_quant_conv"]
     assert folder.params.quant_conv == quant and folder.params.posterior == "learned"
     assert folder.params.z_channels == FAMILIES[family]["latent_channels"] and folder.params.ch_mult == (1, 2, 4, 4)
@@ -124,7 +125,7 @@ def test_each_family_loads_like_diffusers(family, tmp_path):
     errors = {"folder": max_errors(as_model(folder), reference)}
 
     path, config = write_single_file(family, tmp_path)
-    single = pretrained.load_source(path, "sdxl" if family == "sdxl" and path.endswith(".safetensors") else "auto")
+    single = families.load_source(path, "sdxl" if family == "sdxl" and path.endswith(".safetensors") else "auto")
     assert single.layout == "single_file" and single.params.quant_conv == quant
     assert single.family == family  # sdxl and sd3 from the full checkpoint's diffusion-model keys
     assert single.factors["scaling_factor"] == FAMILIES[family]["scaling_factor"]
@@ -132,14 +133,14 @@ def test_each_family_loads_like_diffusers(family, tmp_path):
 
     # back out: diffusers (from_pretrained, strict) and the family's single file
     vae = as_model(folder)
-    export.export_diffusers(vae, str(tmp_path / "out"), 32, **{k: folder.factors[k] for k in
+    pretrained.export_diffusers(vae, str(tmp_path / "out"), 32, **{k: folder.factors[k] for k in
                                                                 ("scaling_factor", "shift_factor")})
     from diffusers import AutoencoderKL
     exported = AutoencoderKL.from_pretrained(tmp_path / "out", low_cpu_mem_usage=False).eval()
     assert exported.config.use_quant_conv == quant and exported.config.scaling_factor == folder.factors["scaling_factor"]
     errors["export_diffusers"] = max_errors(vae, exported)
-    file = export.export_single_file(vae, str(tmp_path / "single_out"))
-    again = pretrained.load_source(file, family if family in ("sdxl", "sd3") else "auto")
+    file = pretrained.export_single_file(vae, str(tmp_path / "single_out"))
+    again = families.load_source(file, family if family in ("sdxl", "sd3") else "auto")
     assert all(torch.equal(again.state[k], v) for k, v in folder.state.items())
     print(f"\n{family} max abs diff vs diffusers: {json.dumps(errors)}")
     for where, errs in errors.items():
@@ -151,9 +152,9 @@ def test_latents_mean_and_std_travel_from_the_source_to_the_export(tmp_path):
     factors and written back by the diffusers export."""
     mean, std = [0.1 * i for i in range(16)], [1.0 + 0.1 * i for i in range(16)]
     random_diffusers_vae("flux", latents_mean=mean, latents_std=std).save_pretrained(tmp_path / "src")
-    source = pretrained.load_source(str(tmp_path / "src"))
+    source = families.load_source(str(tmp_path / "src"))
     assert source.factors["latents_mean"] == mean and source.factors["latents_std"] == std
-    export.export_diffusers(as_model(source), str(tmp_path / "out"), 32, source.factors["scaling_factor"],
+    pretrained.export_diffusers(as_model(source), str(tmp_path / "out"), 32, source.factors["scaling_factor"],
                             source.factors["shift_factor"], source.factors["latents_mean"],
                             source.factors["latents_std"])
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -185,7 +186,7 @@ def test_bad_sources_are_one_line(tmp_path, capsys):
     save_file(state, tmp_path / "extra_key.safetensors")
     random_diffusers_vae("flux").save_pretrained(tmp_path / "no_weights")
     os.remove(tmp_path / "no_weights" / pretrained.DIFFUSERS_WEIGHTS)
-    cases = {"resnet.safetensors": "no VAE in it", "truncated.safetensors": "unreadable",
+    cases = {"resnet.safetensors": "no VAE of the FLUX/SD family in it", "truncated.safetensors": "unreadable",
              "missing_key.safetensors": "decoder.up.1.block.0.conv2.weight", "no_weights": "no weights",
              "extra_key.safetensors": "decoder.up.0.block.3.conv1.weight",
              "nothing_here": "no such file"}
@@ -225,7 +226,7 @@ def _ckpt(out, run, step):
 def test_decoder_only_under_torchrun_keeps_the_encoder_and_exports_the_source_latent_space(shard_url, tmp_path,
                                                                                               capsys):
     source_dir = tiny_sd_source(tmp_path / "sd")
-    source = pretrained.load_source(source_dir)
+    source = families.load_source(source_dir)
     proc = run_cli("vae_trainer.py", finetune_args(shard_url, source_dir, tmp_path, "ft", 4, 4, "--ema_decay", "0.9",
                                                    "--vae_ch", "64"), nproc=2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -262,7 +263,7 @@ def test_decoder_only_under_torchrun_keeps_the_encoder_and_exports_the_source_la
     assert (config["scaling_factor"], config["shift_factor"]) == (0.18215, 0.25)
     assert export.main(["--ckpt", str(tmp_path / "ft"), "--out", str(tmp_path / "single"),
                         "--format", "single_file"]) == 0
-    back = pretrained.load_source(str(tmp_path / "single" / "ae.safetensors"), "sd")
+    back = families.load_source(str(tmp_path / "single" / "ae.safetensors"), "sd")
     assert all(torch.equal(back.state[k], ckpt["training"]["vae"][k]) for k in ckpt["training"]["vae"])
 
 

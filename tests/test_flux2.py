@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import export
+import families
 import pretrained
 from ae import AutoEncoder, AutoEncoderParams, patchify_latents, unpatchify_latents
 from conftest import run_cli
@@ -135,7 +136,7 @@ def test_diffusers_folder_loads_and_exports_bitwise(tmp_path, decoder):
     (bn, decoder_block_out_channels and all), and BFL's single-file export loads back to the same weights."""
     reference = random_flux2(decoder)
     reference.save_pretrained(tmp_path / "folder")
-    source = pretrained.load_source(str(tmp_path / "folder"))
+    source = families.load_source(str(tmp_path / "folder"))
     params = source.params
     assert source.family == "flux2" and params.latent_bn and params.quant_conv and params.posterior == "learned"
     assert (params.z_channels, params.encoder_channels, params.decoder_widths) == (32, ENCODER, decoder or ENCODER)
@@ -149,7 +150,7 @@ def test_diffusers_folder_loads_and_exports_bitwise(tmp_path, decoder):
         assert torch.equal(vae.normalize_latents(vae.encode(x)),
                            flux2_pipeline(reference)._encode_vae_image(x, torch.Generator().manual_seed(0)))
 
-    export.export_diffusers(vae, str(tmp_path / "out"), 32)
+    pretrained.export_diffusers(vae, str(tmp_path / "out"), 32)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["_class_name"] == "AutoencoderKLFlux2" and "scaling_factor" not in config
     assert config["decoder_block_out_channels"] == (list(decoder) if decoder else None)
@@ -160,12 +161,12 @@ def test_diffusers_folder_loads_and_exports_bitwise(tmp_path, decoder):
     assert reloaded.params == params and all(torch.equal(v, vae.state_dict()[k])
                                              for k, v in reloaded.state_dict().items())
 
-    path = export.export_single_file(vae, str(tmp_path / "single"))
+    path = pretrained.export_single_file(vae, str(tmp_path / "single"))
     from safetensors.torch import load_file
     keys = set(load_file(path))
     assert set(DIFFUSERS_TO_BFL.values()) | {"bn.num_batches_tracked"} <= keys
     assert not keys & {"quant_conv.weight", "post_quant_conv.weight"}  # BFL's strict load has them nested only
-    again = pretrained.load_source(path)
+    again = families.load_source(path)
     assert again.family == "flux2" and again.params == params
     assert again.state.keys() == source.state.keys()
     assert all(torch.equal(again.state[k], v) for k, v in source.state.items())
@@ -206,7 +207,7 @@ def diffusers_from_bfl_file(path: str, decoder: tuple[int, ...] | None):
 @pytest.mark.parametrize("decoder", [None, SMALL_DECODER], ids=["ae", "full_encoder_small_decoder"])
 def test_bfl_single_file_loads_as_diffusers_converts_it(tmp_path, decoder):
     path = bfl_single_file(tmp_path, decoder)
-    source = pretrained.load_source(path)
+    source = families.load_source(path)
     assert source.layout == "single_file" and source.family == "flux2" and source.params.latent_bn
     assert source.params.decoder_widths == (decoder or ENCODER) and source.params.quant_conv
     assert (source.factors["scaling_factor"], source.factors["shift_factor"]) == (1.0, 0.0)
@@ -219,7 +220,7 @@ def test_bfl_single_file_loads_as_diffusers_converts_it(tmp_path, decoder):
     state = pretrained._read_file(path)
     del state["bn.num_batches_tracked"]
     save_file(state, tmp_path / "no_count.safetensors")
-    assert pretrained.load_source(str(tmp_path / "no_count.safetensors")).state["bn.num_batches_tracked"] == 0
+    assert families.load_source(str(tmp_path / "no_count.safetensors")).state["bn.num_batches_tracked"] == 0
 
 
 def test_families_the_file_contradicts_are_refused_in_one_line(tmp_path, capsys):
@@ -233,13 +234,13 @@ def test_families_the_file_contradicts_are_refused_in_one_line(tmp_path, capsys)
                                           posterior="learned"))
     save_file(pretrained.single_file_state_dict(flux1), tmp_path / "flux1.safetensors")
     flux1_path = str(tmp_path / "flux1.safetensors")
-    assert pretrained.load_source(flux2).family == "flux2" and pretrained.load_source(flux1_path).family == "flux"
-    assert pretrained.load_source(flux2, "flux2").family == "flux2"
+    assert families.load_source(flux2).family == "flux2" and families.load_source(flux1_path).family == "flux"
+    assert families.load_source(flux2, "flux2").family == "flux2"
     cases = [(flux2, family, "carries FLUX.2's bn statistics") for family in ("sd", "sdxl", "sd3", "flux")]
     cases += [(flux1_path, "flux2", "has no bn statistics"), (flux1_path, "sdxl", "latent has 4 channels")]
     for path, family, expected in cases:
         with pytest.raises(pretrained.SourceError) as e:
-            pretrained.load_source(path, family)
+            families.load_source(path, family)
         assert expected in str(e.value) and f"--init_family {family}" in str(e.value), (family, str(e.value))
         assert "\n" not in str(e.value)
     # what a user sees: one line from the trainer
@@ -285,7 +286,7 @@ def test_flux2_decoder_only_fine_tune_under_torchrun_keeps_its_latent_space_bitw
     verified equal), the decoder trains; the export is an AutoencoderKLFlux2 with the source's bn statistics
     (no re-estimation: the encoder was frozen) that computes what our model computes."""
     random_flux2().save_pretrained(tmp_path / "flux2")
-    source = pretrained.load_source(str(tmp_path / "flux2"))
+    source = families.load_source(str(tmp_path / "flux2"))
     runs = tmp_path / "runs"
     proc = run_cli("vae_trainer.py", trainer_args(tmp_path / "flux2", shard_url, runs, "ft", "--train_parts",
                                                   "decoder"), nproc=2, timeout=240)
@@ -328,7 +329,7 @@ def test_an_export_keeps_the_source_config_and_a_single_file_its_architecture(tm
     random_bn(source_model.bn)
     source_model.register_to_config(force_upcast=False)
     source_model.save_pretrained(tmp_path / "flux2")
-    source = pretrained.load_source(str(tmp_path / "flux2"))
+    source = families.load_source(str(tmp_path / "flux2"))
     assert (source.params.norm_groups, source.params.latent_bn_eps) == (8, 1e-3)
     runs = tmp_path / "runs"
     monkeypatch.chdir(tmp_path)
@@ -353,7 +354,7 @@ def test_an_export_keeps_the_source_config_and_a_single_file_its_architecture(tm
     assert len(warnings) == 1 and "norm_groups 8" in warnings[0] and "latent_bn_eps 0.001" in warnings[0], warnings
     path = str(tmp_path / "single" / "ae.safetensors")
     assert pretrained.single_file_metadata(path)["norm_groups"] == "8"
-    back = pretrained.load_source(path)
+    back = families.load_source(path)
     assert (back.params.norm_groups, back.params.latent_bn_eps) == (8, 1e-3) and back.notes == []
     again = AutoEncoder(back.params)
     again.load_state_dict(back.state)
@@ -366,7 +367,7 @@ def test_an_export_keeps_the_source_config_and_a_single_file_its_architecture(tm
 
     bfl = bfl_single_file(tmp_path)  # BFL's own file: no metadata
     assert any("does not record norm_groups, latent_bn_eps, latent_bn_momentum: assumed norm_groups 32" in note
-               for note in pretrained.load_source(bfl).notes)
+               for note in families.load_source(bfl).notes)
 
 
 def test_the_teacher_decodes_the_transformed_latent_with_the_sources_own_decoder(tmp_path, shard_url):
@@ -379,7 +380,7 @@ def test_the_teacher_decodes_the_transformed_latent_with_the_sources_own_decoder
     import data
     import vae_trainer
     random_flux2().save_pretrained(tmp_path / "flux2")
-    source = pretrained.load_source(str(tmp_path / "flux2"))
+    source = families.load_source(str(tmp_path / "flux2"))
     reference = as_model(source).eval()
     args = trainer_args(tmp_path / "flux2", shard_url, tmp_path / "runs", "t", "--train_parts", "decoder",
                         "--vae_decoder_ch", ",".join(map(str, SMALL_DECODER)), "--distill_weight", "0.7",
@@ -423,7 +424,7 @@ def test_a_narrower_decoder_distilled_from_the_released_one_trains_and_exports(t
     source's, and the export is an AutoencoderKLFlux2 with decoder_block_out_channels that decodes as ours does."""
     import vae_trainer
     random_flux2().save_pretrained(tmp_path / "flux2")
-    source = pretrained.load_source(str(tmp_path / "flux2"))
+    source = families.load_source(str(tmp_path / "flux2"))
     runs = tmp_path / "runs"
     widths = ",".join(map(str, SMALL_DECODER))
     assert vae_trainer.main(trainer_args(tmp_path / "flux2", shard_url, runs, "small", "--train_parts", "decoder",
@@ -571,7 +572,7 @@ def test_narrow_decoder_keeps_the_latent_space_and_exports(tmp_path, family):
     where the family has them, which the family's pipeline reads; both exports load back to the same model."""
     reference = random_family(family)
     reference.save_pretrained(tmp_path / "source")
-    source = pretrained.load_source(str(tmp_path / "source"))
+    source = families.load_source(str(tmp_path / "source"))
     vae = pretrained.narrow_decoder_model(source, SMALL_DECODER)
     assert vae.params.decoder_widths == SMALL_DECODER and vae.params.encoder_channels == ENCODER
     assert vae.decoder.conv_in.weight.shape[0] == SMALL_DECODER[-1]
@@ -583,7 +584,7 @@ def test_narrow_decoder_keeps_the_latent_space_and_exports(tmp_path, family):
     with torch.no_grad():
         assert torch.equal(vae.encode(x), reference.encode(x).latent_dist.mean)
 
-    export.export_diffusers(vae, str(tmp_path / "out"), 32, source.factors["scaling_factor"],
+    pretrained.export_diffusers(vae, str(tmp_path / "out"), 32, source.factors["scaling_factor"],
                             source.factors["shift_factor"])
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["_class_name"] == "AutoencoderKLFlux2"
@@ -596,11 +597,11 @@ def test_narrow_decoder_keeps_the_latent_space_and_exports(tmp_path, family):
     else:
         assert (exported.config.scaling_factor, exported.config.shift_factor) == \
             (source.factors["scaling_factor"], source.factors["shift_factor"])
-    again = pretrained.load_source(str(tmp_path / "out"))
+    again = families.load_source(str(tmp_path / "out"))
     assert again.params == vae.params and again.factors == source.factors
     assert all(torch.equal(again.state[k], v) for k, v in vae.state_dict().items())
-    path = export.export_single_file(vae, str(tmp_path / "single"))
-    single = pretrained.load_source(path, family)
+    path = pretrained.export_single_file(vae, str(tmp_path / "single"))
+    single = families.load_source(path, family)
     assert single.params == vae.params and all(torch.equal(single.state[k], v) for k, v in vae.state_dict().items())
 
     if family == "flux":  # FLUX.1's own pipeline takes the AutoencoderKLFlux2 and encodes with the factors
@@ -615,7 +616,7 @@ def test_narrow_decoder_keeps_the_latent_space_and_exports(tmp_path, family):
 
 def test_narrow_decoder_starts_fresh_or_sliced_from_the_wide_one(tmp_path):
     random_family("flux2").save_pretrained(tmp_path / "source")
-    source = pretrained.load_source(str(tmp_path / "source"))
+    source = families.load_source(str(tmp_path / "source"))
     rng = torch.get_rng_state()
     fresh = pretrained.narrow_decoder_model(source, SMALL_DECODER, "fresh", seed=4)
     assert torch.equal(torch.get_rng_state(), rng)  # the caller's random stream is untouched

@@ -19,6 +19,7 @@ import clips
 import data as data_lib
 import evaluate
 import export
+import families
 import pretrained
 import shards
 import sources
@@ -240,7 +241,7 @@ def test_a_run_on_clips_stopped_and_resumed_is_the_uninterrupted_run(wan_folder,
     assert stats["n_images"] == 4
     with open(tmp_path / "exported" / "config.json") as f:
         assert json.load(f)["latents_mean"] == pytest.approx(stats["channel_mean"])
-    source = pretrained.load_source(wan_folder, video=True)
+    source = families.load_source(wan_folder, video=True)
     assert not torch.equal(a["training"]["vae"]["encoder.conv_in.weight"], source.state["encoder.conv_in.weight"])
     from PIL import Image
     grid = Image.open(tmp_path / "ref" / "samples" / "step_00000004.png")
@@ -276,7 +277,7 @@ def test_a_decoder_only_fine_tune_on_clips_under_torchrun_keeps_the_encoder_and_
     assert "temporal_psnr" in proc.stdout and "(2 clips, 10 frames)" in proc.stdout
     ckpt = checkpoint.load_checkpoint(str(runs / "ft" / "checkpoints" / "step_00000002.pt"))
     assert ckpt["run"]["ranks_in_sync"] is True
-    source = pretrained.load_source(wan_folder, video=True)
+    source = families.load_source(wan_folder, video=True)
     frozen = [k for k in source.state if k.startswith(("encoder.", "quant_conv."))]
     assert any(".time_conv." in k for k in frozen)
     for part in ("vae", "ema"):
@@ -326,8 +327,8 @@ def test_evaluate_on_clips_reports_per_frame_and_temporal_metrics(wan_folder, cl
     result = json.loads(capsys.readouterr().out)
     assert (result["n_clips"], result["n_images"]) == (2, 18)
     assert result["temporal_psnr"] > 0 and result["tlp"] >= 0
-    vae = pretrained.build_model(pretrained.load_source(wan_folder, video=True).params)
-    vae.load_state_dict(pretrained.load_source(wan_folder, video=True).state)
+    vae = families.build_model(families.load_source(wan_folder, video=True).params)
+    vae.load_state_dict(families.load_source(wan_folder, video=True).state)
     vae.eval()
     psnrs = []
     for _, batch in data_lib.iter_eval_batches(test, 32, 2, frames=9):
@@ -347,10 +348,10 @@ def test_evaluate_on_clips_reports_per_frame_and_temporal_metrics(wan_folder, cl
 def test_what_clips_cannot_do_is_refused_in_one_line(wan_folder, clip_url, shard_url, tmp_path, capsys):
     import vae_trainer
     train, test = clip_url
-    cases = ((["--video_frames", "8"], "video VAE takes clips of 1 + 4k frames"),
+    cases = ((["--video_frames", "8"], "this VAE takes clips of 1 + 4k frames: the nearest are 5 and 9"),
              (["--scale_equivariance_prob", "0.5"], "--scale_equivariance_prob takes images, not clips"),
              (["--eval_tile_size", "16", "--eval_tile_overlap", "8"], "--eval_tile_size takes images, not clips"),
-             (["--compile"], "--compile is not tested with the video VAE's temporal cache"))
+             (["--compile"], "--compile is not tested with the video VAEs' temporal caches"))
     for extra, message in cases:
         assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "x", *extra)) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -358,7 +359,7 @@ def test_what_clips_cannot_do_is_refused_in_one_line(wan_folder, clip_url, shard
     no_source = [a for a in trainer_args(wan_folder, train, test, tmp_path, "x") if a not in ("--init_from",
                                                                                               wan_folder)]
     assert vae_trainer.main(no_source) == 2
-    assert "clips train the Wan family's video VAE, loaded with --init_from" in capsys.readouterr().err
+    assert "clips train a video VAE, loaded with --init_from from its diffusers folder" in capsys.readouterr().err
     # a run of the image model continued with clips (its source gone: the architecture comes from its checkpoint)
     images = [a for a in trainer_args(wan_folder, train, test, tmp_path, "img", "--max_steps", "1", "--num_workers",
                                       "0", "--dataset_url", shard_url) if a != "--video_frames"]
@@ -367,7 +368,7 @@ def test_what_clips_cannot_do_is_refused_in_one_line(wan_folder, clip_url, shard
     capsys.readouterr()
     assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "img", "--max_steps", "2")) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "the run being continued trains the Wan family's image model" in err[0], err
+    assert len(err) == 1 and "different architecture (vae_temporal_factor: 0 -> 4)" in err[0], err
 
 
 def test_the_memory_estimate_counts_the_frames(wan_folder):
@@ -376,7 +377,7 @@ def test_the_memory_estimate_counts_the_frames(wan_folder):
     import memory
     from conftest import objective_of
     import run_setup
-    vae = pretrained.build_model(pretrained.load_source(wan_folder, video=True).params)
+    vae = families.build_model(families.load_source(wan_folder, video=True).params)
     cfg = run_setup.parse_config(["--perceptual_weight", "0", "--mse_pool_factor", "4"])
     objective = objective_of(cfg, with_lpips=False, z_channels=4)
     need = {t: memory.estimate_step_memory(vae, objective, memory.StepShape(1, 32, frames=t),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import export
+import families
 import pretrained
 import wan_ae
 from wan_ae import WanAutoEncoder
@@ -47,7 +48,7 @@ def source(request, tmp_path_factory):
 
 
 def loaded(folder: str, video: bool = True) -> WanAutoEncoder:
-    src = pretrained.load_source(folder, video=video)
+    src = families.load_source(folder, video=video)
     vae = WanAutoEncoder(src.params)
     vae.load_state_dict(src.state)
     return vae.eval()
@@ -189,7 +190,7 @@ def test_export_is_a_folder_diffusers_decodes_as_we_do(source, tmp_path):
     vae = loaded(folder)
     for p in vae.parameters():
         p.add_(0.01 * torch.randn_like(p))
-    export.export_wan_diffusers(vae, folder, str(tmp_path / "out"), latents_std=[1.0, 2.0, 3.0, 4.0])
+    pretrained.export_wan_diffusers(vae, folder, str(tmp_path / "out"), latents_std=[1.0, 2.0, 3.0, 4.0])
     theirs = diffusers.AutoencoderKLWan.from_pretrained(str(tmp_path / "out")).eval()
     assert theirs.config.latents_std == [1.0, 2.0, 3.0, 4.0] and theirs.config.latents_mean == TINY["latents_mean"]
     vae.time_chunks = (4, 1)

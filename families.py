@@ -1,0 +1,473 @@
+"""The families of autoencoders this trainer builds, loads, trains and exports: the one place that knows them.
+
+    source = families.load_source("Lightricks/LTX-Video/vae")   # which family reads a folder or file, and how
+    family = families.of(vae)                                    # or families.named(cfg.model.vae_family)
+    family.encoder_side(vae), family.temporal_factor(vae.params), family.write_diffusers(...)
+
+Three families:
+- `ldm`: ae.py's LDM/FLUX autoencoder (FLUX.1, FLUX.2, SD 1.x/2.x, SDXL, SD3), from flags (a new model) or a source:
+  a diffusers AutoencoderKL / AutoencoderKLFlux2 folder, a FLUX/SD single file or a full SD checkpoint (pretrained.py).
+- `wan`: wan_ae.py's Wan 2.1 family (Qwen-Image's VAE, Wan 2.1/2.2's): its image model, or with clips its causal video
+  model with the explicit temporal cache (pretrained.py converts the diffusers folders both ways).
+- `diffusers`: any other KL autoencoder diffusers ships, trained through diffusers' own module (diffusers_ae.py: the
+  wrapper and the table of classes, each with what it takes and what it refuses).
+The native families are reimplementations, bitwise against diffusers, where that buys something measured (an explicit
+cache, checkpointing per level, a narrower decoder); every other class trains through the module diffusers keeps.
+
+What the rest of the program asks a family, instead of branching on its name: how a source is read and the model
+built; the --vae_* flags that show its architecture (config.json, resume checks); what --train_parts decoder freezes
+(`encoder_side`); its posterior; its spatial and temporal compression and the clips it takes (1 + t k frames); how
+its latents are normalised and written back (`latent_norm`, `write_diffusers`); and what it refuses, in one line
+(`check`). tests/test_families.py parses the other modules: no family name or diffusers class is named outside this
+file, pretrained.py (the native families' layouts) and the model modules.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from torch import Tensor, nn
+
+import diffusers_ae
+import pretrained
+import wan_ae
+from ae import AutoEncoder, AutoEncoderParams
+from common import ConfigError
+from config import LR_TIMES_WIDTH, Config, ModelConfig, with_values
+from pretrained import Source, SourceError
+
+
+class Family:
+    """A family's answers; the defaults are the common ones. Subclasses: LDM, Wan, Diffusers (below)."""
+    name = ""
+    needs_source = True  # the architecture comes from --init_from (or the run's checkpoints), not from flags
+
+    def reads(self, class_name: str) -> bool:
+        """Whether a diffusers folder of `class_name` loads into this family."""
+        return False
+
+    def load_folder(self, path: str, config: dict, weights: str, init_family: str, video: bool) -> Source:
+        raise NotImplementedError
+
+    def params_from_dict(self, d: dict):
+        raise NotImplementedError
+
+    def build(self, params) -> nn.Module:
+        raise NotImplementedError
+
+    def architecture(self, model: ModelConfig, source: Source | None, saved):
+        """The run's architecture: the source's (a new run), else the checkpoint's (`saved`, a resumed run)."""
+        return source.params if source is not None else saved
+
+    def arch_flags(self, params) -> dict:
+        """The --vae_* values that show the architecture (config.json, the resume checks)."""
+        raise NotImplementedError
+
+    def apply_source(self, cfg: Config, given: set[str], source: Source) -> Config:
+        """The run's config once --init_from's source is read: its architecture's flags."""
+        flag = "--vae_decoder_ch"
+        if flag[2:] in given:
+            raise ConfigError(f"{flag}: a decoder of other widths is for the LDM family's latent spaces, not "
+                              f"{source.path}'s ({self.describe(source.params)})")
+        return with_values(cfg, **self.arch_flags(source.params))
+
+    def check(self, cfg: Config) -> None:
+        """ConfigError (one line) for what the family cannot do with this run's flags."""
+        refused = [(cfg.finetune.last_stage_trains != "all", "--last_stage_trains", "the decoder's levels are the "
+                    "LDM family's (ae.py)"),
+                   (cfg.loss.distill_weight > 0, "--distill_weight", "a narrower decoder is the LDM family's"),
+                   (cfg.finetune.decoder_init != "fresh", "--decoder_init", "a narrower decoder is the LDM family's")]
+        for bad, flag, why in refused:
+            if bad:
+                raise ConfigError(f"{flag}: {why}, not --vae_family {self.name}'s ({cfg.model.vae_class or 'its model'})")
+
+    def describe(self, params) -> str:
+        return self.name
+
+    def image_channels(self, params) -> tuple[int, int]:
+        """(input, output) channels of the images the model reads and writes."""
+        return params.in_channels, params.out_ch
+
+    def encoder_side(self, vae: nn.Module) -> list[tuple[str, nn.Module]]:
+        """(name, module) of what computes the posterior from pixels: what --train_parts decoder freezes."""
+        return [("encoder", vae.encoder), ("quant_conv", vae.quant_conv)]
+
+    def last_layer(self, vae: nn.Module) -> Tensor:
+        """The decoder's last weight (LDM's adaptive GAN weight is computed on it)."""
+        return vae.decoder.conv_out.weight
+
+    def last_stage_modules(self, vae: nn.Module, levels: int) -> list[nn.Module]:
+        raise ConfigError(f"--last_stage_trains: the decoder's levels are the LDM family's, not {self.name}'s")
+
+    def temporal_factor(self, params) -> int:
+        """t of the clips of 1 + t k frames the model takes; 0: it takes images only."""
+        return 0
+
+    def takes_images(self, params) -> bool:
+        return True
+
+    def unused_parameters(self, params) -> bool:
+        """Whether a step may leave parameters without a gradient (DDP's find_unused_parameters): a video model's
+        temporal layers on a step of single frames."""
+        return self.temporal_factor(params) > 0
+
+    def init_weights(self, vae: nn.Module, source: Source, cfg: Config, log) -> str:
+        """Load the source's weights; returns what the start line says of them beyond the source."""
+        vae.load_state_dict(source.state)
+        return ""
+
+    def teacher(self, source: Source) -> nn.Module:
+        """The source's own model, whose decoder a narrower one is distilled from (--distill_weight)."""
+        raise ConfigError(f"--distill_weight: a narrower decoder is the LDM family's, not {self.name}'s")
+
+    # ----------------------------------------------------------------------------- export
+    def latent_norm(self, vae: nn.Module) -> str:
+        """How export.py normalises the latents: "fields" (the family's own config fields, source_fields), or the
+        LDM family's "factors" (scaling/shift, or per channel) and "bn" (FLUX.2's statistics)."""
+        return "fields"
+
+    def norm_label(self, vae: nn.Module) -> str:
+        """The export summary's latent_norm."""
+        return "per_channel"
+
+    def source_fields(self, vae: nn.Module, source: dict) -> dict:
+        """The latent normalisation the source's config carries (`source`: Source.describe()), kept by an export
+        of a run whose encoder did not train."""
+        return {k: source.get(k) for k in ("latents_mean", "latents_std")}
+
+    def fields_from_stats(self, vae: nn.Module, stats: dict) -> dict:
+        """The config fields re-estimated latent statistics give (evaluate.latent_stats' result)."""
+        return {"latents_mean": stats["channel_mean"], "latents_std": stats["channel_std"]}
+
+    def serves(self, vae: nn.Module) -> str:
+        return "the source's pipelines (the source's latent normalisation, re-estimated or kept)"
+
+    def write_diffusers(self, vae: nn.Module, out_dir: str, resolution: int, fields: dict,
+                        source_config: dict | None, source_path: str | None) -> None:
+        raise NotImplementedError
+
+
+# ============================================================================================
+# ldm: ae.py (FLUX.1, FLUX.2, SD, SDXL, SD3)
+# ============================================================================================
+class LDM(Family):
+    name = "ldm"
+    params_class = AutoEncoderParams
+    needs_source = False
+    CLASSES = ("AutoencoderKL", "AutoencoderKLFlux2")
+
+    def reads(self, class_name):
+        return class_name in self.CLASSES
+
+    def load_folder(self, path, config, weights, init_family, video):
+        if video:
+            raise SourceError(f"{path}: a {config.get('_class_name', 'AutoencoderKL')}, an image VAE: clips "
+                              f"(--video_frames) need a video VAE ({VIDEO_HINT})")
+        return pretrained.load_ldm_folder(path, config, weights, init_family)
+
+    def params_from_dict(self, d):
+        return AutoEncoderParams.from_dict({k: v for k, v in d.items() if k != "family"})
+
+    def build(self, params):
+        return AutoEncoder(params)
+
+    def architecture(self, model, source, saved):
+        return AutoEncoderParams.from_config(model)  # the flags', which --init_from set from the source
+
+    def arch_flags(self, p):
+        return dict(vae_family="ldm", vae_class="", vae_patch_size=1, vae_spatial_factor=0, vae_temporal_factor=0,
+                    vae_ch=p.ch, vae_ch_mult=",".join(str(m) for m in p.ch_mult),
+                    vae_num_res_blocks=p.num_res_blocks, vae_z_channels=p.z_channels, vae_norm_groups=p.norm_groups,
+                    do_attn=p.use_attn, posterior=p.posterior, posterior_var=p.posterior_var,
+                    vae_quant_conv=p.quant_conv, do_clamp=False,
+                    vae_decoder_ch=",".join(str(c) for c in p.decoder_channels), vae_latent_bn=p.latent_bn,
+                    vae_latent_bn_eps=p.latent_bn_eps)
+
+    def apply_source(self, cfg, given, source):
+        """The source's architecture, but for a --vae_decoder_ch the user gave: a decoder of its own widths for the
+        source's latent space, which then trains from the rate of a new decoder of its width when it starts fresh
+        (--decoder_init) and no --learning_rate_vae is given (a tenth of that for a fine-tune)."""
+        arch = self.arch_flags(source.params)
+        if "vae_decoder_ch" in given:
+            arch.pop("vae_decoder_ch")
+        cfg = with_values(cfg, **arch)
+        widths = AutoEncoderParams.from_config(cfg.model).decoder_widths
+        if (widths != source.params.decoder_widths and cfg.finetune.decoder_init == "fresh"
+                and "learning_rate_vae" not in given):
+            cfg = with_values(cfg, learning_rate_vae=LR_TIMES_WIDTH / widths[0])  # a new decoder, not a fine-tune
+        return cfg
+
+    def check(self, cfg):
+        model = cfg.model
+        if model.posterior not in ("constant", "learned"):
+            raise ConfigError(f"--posterior {model.posterior}: the LDM family's is constant or learned")
+        if model.vae_patch_size != 1:
+            raise ConfigError(f"--vae_patch_size {model.vae_patch_size}: the LDM family's encoder reads pixels (1); "
+                              "patches are the Wan family's (Wan 2.2)")
+        if model.vae_spatial_factor or model.vae_temporal_factor or model.vae_class:
+            raise ConfigError("--vae_spatial_factor / --vae_temporal_factor / --vae_class: the LDM family's "
+                              "compression is --vae_ch_mult's, and it takes images")
+
+    def describe(self, params):
+        return "ae.py's LDM/FLUX autoencoder"
+
+    def encoder_side(self, vae):
+        return [("encoder", vae.encoder)] + ([("quant_conv", vae.quant_conv)] if vae.params.quant_conv else [])
+
+    def last_stage_modules(self, vae, levels):
+        decoder = vae.decoder
+        return [decoder.up[i] for i in range(levels)] + [decoder.norm_out, decoder.conv_out]
+
+    def init_weights(self, vae, source, cfg, log):
+        """The source's weights; a decoder of other widths than the source's starts as --decoder_init says."""
+        widths = vae.params.decoder_widths
+        if widths == source.params.decoder_widths:
+            vae.load_state_dict(source.state)
+            return ""
+        vae.load_state_dict(pretrained.narrow_decoder_model(source, widths, cfg.finetune.decoder_init,
+                                                            cfg.optim.seed).state_dict())
+        return f"; a decoder of widths {','.join(map(str, widths))} ({cfg.finetune.decoder_init})"
+
+    def teacher(self, source):
+        wide = AutoEncoder(source.params)
+        wide.load_state_dict(source.state)
+        return wide
+
+    def latent_norm(self, vae):
+        return "bn" if vae.params.latent_bn else "factors"
+
+    def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
+        pretrained.export_diffusers(vae, out_dir, resolution, source_config=source_config, **fields)
+
+
+# ============================================================================================
+# wan: wan_ae.py (Qwen-Image's VAE, Wan 2.1/2.2's): the image model, or with clips the video model
+# ============================================================================================
+class Wan(Family):
+    name = "wan"
+    params_class = wan_ae.WanParams
+    CLASSES = ("AutoencoderKLQwenImage", "AutoencoderKLWan")
+
+    def reads(self, class_name):
+        return class_name in self.CLASSES
+
+    def load_folder(self, path, config, weights, init_family, video):
+        return pretrained.load_wan_folder(path, config, weights, init_family, video)
+
+    def params_from_dict(self, d):
+        return wan_ae.WanParams.from_dict(d)
+
+    def build(self, params):
+        return wan_ae.WanAutoEncoder(params)
+
+    def arch_flags(self, p):
+        # no GroupNorm (RMS norms: 1 group); the posterior always learned, quant convs always there
+        decoder = "" if p.decoder_ch == p.ch else ",".join(str(p.decoder_ch * m) for m in p.ch_mult)
+        return dict(vae_family="wan", vae_class="", vae_ch=p.ch, vae_ch_mult=",".join(str(m) for m in p.ch_mult),
+                    vae_num_res_blocks=p.num_res_blocks, vae_z_channels=p.z_channels, vae_norm_groups=1,
+                    do_attn=True, posterior="learned", vae_quant_conv=True, do_clamp=False, vae_decoder_ch=decoder,
+                    vae_latent_bn=False, vae_patch_size=p.patch_size, vae_spatial_factor=0,
+                    vae_temporal_factor=self.temporal_factor(p))
+
+    def describe(self, params):
+        return "the Wan family's " + ("video" if params.video else "image") + " model (wan_ae.py)"
+
+    def temporal_factor(self, params):
+        return params.temporal_factor if params.video else 0
+
+    def serves(self, vae):
+        return "Qwen-Image and Wan pipelines ((z - latents_mean) / latents_std per channel)"
+
+    def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
+        if not os.path.isdir(source_path or ""):
+            raise ConfigError(f"--format diffusers writes the source's layout back and keeps its earlier temporal "
+                              f"slices: the run's --init_from folder {source_path} is needed and is not there")
+        try:
+            pretrained.export_wan_diffusers(vae, source_path, out_dir, **fields)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+# ============================================================================================
+# diffusers: any other KL autoencoder, through diffusers' own module (diffusers_ae.py)
+# ============================================================================================
+class Diffusers(Family):
+    name = "diffusers"
+    params_class = diffusers_ae.DiffusersParams
+
+    def reads(self, class_name):
+        return class_name in diffusers_ae.CLASSES
+
+    def load_folder(self, path, config, weights, init_family, video):
+        source = self._load(path, config)
+        if video and not self.temporal_factor(source.params):
+            raise SourceError(f"{path}: a {source.params.class_name}, an image VAE: clips (--video_frames) need a "
+                              f"video VAE ({VIDEO_HINT})")
+        if init_family != "auto":
+            source.notes.append(f"--init_family {init_family} ignored: the diffusers config carries the latent "
+                                "normalisation")
+        return source
+
+    @staticmethod
+    def _load(path: str, config: dict) -> Source:
+        """A diffusers folder of a class in diffusers_ae.CLASSES: its params measured, its weights read by the class's
+        own from_pretrained (in the model's names: "model." + diffusers')."""
+        class_name = config.get("_class_name", "")
+        try:
+            params = diffusers_ae.DiffusersParams.of(class_name, config)
+            with diffusers_ae.quiet_diffusers():
+                model = diffusers_ae.diffusers_class(class_name).from_pretrained(path, torch_dtype=torch.float32)
+        except diffusers_ae.Unfit as e:
+            raise SourceError(f"{path}: {e}") from None
+        except (OSError, ValueError, RuntimeError) as e:
+            raise SourceError(f"{path}: its weights do not load into a {class_name} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:160]})") from None
+        state = {f"model.{k}": v for k, v in model.state_dict().items()}
+        factors = {"scaling_factor": float(config.get("scaling_factor") or 1.0),
+                   "shift_factor": float(config.get("shift_factor") or 0.0),
+                   "latents_mean": config.get("latents_mean"), "latents_std": config.get("latents_std")}
+        notes = [params.spec.note] if params.spec.note else []
+        return Source(path, "diffusers", "", params, state, factors, "", notes,
+                      pretrained.kept_config(config, class_name))
+
+    def params_from_dict(self, d):
+        return diffusers_ae.DiffusersParams.from_dict(d)
+
+    def build(self, params):
+        return diffusers_ae.DiffusersAutoEncoder(params)
+
+    def arch_flags(self, p):
+        # the LDM flags that do not apply keep neutral values (one level, one group, no quant conv)
+        return dict(vae_family="diffusers", vae_class=p.class_name, vae_ch=p.width, vae_ch_mult="1",
+                    vae_num_res_blocks=1, vae_z_channels=p.z_channels, vae_norm_groups=1, do_attn=False,
+                    posterior=p.posterior, vae_quant_conv=False, do_clamp=False, vae_decoder_ch="",
+                    vae_latent_bn=False, vae_patch_size=1, vae_spatial_factor=p.spatial_factor,
+                    vae_temporal_factor=p.temporal_factor)
+
+    def check(self, cfg):
+        super().check(cfg)
+        spec = diffusers_ae.CLASSES[cfg.model.vae_class]
+        if cfg.speed.grad_checkpointing != "none" and not spec.supports_checkpointing(cfg.model.vae_class):
+            raise ConfigError(f"--grad_checkpointing {cfg.speed.grad_checkpointing}: diffusers' {cfg.model.vae_class} "
+                              "has no gradient checkpointing (use none)")
+        if cfg.speed.compile:
+            raise ConfigError(f"--compile: not tested with diffusers' own modules ({cfg.model.vae_class}): leave it off")
+        if cfg.data.video_frames and not cfg.model.vae_temporal_factor:
+            raise ConfigError(f"--video_frames {cfg.data.video_frames}: {cfg.model.vae_class} is an image VAE")
+
+    def describe(self, params):
+        return f"diffusers' {params.class_name}"
+
+    def encoder_side(self, vae):
+        return vae.encoder_side()
+
+    def last_layer(self, vae):
+        return vae.last_layer()
+
+    def temporal_factor(self, params):
+        return params.temporal_factor
+
+    def source_fields(self, vae, source):
+        return vae.normalisation()
+
+    def fields_from_stats(self, vae, stats):
+        return vae.normalisation_from_stats(stats)
+
+    def serves(self, vae):
+        return f"{vae.params.class_name}'s pipelines ({diffusers_ae.CLASSES[vae.params.class_name].norm.formula})"
+
+    def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
+        vae.save_pretrained(out_dir, fields)
+
+
+LDM_FAMILY, WAN_FAMILY, DIFFUSERS_FAMILY = LDM(), Wan(), Diffusers()
+FAMILIES = {f.name: f for f in (LDM_FAMILY, WAN_FAMILY, DIFFUSERS_FAMILY)}
+VIDEO_HINT = "docs/families.md lists the video VAEs"
+
+
+def named(name: str) -> Family:
+    """The family of --vae_family `name`; ConfigError (one line) for an unknown one."""
+    if name not in FAMILIES:
+        raise ConfigError(f"--vae_family {name!r}: one of {', '.join(FAMILIES)} (set by --init_from)")
+    return FAMILIES[name]
+
+
+def of_params(params) -> Family:
+    return FAMILIES[params.family]
+
+
+def of(vae: nn.Module) -> Family:
+    return of_params(vae.params)
+
+
+def params_from_dict(d: dict):
+    """The architecture a checkpoint's or an export's model_params describe (their "family" key; none: ae.py's,
+    every checkpoint written before the Wan family existed)."""
+    return FAMILIES[d.get("family", "ldm")].params_from_dict(d)
+
+
+def build_model(params) -> nn.Module:
+    """The model of an architecture, of the family it is: the one place that chooses the model class."""
+    return of_params(params).build(params)
+
+
+def loadable() -> str:
+    """The diffusers classes that load, in words (the end of a one-line error)."""
+    native = [name for family in (LDM_FAMILY, WAN_FAMILY) for name in family.CLASSES]
+    return (f"{', '.join(native)} (native), and through diffusers' own module "
+            + ", ".join(c for c in diffusers_ae.CLASSES if c not in native))
+
+
+def folder_family(path: str, config: dict, asked: str | None = None) -> Family:
+    """The family that reads a diffusers folder of this config: the native one where there is one, unless
+    --vae_family `asked` names another that reads it (diffusers: any class through its own module)."""
+    class_name = config.get("_class_name", "AutoencoderKL")
+    family = next((f for f in FAMILIES.values() if f.reads(class_name)), None)
+    if family is None:
+        raise SourceError(f"{path}: a {class_name}, {diffusers_ae.refusal(class_name)}; loadable are {loadable()}")
+    if asked is not None and asked != family.name:
+        if not named(asked).reads(class_name):  # a flag the user gave is never dropped
+            raise SourceError(f"{path}: a {class_name}, which --vae_family {asked} does not read (its family: "
+                              f"{family.name})")
+        return named(asked)
+    return family
+
+
+def load_source(path: str, family: str = "auto", video: bool = False, vae_family: str | None = None) -> Source:
+    """A released VAE: a diffusers folder of any family, or an LDM/FLUX single file. `family`: the release of a
+    single file (its latent factors); `video`: the run takes clips (the Wan family loads its video model);
+    `vae_family`: the family the user asked for (diffusers: a native class through diffusers' own module).
+    SourceError: one line."""
+    if os.path.isdir(path):
+        config, weights = pretrained.read_diffusers_folder(path)
+        return folder_family(path, config, vae_family).load_folder(path, config, weights, family, video)
+    if not os.path.isfile(path):
+        raise SourceError(f"{path}: no such file or folder")
+    if video:
+        raise SourceError(f"{path}: a single file; clips (--video_frames) load a video VAE's diffusers folder "
+                          f"({VIDEO_HINT})")
+    return pretrained.load_single_file(path, family)
+
+
+def load_exported_folder(path: str, video: bool = False) -> tuple[nn.Module, dict]:
+    """(model in eval mode, its diffusers config) from a diffusers folder written by export.py (any family)."""
+    config, _ = pretrained.read_diffusers_folder(path)
+    source = load_source(path, video=video)
+    vae = build_model(source.params)
+    vae.load_state_dict(source.state)
+    return vae.eval(), config
+
+
+def our_format_params(config: dict):
+    """The params export.py --format safetensors recorded in its config.json (beside the format's own keys: the
+    factors, resolution, step)."""
+    family = FAMILIES[config.get("family", LDM_FAMILY.name)]
+    fields = {f.name for f in dataclasses.fields(family.params_class)} | {"family"}
+    return family.params_from_dict({k: v for k, v in config.items() if k in fields})
+
+
+def frozen_in_words(vae: nn.Module) -> str:
+    """What --train_parts decoder freezes, in words (the start line)."""
+    names = [name for name, _ in of(vae).encoder_side(vae)]
+    return "the " + " and ".join(names) + (" are" if len(names) > 1 else " is")
