@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from config import GRAD_CHECKPOINTING, POSTERIORS, ch_mult_of, decoder_channels_of
+from config import GRAD_CHECKPOINTING, ch_mult_of, decoder_channels_of
 
 LOGVAR_RANGE = (-30.0, 20.0)  # LDM's clamp of the learned log-variance
 
@@ -333,8 +333,8 @@ def check_widths(params: AutoEncoderParams) -> None:
 class AutoEncoder(nn.Module):
     def __init__(self, params: AutoEncoderParams):
         super().__init__()
-        if params.posterior not in POSTERIORS[:2]:  # (none, a deterministic encoder, is diffusers classes')
-            raise ValueError(f"posterior must be one of {POSTERIORS[:2]}, got {params.posterior!r}")
+        if params.posterior not in ("constant", "learned"):  # (config.POSTERIORS' none: diffusers classes')
+            raise ValueError(f"posterior must be constant or learned, got {params.posterior!r}")
         if params.quant_conv and params.posterior != "learned":
             raise ValueError("quant_conv needs the learned posterior (as in the SD VAEs)")
         check_widths(params)

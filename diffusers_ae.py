@@ -100,35 +100,35 @@ FRAMEWISE_OFF = {**TILING_OFF, "use_framewise_encoding": False, "use_framewise_d
 # AutoencoderKLQwenImage and AutoencoderKLWan by default; they train here too with --vae_family diffusers (bench.py
 # compares the two paths).
 CLASSES: dict[str, ClassSpec] = {
-    "AutoencoderKLLTXVideo": ClassSpec(BUFFERS, encoder_side=("encoder",), training_plan=FRAMEWISE_OFF,
+    "AutoencoderKLLTXVideo": ClassSpec(BUFFERS, training_plan=FRAMEWISE_OFF,
                                        decode_kwargs=ltx_decode_timestep,
                                        note="a timestep-conditioned decoder (0.9.1+) trains at decode_timestep 0"),
-    "AutoencoderKLLTX2Video": ClassSpec(BUFFERS, encoder_side=("encoder",), training_plan=FRAMEWISE_OFF,
+    "AutoencoderKLLTX2Video": ClassSpec(BUFFERS, training_plan=FRAMEWISE_OFF,
                                         decode_kwargs=ltx_decode_timestep),
     "AutoencoderKLHunyuanVideo": ClassSpec(
         SCALE, training_plan=FRAMEWISE_OFF,
         note="trains on whole clips; its inference tiles clips of more than 16 frames in time (a different result)"),
     "AutoencoderKLHunyuanVideo15": ClassSpec(
-        SCALE, encoder_side=("encoder",), training_plan={"use_tiling": False}, fixed={"use_slicing": True},
+        SCALE, training_plan={"use_tiling": False}, fixed={"use_slicing": True},
         note="encodes and decodes a batch one clip at a time (use_slicing: its attention mask fails on batches)"),
     "AutoencoderKLCogVideoX": ClassSpec(
-        SCALE, encoder_side=("encoder",), training_plan=TILING_OFF,
+        SCALE, training_plan=TILING_OFF,
         note="trains through its own frame batches (8 frames, 2 latent frames) and their conv cache, as it infers"),
-    "AutoencoderKLMochi": ClassSpec(CHANNELS_SCALED, encoder_side=("encoder",), training_plan=FRAMEWISE_OFF),
+    "AutoencoderKLMochi": ClassSpec(CHANNELS_SCALED, training_plan=FRAMEWISE_OFF),
     "AutoencoderKLCosmos": ClassSpec(FRAMES, training_plan=FRAMEWISE_OFF),
     "AutoencoderKLMagvit": ClassSpec(SCALE, training_plan=FRAMEWISE_OFF, checkpointing=False),
-    "AutoencoderKLHunyuanImageRefiner": ClassSpec(SCALE, encoder_side=("encoder",), training_plan=TILING_OFF),
-    "Kandinsky6SRVAE": ClassSpec(SCALE, encoder_side=("encoder",), checkpointing=False),
+    "AutoencoderKLHunyuanImageRefiner": ClassSpec(SCALE, training_plan=TILING_OFF),
+    "Kandinsky6SRVAE": ClassSpec(SCALE, checkpointing=False),
     "AutoencoderKLTemporalDecoder": ClassSpec(SCALE, clip_input=False, frames_in_batch=True),
     "AutoencoderKLQwenImage21": ClassSpec(CHANNELS, clips=False, training_plan=TILING_OFF, pixel_channels=4,
                                           note="RGBA: the images get an alpha of 1; the decoded alpha is not trained"),
-    "AutoencoderKLHunyuanImage": ClassSpec(SCALE, clip_input=False, clips=False, encoder_side=("encoder",),
+    "AutoencoderKLHunyuanImage": ClassSpec(SCALE, clip_input=False, clips=False,
                                            training_plan=TILING_OFF),
-    "AutoencoderKLKVAE": ClassSpec(NO_NORM, clip_input=False, clips=False, encoder_side=("encoder",),
+    "AutoencoderKLKVAE": ClassSpec(NO_NORM, clip_input=False, clips=False,
                                    training_plan=TILING_OFF),
-    "AutoencoderDC": ClassSpec(SCALE, clip_input=False, clips=False, encoder_side=("encoder",),
+    "AutoencoderDC": ClassSpec(SCALE, clip_input=False, clips=False,
                                training_plan=TILING_OFF),
-    "AutoencoderTiny": ClassSpec(SCALE_SHIFT, clip_input=False, clips=False, encoder_side=("encoder",),
+    "AutoencoderTiny": ClassSpec(SCALE_SHIFT, clip_input=False, clips=False,
                                  training_plan=TILING_OFF, checkpointing=False),
     "AutoencoderKLWan": ClassSpec(CHANNELS, training_plan=TILING_OFF),
     "AutoencoderKLQwenImage": ClassSpec(CHANNELS, training_plan=TILING_OFF),
@@ -188,9 +188,9 @@ class DiffusersParams:
     temporal_factor: int = 0
     posterior: str = "learned"
     width: int = 0
+    takes_images: bool = True  # an image (a video class's one-frame clip) decodes back to itself
 
     family: ClassVar[str] = "diffusers"
-    quant_conv: ClassVar[bool] = False  # (the LDM flag; a diffusers class's encoder side is its ClassSpec's)
     in_channels: ClassVar[int] = 3  # the trainer's images: RGB (a class that reads RGBA gets an alpha of 1)
     out_ch: ClassVar[int] = 3
 
@@ -292,6 +292,10 @@ def _measure(class_name: str, config: dict) -> dict:
         with torch.device("meta"), torch.no_grad():  # (tensors a forward makes without a device are meta too)
             model = built()
             mean, logvar = model.encode_moments(torch.empty(1, 3, size, size))  # an image
+            try:
+                takes_images = built().decode(mean).shape[-1] == size
+            except (RuntimeError, ValueError, IndexError, TypeError):
+                takes_images = False
             temporal = 0
             if spec.clips:  # the candidates: what a long clip's latent frames suggest first, then every t
                 long = latent_frames(1 + 48)
@@ -306,8 +310,10 @@ def _measure(class_name: str, config: dict) -> dict:
     if temporal < 0:
         raise Unfit(f"no clip of 1 + t k frames (t up to 16) decodes back to its length in {class_name}")
     width = next((m.out_channels for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Conv3d))), 0)
+    if not temporal and not takes_images:
+        raise Unfit(f"an image does not decode back to its size in {class_name}, and it takes no clips")
     return dict(z_channels=mean.shape[1], spatial_factor=size // mean.shape[-1], temporal_factor=temporal,
-                posterior="learned" if logvar is not None else "none", width=width)
+                posterior="learned" if logvar is not None else "none", width=width, takes_images=takes_images)
 
 
 def _posterior(out) -> tuple[Tensor, Tensor | None]:
@@ -457,25 +463,36 @@ class DiffusersAutoEncoder(nn.Module):
             return {"scaling_factor": 1.0 / (stats["latent_mean"] ** 2 + stats["latent_std"] ** 2) ** 0.5}
         if kind == "scale_shift":
             return {"scaling_factor": 1.0 / stats["latent_std"], "shift_factor": stats["latent_mean"]}
-        if kind == "frames":
-            raise Unfit(f"{self.params.class_name}'s statistics are per channel and latent frame of its pipelines' "
-                        "121-frame clips: re-estimating them is not supported (an export without --dataset_url keeps "
-                        "the source's)")
         return {}
 
-    def save_pretrained(self, out_dir: str, fields: dict) -> None:
-        """Write the diffusers folder: the class and its config (every field), the trained weights, the latent
-        normalisation `fields` (in the config, or LTX's buffers). Loaded strictly into the class before saving."""
+    def cannot_reestimate(self) -> str | None:
+        """Why export.py --dataset_url cannot re-estimate this class's normalisation, or None."""
+        if self.spec.norm.kind == "frames":
+            return (f"{self.params.class_name}'s statistics are per channel and latent frame of its pipelines' "
+                    "121-frame clips: re-estimating them is not supported (an export without --dataset_url keeps the "
+                    "source's)")
+        return None
+
+    def set_normalisation(self, fields: dict) -> None:
+        """Make the latent normalisation `fields` the model's: its config's fields, or LTX's buffers (both travel
+        with the model: its checkpoint, our safetensors export, save_pretrained)."""
         config = dict(self.params.config)
-        state = {k[len("model."):]: v.detach().cpu() for k, v in self.state_dict().items()}
         for name, value in fields.items():
             if value is None:
                 continue
             if self.spec.norm.kind == "buffers" and name in ("latents_mean", "latents_std"):
-                state[name] = torch.tensor(value, dtype=state[name].dtype).reshape(state[name].shape)
+                buffer = getattr(self.model, name)
+                with torch.no_grad():
+                    buffer.copy_(torch.tensor(value, dtype=buffer.dtype).reshape(buffer.shape))
             else:
                 config[name] = [float(v) for v in value] if isinstance(value, (list, tuple)) else float(value)
-        model = _module(self.params.class_name, config)
+        self.params = dataclasses.replace(self.params, config=config)
+
+    def save_pretrained(self, out_dir: str) -> None:
+        """Write the diffusers folder: the class and its config (every field), the trained weights, loaded strictly
+        into the class before save_pretrained."""
+        state = {k[len("model."):]: v.detach().cpu() for k, v in self.state_dict().items()}
+        model = _module(self.params.class_name, self.params.config)
         model.load_state_dict(state, strict=True)
         model.save_pretrained(out_dir, safe_serialization=True)
 

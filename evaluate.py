@@ -645,9 +645,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "of training's evaluation without --eval_tile_size)")
     p.add_argument("--tile_overlap", type=int, default=128, help="overlap of neighbouring tiles, pixels")
     p.add_argument("--video_frames", type=int, default=0,
-                   help="clips: the videos of --dataset_url as clips of their first N frames (1 + 4k), through the "
-                        "Wan family's video VAE (a video run's checkpoint, or a Wan diffusers folder, loaded as the "
-                        "video model): per-frame metrics with temporal_psnr and tlp (docs/evaluation.md). 0: images")
+                   help="clips: the videos of --dataset_url as clips of their first N frames (1 + t k for the video "
+                        "VAE's temporal factor t: a video run's checkpoint, or a video VAE's diffusers folder, a Wan "
+                        "one loaded as the video model): per-frame metrics with temporal_psnr and tlp "
+                        "(docs/evaluation.md). 0: images")
     p.add_argument("--video_frame_stride", type=int, default=1,
                    help="with --video_frames: every k-th frame of the videos (the run's --video_frame_stride)")
     return p

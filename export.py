@@ -201,6 +201,8 @@ def export_fields(args, vae: torch.nn.Module, info: dict, resolution: int) -> in
         if args.format == "single_file":
             raise ConfigError(f"{family.describe(vae.params)} exports as its diffusers folder (--format diffusers) or "
                               "ours (--format safetensors): this trainer writes no single file of it")
+        if args.dataset_url and family.cannot_reestimate(vae):
+            raise ConfigError(family.cannot_reestimate(vae))
         check_data_and_out(args)
         source = info.get("init_source") or {}
         summary = {**export_summary(args, info, resolution), "latent_norm": family.norm_label(vae)}
@@ -218,6 +220,7 @@ def export_fields(args, vae: torch.nn.Module, info: dict, resolution: int) -> in
         elif info.get("train_parts") != "decoder":
             print("note: the latent normalisation is the source's; if this run trained the encoder it describes the "
                   "latents of the encoder it started from: give --dataset_url to re-estimate it", file=sys.stderr)
+        family.set_normalisation(vae, fields)  # (where the model holds it: a diffusers class's config or buffers)
         if args.format == "diffusers":
             family.write_diffusers(vae, args.out, resolution, fields, source_config(args, info), source.get("path"))
             summary["serves"] = family.serves(vae)

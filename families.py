@@ -33,7 +33,7 @@ import diffusers_ae
 import pretrained
 import wan_ae
 from ae import AutoEncoder, AutoEncoderParams
-from common import ConfigError
+from common import ConfigError, honour_umask
 from config import LR_TIMES_WIDTH, Config, ModelConfig, with_values
 from pretrained import Source, SourceError
 
@@ -57,8 +57,9 @@ class Family:
         raise NotImplementedError
 
     def architecture(self, model: ModelConfig, source: Source | None, saved):
-        """The run's architecture: the source's (a new run), else the checkpoint's (`saved`, a resumed run)."""
-        return source.params if source is not None else saved
+        """The run's architecture: the checkpoint's (`saved`, a resumed run: what its weights were trained as, even if
+        the source's folder changed since), else the source's (a new run)."""
+        return saved if saved is not None else source.params
 
     def arch_flags(self, params) -> dict:
         """The --vae_* values that show the architecture (config.json, the resume checks)."""
@@ -107,6 +108,10 @@ class Family:
     def takes_images(self, params) -> bool:
         return True
 
+    def can_checkpoint(self, params) -> bool:
+        """Whether --grad_checkpointing has something to checkpoint (the memory check's remedies offer it)."""
+        return True
+
     def unused_parameters(self, params) -> bool:
         """Whether a step may leave parameters without a gradient (DDP's find_unused_parameters): a video model's
         temporal layers on a step of single frames."""
@@ -130,6 +135,13 @@ class Family:
     def norm_label(self, vae: nn.Module) -> str:
         """The export summary's latent_norm."""
         return "per_channel"
+
+    def cannot_reestimate(self, vae: nn.Module) -> str | None:
+        """Why --dataset_url cannot re-estimate the normalisation (one line), or None."""
+        return None
+
+    def set_normalisation(self, vae: nn.Module, fields: dict) -> None:
+        """Make `fields` (source_fields' or fields_from_stats' form) the model's own where it holds them."""
 
     def source_fields(self, vae: nn.Module, source: dict) -> dict:
         """The latent normalisation the source's config carries (`source`: Source.describe()), kept by an export
@@ -353,8 +365,6 @@ class Diffusers(Family):
                               "has no gradient checkpointing (use none)")
         if cfg.speed.compile:
             raise ConfigError(f"--compile: not tested with diffusers' own modules ({cfg.model.vae_class}): leave it off")
-        if cfg.data.video_frames and not cfg.model.vae_temporal_factor:
-            raise ConfigError(f"--video_frames {cfg.data.video_frames}: {cfg.model.vae_class} is an image VAE")
 
     def describe(self, params):
         return f"diffusers' {params.class_name}"
@@ -368,17 +378,40 @@ class Diffusers(Family):
     def temporal_factor(self, params):
         return params.temporal_factor
 
+    def takes_images(self, params):
+        return params.takes_images
+
+    def can_checkpoint(self, params):
+        return diffusers_ae.CLASSES[params.class_name].supports_checkpointing(params.class_name)
+
+    def unused_parameters(self, params):
+        return True  # which parameters a step leaves without a gradient is the class's business (Qwen-Image 2's
+        # time_convs never run on its one-frame clips; a video class's temporal layers on an image step)
+
     def source_fields(self, vae, source):
         return vae.normalisation()
 
     def fields_from_stats(self, vae, stats):
         return vae.normalisation_from_stats(stats)
 
+    def norm_label(self, vae):
+        return vae.spec.norm.kind
+
+    def cannot_reestimate(self, vae):
+        return vae.cannot_reestimate()
+
+    def set_normalisation(self, vae, fields):
+        vae.set_normalisation(fields)
+
     def serves(self, vae):
         return f"{vae.params.class_name}'s pipelines ({diffusers_ae.CLASSES[vae.params.class_name].norm.formula})"
 
     def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
-        vae.save_pretrained(out_dir, fields)
+        vae.set_normalisation(fields)
+        vae.save_pretrained(out_dir)
+        for name in os.listdir(out_dir):
+            if name.startswith(pretrained.DIFFUSERS_WEIGHTS.split(".")[0]):
+                honour_umask(os.path.join(out_dir, name))
 
 
 LDM_FAMILY, WAN_FAMILY, DIFFUSERS_FAMILY = LDM(), Wan(), Diffusers()
@@ -447,6 +480,9 @@ def load_source(path: str, family: str = "auto", video: bool = False, vae_family
     if video:
         raise SourceError(f"{path}: a single file; clips (--video_frames) load a video VAE's diffusers folder "
                           f"({VIDEO_HINT})")
+    if vae_family not in (None, LDM_FAMILY.name):  # a flag the user gave is never dropped
+        raise SourceError(f"{path}: a single file, which only the LDM family reads: --vae_family {vae_family} "
+                          "loads from a diffusers folder (config.json beside the weights)")
     return pretrained.load_single_file(path, family)
 
 

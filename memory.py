@@ -41,21 +41,23 @@ class StepShape:
     precision: str = "fp32"  # fp32 | bf16 | fp16
     grad_checkpointing: str = "none"  # config.GRAD_CHECKPOINTING
     frames: int = 0  # --video_frames (0: images)
+    can_checkpoint: bool = True  # the model has gradient checkpointing (some diffusers classes have none)
 
     @classmethod
-    def of(cls, schedule, optim, speed, resolution: int | None = None, frames: int = 0) -> "StepShape":
+    def of(cls, schedule, optim, speed, resolution: int | None = None, frames: int = 0,
+           can_checkpoint: bool = True) -> "StepShape":
         """The shape of a run's step at `resolution` (default: the reference, --vae_resolution) with the micro-batch
         the run's schedule (data.ResolutionSchedule) gives that size, from its optimisation and speed sections."""
         size = schedule.reference if resolution is None else resolution
         return cls(schedule.batch_for(size), size, optim.grad_accum, speed.precision, speed.grad_checkpointing,
-                   frames)
+                   frames, can_checkpoint)
 
     @classmethod
-    def to_check(cls, schedule, optim, speed, frames: int = 0) -> list["StepShape"]:
+    def to_check(cls, schedule, optim, speed, frames: int = 0, can_checkpoint: bool = True) -> list["StepShape"]:
         """The step shapes the memory check estimates: every size of the run's schedule (one without
         --train_resolutions) with its micro-batch, the largest first (a smaller size holds more images, and the
         floor of one image more pixels: any of them can need the most; the sizes are few)."""
-        return [cls.of(schedule, optim, speed, size, frames) for size in reversed(schedule.sizes)]
+        return [cls.of(schedule, optim, speed, size, frames, can_checkpoint) for size in reversed(schedule.sizes)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +76,8 @@ class StepMemory:
 
 @contextlib.contextmanager
 def _probe_settings(vae: nn.Module, objective, shape: StepShape):
-    """The VAE's checkpointing mode and the objective's autocast dtype as `shape` asks, restored after, and the VAE's
-    buffers as they were (the probes run in training mode)."""
+    """The VAE's checkpointing mode and the objective's autocast dtype as `shape` asks, restored after."""
     old_mode, old_amp = vae.grad_checkpointing, objective.amp_dtype
-    # what a training-mode forward moves (a BatchNorm's running statistics: DC-AE's decoder), as the run had it
-    buffers = {name: b.clone() for name, b in vae.named_buffers() if b.is_floating_point() or name.endswith("tracked")}
     vae.set_grad_checkpointing(shape.grad_checkpointing)
     objective.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[shape.precision]
     try:
@@ -86,10 +85,6 @@ def _probe_settings(vae: nn.Module, objective, shape: StepShape):
     finally:
         vae.set_grad_checkpointing(old_mode)
         objective.amp_dtype = old_amp
-        with torch.no_grad():
-            for name, b in vae.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
 
 
 def _networks(vae: nn.Module, objective) -> list[nn.Module]:
@@ -232,8 +227,8 @@ def remedies(shape: StepShape) -> list[tuple[str, StepShape]]:
     """The flags that cut a step's memory, strongest last, each with the shape it gives: checkpointing the
     high-resolution levels (then all), a smaller micro-batch with accumulation (same images per step), bf16."""
     out = []
-    stronger = [mode for mode in ("hr", "all")
-                if GRAD_CHECKPOINTING.index(mode) > GRAD_CHECKPOINTING.index(shape.grad_checkpointing)]
+    stronger = [mode for mode in ("hr", "all") if shape.can_checkpoint
+                and GRAD_CHECKPOINTING.index(mode) > GRAD_CHECKPOINTING.index(shape.grad_checkpointing)]
     if stronger:
         out.append((f"--grad_checkpointing {stronger[0]}", dataclasses.replace(shape, grad_checkpointing=stronger[0])))
     if shape.batch_size > 1:
@@ -249,12 +244,13 @@ def remedies(shape: StepShape) -> list[tuple[str, StepShape]]:
 def all_remedies(shape: StepShape) -> tuple[str, StepShape] | None:
     """Every remedy at once, at their strongest (every level checkpointed, one image per micro-batch, bf16);
     None if the shape has them all already."""
-    strongest = dataclasses.replace(shape, grad_checkpointing="all", batch_size=1,
+    strongest = dataclasses.replace(shape, grad_checkpointing="all" if shape.can_checkpoint else
+                                    shape.grad_checkpointing, batch_size=1,
                                     grad_accum=shape.grad_accum * shape.batch_size,
                                     precision="bf16" if shape.precision == "fp32" else shape.precision)
     if strongest == shape:
         return None
-    flags = ["--grad_checkpointing all"] if shape.grad_checkpointing != "all" else []
+    flags = ["--grad_checkpointing all"] if strongest.grad_checkpointing != shape.grad_checkpointing else []
     flags += [f"--batch_size 1 --grad_accum {strongest.grad_accum}"] if shape.batch_size > 1 else []
     flags += ["--precision bf16"] if shape.precision == "fp32" else []
     return " ".join(flags), strongest

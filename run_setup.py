@@ -79,8 +79,9 @@ def parse_config(argv: list[str] | None = None) -> Config:
 def check_config(cfg: Config) -> None:
     """Config.validate (each section's values and the checks across sections), then the checks that need an owner's
     rule: one line for the first value the run cannot use."""
+    family = families.named(cfg.model.vae_family)
+    family.check(cfg)  # first: a family's refusal says why in its own words
     cfg.validate()
-    families.named(cfg.model.vae_family).check(cfg)
     data, loss, latents = cfg.data, cfg.loss, cfg.latents
     factor = downsample_factor_of(cfg.model)
     if latents.scale_equivariance_prob > 0 and not equivariance_sizes_of(cfg):
@@ -124,16 +125,18 @@ def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Confi
     if not init_from:
         return cfg, None
     run_config = os.path.join(cfg.run.run_dir, "config.json")
-    if not os.path.exists(init_from) and cfg.run.resume != "never" and os.path.isfile(run_config):
-        # a run being resumed needs its architecture, not the source's weights: the source may have moved
+    if cfg.run.resume != "never" and os.path.isfile(run_config) and has_checkpoints(cfg.run.run_dir):
+        # a run being resumed needs its architecture, not the source's weights (which may be GBs, or have moved):
+        # its config.json has it, and its checkpoint the weights and the model's params
         try:
             with open(run_config) as f:
                 saved = json.load(f)
         except (OSError, ValueError):
             saved = {}
-        if isinstance(saved, dict) and saved.get("init_from") == init_from:
-            then = as_released(saved)
-            return with_values(cfg, **{k: then[k] for k in SOURCE_FIELDS}), None
+        same_kind = isinstance(saved, dict) and bool(saved.get("video_frames")) == bool(cfg.data.video_frames)
+        if same_kind and saved.get("init_from") == init_from:  # (clips for images: the source says which model)
+            then = as_released(saved)  # (an architecture flag given again is the user's: the checks compare it)
+            return with_values(cfg, **{k: then[k] for k in SOURCE_FIELDS if k not in given}), None
     source = read_init_source(init_from, cfg.finetune.init_family, cfg.data.video_frames > 0,
                               cfg.model.vae_family if "vae_family" in given else None)
     family = families.of_params(source.params)
@@ -143,6 +146,11 @@ def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Confi
         raise ConfigError(f"--init_from {init_from}: a VAE of {channels[0]} input / {channels[1]} output "
                           "channels; this trainer reads RGB images")
     return cfg, source
+
+
+def has_checkpoints(run_dir: str) -> bool:
+    folder = os.path.join(run_dir, "checkpoints")
+    return os.path.isdir(folder) and any(re.fullmatch(r"step_\d+\.pt", f) for f in os.listdir(folder))
 
 
 def saved_run_config(cfg: Config, explicit: set[str]) -> dict | None:

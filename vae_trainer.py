@@ -316,7 +316,8 @@ class Trainer:
                                     self.objective.alignment, teacher)
         self.regularisers = build_regularisers(cfg, self.vae.downsample_factor)
         if cfg.speed.memory_check:  # before the critic's DDP wrapper (the probes run its forward without a backward)
-            shapes = memory.StepShape.to_check(self.schedule, cfg.optim, cfg.speed, cfg.data.video_frames)
+            shapes = memory.StepShape.to_check(self.schedule, cfg.optim, cfg.speed, cfg.data.video_frames,
+                                               families.of(self.vae).can_checkpoint(self.vae.params))
             warning = memory.check_every_rank(
                 self.vae, self.objective, shapes, self.device,
                 self.training.ema is not None, info.ctrl_group, model=self.training.trained,
@@ -613,7 +614,7 @@ def stop_out_of_memory(trainer: Trainer, error: torch.OutOfMemoryError, last_sav
         trainer.adversary.abandon_step()  # what its forward passes moved
     torch.cuda.empty_cache()  # a no-op without CUDA
     shape = memory.StepShape.of(trainer.schedule, cfg.optim, cfg.speed, trainer.schedule.size_at(trainer.step),
-                                cfg.data.video_frames)
+                                cfg.data.video_frames, families.of(trainer.vae).can_checkpoint(trainer.vae.params))
     line = memory.out_of_memory_message(error, shape, trainer.step + 1)
     trainer.report.print(f"error: {line}", file=sys.stderr)
     if not trainer.info.distributed and trainer.step > 0 and trainer.step != last_saved:

@@ -440,3 +440,20 @@ def test_what_a_family_cannot_do_is_one_line_and_writes_nothing(shard_url, tmp_p
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
     assert not os.path.exists(runs)
+
+
+def test_the_memory_check_offers_only_what_a_class_can_do():
+    """A class without gradient checkpointing (Qwen-Image 2 in diffusers) is estimated and told what helps in one
+    line, which never offers --grad_checkpointing (estimating that remedy used to raise out of the check)."""
+    import memory
+    import run_setup
+    from conftest import objective_of
+    vae = diffusers_ae.DiffusersAutoEncoder(diffusers_ae.DiffusersParams.of("AutoencoderKLQwenImage21",
+                                                                            TINY["AutoencoderKLQwenImage21"]))
+    cfg = run_setup.parse_config(["--perceptual_weight", "0", "--mse_pool_factor", "4"])
+    objective = objective_of(cfg, with_lpips=False, z_channels=8)
+    shape = memory.StepShape(64, 4096, can_checkpoint=families.of(vae).can_checkpoint(vae.params))
+    line, refuse = memory.check_before_training(vae, objective, shape, torch.device("cpu"), ema=True)
+    assert refuse and "\n" not in line and "--batch_size 32 --grad_accum 2" in line and "--precision bf16" in line
+    assert "--grad_checkpointing" not in line
+    assert memory.all_remedies(shape)[1].grad_checkpointing == "none"
