@@ -23,7 +23,7 @@ import families
 import pretrained
 import shards
 import sources
-from conftest import run_cli
+from conftest import cli_env, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -201,6 +201,31 @@ def test_image_steps_take_single_frames_of_images_and_videos_and_resume_exactly(
     assert_resumes(loader, batches, 4)
 
 
+def test_every_rank_and_micro_batch_of_a_step_takes_the_same_kind_and_size(clip_url, shard_url):
+    """--video_image_prob with --train_resolutions on 2 ranks x --grad_accum 2: the 4 micro-batches of a step (2 on
+    each rank, each rank's own TrainLoader) are all clips or all single frames, at the same crop size and count.
+    Ranks that disagreed would train a frame step and a clip step in one optimizer step, which DDP (with
+    find_unused_parameters) averages without a word."""
+    url = f"{clip_url[0]}::{shard_url}"
+    steps = 8
+    schedule = data_lib.ResolutionSchedule.parse("32,40", 32, 2, seed=0)
+    per_rank = []
+    for rank in (0, 1):
+        loader = data_lib.TrainLoader(url, 32, 2, 0, rank, 2, num_workers=0, shuffle_buffer=4, frames=5,
+                                      image_prob=0.5, schedule=schedule, grad_accum=2)
+        try:
+            per_rank.append([[tuple(next(loader).shape) for _ in range(2)] for _ in range(steps)])
+        finally:
+            loader.close()
+    for step in range(steps):
+        size = schedule.size_at(step)
+        shapes = per_rank[0][step] + per_rank[1][step]
+        assert len(set(shapes)) == 1, (step, shapes)
+        assert shapes[0][:2] == (schedule.batch_for(size), 3) and shapes[0][3:] == (size, size), (step, shapes)
+    kinds = {(s[0][0][2], s[0][0][3]) for s in zip(*per_rank)}
+    assert {frames for frames, _ in kinds} == {1, 5} and {size for _, size in kinds} == {32, 40}, kinds
+
+
 # ------------------------------------------------------------------------------------------------- training
 def trainer_args(folder, url, test_url, runs, name, *extra) -> list[str]:
     """vae_trainer.py's flags for a short fine-tune of the tiny Wan video VAE on 5-frame clips of 32 px."""
@@ -263,17 +288,24 @@ def test_a_decoder_only_fine_tune_on_clips_under_torchrun_keeps_the_encoder_and_
     import checkpoint
     from diffusers import AutoencoderKLWan
     train, test = clip_url
-    runs = tmp_path / "runs"
-    seed = next(s for s in range(100) if [data_lib.TrainStream([], 32, 2, s, 0, 1, 1, 1, 0.5, 1, 2, frames=5,
-                                                               image_prob=0.5).frames_at(i) for i in (0, 1)] == [1, 5])
-    proc = run_cli("vae_trainer.py", trainer_args(wan_folder, train, test, runs, "ft", "--train_parts", "decoder",
-                                                  "--video_image_prob", "0.5", "--seed", str(seed),
-                                                  "--num_workers", "1", "--max_steps", "2",
-                                                  "--evaluate_every_n_steps", "2", "--eval_max_images", "2",
-                                                  "--inception_weights", "none"),
-                   nproc=2, timeout=240)
+    runs, record = tmp_path / "runs", tmp_path / "record"
+    record.mkdir()
+    # the draw TrainStream.frames_at documents (the seed and the step, nothing else), made here: a draw that also
+    # took the rank would give some rank another kind of step
+    seed = next(s for s in range(100) if [data_lib._rng(s, "image_step", i).random() < 0.5 for i in (0, 1)]
+                == [True, False])
+    # tests/recording_trainer.py: vae_trainer.py that records each rank's micro-batch shapes per step
+    proc = run_cli("tests/recording_trainer.py",
+                   trainer_args(wan_folder, train, test, runs, "ft", "--train_parts", "decoder",
+                                "--video_image_prob", "0.5", "--seed", str(seed), "--num_workers", "1",
+                                "--max_steps", "2", "--evaluate_every_n_steps", "2", "--eval_max_images", "2",
+                                "--inception_weights", "none"),
+                   nproc=2, timeout=240, env=cli_env(VAE_TRAINER_RECORD=str(record)))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "(weights identical on all ranks)" in proc.stdout
+    for rank in (0, 1):  # each rank trains the step's kind: a frame step, then a clip step
+        with open(record / f"batches_rank{rank}.jsonl") as f:
+            assert [r["shapes"] for r in map(json.loads, f)] == [[[2, 3, 1, 32, 32]], [[2, 3, 5, 32, 32]]], rank
     assert "temporal_psnr" in proc.stdout and "(2 clips, 10 frames)" in proc.stdout
     ckpt = checkpoint.load_checkpoint(str(runs / "ft" / "checkpoints" / "step_00000002.pt"))
     assert ckpt["run"]["ranks_in_sync"] is True
@@ -411,3 +443,4 @@ def test_the_temporal_term_is_the_frame_difference_error_as_a_gradnorm_branch():
     assert "loss/temporal" not in logs
     with pytest.raises(Exception, match="--temporal_weight is for clips: it needs --video_frames"):
         run_setup.parse_config(["--temporal_weight", "1", "--dataset_url", "x"]).validate()
+
