@@ -444,3 +444,39 @@ def test_the_temporal_term_is_the_frame_difference_error_as_a_gradnorm_branch():
     with pytest.raises(Exception, match="--temporal_weight is for clips: it needs --video_frames"):
         run_setup.parse_config(["--temporal_weight", "1", "--dataset_url", "x"]).validate()
 
+
+def test_the_kl_of_a_clip_is_summed_over_its_latent_clip_and_divided_by_the_root_of_its_count():
+    """The KL on clips, through objective.micro_step as the trainer runs it (a stand-in model whose posterior is its
+    own parameters): logged as the mean KL per latent element of the latent clips, and under GradNorm it enters the
+    backward as kl_weight x the KL summed over every latent element of the micro-batch's clips / sqrt(their count)
+    (x loss scale / accum), the count being B x C x T' x h x w: a latent frame of a clip counts as a latent image
+    does, no more. Checked against the KL of the 5-D posterior computed here by hand."""
+    import latents as latents_lib
+    import run_setup
+    from conftest import objective_of
+    from objective import micro_step
+    cfg = run_setup.parse_config(["--perceptual_weight", "0", "--kl_weight", "0.3", "--mse_pool_factor", "4"])
+    objective = objective_of(cfg, with_lpips=False, z_channels=4)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(2, 3, 5, 16, 16, generator=gen) * 2 - 1
+
+    class Posterior(torch.nn.Module):  # (B, C, T', h, w): Wan's 5 frames are 2 latent frames
+        def __init__(self):
+            super().__init__()
+            self.mean = torch.nn.Parameter(torch.randn(2, 4, 2, 4, 4, generator=gen))
+            self.logvar = torch.nn.Parameter(torch.randn(2, 4, 2, 4, 4, generator=gen) - 1)
+            self.recon = torch.nn.Parameter(x + 0.1 * torch.randn(x.shape, generator=gen))
+
+        def forward(self, x, latent_transform=None, also_decode=None):
+            return self.recon, self.mean, self.logvar, None, None
+
+    model = Posterior()
+    scale, accum = 4.0, 2
+    out = micro_step(objective, model, x, 0, 0, accum, True, latents_lib.LatentRegularisers(0),
+                     torch.tensor(scale), None)
+    mean, logvar = model.mean.detach().double().requires_grad_(), model.logvar.detach().double().requires_grad_()
+    kl = 0.5 * (mean.square() + logvar.exp() - 1 - logvar)
+    assert out.logs["loss/kl"].item() == pytest.approx(kl.mean().item(), rel=1e-6)
+    (scale * 0.3 * kl.sum() / kl.numel() ** 0.5 / accum).backward()
+    assert torch.allclose(model.mean.grad.double(), mean.grad, rtol=1e-5, atol=1e-9)
+    assert torch.allclose(model.logvar.grad.double(), logvar.grad, rtol=1e-5, atol=1e-9)
