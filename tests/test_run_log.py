@@ -170,3 +170,29 @@ def test_a_decoder_only_fine_tune_is_not_told_to_lower_the_kl_weight():
     assert len(said) == 1 and "lower --kl_weight" in said[0]
     run_log.CollapseTracker(said.append, encoder_trains=False).check(collapsed, 10)
     assert len(said) == 1
+
+
+@pytest.mark.parametrize("layers", ["unbuffered", "buffered"])
+def test_the_console_survives_a_write_that_itself_fails(layers):
+    """common.Console where the write itself meets the dead pipe, not a later flush: `python -u` (PYTHONUNBUFFERED,
+    which cli_env and many job scripts set) makes sys.stdout a write-through text layer straight over the file
+    descriptor, so every line goes to the pipe as it is written; with the default buffer a line longer than the
+    buffer does too. The write returns, the console is lost (BrokenPipeError), and its descriptor now points at
+    /dev/null, where later writes and the interpreter's flush at exit go."""
+    import io
+    import os
+    import common
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    raw = io.FileIO(write_fd, "w")
+    # `python -u`'s sys.stdout: TextIOWrapper(FileIO, write_through=True), no buffer in between
+    stream = (io.TextIOWrapper(raw, write_through=True) if layers == "unbuffered"
+              else io.TextIOWrapper(io.BufferedWriter(raw, buffer_size=io.DEFAULT_BUFFER_SIZE)))
+    line = "x" * (10 if layers == "unbuffered" else 4 * io.DEFAULT_BUFFER_SIZE)
+    console = common.Console(stream)
+    assert console.write(line) == len(line)
+    assert isinstance(console.lost, BrokenPipeError) and not console.isatty()
+    assert os.path.samestat(os.fstat(write_fd), os.stat(os.devnull))
+    assert console.write("more") == 4
+    console.flush()
+    stream.close()  # to /dev/null now: no error at exit either
