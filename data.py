@@ -29,9 +29,11 @@ CLI: python data.py make-shards SRC_DIR DST_DIR [--shard_size 1000]  (shards.py'
 from __future__ import annotations
 
 import collections
+import bisect
 import ctypes
 import functools
 import io
+import itertools
 import math
 import os
 import random
@@ -287,7 +289,7 @@ class Lane:
     def __init__(self, shards: list, lane: int, n_lanes: int, seed, resolution: int,
                  buffer_size: int, resize_prob: float, max_pixels: int, state: dict | None = None,
                  retry_s: float = 1800.0, should_stop: Callable[[], bool] | None = None, frames: int = 0,
-                 keep_images: bool = False, frame_stride: int = 1):
+                 keep_images: bool = False, frame_stride: int = 1, sizes: list[int] | None = None):
         state = state or {}
         self.frames = frames  # > 0: the lane reads videos, and a sample is a clip of that many frames
         self.frame_stride = frame_stride  # every frame_stride-th frame of the video
@@ -298,12 +300,16 @@ class Lane:
         self.should_stop = should_stop
         self.resolution, self.buffer_size = resolution, max(1, buffer_size)
         self.resize_prob, self.max_pixels = resize_prob, max_pixels
-        # every lane reads every shard: with at least as many shards as lanes, all lanes go round one seeded order of
-        # the shards per epoch, lane g starting g / n_lanes of the way round, so that at any time the lanes read
-        # different shards and one pass of the data (shards / lanes of them per lane) reads each once; with fewer,
-        # each lane has an order of its own (a lane owning shards[g::n_lanes] sampled the images of lanes that own
-        # fewer, or smaller, shards more often)
-        self.start = lane * len(shards) // n_lanes if len(shards) >= n_lanes else None
+        # every lane reads every shard: all lanes go round one seeded order of the shards per epoch, lane g starting
+        # g / n_lanes of the way round, counted in samples (`sizes`: every shard's sample count), so that one pass of
+        # the data (samples / lanes per lane) reads each sample once however the samples divide among the shards and
+        # the lanes, and at any time the lanes read different shards where there are enough. Without the sizes
+        # (remote shards) lanes start at whole shards, floor(g * shards / n_lanes), and with fewer shards than lanes
+        # each has an order of its own. A lane resumed from an earlier release's state (no "starts") keeps its
+        # whole-shard starts, so that its run resumes exactly.
+        self.n_lanes = n_lanes
+        by_sample = state.get("starts", "sample" if "epoch" not in state else "shard") == "sample"
+        self.sizes = sizes if by_sample and sizes is not None and sum(sizes) > 0 else None
         self.epoch = state.get("epoch", 0)
         self.pos = state.get("pos", 0)  # index into this epoch's shard order
         self.sample = state.get("sample", 0)  # next sample index within the current shard
@@ -316,13 +322,22 @@ class Lane:
         self.failures = 0
         self.raw = self._raw()
 
-    def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.shards)))
-        if self.start is None:
+    def _order(self, epoch: int) -> list[tuple[int, int, int | None]]:
+        """This lane's reading of epoch `epoch`: (shard, first sample, end sample or None for the shard's end)."""
+        order, n_shards = list(range(len(self.shards))), len(self.shards)
+        if self.sizes is None and n_shards < self.n_lanes:
             _rng(self.seed, self.lane, "epoch", epoch).shuffle(order)
-            return order
+            return [(shard, 0, None) for shard in order]
         _rng(self.seed, "epoch", epoch).shuffle(order)
-        return order[self.start:] + order[:self.start]
+        if self.sizes is None:
+            start = self.lane * n_shards // self.n_lanes
+            return [(shard, 0, None) for shard in order[start:] + order[:start]]
+        ends = list(itertools.accumulate(self.sizes[shard] for shard in order))
+        first = self.lane * ends[-1] // self.n_lanes  # this lane's first sample, counted along the order
+        k = bisect.bisect_right(ends, first)  # the shard it falls in
+        offset = first - (ends[k - 1] if k else 0)
+        rest = [(shard, 0, None) for shard in order[k + 1:] + order[:k]]
+        return [(order[k], offset, None)] + rest + ([(order[k], 0, offset)] if offset else [])
 
     def _note_bad(self, key: tuple[int, int]) -> None:
         if len(self.bad) < MAX_BAD_TRACKED:
@@ -336,10 +351,14 @@ class Lane:
         while True:
             order, got_any, errors = self._order(self.epoch), False, []
             while self.pos < len(order):
-                shard_idx = order[self.pos]
+                shard_idx, first, end = order[self.pos]
                 errors_before = len(errors)
-                for idx, sample in iter_shard(self.shards[shard_idx], self.counters, errors):
-                    if idx < self.sample:
+                samples = iter_shard(self.shards[shard_idx], self.counters, errors)
+                for idx, sample in samples:
+                    if end is not None and idx >= end:
+                        samples.close()
+                        break
+                    if idx < max(self.sample, first):
                         continue
                     self.sample, got_any = idx + 1, True
                     yield (shard_idx, idx), sample
@@ -427,7 +446,8 @@ class Lane:
                                        ) from None
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "epoch": self.epoch, "pos": self.pos, "sample": self.sample, "drawn": self.drawn,
+        return {"seed": self.seed, "starts": "shard" if self.sizes is None else "sample", "epoch": self.epoch,
+                "pos": self.pos, "sample": self.sample, "drawn": self.drawn,
                 "counters": dict(self.counters), "buffer": [list(k) for k, _ in self.buffer],
                 **({"images": [list(k) for k, _ in self.images]} if self.keep_images else {}),
                 "bad": [list(k) for k in sorted(self.bad)]}
@@ -449,8 +469,9 @@ class TrainStream(IterableDataset):
                  num_workers: int, lane_buffer: int, resize_prob: float, max_pixels: int, lanes_per_micro: int,
                  lane_states: dict | None = None, first: tuple[int, int] = (0, 0), retry_s: float = 1800.0,
                  schedule: ResolutionSchedule | None = None, grad_accum: int = 1, frames: int = 0,
-                 image_prob: float = 0.0, frame_stride: int = 1):
+                 image_prob: float = 0.0, frame_stride: int = 1, sizes: list[int] | None = None):
         super().__init__()
+        self.sizes = sizes  # every shard's sample count (None: unknown, remote shards): where each lane starts
         self.frames, self.image_prob, self.frame_stride = frames, image_prob, frame_stride
         self.retry_s = retry_s
         # the trainer's stop check, set on the copy the trainer's own process iterates (--num_workers 0); None in
@@ -490,7 +511,7 @@ class TrainStream(IterableDataset):
         lanes = {g: Lane(self.shards, g, self.n_lanes, self.seed, self.resolution, self.lane_buffer,
                          self.resize_prob, self.max_pixels, self.lane_states.get(g), self.retry_s,
                          self.should_stop if info is None else None, self.frames, self.image_prob > 0,
-                         self.frame_stride)
+                         self.frame_stride, self.sizes)
                  for g in range(first_lane + worker, first_lane + per_rank, self.num_workers)}
         step, micro = self.first
         while True:
@@ -614,6 +635,10 @@ class TrainLoader:
         step's are one frame instead (an image of the shards, or a random frame of a video)."""
         state = state or {}
         shards = list_shards(url)
+        # every shard's sample count, where the lanes start: counted once per run (a resume reads the saved ones)
+        saved_sizes = state.get("sizes")
+        self.sizes = (saved_sizes if isinstance(saved_sizes, list) and len(saved_sizes) == len(shards)
+                      else sources.shard_sizes(shards))
         self.grad_accum, self.pin_memory = max(1, grad_accum), pin_memory
         self.lanes_per_micro = int(state.get("lanes_per_micro", batch_size))
         self.micro_batches = world_size * self.grad_accum
@@ -642,7 +667,8 @@ class TrainLoader:
         dataset = TrainStream(shards, resolution, batch_size, seed, rank, world_size, self.parts, lane_buffer,
                               resize_prob, max_pixels, self.lanes_per_micro, self.lane_states, self.position,
                               retry_s=60.0 * shard_retry_minutes, schedule=schedule, grad_accum=self.grad_accum,
-                              frames=frames, image_prob=image_prob, frame_stride=frame_stride)
+                              frames=frames, image_prob=image_prob, frame_stride=frame_stride,
+                              sizes=self.sizes)
         # with workers, the wait for a batch is cut into WAIT_POLL_S slices (DataLoader's timeout), so that a stop
         # request is seen while the workers back off through an outage (should_stop, set by the trainer)
         kwargs = (dict(prefetch_factor=4, persistent_workers=True, timeout=WAIT_POLL_S) if self.num_workers > 0
@@ -736,7 +762,7 @@ class TrainLoader:
 
     def state_dict(self) -> dict:
         return {"step": self.position[0], "micro": self.position[1], "micro_batches": self.micro_batches,
-                "lanes_per_micro": self.lanes_per_micro, "lanes": dict(self.lane_states)}
+                "lanes_per_micro": self.lanes_per_micro, "lanes": dict(self.lane_states), "sizes": self.sizes}
 
 
 def assemble(items: list[dict], pin_memory: bool = False) -> list[tuple[torch.Tensor, dict]]:

@@ -78,6 +78,77 @@ def list_shards(url: str) -> list:
     return shards
 
 
+def _plain_tar_members(path: str) -> list[tuple[str, bool]] | None:
+    """(name, is a regular file) of each member of an uncompressed tar whose headers are all plain ustar/v7 ones,
+    read one 512-byte header at a time and seeking over the data (tarfile does the same ten times slower); the
+    members before a cut or a broken header. None where tarfile is needed: compressed, long names, pax headers."""
+    members, length = [], os.path.getsize(path)
+    with open(path, "rb", buffering=0) as f:
+        while len(header := f.read(512)) == 512 and header.count(0) < 512:
+            stored = header[148:156].split(b"\0", 1)[0].strip()
+            if not stored.isdigit() or int(stored, 8) != sum(header[:148]) + 256 + sum(header[156:]):
+                return None if not members else members  # not a tar at all (compressed?), or broken from here
+            kind, size = header[156:157], header[124:136].split(b"\0", 1)[0].strip()
+            if kind in (b"L", b"K", b"x", b"g", b"S") or not size.isdigit():
+                return None  # a GNU long name, a pax header, a sparse file, a base-256 size
+            name = header[:100].split(b"\0", 1)[0]
+            if header[257:262] == b"ustar" and (prefix := header[345:500].split(b"\0", 1)[0]):
+                name = prefix + b"/" + name
+            name, size = name.decode("utf-8", "surrogateescape"), int(size, 8)
+            if f.tell() + size > length:
+                break  # cut short: the stream's read of it fails
+            members.append((name, kind in (b"0", b"\0", b"7") and not name.endswith("/")))
+            f.seek(-(-size // 512) * 512, 1)
+    return members if members or len(header) == 512 else None  # a file shorter than a header: compressed?
+
+
+def shard_size(shard) -> int | None:
+    """The number of samples iter_shard yields from a local shard, counted from the tar headers alone (each member's
+    data is skipped, not read), grouped as webdataset groups them; None for a remote shard (it would have to be
+    downloaded); 0 for a local one that does not open (iter_shard yields nothing from it)."""
+    if isinstance(shard, tuple):
+        return len(shard)
+    if is_remote(shard):
+        return None
+    from webdataset.tariterators import group_by_keys, meta_prefix, meta_suffix
+    skip_meta = re.compile(r"__[^/]*__($|/)")  # tar_file_iterator's default
+
+    def read_with_tarfile(mode: str, length: float) -> list[tuple[str, bool]]:
+        members = []
+        try:
+            with tarfile.open(shard, mode=mode) as tar:
+                for info in tar:
+                    if info.offset_data + info.size > length:
+                        break  # cut short: the stream's read of it fails
+                    members.append((info.name, info.isreg()))
+        except tarfile.ReadError:
+            if not members and mode == "r:":  # compressed (.tar.gz): offsets are the uncompressed stream's
+                return read_with_tarfile("r:*", float("inf"))
+        except (tarfile.TarError, OSError, EOFError, ValueError):
+            pass  # a truncated tar: iter_shard keeps the samples before the cut, and so does the count
+        return members
+
+    try:
+        members = _plain_tar_members(shard)
+    except OSError:
+        return 0
+    if members is None:
+        members = read_with_tarfile("r:", os.path.getsize(shard))
+    files = ({"fname": name, "data": b"", "__url__": shard} for name, regular in members
+             if regular and not ("/" not in name and name.startswith(meta_prefix) and name.endswith(meta_suffix))
+             and not skip_meta.match(name))
+    return sum(1 for _ in group_by_keys(files, handler=lambda exn: True))
+
+
+def shard_sizes(shards: list) -> list[int] | None:
+    """Every shard's sample count (shard_size), or None when one of them cannot be counted without downloading it."""
+    if any(not isinstance(shard, tuple) and is_remote(shard) for shard in shards):
+        return None
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(shards)))) as pool:
+        return list(pool.map(shard_size, shards))
+
+
 def brace_url(paths: list[str]) -> str:
     """'dir/{00000..00011}.tar' for consecutive shard paths written by write_shards."""
     if len(paths) == 1:
@@ -143,14 +214,15 @@ def open_shard(url: str):
     return gopen(url, "rb")
 
 
-def probe_remote_shards(shards: list, probes: int = 3) -> None:
+def probe_remote_shards(shards: list, probes: int = 3) -> tuple[str, bytes] | None:
     """At start-up: read the first tar header of up to `probes` remote shards (the first, middle and last), at
     the same time and within PROBE_TIMEOUT_S. DatasetError (one line) when none can be read: a dead host, a
     wrong URL or a missing credential is then an error at start, not a stall. Shards that fail later are
-    skipped and counted."""
+    skipped and counted. Returns (the first remote shard, its first tar header) when that one was read (its first
+    member's name says what kind of samples the dataset holds: run_setup.check_sample_kind), else None."""
     remote = [s for s in shards if isinstance(s, str) and urlparse(s).scheme in CURL_SCHEMES]
     if not remote:
-        return
+        return None
     picks = sorted({0, len(remote) // 2, len(remote) - 1})[:probes]
     try:
         streams = [CurlStream(remote[i], max_time_s=PROBE_TIMEOUT_S) for i in picks]
@@ -158,10 +230,11 @@ def probe_remote_shards(shards: list, probes: int = 3) -> None:
         raise DatasetError(f"cannot run curl to read {redact(remote[0])} ({e})") from None
     reasons = []
     try:
-        for stream in streams:
+        for i, stream in enumerate(streams):
             try:
-                if len(stream.read(512)) == 512:
-                    return
+                header = stream.read(512)
+                if len(header) == 512:
+                    return (remote[0], header) if i == 0 else None
                 reasons.append(f"{stream.url}: shorter than a tar header")
             except OSError as e:
                 reasons.append(f"{stream.url}: {e}")

@@ -1093,6 +1093,77 @@ def test_the_lanes_read_every_image_equally_often_and_a_step_from_different_shar
     assert set(counts) == {i for s in range(3) for i in shard_ids(s)} and set(counts.values()) == {2}, counts
 
 
+def uneven_shards(root, sizes: tuple[int, ...]) -> str:
+    """Shards of the given sizes whose images have the distinct ids 1, 2, 3, ... (the red value), in shard order."""
+    ids = iter(range(1, 256))
+    for s, size in enumerate(sizes):
+        write_tar(root / f"{s:05d}.tar", [(f"u{s}_{i}.png", solid_png(next(ids), (8, 8))) for i in range(size)])
+    return str(root / f"{{00000..{len(sizes) - 1:05d}}}.tar")
+
+
+# (shard sizes, ranks, lanes per rank): equal and uneven shards, more and fewer shards than lanes, ratios at which
+# whole-shard starts (or starts bunched into the first shards) read some images twice and skip others in a pass
+COVERAGE = [((4, 4, 4), 1, 2), ((5, 1, 3, 7), 1, 3), ((3, 1, 4, 1, 5, 9, 2, 6, 5, 3), 1, 4),
+            ((2, 2, 2, 2, 2, 2, 2), 2, 3), ((6,), 1, 4), ((2, 9), 1, 5), ((7, 7, 7, 7, 7), 2, 2)]
+
+
+@pytest.mark.parametrize("sizes,ranks,per_rank", COVERAGE)
+def test_a_pass_over_the_data_reads_each_image_once(tmp_path, sizes, ranks, per_rank):
+    """One pass (N images over L lanes: N / L steps) reads each image once however the shards' sizes divide among
+    the lanes: in its first floor(N / L) steps no image twice, by ceil(N / L) steps every one; and a lane-epoch (N
+    steps) reads each exactly L times (docs/data.md). A buffer of one sample per lane, so that a lane's draws are
+    its reads, in order."""
+    url, n, lanes = uneven_shards(tmp_path, sizes), sum(sizes), ranks * per_rank
+    per_rank_ids = []
+    for rank in range(ranks):
+        with train_loader(url, rank=rank, world_size=ranks, batch_size=per_rank, shuffle_buffer=per_rank) as loader:
+            per_rank_ids.append([sample_ids(b) for b in take(loader, n)])
+    steps = [[i for rank in per_rank_ids for i in rank[step]] for step in range(n)]
+    first = [i for step in steps[:n // lanes] for i in step]
+    assert len(first) == len(set(first)), Counter(first).most_common(3)
+    assert {i for step in steps[:-(-n // lanes)] for i in step} == set(range(1, n + 1))
+    assert Counter(i for step in steps for i in step) == {i: lanes for i in range(1, n + 1)}
+
+
+def test_a_stream_saved_by_an_earlier_release_resumes_exactly_with_its_whole_shard_starts(tmp_path, monkeypatch):
+    """Earlier releases started lanes at whole shards and saved neither the shards' sizes nor how lanes start: a
+    resume of such a run goes on as that release would have (its lanes keep their starts), and a new run's state
+    carries the sizes it counted, so that its resume does not count them again."""
+    url = uneven_shards(tmp_path, (5, 1, 3, 7))
+    kwargs = dict(batch_size=3, shuffle_buffer=3, seed=4)
+    with monkeypatch.context() as m:
+        m.setattr(sources, "shard_sizes", lambda shards: None)  # the earlier release's starts
+        with train_loader(url, **kwargs) as old:
+            take(old, 5)
+            state = round_trip(old.state_dict())
+            expected = take(old, 9)
+    state.pop("sizes")
+    for lane in state["lanes"].values():
+        assert lane.pop("starts") == "shard"
+    with train_loader(url, state=state, **kwargs) as resumed:
+        assert torch.equal(torch.stack(take(resumed, 9)), torch.stack(expected))
+    with train_loader(url, **kwargs) as new:
+        take(new, 2)
+        state = round_trip(new.state_dict())
+        expected = take(new, 9)
+    assert state["sizes"] == [5, 1, 3, 7]
+    monkeypatch.setattr(sources, "shard_sizes", lambda shards: pytest.fail("counted again on resume"))
+    with train_loader(url, state=state, **kwargs) as resumed:
+        assert torch.equal(torch.stack(take(resumed, 9)), torch.stack(expected))
+
+
+def test_shard_size_counts_what_the_stream_reads(zoo, tmp_path):
+    """The lanes' starts are counted from the tar headers alone: the count is the samples iter_shard yields, for
+    bad members, metadata, a member without an extension and a truncated tar alike."""
+    import webdataset as wds
+    extra = write_tar(tmp_path / "meta.tar", [("__meta__.json", b"{}"), ("a.png", solid_png(1)), ("a.json", b"{}"),
+                                              ("noext", b"x"), ("b.png", solid_png(2)), ("b.png", solid_png(3))])
+    shards = list(wds.shardlists.expand_urls(zoo)) + [extra, str(tmp_path / "missing.tar")]
+    for shard in shards:
+        assert sources.shard_size(shard) == len(list(sources.iter_shard(shard, Counter()))), shard
+    assert sources.shard_sizes(["https://host/a.tar"] + shards) is None  # remote: lanes start at whole shards
+
+
 def test_fewer_shards_than_workers(tmp_path):
     url = write_tar(tmp_path / "only.tar", [(f"k{i}.png", solid_png(100 + i)) for i in range(3)])
     with train_loader(url, num_workers=2) as loader:
