@@ -91,22 +91,41 @@ class AutoEncoderParams:
         return cls(**d)
 
 
+# The devices whose group_norm kernel takes a bf16/fp16 input with fp32 gamma and beta (mixed dtypes): the CPU's.
+# CUDA's reads gamma, beta and the statistics it saves for backward in the input's dtype and refuses fp32 ones
+# (aten/src/ATen/native/cuda/group_norm_kernel.cu: gamma.const_data_ptr<T>() with T the input's type; read in the
+# source, not run on a GPU here); other devices get the cast too, as the safe default.
+GROUP_NORM_MIXED_DTYPES = ("cpu",)
+
+
 class GroupNorm32(nn.GroupNorm):
     """GroupNorm whose mean and variance are fp32 whatever the autocast: the statistics of small activations do not
     survive bf16/fp16 (seed note 000). The output keeps the input's dtype.
 
-    An fp32 input is normalised in fp32. A bf16/fp16 input (under autocast) goes to PyTorch's own kernel as it is:
-    on CPU and CUDA alike it accumulates the mean and variance in fp32 and normalises in fp32, rounding only the
-    output (and gamma, beta: the kernel takes them in the input's dtype, as autocast gives every weight). An fp32 copy
-    of the input and a cast of the output back, which this class made before, cost two reads and writes of every
-    activation in forward and two more in backward for the same statistics (tests/test_copies.py; docs/precision.md).
-    Autocast is held off: its CUDA op list would cast the input to fp32."""
+    An fp32 input is normalised in fp32. A bf16/fp16 input (under autocast) goes to PyTorch's own kernel as it is,
+    never as an fp32 copy (two extra reads and writes of every activation in forward and two in backward, which this
+    class made before issue 30: tests/test_copies.py, docs/precision.md). The kernel accumulates the mean and variance
+    in fp32 and normalises in fp32, rounding only its output. What it does with gamma and beta depends on the device:
+
+    - CPU: gamma and beta stay fp32 (the kernel takes mixed dtypes). It then also saves the mean and rstd in fp32 and
+      reduces dgamma and dbeta in fp32: the backward is as close to fp64 as an fp32 GroupNorm's, dx up to its
+      rounding to the input's dtype (tests/test_ae.py). With gamma cast to bf16 the kernel saved bf16 statistics and wrote a bf16 dgamma: for
+      activations whose mean is 20x their spread dgamma was 2.6% of its largest value off, dx twice as far as now.
+    - CUDA (and any device not in GROUP_NORM_MIXED_DTYPES): the kernel refuses fp32 gamma and beta with a bf16/fp16
+      input, so they are cast to the input's dtype (a per-step copy of C values). Its forward is as accurate, but
+      native_group_norm then saves the mean and rstd in the input's dtype, and the backward, though it accumulates in
+      fp32, works from that rounded mean: dgamma and dx carry the CPU's old errors above (docs/precision.md). Only an
+      fp32 copy of the activation would avoid them; `--precision fp32` is the exact path.
+
+    Autocast is held off inside: CUDA's autocast lists group_norm among its fp32 ops and would cast the input to fp32
+    and bring the copies back (the CPU's lists leave it alone; tests/test_ae.py sees it with CUDA's policy)."""
 
     def forward(self, x: Tensor) -> Tensor:
         with torch.autocast(x.device.type, enabled=False):
             weight, bias = self.weight, self.bias
             if x.dtype != weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
-                weight, bias = weight.to(x.dtype), bias.to(x.dtype)
+                if not (weight.dtype == torch.float32 and x.device.type in GROUP_NORM_MIXED_DTYPES):
+                    weight, bias = weight.to(x.dtype), bias.to(x.dtype)
             elif x.dtype != weight.dtype:
                 x = x.to(weight.dtype)
             return F.group_norm(x, self.num_groups, weight, bias, self.eps)

@@ -276,10 +276,11 @@ def test_clamp_th_bounds_posterior_mean():
 # GroupNorm32
 # --------------------------------------------------------------------------------------------
 def test_groupnorm32_statistics_are_fp32_under_bf16_autocast():
-    """Under bf16 autocast GroupNorm32 hands the bf16 activation to the kernel with gamma and beta in bf16 (no
-    fp32 copy of the activation: issue 30); the kernel accumulates the statistics in fp32, so the result is the
-    fp32 GroupNorm's within bf16 rounding even where the mean is 8x the spread (tests/test_copies.py bounds it
-    elementwise against fp64). An fp32 input is normalised in fp32."""
+    """Under bf16 autocast GroupNorm32 hands the bf16 activation to the CPU's kernel with gamma and beta fp32 (mixed
+    dtypes: no fp32 copy of the activation, issue 30; no bf16 copy of the weights, issue 40); the kernel accumulates
+    the statistics in fp32, so the result is the fp32 GroupNorm's within the output's bf16 rounding even where the
+    mean is 8x the spread (tests/test_copies.py bounds it elementwise against fp64). An fp32 input is normalised in
+    fp32."""
     torch.manual_seed(0)
     norm = GroupNorm32(num_groups=4, num_channels=16, eps=1e-6)
     with torch.no_grad():
@@ -287,17 +288,94 @@ def test_groupnorm32_statistics_are_fp32_under_bf16_autocast():
         norm.bias.uniform_(-0.5, 0.5)
     # an offset larger than the spread: the case where low-precision statistics lose digits
     x = (4.0 + 0.5 * torch.randn(2, 16, 8, 8)).bfloat16()
+    x_fp32 = x.float()
     with torch.autocast("cpu", dtype=torch.bfloat16), record_ops() as ops:
         out = norm(x)
-        out_fp32_input = norm(x.float())
+        out_fp32_input = norm(x_fp32)
     assert out.dtype == torch.bfloat16
     kernels = [dtypes for name, dtypes in ops.calls if name == "native_group_norm"]
-    assert kernels == [[torch.bfloat16] * 3, [torch.float32] * 3]  # the bf16 input as it is; the fp32 one in fp32
+    # the bf16 input as it is with fp32 gamma and beta; the fp32 one in fp32
+    assert kernels == [[torch.bfloat16, torch.float32, torch.float32], [torch.float32] * 3]
+    assert "_to_copy" not in [name for name, _ in ops.calls]  # nothing cast: neither the activation nor the weights
     assert out_fp32_input.dtype == torch.float32
     reference = F.group_norm(x.float(), 4, norm.weight, norm.bias, 1e-6)
-    # within bf16 rounding of the fp32 result (bf16 has 8 bits of mantissa; gamma and beta rounded too)
-    torch.testing.assert_close(out.float(), reference, rtol=2 ** -7, atol=1e-2)
+    # within bf16 rounding of the fp32 result (bf16 keeps 8 significant bits: half an ulp is 2^-8 relative at most)
+    torch.testing.assert_close(out.float(), reference, rtol=2 ** -8, atol=1e-5)
     torch.testing.assert_close(out_fp32_input, reference, rtol=1e-5, atol=1e-5)
+
+
+def _group_norm_grads(norm: GroupNorm32, x: torch.Tensor, grad_out: torch.Tensor, autocast_dtype=None):
+    """(dx, dgamma, dbeta) of `norm` (or of an fp64 GroupNorm of its values, if x is fp64) at x for grad_out."""
+    x = x.detach().requires_grad_(True)
+    weight, bias = norm.weight, norm.bias
+    if x.dtype == torch.float64:
+        weight, bias = (p.detach().double().requires_grad_(True) for p in (norm.weight, norm.bias))
+        out = F.group_norm(x, norm.num_groups, weight, bias, norm.eps)
+    else:
+        norm.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            out = norm(x)
+        assert out.dtype == x.dtype
+    out.backward(grad_out.to(x.dtype))
+    return x.grad, weight.grad, bias.grad
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_groupnorm32_backward_is_fp32_accurate_under_autocast(memory_format, dtype):
+    """Issue 40: the backward of GroupNorm32 on a bf16/fp16 activation under autocast (dx, dgamma, dbeta) against an
+    fp64 GroupNorm of the same values, for activations whose mean is 0, 20 and 100 times their spread, in both memory
+    formats. With gamma and beta fp32 the CPU's kernel saves fp32 statistics and reduces dgamma and dbeta in fp32, so
+    each is as close to fp64 as an fp32 GroupNorm's backward on the same values (up to a factor 4 and 2^-16 of the
+    largest value, for another order of the sums on another CPU or thread count), dx plus its own rounding to the
+    input's dtype. The yardstick is measured here, never pinned: fp32's error grows with the mean/spread ratio, and in
+    the channels_last kernel with its square. With gamma cast to the input's dtype (the old code; CUDA's only path)
+    the kernel saved a bf16 mean and wrote a bf16 dgamma: at a mean 20x the spread dgamma was ~2.5% of its largest
+    value off and dx twice its rounding, far outside these bounds at every mean."""
+    rounding = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)  # half an ulp of the output, relative, at most
+    generator = torch.Generator().manual_seed(0)
+    norm = GroupNorm32(4, 32, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + 0.3 * torch.randn(32, generator=generator))
+        norm.bias.copy_(0.3 * torch.randn(32, generator=generator))
+    for offset in (0.0, 20.0, 100.0):
+        x = (torch.randn(2, 32, 16, 16, generator=generator) + offset).to(dtype).contiguous(memory_format=memory_format)
+        grad_out = torch.randn(2, 32, 16, 16, generator=generator).to(dtype).contiguous(memory_format=memory_format)
+        got = _group_norm_grads(norm, x, grad_out, autocast_dtype=dtype)
+        assert got[0].dtype == dtype and got[1].dtype == got[2].dtype == torch.float32
+        fp32 = _group_norm_grads(norm, x.float(), grad_out)
+        want = _group_norm_grads(norm, x.double(), grad_out)
+        for name, g, f, w in zip(("dx", "dgamma", "dbeta"), got, fp32, want):
+            largest = w.abs().max()
+            allowance = 4 * (f.double() - w).abs().max() + 2.0 ** -16 * largest  # fp32's error, measured here
+            error = (g.double() - w).abs()
+            bound = allowance + (rounding * w.abs() if name == "dx" else 0.0)
+            assert (error <= bound).all(), (name, offset, (error.max() / largest).item(), (allowance / largest).item())
+
+
+def test_groupnorm32_calls_its_kernel_outside_autocast(monkeypatch):
+    """Issue 40: CUDA's autocast lists group_norm among its fp32 ops, so a GroupNorm32 that let autocast in would hand
+    CUDA's kernel an fp32 copy of every bf16 activation and cast the output back (the copies issue 30 removed). The
+    CPU's lists leave group_norm alone, so on the CPU such a module computes the same; this test sees it by applying
+    CUDA's policy to every call of F.group_norm: the dtype its kernel would get, fp32 where autocast is on at the
+    call. Every norm of a model under bf16 autocast must hand the kernel its input's own dtype."""
+    calls = []
+    group_norm = F.group_norm
+
+    def cuda_policy(input, num_groups, weight=None, bias=None, eps=1e-5):
+        low_precision = input.dtype in (torch.bfloat16, torch.float16)
+        kernel_dtype = torch.float32 if low_precision and torch.is_autocast_enabled(input.device.type) else input.dtype
+        calls.append((input.dtype, kernel_dtype))
+        return group_norm(input, num_groups, weight, bias, eps)
+
+    monkeypatch.setattr(F, "group_norm", cuda_policy)
+    model = tiny_model()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model.decode(model.encode(torch.rand(1, 3, 16, 16) * 2 - 1))
+    norms = sum(isinstance(m, GroupNorm32) for m in model.modules())
+    assert len(calls) == norms  # each norm once
+    assert (torch.bfloat16, torch.bfloat16) in calls  # the body's norms read bf16 activations
+    assert all(kernel_dtype == input_dtype for input_dtype, kernel_dtype in calls), calls
 
 
 def test_moments_head_runs_in_fp32_under_bf16_autocast():
