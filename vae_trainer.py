@@ -414,17 +414,17 @@ class Trainer:
         t_start, steps_since, compiled_once = time.time(), 0, False
         last_saved = self.step if self.resumed_from else -1
         while self.step < max_steps:
-            before_step(self)
+            self.before_step()
             position, batches, data_error = read_step_batches(self.loader, cfg.optim.grad_accum)
             if any_rank(batches is None, info):  # agreed before the step, whose collectives a save would cross
-                return stop_without_batches(self, position, data_error, last_saved)
+                return self.stop_without_batches(position, data_error, last_saved)
             rng = capture_rng(self.device)  # (microseconds) what a checkpoint of an abandoned step must hold
             try:
                 self.train_step(batches)
             except torch.OutOfMemoryError as e:
                 self.data_position, self.rng_position = position, rng
-                return stop_out_of_memory(self, e, last_saved)
-            compiled_once = compiled_once or said_compile_time(self, t_start, steps_since)
+                return self.stop_out_of_memory(e, last_saved)
+            compiled_once = compiled_once or self.said_compile_time(t_start, steps_since)
             self.step += 1
             steps_since += 1
             self.report.step_done(self.step)
@@ -495,6 +495,69 @@ class Trainer:
         guard.record(flags.amax())
         self.metrics.add(**{"guard/skipped_vae": flags[0]})
 
+    # ----------------------------------------------------------------------------- the loop's turns
+    def said_compile_time(self, t_start: float, steps_since: int) -> bool:
+        """With --compile, what the first step of this process cost (its compilation), said once; True when said."""
+        if not self.cfg.speed.compile or steps_since:
+            return False
+        self.log(f"step {self.step + 1} (compiling the encoder, decoder and critic) took {time.time() - t_start:.0f}"
+                 " s; each new image size compiles again once")
+        return True
+
+    def before_step(self) -> None:
+        """Before each step: its size in the metrics (--train_resolutions: metrics.jsonl's train/resolution is each
+        window's mean size), the last stage's freeze when its first step has come (a resumed run: before its first
+        step), and the critic's buffers as the step finds them (Adversary.step_began)."""
+        if self.cfg.data.train_resolutions:
+            size = self.schedule.size_at(self.step)
+            self.metrics.add(**{"train/resolution": torch.full((), float(size), device=self.device)})
+        if self.last_stage is not None and self.step >= self.last_stage[0]:
+            self.enter_last_stage()
+        if self.adversary is not None:
+            self.adversary.step_began()  # what its forward passes move, for a step abandoned midway
+
+    def enter_last_stage(self) -> None:
+        """--last_stage_trains N: from the last stage's first step, only the decoder's N highest-resolution levels,
+        norm_out and conv_out train (DC-AE's high-resolution adaptation); every rank reaches it at the same step."""
+        levels = self.last_stage[1]
+        trained = self.training.train_only(families.of(self.vae).last_stage_modules(self.vae, levels))
+        self.last_stage = None
+        self.log(f"step {self.step}: the last stage trains the decoder's {levels} highest levels, norm_out and "
+                 f"conv_out ({trained / 1e6:.2f}M parameters); the rest is frozen (--last_stage_trains)")
+
+    def stop_without_batches(self, position: dict, data_error: str | None, last_saved: int) -> int:
+        """Some rank has no batches for the trainer's next step. Every rank is here, before that step, so the
+        checkpoint's collectives line up: it is written at the last completed step, with each stream's position before
+        the step's reads (an exact resume). A data error ends the run with that error (exit 1), a stop request with 0."""
+        error, self.data_position = first_error(data_error, self.info), position
+        saved = self.step > 0 and self.step != last_saved and self.save_unless_in_bad_streak(final=True)
+        outcome = (f"checkpoint written at step {self.step}" if saved else f"checkpoint of step {self.step} kept"
+                   if self.step > 0 else "nothing trained, nothing saved")
+        if error is not None:
+            raise data_lib.DatasetError(error + (f" ({outcome})" if self.step > 0 else ""))
+        self.log(f"stop request received while waiting for data: {outcome}, exiting")
+        return 0
+
+    def stop_out_of_memory(self, error: torch.OutOfMemoryError, last_saved: int) -> int:
+        """A GPU out-of-memory error in a step: one line with the flags that help, and (one process) a checkpoint
+        of the last completed step if none holds it, with the data stream's position and the RNG from before the
+        abandoned step (train set them): a resume runs that step as an uninterrupted run would. Under torchrun no
+        checkpoint: only this rank may have run out, and the others are blocked inside the step's collectives (DDP's
+        gradient all-reduce), which no agreement can reach; torchrun ends them when this one exits, and the run resumes
+        from its last periodic checkpoint (docs/fault_tolerance.md)."""
+        cfg = self.cfg
+        self.training.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
+        if self.adversary is not None:
+            self.adversary.abandon_step()  # what its forward passes moved
+        torch.cuda.empty_cache()  # a no-op without CUDA
+        shape = memory.StepShape.of(self.schedule, cfg.optim, cfg.speed, self.schedule.size_at(self.step),
+                                    cfg.data.video_frames, families.of(self.vae).can_checkpoint(self.vae.params))
+        line = memory.out_of_memory_message(error, shape, self.step + 1)
+        self.report.print(f"error: {line}", file=sys.stderr)
+        if not self.info.distributed and self.step > 0 and self.step != last_saved:
+            self.save_unless_in_bad_streak(final=True)
+        return 1
+
     # ----------------------------------------------------------------------------- logging, saving, evaluating
     def log_window(self, t_start: float, steps_done: int, metrics: dict | None = None) -> None:
         """Report the metrics of the steps since the last log (reduced here: one all-reduce, one copy)."""
@@ -553,73 +616,6 @@ def resolution_stages(cfg: Config) -> tuple[data_lib.ResolutionSchedule, tuple[i
     if cfg.speed.compile:
         compile_for_sizes(len(schedule.sizes))
     return schedule, None if levels is None else (schedule.stages[-1][0], levels)
-
-
-def said_compile_time(trainer: Trainer, t_start: float, steps_since: int) -> bool:
-    """With --compile, what the first step of this process cost (its compilation), said once; True when said."""
-    if not trainer.cfg.speed.compile or steps_since:
-        return False
-    trainer.log(f"step {trainer.step + 1} (compiling the encoder, decoder and critic) took {time.time() - t_start:.0f}"
-                " s; each new image size compiles again once")
-    return True
-
-
-def before_step(trainer: Trainer) -> None:
-    """Before each step: its size in the metrics (--train_resolutions: metrics.jsonl's train/resolution is each
-    window's mean size), the last stage's freeze when its first step has come (a resumed run: before its first
-    step), and the critic's buffers as the step finds them (Adversary.step_began)."""
-    if trainer.cfg.data.train_resolutions:
-        size = trainer.schedule.size_at(trainer.step)
-        trainer.metrics.add(**{"train/resolution": torch.full((), float(size), device=trainer.device)})
-    if trainer.last_stage is not None and trainer.step >= trainer.last_stage[0]:
-        enter_last_stage(trainer)
-    if trainer.adversary is not None:
-        trainer.adversary.step_began()  # what its forward passes move, for a step abandoned midway
-
-
-def enter_last_stage(trainer: Trainer) -> None:
-    """--last_stage_trains N: from the last stage's first step, only the decoder's N highest-resolution levels,
-    norm_out and conv_out train (DC-AE's high-resolution adaptation); every rank reaches it at the same step."""
-    levels = trainer.last_stage[1]
-    trained = trainer.training.train_only(families.of(trainer.vae).last_stage_modules(trainer.vae, levels))
-    trainer.last_stage = None
-    trainer.log(f"step {trainer.step}: the last stage trains the decoder's {levels} highest levels, norm_out and "
-                f"conv_out ({trained / 1e6:.2f}M parameters); the rest is frozen (--last_stage_trains)")
-
-
-def stop_without_batches(trainer: Trainer, position: dict, data_error: str | None, last_saved: int) -> int:
-    """Some rank has no batches for the trainer's next step. Every rank is here, before that step, so the
-    checkpoint's collectives line up: it is written at the last completed step, with each stream's position before
-    the step's reads (an exact resume). A data error ends the run with that error (exit 1), a stop request with 0."""
-    error, trainer.data_position = first_error(data_error, trainer.info), position
-    saved = trainer.step > 0 and trainer.step != last_saved and trainer.save_unless_in_bad_streak(final=True)
-    outcome = (f"checkpoint written at step {trainer.step}" if saved else f"checkpoint of step {trainer.step} kept"
-               if trainer.step > 0 else "nothing trained, nothing saved")
-    if error is not None:
-        raise data_lib.DatasetError(error + (f" ({outcome})" if trainer.step > 0 else ""))
-    trainer.log(f"stop request received while waiting for data: {outcome}, exiting")
-    return 0
-
-
-def stop_out_of_memory(trainer: Trainer, error: torch.OutOfMemoryError, last_saved: int) -> int:
-    """A GPU out-of-memory error in a step: one line with the flags that help, and (one process) a checkpoint
-    of the last completed step if none holds it, with the data stream's position and the RNG from before the
-    abandoned step (the trainer set them): a resume runs that step as an uninterrupted run would. Under torchrun no
-    checkpoint: only this rank may have run out, and the others are blocked inside the step's collectives (DDP's
-    gradient all-reduce), which no agreement can reach; torchrun ends them when this one exits, and the run resumes
-    from its last periodic checkpoint (docs/fault_tolerance.md)."""
-    cfg = trainer.cfg
-    trainer.training.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
-    if trainer.adversary is not None:
-        trainer.adversary.abandon_step()  # what its forward passes moved
-    torch.cuda.empty_cache()  # a no-op without CUDA
-    shape = memory.StepShape.of(trainer.schedule, cfg.optim, cfg.speed, trainer.schedule.size_at(trainer.step),
-                                cfg.data.video_frames, families.of(trainer.vae).can_checkpoint(trainer.vae.params))
-    line = memory.out_of_memory_message(error, shape, trainer.step + 1)
-    trainer.report.print(f"error: {line}", file=sys.stderr)
-    if not trainer.info.distributed and trainer.step > 0 and trainer.step != last_saved:
-        trainer.save_unless_in_bad_streak(final=True)
-    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -300,7 +300,7 @@ def test_the_ema_keeps_averaging_what_the_last_stage_froze(shard_url, tmp_path, 
         frozen, trained = "encoder.conv_in.weight", "decoder.conv_out.weight"
         shadow = dict(zip(ema.names, ema.shadow))
         for step in range(4):
-            vae_trainer.before_step(trainer)
+            trainer.before_step()
             before = {n: shadow[n].clone() for n in (frozen, trained)}
             param = dict(trainer.vae.named_parameters())
             weights = {n: param[n].detach().clone() for n in (frozen, trained)}
