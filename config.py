@@ -63,6 +63,12 @@ def check(section, positive=(), non_negative=(), unit=()) -> None:
             raise ConfigError(f"--{name} must be in [0, 1], got {getattr(section, name)}")
 
 
+# --shuffle_buffer auto (0), by what a sample is: an image file (0.1-1 MB: 1000 of them, the reference trainer's
+# buffer, are 0.1-1 GB), or a whole video file (a few MB and more: 128 of them are about as much; 64-256 is plenty
+# for clips, run_setup.config_warnings says above that)
+SHUFFLE_BUFFER_IMAGES, SHUFFLE_BUFFER_CLIPS = 1000, 128
+
+
 # ==============================================================================================================
 # The sections: each holds its flags and checks its own values (validate); checks across sections are Config's
 # ==============================================================================================================
@@ -88,8 +94,10 @@ class DataConfig:
                                      "on resume), and a micro-batch at size s holds max(1, round(batch_size x "
                                      "(vae_resolution / s)^2)) images: about constant pixels per step. '': "
                                      "--vae_resolution alone (docs/training.md, 'Train at 256, serve at 1024')")
-    shuffle_buffer: int = opt(1000, "samples held (as raw bytes) in the shuffle buffers of one micro-batch's lanes "
-                                    "(each lane: this / --batch_size); a rank holds --grad_accum x this")
+    shuffle_buffer: int = opt(0, "samples held (as raw bytes) in the shuffle buffers of one micro-batch's lanes "
+                                 "(each lane: this / --batch_size); a rank holds --grad_accum x this. 0: auto, "
+                                 f"{SHUFFLE_BUFFER_IMAGES} for images, {SHUFFLE_BUFFER_CLIPS} for clips "
+                                 "(--video_frames: each sample a whole video file)")
     resize_prob: float = opt(0.5, "probability of resizing the shorter side to the crop size before cropping "
                                   "(a whole-image view); otherwise crops are taken at native scale")
     max_image_pixels: int = opt(100_000_000, "images with more pixels are skipped (decompression bombs)")
@@ -110,9 +118,9 @@ class DataConfig:
                                        "video; drawn from --seed and the step (the same on every rank and on resume)")
 
     def validate(self) -> None:
-        check(self, positive=("batch_size", "vae_resolution", "shuffle_buffer", "max_image_pixels",
-                              "video_frame_stride"),
-              non_negative=("shard_retry_minutes", "video_frames"), unit=("resize_prob", "video_image_prob"))
+        check(self, positive=("batch_size", "vae_resolution", "max_image_pixels", "video_frame_stride"),
+              non_negative=("shard_retry_minutes", "video_frames", "shuffle_buffer"),  # (0: automatic)
+              unit=("resize_prob", "video_image_prob"))
         if self.num_workers < -1:  # -1: automatic (run_setup.resolve_cpu)
             raise ConfigError(f"--num_workers must be >= 0 (or -1: auto), got {self.num_workers}")
 
@@ -516,8 +524,10 @@ class RunConfig:
     load_path: str = opt("", "initialise the VAE weights from a checkpoint or .safetensors (fine-tuning)")
     force: bool = opt(False, "accept a run directory written with a different architecture")
     max_bad_steps: int = opt(20, "stop after this many consecutive non-finite (skipped) steps")
-    demo: bool = opt(False, "train a tiny model on bundled sample photos (its settings, config.DEMO, replace these "
-                            "defaults; docs/demo.md)")
+    demo: bool = opt(False, "a tiny model at 64 px that trains in minutes on a CPU (its settings, flags.DEMO, "
+                            "replace these defaults; a flag given wins): on bundled sample photos, or on your "
+                            "--dataset_url (run name demo_own_data; evaluated on the demo's 4 held-out photos "
+                            "unless --test_dataset_url); docs/demo.md")
 
     def validate(self) -> None:
         check(self, positive=("log_every_n_steps", "save_every_n_steps", "num_samples", "keep_last_k",
@@ -879,5 +889,7 @@ def resolve_auto(cfg: Config) -> Config:
                                                           critic.critic_trunk == "trainable" else lr_vae),
         warmup_steps=min(1000, optim.max_steps // 10) if optim.warmup_steps == -1 else optim.warmup_steps,
         disc_start=optim.max_steps // 5 if cfg.loss.disc_start == -1 else cfg.loss.disc_start,
-        vae_norm_groups=model.vae_norm_groups or (auto_norm_groups(model.vae_ch) if model.vae_ch > 0 else 0))
+        vae_norm_groups=model.vae_norm_groups or (auto_norm_groups(model.vae_ch) if model.vae_ch > 0 else 0),
+        shuffle_buffer=cfg.data.shuffle_buffer or (SHUFFLE_BUFFER_CLIPS if cfg.data.video_frames else
+                                                   SHUFFLE_BUFFER_IMAGES))
     return with_values(cfg, **changes)

@@ -40,6 +40,9 @@ DEMO = dict(vae_ch=32, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_channels
             do_ganloss=True, disc_start=50, mse_weight=1.0, perceptual_weight=0.5, gan_weight=0.3, kl_weight=1 / 64,
             log_every_n_steps=50, save_every_n_steps=300, evaluate_every_n_steps=300, eval_max_images=16,
             run_name="demo", ema_decay=0.99)
+# --demo with the user's --dataset_url (the demo's settings on their images: a small run on a CPU or a small GPU)
+# is another run than the demo's: its default run name (run_setup.prepare_demo), so it never continues runs/demo
+DEMO_OWN_DATA_RUN = "demo_own_data"
 
 
 TRAINER_USAGE = """Train a latent-diffusion autoencoder (FLUX-style, constant-variance latent) with torchrun.

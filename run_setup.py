@@ -8,9 +8,11 @@ values derived again where their basis changed), the remaining automatic values,
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
+import tarfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +21,11 @@ import families
 import pretrained
 import shards
 import sources
-from common import ConfigError
-from flags import parse_flags
-from config import (FIELD_SECTION, SOURCE_FIELDS, Config, as_released, as_written_now,
+from clips import VIDEO_EXTS
+from common import ConfigError, redact
+from sources import IMAGE_EXTS
+from flags import DEMO_OWN_DATA_RUN, parse_flags
+from config import (FIELD_SECTION, SOURCE_FIELDS, Config, DataConfig, as_released, as_written_now,
                     downsample_factor_of, eval_sizes, is_plain_local_path, min_loss_image_size, parse_schedule,
                     resolve_auto, unflatten, uses_vgg16, with_legacy_arch, with_values)
 from latents import equivariance_sizes_of
@@ -50,7 +54,7 @@ def prepare_run(argv: list[str] | None = None, builds_demo_data: bool = True) ->
     if cfg.run.demo:
         if not builds_demo_data:
             shards.wait_for_demo_shards(os.path.join(cfg.run.output_dir, "demo_data"))
-        cfg = prepare_demo(cfg)
+        cfg = prepare_demo(cfg, given)
     cfg, source = apply_init_source(cfg, given)
     saved = saved_run_config(cfg, given | (set(SOURCE_FIELDS) if source is not None else set()))
     derived, again = {}, []
@@ -93,18 +97,36 @@ def check_config(cfg: Config) -> None:
                           f"{loss.mse_pool_factor}{critic_text}")
 
 
-def prepare_demo(cfg: Config) -> Config:
-    """Point the demo at its bundled shards (built once) and pick VGG weights it can use offline."""
+def prepare_demo(cfg: Config, given: set[str] = frozenset()) -> Config:
+    """Point the demo at its bundled shards (built once) where the user gave no data of their own, and pick VGG
+    weights it can use offline. The demo's values (flags.DEMO) are defaults: a flag the user gave is kept, or,
+    where it cannot work without VGG16 weights, refused in one line."""
     train_url, test_url = shards.ensure_demo_shards(os.path.join(cfg.run.output_dir, "demo_data"))
     changes = {}
     if not cfg.data.dataset_url:
         changes["dataset_url"] = train_url
+    elif "run_name" not in given:  # the demo's settings on the user's images: not the demo's run to continue
+        changes["run_name"] = DEMO_OWN_DATA_RUN
     if not cfg.data.test_dataset_url:
         changes["test_dataset_url"] = test_url
-    if cfg.critic.vgg16_weights == "torchvision" and not os.path.isfile(vgg16_cache_path()):
-        # LPIPS and the VGG16 critic on a random VGG16 would train on noise gradients: switch both off
-        # (demo_summary says so); --vgg16_weights random asks for them anyway, with the loud warning
-        changes.update(vgg16_weights="random", perceptual_weight=0.0, do_ganloss=False)
+    if "vgg16_weights" not in given and cfg.critic.vgg16_weights == "torchvision" and \
+            not os.path.isfile(vgg16_cache_path()):
+        # LPIPS and the VGG16 critic on a random VGG16 would train on noise gradients: the demo's own choice of
+        # them is switched off (demo_summary says so), a PatchGAN (no VGG16) kept; what the user asked for is refused
+        vgg_critic = cfg.critic.do_ganloss and cfg.critic.discriminator == "vgg16"
+        lpips_given = "perceptual_weight" in given and cfg.loss.perceptual_weight > 0
+        gan_given = [f"--{f}" for f in ("do_ganloss",) + GAN_FLAGS if f in given] if vgg_critic else []
+        if lpips_given or gan_given:
+            needs = ([f"--perceptual_weight {cfg.loss.perceptual_weight} (LPIPS)"] if lpips_given else []) + \
+                ([f"{', '.join(gan_given)} (the vgg16 critic)"] if gan_given else [])
+            fixes = (["--perceptual_weight 0"] if lpips_given else []) + \
+                (["--discriminator patchgan (no VGG16)"] if gan_given else [])
+            raise ConfigError(f"--demo: {' and '.join(needs)} would train on the features of a random VGG16: no "
+                              f"pretrained one in the torchvision cache ({vgg16_cache_path()}); put it there "
+                              f"(docs/training.md#offline-weights), give --vgg16_weights PATH, or "
+                              f"{' and '.join(fixes)}")
+        changes.update(vgg16_weights="random", perceptual_weight=0.0,
+                       do_ganloss=cfg.critic.do_ganloss and not vgg_critic)
     return with_values(cfg, **changes)
 
 
@@ -204,9 +226,64 @@ def check_paths(cfg: Config) -> None:
             raise ConfigError(f"--{name} {url}: no such directory or file")
         if name == "dataset_url" or url:
             try:
-                sources.probe_remote_shards(sources.list_shards(url))
+                shard_list = sources.list_shards(url)
+                probed = sources.probe_remote_shards(shard_list)
             except data_lib.DatasetError as e:
                 raise ConfigError(f"--{name}: {e}") from None
+            check_sample_kind(name, shard_list, probed, cfg.data)
+
+
+# The samples read to tell a dataset's kind (images or videos) at start-up: a few, by their names alone.
+KIND_SAMPLES = 4
+
+
+def first_samples(shard_list: list, probed: tuple[str, bytes] | None) -> tuple[str, list[set[str]]]:
+    """(where they are, the extensions of each of the dataset's first samples, as the stream groups them), read
+    cheaply at start-up: a local tar's first member headers (their data skipped), a folder's file names, a remote
+    shard's first tar header (`probed`: what the start-up probe read, one member); none where it would cost a
+    wait (a pipe: command, a remote shard not probed) or where the shard does not open (the stream says why)."""
+    from webdataset.tariterators import base_plus_ext
+    first = shard_list[0]
+    if isinstance(first, tuple):
+        return os.path.dirname(first[0]), [{p.rsplit(".", 1)[-1].lower()} for p in first[:KIND_SAMPLES]]
+    names = []
+    try:
+        if probed is not None and probed[0] == first:
+            with tarfile.open(fileobj=io.BytesIO(probed[1]), mode="r|") as tar:
+                info = tar.next()  # (a pax or long-name header first: tarfile reads the member's after it)
+                names = [info.name] if info is not None and info.isreg() else []
+        elif not sources.is_remote(first):
+            with tarfile.open(first, "r:*") as tar:
+                for info in tar:
+                    names += [info.name] if info.isreg() and not info.name.startswith("__") else []
+                    if len({base_plus_ext(n)[0] for n in names}) > KIND_SAMPLES or len(names) >= 16 * KIND_SAMPLES:
+                        break
+    except (tarfile.TarError, OSError, EOFError, ValueError):
+        names = []
+    samples: dict[str, set[str]] = {}
+    for name in names:
+        key, ext = base_plus_ext(name)
+        if key is not None:
+            samples.setdefault(key, set()).add(ext.lower())
+    return redact(first), list(samples.values())[:KIND_SAMPLES]
+
+
+def check_sample_kind(flag: str, shard_list: list, probed: tuple[str, bytes] | None, data: DataConfig) -> None:
+    """One line, within seconds, when a dataset's first samples are not the kind the run reads: images for a clip
+    run (--video_frames; where --video_image_prob adds images to the training clips, only when none is a video),
+    videos for an image run. What cannot be told cheaply (first_samples) is left to the stream."""
+    where, samples = first_samples(shard_list, probed)
+    exts = set().union(*samples) if samples else set()
+    videos, images = sorted(exts & set(VIDEO_EXTS)), sorted(exts & set(IMAGE_EXTS))
+    mixed_ok = flag == "dataset_url" and data.video_image_prob > 0
+    if data.video_frames and images and not videos and not mixed_ok:
+        raise ConfigError(f"--{flag}: the first samples of {where} are images ({', '.join(images)}), not videos: "
+                          f"--video_frames {data.video_frames} trains on clips of videos (packed by python data.py "
+                          "make-clips); leave it out to train on images")
+    if not data.video_frames and videos and not images:
+        raise ConfigError(f"--{flag}: the first samples of {where} are videos ({', '.join(videos)}), not images: "
+                          "give --video_frames N to train on clips of them (docs/finetuning.md), or shards of "
+                          "images (python data.py make-shards)")
 
 
 # ==============================================================================================================
@@ -253,9 +330,10 @@ def resolve_cpu(cfg: Config) -> Config:
 # a larger budget, the GAN term would switch off again), the VAE's learning rate is the schedule's history, the
 # group count its architecture, and the data stream's position is saved per worker (an exact resume needs the same
 # count). A value whose basis changed in kind is derived again (auto_basis): the critic's learning rate when the
-# critic changes, the worker and thread counts on a machine with other cores.
+# critic changes, the worker and thread counts on a machine with other cores, the shuffle buffer when the samples
+# change kind (images, clips). A run recorded before a value was automatic keeps the value it recorded.
 AUTO_FIELDS = {"learning_rate_vae": 0.0, "learning_rate_disc": 0.0, "warmup_steps": -1, "disc_start": -1,
-               "vae_norm_groups": 0, "num_workers": -1, "num_threads": 0}
+               "vae_norm_groups": 0, "num_workers": -1, "num_threads": 0, "shuffle_buffer": 0}
 # Never carried over from the run being continued: they say how to start this invocation, not what the run is.
 PER_INVOCATION_FIELDS = ("resume", "force")
 
@@ -264,7 +342,8 @@ def auto_basis(cfg: Config) -> dict[str, str | None]:
     """What each automatic value is derived from, in words; None: the run's history, never derived again."""
     cores = f"{cores_per_rank()} cores per rank"
     return {"learning_rate_vae": None, "learning_rate_disc": cfg.critic.describe(), "warmup_steps": None,
-            "disc_start": None, "vae_norm_groups": None, "num_workers": cores, "num_threads": cores}
+            "disc_start": None, "vae_norm_groups": None, "num_workers": cores, "num_threads": cores,
+            "shuffle_buffer": "clips" if cfg.data.video_frames else "images"}
 
 
 def value(cfg: Config, name: str):
@@ -405,11 +484,14 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
 
 def demo_summary(cfg: Config) -> str:
     """The demo's one start-up line: which loss branches it trains and why."""
-    if cfg.critic.vgg16_weights == "random" and not uses_vgg16(cfg):
-        return (f"demo: no pretrained VGG16 in the torchvision cache ({vgg16_cache_path()}): LPIPS and the VGG16 "
-                "critic are OFF (on random features they would train on noise); pixel losses only")
     branches = (["LPIPS"] if cfg.loss.perceptual_weight > 0 else []) + ["pixel"]
     if cfg.critic.do_ganloss:
         branches.append(f"{cfg.critic.discriminator} critic from step {cfg.loss.disc_start}")
+    if cfg.critic.vgg16_weights == "random" and not uses_vgg16(cfg):
+        trains = "pixel losses only" if len(branches) == 1 else f"{' + '.join(branches)} losses"
+        off, they = (("LPIPS and the VGG16 critic are", "they") if cfg.critic.discriminator == "vgg16" else
+                     ("LPIPS is", "it"))
+        return (f"demo: no pretrained VGG16 in the torchvision cache ({vgg16_cache_path()}): {off} OFF (on random "
+                f"features {they} would train on noise); {trains}")
     weights = "a RANDOM VGG16" if cfg.critic.vgg16_weights == "random" else "pretrained VGG16"
     return f"demo: {' + '.join(branches)} losses, with {weights}"

@@ -218,8 +218,9 @@ def probe_remote_shards(shards: list, probes: int = 3) -> tuple[str, bytes] | No
     """At start-up: read the first tar header of up to `probes` remote shards (the first, middle and last), at
     the same time and within PROBE_TIMEOUT_S. DatasetError (one line) when none can be read: a dead host, a
     wrong URL or a missing credential is then an error at start, not a stall. Shards that fail later are
-    skipped and counted. Returns (the first remote shard, its first tar header) when that one was read (its first
-    member's name says what kind of samples the dataset holds: run_setup.check_sample_kind), else None."""
+    skipped and counted. Returns (the first remote shard, its first tar header: with a pax header's, the blocks to
+    the member's own) when that one was read (its first member's name says what kind of samples the dataset holds:
+    run_setup.check_sample_kind), else None."""
     remote = [s for s in shards if isinstance(s, str) and urlparse(s).scheme in CURL_SCHEMES]
     if not remote:
         return None
@@ -234,7 +235,7 @@ def probe_remote_shards(shards: list, probes: int = 3) -> tuple[str, bytes] | No
             try:
                 header = stream.read(512)
                 if len(header) == 512:
-                    return (remote[0], header) if i == 0 else None
+                    return (remote[0], header + extended_header_rest(stream, header)) if i == 0 else None
                 reasons.append(f"{stream.url}: shorter than a tar header")
             except OSError as e:
                 reasons.append(f"{stream.url}: {e}")
@@ -243,6 +244,18 @@ def probe_remote_shards(shards: list, probes: int = 3) -> tuple[str, bytes] | No
             stream.close()
     tried = f"any of the {len(picks)} remote shards tried" if len(picks) > 1 else "the remote shard"
     raise DatasetError(f"cannot read {tried} ({redact(reasons[0])})")
+
+
+def extended_header_rest(stream, header: bytes) -> bytes:
+    """After a pax or GNU long-name tar header (the first member of a shard tarfile or webdataset wrote: a float
+    mtime makes one), the blocks up to the first member's own header (in the same first packets); else nothing."""
+    if header[156:157] not in (b"x", b"g", b"L", b"K"):
+        return b""
+    try:
+        size = tarfile.TarInfo.frombuf(header, tarfile.ENCODING, "surrogateescape").size
+        return stream.read(min(-(-size // 512) * 512, 8192) + 512)
+    except (tarfile.TarError, OSError):
+        return b""
 
 
 def iter_shard(shard, counters: Counter, errors: list | None = None) -> Iterator[tuple[int, dict]]:

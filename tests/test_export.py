@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.timeout(180)  # the CLI tests take 10-20 s: a hang fails one test
 
@@ -171,6 +171,32 @@ def test_exported_files_honour_the_umask(tmp_path, umask):
     assert set(modes) == {"d/config.json", "d/diffusion_pytorch_model.safetensors", "s/config.json",
                           "s/model.safetensors"}
     assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
+def test_the_readme_loads_an_export_without_a_warning(tmp_path, capfd):
+    """Issue 40 item 12: the README's `AutoencoderKL.from_pretrained("export/...")` warned that `accelerate` was
+    missing (diffusers then loads with low_cpu_mem_usage=False: a second copy of the weights in memory).
+    requirements.txt installs it (a 0.4 MB wheel and psutil; its other dependencies are ours already): the
+    README's export and load, with diffusers' default logging, print nothing and give our model's latent."""
+    from diffusers import AutoencoderKL
+    from diffusers.utils import logging as diffusers_logging
+    assert any(line.split("#")[0].split(">=")[0].strip() == "accelerate"
+               for line in open(os.path.join(ROOT, "requirements.txt")))
+    save_checkpoint(tmp_path / "ckpt.pt", CONFIGS["constant_no_attn_2_levels"])
+    out = str(tmp_path / "export" / "flux_f8c16")
+    assert export.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--ema", "--out", out, "--format", "diffusers"]) == 0
+    capfd.readouterr()
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_warning()  # diffusers' default: what a user's script shows
+    try:
+        vae = AutoencoderKL.from_pretrained(out)
+    finally:
+        diffusers_logging.set_verbosity(level)
+    assert capfd.readouterr().err == ""
+    ema_vae, _ = ev.load_model(str(tmp_path / "ckpt.pt"), ema=True)
+    x = torch.rand(1, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        torch.testing.assert_close(vae.encode(x).latent_dist.mean, ema_vae.encode(x), atol=1e-5, rtol=0)
 
 
 @pytest.mark.process

@@ -1,6 +1,7 @@
 """run_setup.py, in-process: what a continued run keeps of its start (its whole recipe, its automatic values, the
-ones derived again when their basis changed, runs recorded by earlier code) and the CPU split between data workers
-and torch threads."""
+ones derived again when their basis changed, runs recorded by earlier code), the CPU split between data workers
+and torch threads, --demo's values as defaults under the flags given, a dataset of the wrong kind refused at
+start-up, and the shuffle buffer by what a sample is."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import pytest
 
 import config
 import run_setup
+from common import ConfigError
 from conftest import TINY
 
 
@@ -151,3 +153,149 @@ def test_cores_per_rank_divides_the_affinity_by_local_ranks(monkeypatch):
     line = run_setup.cpu_use_line(cfg, {"dataset_url"})
     assert line == ("cpu: 16 cores per rank: 4 data workers, 12 torch threads (--num_workers and --num_threads "
                     "chosen from the cores; give them to override)")
+
+
+# ==============================================================================================================
+# Issue 40 items 9-11: --demo's values are defaults, the samples' kind at start-up, the shuffle buffer's default
+# ==============================================================================================================
+def test_the_demo_on_ones_own_shards_keeps_every_flag_given_or_refuses_it_in_one_line(tmp_path, shard_url,
+                                                                                     monkeypatch):
+    """Issue 40 item 9: `--demo --dataset_url mine --do_ganloss --discriminator patchgan` without VGG16 weights
+    trained on the user's shards without the --do_ganloss they typed, then warned that --discriminator had no effect.
+    The demo's values are defaults: a PatchGAN (no VGG16) is kept; a flag that needs VGG16 is refused in one line
+    before anything starts; the demo's size on the user's data is its own run (not runs/demo, which it would
+    continue)."""
+    monkeypatch.setattr(run_setup, "vgg16_cache_path", lambda: str(tmp_path / "absent" / "vgg16.pth"))
+    demo = ["--demo", "--output_dir", str(tmp_path), "--dataset_url", shard_url]
+    for critic in (["--do_ganloss", "--discriminator", "patchgan"], ["--discriminator", "patchgan"]):
+        setup = run_setup.prepare_run(demo + critic)
+        cfg = setup.cfg
+        assert (cfg.data.dataset_url, cfg.critic.do_ganloss, cfg.critic.discriminator) == (shard_url, True, "patchgan")
+        assert (cfg.model.vae_ch, cfg.data.vae_resolution, cfg.optim.max_steps) == (32, 64, 900)  # the demo's size
+        assert cfg.run.run_name == "demo_own_data" and cfg.data.test_dataset_url.endswith("test-00000.tar")
+        assert run_setup.config_warnings(cfg, setup.given) == []
+        assert setup.notes == [f"demo: no pretrained VGG16 in the torchvision cache ({tmp_path}/absent/vgg16.pth): "
+                               "LPIPS is OFF (on random features it would train on noise); pixel + patchgan critic "
+                               "from step 50 losses"]
+    plain = run_setup.prepare_run(demo + ["--run_name", "mine"]).cfg  # the demo's own critic needs VGG16: off
+    assert (plain.critic.do_ganloss, plain.loss.perceptual_weight, plain.run.run_name) == (False, 0.0, "mine")
+    for flags, named in ((["--do_ganloss"], "--do_ganloss (the vgg16 critic)"),
+                         (["--gan_weight", "0.5"], "--gan_weight (the vgg16 critic)"),
+                         (["--perceptual_weight", "0.5"], "--perceptual_weight 0.5 (LPIPS)")):
+        with pytest.raises(ConfigError) as refused:  # (vae_trainer.main prints it as one "error: " line, exit 2)
+            run_setup.prepare_run(demo + flags)
+        assert f"--demo: {named} would train on the features of a random VGG16" in str(refused.value)
+        assert "\n" not in str(refused.value)
+    assert not (tmp_path / "demo_own_data").exists()
+
+
+def a_tar(path, members: dict[str, bytes]) -> str:
+    import io
+    import tarfile
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def test_a_dataset_of_the_wrong_kind_is_one_line_before_any_sample_is_decoded(tmp_path, shard_url, photos_dir):
+    """Issue 40 item 10: a clip run (--video_frames) on image shards took 19 warnings and 76 s to fail. The first
+    samples' names say their kind at start-up: images for a clip run, videos for an image run, one line; a local
+    tar's headers, a folder's names, or the remote probe's first header (no wait added; a pipe: is not read)."""
+    import diffusers
+    videos = a_tar(tmp_path / "videos.tar", {"a.mp4": b"not decoded", "a.json": b"{}", "b.webm": b"x"})
+
+    def refusal(argv: list[str]) -> str:  # (vae_trainer.main prints it as one "error: " line and exits 2)
+        with pytest.raises(ConfigError) as refused:
+            run_setup.prepare_run(argv)
+        assert "\n" not in str(refused.value)
+        return str(refused.value)
+    assert refusal(["--dataset_url", videos, "--output_dir", str(tmp_path)]) == (
+        f"--dataset_url: the first samples of {videos} are videos (mp4, webm), not images: give --video_frames N to "
+        "train on clips of them (docs/finetuning.md), or shards of images (python data.py make-shards)")
+    wan = tmp_path / "wan"  # a tiny Wan 2.1 VAE: a clip run takes its model from --init_from
+    diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
+                               temperal_downsample=[True, True], latents_mean=[0.0] * 4,
+                               latents_std=[1.0] * 4).save_pretrained(wan)
+    clip_run = ["--init_from", str(wan), "--video_frames", "5", "--output_dir", str(tmp_path), "--vae_resolution",
+                "32", "--batch_size", "1", "--wandb_mode", "disabled"]
+    first_shard = shard_url.replace("{00000..00002}", "00000")
+    for data, flag, where in ((["--dataset_url", shard_url], "--dataset_url", first_shard),
+                              (["--dataset_url", photos_dir], "--dataset_url", photos_dir),
+                              (["--dataset_url", videos, "--test_dataset_url", shard_url], "--test_dataset_url",
+                               first_shard)):
+        line = refusal(clip_run + data)
+        assert line.startswith(f"{flag}: the first samples of {where} are images (") and line.endswith(
+            "not videos: --video_frames 5 trains on clips of videos (packed by python data.py make-clips); leave it "
+            "out to train on images"), line
+    # images beside the clips (--video_image_prob) may come first; a clip run on videos starts
+    assert run_setup.prepare_run(clip_run + ["--dataset_url", shard_url, "--video_image_prob", "0.5"])
+    assert run_setup.prepare_run(clip_run + ["--dataset_url", videos]).cfg.data.video_frames == 5
+    assert run_setup.first_samples(["pipe:curl -s https://data.example/0.tar"], None)[1] == []  # not read: a wait
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_remote_shards_of_the_wrong_kind_are_told_from_the_start_up_probe(tmp_path):
+    """Issue 40 item 10, remote shards: the start-up probe's first bytes (the first member's tar header, after the
+    pax header webdataset's writer puts first) say the kind; nothing else is read."""
+    import functools
+    import http.server
+    import threading
+    import webdataset as wds
+    with wds.TarWriter(str(tmp_path / "00000.tar")) as sink:
+        for key in ("a", "b"):
+            sink.write({"__key__": key, "mp4": b"\0" * 100_000})
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/00000.tar"
+        with pytest.raises(ConfigError) as refused:
+            run_setup.prepare_run(["--dataset_url", url, "--output_dir", str(tmp_path / "runs")])
+        assert str(refused.value).startswith(f"--dataset_url: the first samples of {url} are videos (mp4), not "
+                                             "images: give --video_frames N")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def wan_recipe() -> list[str]:
+    """The flags of docs/finetuning.md's "Fine-tune Wan's VAE on your videos" command, as written there."""
+    import shlex
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                             "finetuning.md")).read().replace("\\\n", " ")
+    line, = [ln for ln in text.splitlines() if ln.startswith("torchrun") and "--video_frames 17" in ln
+             and "Wan2.1" in ln]
+    tokens = shlex.split(line)
+    return tokens[tokens.index("vae_trainer.py") + 1:]
+
+
+def test_the_shuffle_buffer_follows_what_a_sample_is_and_old_runs_keep_theirs(tmp_path, shard_url):
+    """Issue 40 item 11: the Wan recipe as written warned about its own --shuffle_buffer (1000 whole videos). Its
+    automatic value is 128 for clips, 1000 for images; a value given is kept (and warned about for clips); a run
+    recorded before the value was automatic keeps the 1000 it recorded."""
+    from flags import parse_flags
+    cfg, given = parse_flags(wan_recipe())
+    resolved = config.resolve_auto(cfg)
+    assert "shuffle_buffer" not in given and resolved.data.shuffle_buffer == config.SHUFFLE_BUFFER_CLIPS == 128
+    assert not [w for w in run_setup.config_warnings(resolved, given) if "shuffle_buffer" in w]
+    cfg, given = parse_flags(wan_recipe() + ["--shuffle_buffer", "1000"])
+    assert [w for w in run_setup.config_warnings(config.resolve_auto(cfg), given) if "--shuffle_buffer 1000" in w]
+    images = [f for i, f in enumerate(TINY_AUTO) if "--shuffle_buffer" not in TINY_AUTO[i - 1:i + 1]]
+    first = run_setup.prepare_run(["--dataset_url", shard_url, "--output_dir", str(tmp_path), "--run_name", "r",
+                                   *images, "--max_steps", "150"])
+    assert first.cfg.data.shuffle_buffer == 1000 and first.derived["shuffle_buffer"] == "images"
+    run_dir = tmp_path / "r"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000150.pt").write_bytes(b"")
+    derived = {k: v for k, v in first.derived.items() if k != "shuffle_buffer"}  # as earlier code recorded it
+    for old in (50, 1000):
+        (run_dir / "config.json").write_text(json.dumps({**config.public_config(first.cfg), "shuffle_buffer": old,
+                                                         "derived": derived}))
+        again = run_setup.prepare_run(["--dataset_url", shard_url, "--output_dir", str(tmp_path), "--run_name", "r",
+                                       *images, "--max_steps", "300"])
+        assert again.cfg.data.shuffle_buffer == old and "--shuffle_buffer" not in again.notes[0]
