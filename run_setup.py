@@ -187,7 +187,8 @@ def saved_run_config(cfg: Config, explicit: set[str]) -> dict | None:
             import torch
 
             from checkpoint import migrate
-            ckpt = migrate(torch.load(run.resume, map_location="cpu", weights_only=True))["run"]
+            # mapped, not read: only its config is wanted here (the trainer reads the checkpoint, once)
+            ckpt = migrate(torch.load(run.resume, map_location="cpu", weights_only=True, mmap=True))["run"]
             saved = {**ckpt.get("config", {}), **({"derived": ckpt["derived"]} if "derived" in ckpt else {})}
         elif any(re.fullmatch(r"step_\d+\.pt", f) for f in os.listdir(os.path.join(run.run_dir, "checkpoints"))):
             with open(os.path.join(run.run_dir, "config.json")) as f:

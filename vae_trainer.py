@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -234,6 +235,32 @@ def work_left(resume: tuple[str, dict] | None, cfg: Config, eval_on: bool, info:
     return owed
 
 
+@dataclass
+class Start:
+    """Where a run starts, settled before its Trainer is built: the config final for this world size (--grad_accum
+    kept from the checkpoint's micro-batches), the checkpoint it resumes from, read once ((path, checkpoint) or
+    None), whether the run's checkpoints of another architecture are set aside, and what the resumed step still owes
+    (work_left)."""
+    cfg: Config
+    resume: tuple[str, dict] | None
+    set_aside: bool
+    owed: tuple[bool, bool]
+
+    @classmethod
+    def settle(cls, cfg: Config, info: DistInfo, run_lock: checkpoint.RunLock | None, log) -> "Start":
+        """Rank 0 decides the resume (checkpoint.find_resume; every rank reads the chosen checkpoint), then the
+        micro-batches and the owed work follow from it. RunComplete when nothing is left to do."""
+        resume, set_aside = checkpoint.find_resume(cfg.run, cfg.model, info, log, run_lock)
+        cfg = micro_batches_kept(cfg, resume, info, log)  # on another number of ranks
+        # an evaluation or probe due at the resumed step that a stop interrupted (its record missing) is redone
+        return cls(cfg, resume, set_aside, work_left(resume, cfg, evaluates(cfg), info, run_lock))
+
+
+def evaluates(cfg: Config) -> bool:
+    """Whether the run evaluates during training (a test set and an interval)."""
+    return bool(cfg.data.test_dataset_url and cfg.eval.evaluate_every_n_steps)
+
+
 def first_error(error: str | None, info: DistInfo) -> str | None:
     """The first rank's error, on every rank (all take part)."""
     errors = [error]
@@ -262,11 +289,19 @@ class Trainer:
     state: checkpoint.Registry                        # training, adversary, guard, run, vf_projection
 
     def __init__(self, cfg: Config, info: DistInfo, source: pretrained.Source | None = None,
-                 derived: dict[str, str | None] | None = None, run_lock: checkpoint.RunLock | None = None):
+                 derived: dict[str, str | None] | None = None, run_lock: checkpoint.RunLock | None = None,
+                 start: Start | None = None):
         """`cfg` is finished (run_setup.prepare_run); `source`: the --init_from source it read (None: read here
         if needed); `derived`: {automatic field: its basis}, recorded for a continued run; `run_lock`: main's,
-        which it releases also when this constructor fails."""
-        self.cfg, self.info, self.device, self.derived = cfg, info, info.device, derived
+        which it releases also when this constructor fails; `start`: main's settled start (Start.settle; None:
+        settled here, with `cfg`), whose config replaces `cfg`."""
+        self.info, self.device, self.derived = info, info.device, derived
+        # The run directory is this job's (rank 0 holds its lock until the run ends): a second job is refused here.
+        # Nothing is written to it before every check that can refuse the run has passed (start_run_dir, below).
+        self.run_lock = run_lock or (checkpoint.RunLock(cfg.run.run_dir) if info.is_main else None)
+        start = start or Start.settle(cfg, info, self.run_lock, self.log)
+        cfg = self.cfg = start.cfg
+        resume, set_aside, self.owed = start.resume, start.set_aside, start.owed
         self.run_dir = cfg.run.run_dir
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
         self.amp_dtype = AMP_DTYPES[cfg.speed.precision]
@@ -276,17 +311,9 @@ class Trainer:
         # the VAE's memory format and the loss networks' (--channels_last; auto: per device, config.SpeedConfig)
         self.memory_format, self.loss_memory_format = cfg.speed.memory_formats(self.device.type, cfg.data.video_frames)
         self.channels_last = self.memory_format == torch.channels_last
-        self.step, self.eval_on = 0, bool(cfg.data.test_dataset_url and cfg.eval.evaluate_every_n_steps)
+        self.step, self.eval_on = 0, evaluates(cfg)
         self.created_run_dir = False  # by this run (rank 0, once every check that can refuse the run passed)
         set_cuda_backends(cfg.speed, self.device)
-
-        # The run directory is this job's (rank 0 holds its lock until the run ends): a second job is refused here.
-        # Nothing is written to it before every check that can refuse the run has passed (start_run_dir, below).
-        self.run_lock = run_lock or (checkpoint.RunLock(self.run_dir) if info.is_main else None)
-        resume, set_aside = checkpoint.find_resume(cfg.run, cfg.model, info, self.log, self.run_lock)
-        cfg = self.cfg = micro_batches_kept(cfg, resume, info, self.log)  # on another number of ranks
-        # an evaluation or probe due at the resumed step that a stop interrupted (its record missing) is redone
-        self.owed = work_left(resume, cfg, self.eval_on, info, self.run_lock)
         max_steps = cfg.optim.max_steps
 
         # networks: built from the same seed on every rank (DDP also broadcasts rank 0's weights), in this
@@ -638,7 +665,9 @@ def main(argv: list[str] | None = None) -> int:
     run_lock = checkpoint.RunLock(cfg.run.run_dir) if info.is_main else None
     with closing_distributed(info):  # however the run ends
         try:
-            trainer = Trainer(cfg, info, source, setup.derived, run_lock)
+            start = Start.settle(cfg, info, run_lock, lambda line: print(line, flush=True) if info.is_main else None)
+            trainer = Trainer(start.cfg, info, source, setup.derived, run_lock, start=start)
+            start = None  # the Trainer holds what it needs of the checkpoint
             source = setup.source = None  # the weights are in the model now: do not hold a second copy for the run
             return trainer.train()
         except RunComplete as e:

@@ -659,6 +659,34 @@ def test_a_continued_run_keeps_its_recipe_and_one_asked_to_stop_before_its_step_
     assert "done:" not in out and run_files(run) == before
 
 
+def test_a_resume_reads_its_checkpoint_once_and_the_trainer_gets_a_settled_config(shard_url, tmp_path, monkeypatch,
+                                                                                  one_torch_thread):
+    """Issue 40 item 14: `--resume PATH` read the whole checkpoint twice (run_setup for its config, then the
+    trainer); run_setup now maps it (its tensors are not read) and the trainer reads it once. The resume is settled
+    before the Trainer is built: the config it receives is the final one, and it does not settle again."""
+    base = ["--output_dir", str(tmp_path), "--dataset_url", shard_url, *TINY, "--perceptual_weight", "0",
+            "--evaluate_every_n_steps", "0", "--save_every_n_steps", "2"]
+    assert vae_trainer.main([*base, "--run_name", "a", "--max_steps", "2"]) == 0
+    path = checkpoint.checkpoint_files(str(tmp_path / "a" / "checkpoints"))[0]
+    reads, load = [], torch.load
+
+    def spy(f, *args, **kwargs):
+        reads.append((str(f), bool(kwargs.get("mmap"))))
+        return load(f, *args, **kwargs)
+    monkeypatch.setattr(torch, "load", spy)
+    settled, init = [], vae_trainer.Trainer.__init__
+
+    def trainer_init(self, cfg, info, *args, start=None, **kwargs):
+        settled.append(start is not None and start.cfg is cfg)
+        init(self, cfg, info, *args, start=start, **kwargs)
+    monkeypatch.setattr(vae_trainer.Trainer, "__init__", trainer_init)
+    monkeypatch.setattr(vae_trainer.Start, "settle", classmethod(lambda cls, *a, _settle=vae_trainer.Start.settle:
+                                                                 settled.append("settle") or _settle(*a)))
+    assert vae_trainer.main([*base, "--run_name", "b", "--resume", path, "--max_steps", "3"]) == 0
+    assert [mapped for f, mapped in reads if f == path] == [True, False]  # mapped for the config, read once
+    assert settled == ["settle", True]
+
+
 @pytest.mark.process
 def test_a_run_directory_belongs_to_one_job_at_a_time(shard_url, tmp_path, capsys, one_torch_thread):
     """Issue 23 item 9, two jobs at once in one run directory: the second is refused in one line naming the
