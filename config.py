@@ -17,6 +17,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -116,6 +117,12 @@ class DataConfig:
         if self.num_workers < -1:  # -1: automatic (run_setup.resolve_cpu)
             raise ConfigError(f"--num_workers must be >= 0 (or -1: auto), got {self.num_workers}")
 
+    @cached_property
+    def stages(self) -> list[tuple[int, tuple[int, ...]]]:
+        """--train_resolutions as its stages [(first step, sizes)] ([] for ''), parsed once per section object (the
+        flag stays the string config.json holds; dataclasses.replace builds a new section, which parses its own)."""
+        return parse_schedule(self.train_resolutions)
+
 
 @dataclass
 class ModelConfig:
@@ -176,7 +183,7 @@ class ModelConfig:
             raise ConfigError(f"--clamp_th must be positive with --do_clamp, got {self.clamp_th}")
         if self.vae_quant_conv and self.posterior != "learned":
             raise ConfigError("--vae_quant_conv needs --posterior learned (the SD VAEs' 2 x z moments)")
-        groups, ch_mult = self.vae_norm_groups, ch_mult_of(self)
+        groups, ch_mult = self.vae_norm_groups, self.ch_mult
         for mult in (1,) + ch_mult:
             if (self.vae_ch * mult) % groups:
                 raise ConfigError(f"channel count {self.vae_ch} x {mult} = {self.vae_ch * mult} is not divisible by "
@@ -192,6 +199,12 @@ class ModelConfig:
         if bad:
             raise ConfigError(f"{flag}: the decoder's widths {list(decoder)} must be multiples of the {groups} "
                               f"GroupNorm groups (norm_groups): {bad} are not")
+
+    @cached_property
+    def ch_mult(self) -> tuple[int, ...]:
+        """--vae_ch_mult as integers, parsed once per section object (the flag stays the string config.json holds;
+        dataclasses.replace builds a new section, which parses its own). ConfigError (one line) for a malformed one."""
+        return parse_ch_mult(self.vae_ch_mult)
 
 
 @dataclass
@@ -635,20 +648,21 @@ def with_legacy_arch(saved: dict) -> dict:
     return {**legacy, **{k: as_written_now(k, v) for k, v in saved.items()}}
 
 
-def ch_mult_of(model: ModelConfig) -> tuple[int, ...]:
+def parse_ch_mult(text: str) -> tuple[int, ...]:
+    """--vae_ch_mult as integers, the one place the string is parsed (ModelConfig.ch_mult holds the result)."""
     try:
-        mult = tuple(int(m) for m in model.vae_ch_mult.split(","))
+        mult = tuple(int(m) for m in text.split(","))
     except ValueError:
-        raise ConfigError(f"--vae_ch_mult must be comma-separated integers, got {model.vae_ch_mult!r}") from None
+        raise ConfigError(f"--vae_ch_mult must be comma-separated integers, got {text!r}") from None
     if not mult or min(mult) <= 0:
-        raise ConfigError(f"--vae_ch_mult must be positive integers, got {model.vae_ch_mult!r}")
+        raise ConfigError(f"--vae_ch_mult must be positive integers, got {text!r}")
     return mult
 
 
 def downsample_factor_of(model: ModelConfig) -> int:
     """The latent grid's downsampling: --vae_spatial_factor where a source set it, else 2^(levels - 1) x the pixel
     patch."""
-    return model.vae_spatial_factor or 2 ** (len(ch_mult_of(model)) - 1) * model.vae_patch_size
+    return model.vae_spatial_factor or 2 ** (len(model.ch_mult) - 1) * model.vae_patch_size
 
 
 def decoder_channels_of(model: ModelConfig) -> tuple[int, ...]:
@@ -659,7 +673,7 @@ def decoder_channels_of(model: ModelConfig) -> tuple[int, ...]:
         widths = tuple(int(c) for c in model.vae_decoder_ch.split(","))
     except ValueError:
         raise ConfigError(f"--vae_decoder_ch must be comma-separated integers, got {model.vae_decoder_ch!r}") from None
-    return () if widths == tuple(model.vae_ch * m for m in ch_mult_of(model)) else widths
+    return () if widths == tuple(model.vae_ch * m for m in model.ch_mult) else widths
 
 
 def parse_sizes(text: str, flag: str) -> tuple[int, ...]:
@@ -705,8 +719,8 @@ def min_loss_image_size(cfg: Config) -> int:
 
 
 def parse_schedule(spec: str) -> list[tuple[int, tuple[int, ...]]]:
-    """--train_resolutions as its stages [(first step, sizes)], the one place the string is parsed
-    (data.ResolutionSchedule draws each step's size from them); [] for ''. ConfigError (one line) for a malformed one:
+    """--train_resolutions as its stages [(first step, sizes)], the one place the string is parsed (DataConfig.stages
+    holds the result, data.ResolutionSchedule draws each step's size from them); [] for ''. ConfigError (one line) for a malformed one:
     stages separated by ';', each `[STEP:]SIZE[,SIZE...]`, the first from step 0, each later one after the one
     before."""
     stages: list[tuple[int, tuple[int, ...]]] = []
@@ -731,7 +745,7 @@ def parse_schedule(spec: str) -> list[tuple[int, tuple[int, ...]]]:
 
 def schedule_sizes(data: DataConfig) -> list[int]:
     """Every crop size the run trains at, ascending (--vae_resolution alone without --train_resolutions)."""
-    stages = parse_schedule(data.train_resolutions)
+    stages = data.stages
     return sorted({s for _, sizes in stages for s in sizes}) if stages else [data.vae_resolution]
 
 
@@ -766,11 +780,11 @@ def last_stage_levels(cfg: Config) -> int | None:
     value = cfg.finetune.last_stage_trains
     if value == "all":
         return None
-    levels = len(ch_mult_of(cfg.model))
+    levels = len(cfg.model.ch_mult)
     if not value.isdigit() or int(value) > levels:
         raise ConfigError(f"--last_stage_trains {value!r}: all, or a count of the decoder's highest levels from 0 "
                           f"to {levels} (--vae_ch_mult {cfg.model.vae_ch_mult})")
-    if len(parse_schedule(cfg.data.train_resolutions)) < 2:
+    if len(cfg.data.stages) < 2:
         raise ConfigError(f"--last_stage_trains {value} needs a --train_resolutions schedule of 2 stages or more "
                           "(it freezes the rest in the last one)")
     if cfg.latents.vf_weight > 0:

@@ -37,7 +37,8 @@ from alignment import fetch_foundation_weights
 from checkpoint import checkpoint_files
 from common import (ConfigError, DistInfo, StopFlag, any_rank, capture_rng, closing_distributed, init_distributed,
                     redact, restore_rng)
-from config import Config, last_stage_levels, public_config, uses_vgg16, with_values
+from config import (Config, downsample_factor_of, last_stage_levels, min_loss_image_size, public_config, uses_vgg16,
+                    with_values)
 from objective import AMP_DTYPES, Adversary, VAEObjective, micro_step
 from run_log import Metrics
 from run_setup import config_warnings, cpu_use_line, prepare_run, read_init_source
@@ -113,9 +114,12 @@ def vgg16_for_run(cfg: Config, info: DistInfo, eval_on: bool, log) -> tuple[dict
 
 def build_regularisers(cfg: Config, downsample_factor: int) -> latents_lib.LatentRegularisers:
     latents = cfg.latents
+    sizes = latents_lib.equivariance_sizes_of(downsample_factor_of(cfg.model), cfg.data.vae_resolution,
+                                              latents.scale_equivariance_mode, cfg.loss.mse_pool_factor,
+                                              min_loss_image_size(cfg))
     return latents_lib.LatentRegularisers(
         cfg.optim.seed, equivariance_prob=latents.scale_equivariance_prob,
-        equivariance_sizes=latents_lib.equivariance_sizes_of(cfg), equivariance_rotate=latents.scale_equivariance_rotate,
+        equivariance_sizes=sizes, equivariance_rotate=latents.scale_equivariance_rotate,
         noise_prob=latents.latent_noise_prob, noise_max=latents.latent_noise_max, downsample_factor=downsample_factor,
         equivariance_form=latents.scale_equivariance_form,
         latent_size=cfg.data.vae_resolution // downsample_factor)

@@ -60,7 +60,7 @@ def test_lpips_smallest_input_restricts_the_scale_equivariance_sizes(shard_url):
     cfg = run_setup.parse_config(flags)
     cfg.validate()
     factor = AutoEncoderParams.from_config(cfg.model).downsample_factor
-    assert [s * factor for s in latents.equivariance_sizes_of(cfg)] == [16, 20, 24, 28]
+    assert [s * factor for s in latents.equivariance_sizes_of(factor, 32, "random", 1, config.min_loss_image_size(cfg))] == [16, 20, 24, 28]
     import torch
     from critics import build_lpips
     lpips = build_lpips(None)
@@ -72,7 +72,8 @@ def test_lpips_smallest_input_restricts_the_scale_equivariance_sizes(shard_url):
             with pytest.raises(RuntimeError, match="too small"):
                 lpips(image, image)
     pixel_only = run_setup.parse_config(flags + ["--perceptual_weight", "0"])
-    assert [s * factor for s in latents.equivariance_sizes_of(pixel_only)] == [8, 12, 16, 20, 24, 28]
+    assert [s * factor for s in latents.equivariance_sizes_of(
+        factor, 32, "random", 1, config.min_loss_image_size(pixel_only))] == [8, 12, 16, 20, 24, 28]
     with pytest.raises(config.ConfigError, match="at least 16 for LPIPS"):
         run_setup.parse_config(["--dataset_url", shard_url, "--vae_ch_mult", "1,2", "--vae_resolution", "8",
                                 "--mse_pool_factor", "1"]).validate()
