@@ -400,33 +400,69 @@ class SpeedConfig:
             if getattr(self, name) not in AUTO_BOOL:
                 raise ConfigError(f"--{name} must be one of {', '.join(AUTO_BOOL)}, got {getattr(self, name)!r}")
 
-    def tf32(self, device_type: str) -> bool:
-        """--allow_tf32 on this device: auto is on with CUDA (fp32 storage, range and accumulation; PyTorch's own
-        default for cuDNN convolutions, which this trainer once turned off at 0.2x the speed: docs/precision.md)."""
-        return self.allow_tf32 == "true" or (self.allow_tf32 == "auto" and device_type == "cuda")
-
-    def vae_channels_last(self, device_type: str) -> bool:
-        """The VAE's memory format on this device: auto is channels_last on a CPU (oneDNN's convolutions and
-        GroupNorm prefer it) and NCHW with CUDA, where native_group_norm copies a channels_last input to NCHW, and
-        cuDNN then copies its NCHW output back for a channels_last convolution, at every norm (BENCHMARKS.md
-        section 4; tests/test_copies.py counts those copies)."""
-        return self.channels_last == "true" or (self.channels_last == "auto" and device_type != "cuda")
-
-    def memory_formats(self, device_type: str, video_frames: int = 0
-                       ) -> tuple[torch.memory_format, torch.memory_format]:
-        """(the VAE's memory format, the loss networks'): LPIPS' VGG16 and the critics (convolutions without norms)
-        are channels_last unless --channels_last false. The video VAE's (Conv3d) is contiguous: the losses see its
-        frames as images."""
+    def on(self, device_type: str, video_frames: int = 0) -> "DeviceSpeed":
+        """This section on one kind of device, resolved once by the run's root (vae_trainer.Trainer) and handed to
+        each owner: --precision as a Precision, and --allow_tf32's and --channels_last's auto decided for the device
+        (config.json keeps auto: a run resumed on another kind of machine decides again)."""
+        tf32 = self.allow_tf32 == "true" or (self.allow_tf32 == "auto" and device_type == "cuda")
+        # the VAE: auto is channels_last on a CPU (oneDNN's convolutions and GroupNorm prefer it) and NCHW with CUDA,
+        # where native_group_norm copies a channels_last input to NCHW, and cuDNN then copies its NCHW output back
+        # for a channels_last convolution, at every norm (BENCHMARKS.md section 4; tests/test_copies.py counts those
+        # copies). The video VAE's (Conv3d) is contiguous: the losses see its frames as images.
+        vae_channels_last = self.channels_last == "true" or (self.channels_last == "auto" and device_type != "cuda")
         fmt = {True: torch.channels_last, False: torch.contiguous_format}
-        return fmt[self.vae_channels_last(device_type) and not video_frames], fmt[self.channels_last != "false"]
+        return DeviceSpeed(Precision.of(self.precision), tf32, fmt[vae_channels_last and not video_frames],
+                           fmt[self.channels_last != "false"], self.compile, device_type)
 
-    def describe(self, device_type: str, video_frames: int = 0) -> str:
+
+@dataclass(frozen=True)
+class Precision:
+    """--precision as its owners use it: the autocast dtype (None: fp32) and whether the loss is scaled (fp16's
+    GradScaler). Built once at the run's root (SpeedConfig.on) and handed to every owner that runs autocast or a
+    scaler (objective.VAEObjective and Adversary, train_state.VAETraining, memory.StepShape)."""
+    name: str  # fp32 | bf16 | fp16, the flag's value
+    amp_dtype: torch.dtype | None
+    scaled: bool
+
+    @classmethod
+    def of(cls, name: str) -> "Precision":
+        """The precision of a --precision value; ConfigError (one line) for another."""
+        amp_dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the one copy of this mapping
+        if name not in amp_dtypes:
+            raise ConfigError(f"--precision must be one of {', '.join(amp_dtypes)}, got {name!r}")
+        return cls(name, amp_dtypes[name], scaled=name == "fp16")
+
+    def autocast(self, device_type: str):
+        """The autocast context of this precision on the device (disabled for fp32)."""
+        return torch.autocast(device_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+
+    def grad_scaler(self, device_type: str) -> torch.amp.GradScaler:
+        """A GradScaler, enabled when the loss is scaled (fp16)."""
+        return torch.amp.GradScaler(device_type, enabled=self.scaled)
+
+
+FP32 = Precision.of("fp32")  # the owners' default, for those built outside a run (tests, bench)
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """The speed section as it is on one kind of device (SpeedConfig.on): a runtime value, never written (config.json
+    holds the flags, auto included)."""
+    precision: Precision
+    tf32: bool  # TF32 tensor cores for fp32 convolutions and matmuls (auto: on with CUDA)
+    memory_format: torch.memory_format  # the VAE's (auto: channels_last on a CPU, NCHW with CUDA)
+    loss_memory_format: torch.memory_format  # LPIPS' VGG16 and the critics' (channels_last unless false)
+    compiled: bool
+    device_type: str
+
+    def describe(self) -> str:
         """The start line's precision, TF32, compile and memory-format state: 'fp32 (TF32 on), eager, VAE NCHW'."""
-        precision = self.precision if self.precision == "fp32" else f"{self.precision} autocast"
-        if device_type == "cuda" and self.precision == "fp32":
-            precision += f" (TF32 {'on' if self.tf32('cuda') else 'off'})"
-        layout = "channels_last" if self.vae_channels_last(device_type) and not video_frames else "NCHW"
-        return f"{precision}, {'compiled' if self.compile else 'eager'}, VAE {layout}"
+        name = self.precision.name
+        precision = name if name == "fp32" else f"{name} autocast"
+        if self.device_type == "cuda" and name == "fp32":
+            precision += f" (TF32 {'on' if self.tf32 else 'off'})"
+        layout = "channels_last" if self.memory_format == torch.channels_last else "NCHW"
+        return f"{precision}, {'compiled' if self.compiled else 'eager'}, VAE {layout}"
 
 
 @dataclass
