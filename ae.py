@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from config import GRAD_CHECKPOINTING, ch_mult_of, decoder_channels_of
+from config import GRAD_CHECKPOINTING, decoder_channels_of
 
 LOGVAR_RANGE = (-30.0, 20.0)  # LDM's clamp of the learned log-variance
 
@@ -75,7 +75,7 @@ class AutoEncoderParams:
     @classmethod
     def from_config(cls, model) -> "AutoEncoderParams":
         """The architecture of a run's model section (config.ModelConfig): the LDM family's flags."""
-        return cls(ch=model.vae_ch, ch_mult=ch_mult_of(model), num_res_blocks=model.vae_num_res_blocks,
+        return cls(ch=model.vae_ch, ch_mult=model.ch_mult, num_res_blocks=model.vae_num_res_blocks,
                    z_channels=model.vae_z_channels, norm_groups=model.vae_norm_groups, use_attn=model.do_attn,
                    posterior=model.posterior, posterior_var=model.posterior_var,
                    clamp_th=model.clamp_th if model.do_clamp else 0.0, quant_conv=model.vae_quant_conv,

@@ -17,6 +17,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -124,6 +125,12 @@ class DataConfig:
         if self.num_workers < -1:  # -1: automatic (run_setup.resolve_cpu)
             raise ConfigError(f"--num_workers must be >= 0 (or -1: auto), got {self.num_workers}")
 
+    @cached_property
+    def stages(self) -> list[tuple[int, tuple[int, ...]]]:
+        """--train_resolutions as its stages [(first step, sizes)] ([] for ''), parsed once per section object (the
+        flag stays the string config.json holds; dataclasses.replace builds a new section, which parses its own)."""
+        return parse_schedule(self.train_resolutions)
+
 
 @dataclass
 class ModelConfig:
@@ -184,7 +191,7 @@ class ModelConfig:
             raise ConfigError(f"--clamp_th must be positive with --do_clamp, got {self.clamp_th}")
         if self.vae_quant_conv and self.posterior != "learned":
             raise ConfigError("--vae_quant_conv needs --posterior learned (the SD VAEs' 2 x z moments)")
-        groups, ch_mult = self.vae_norm_groups, ch_mult_of(self)
+        groups, ch_mult = self.vae_norm_groups, self.ch_mult
         for mult in (1,) + ch_mult:
             if (self.vae_ch * mult) % groups:
                 raise ConfigError(f"channel count {self.vae_ch} x {mult} = {self.vae_ch * mult} is not divisible by "
@@ -200,6 +207,12 @@ class ModelConfig:
         if bad:
             raise ConfigError(f"{flag}: the decoder's widths {list(decoder)} must be multiples of the {groups} "
                               f"GroupNorm groups (norm_groups): {bad} are not")
+
+    @cached_property
+    def ch_mult(self) -> tuple[int, ...]:
+        """--vae_ch_mult as integers, parsed once per section object (the flag stays the string config.json holds;
+        dataclasses.replace builds a new section, which parses its own). ConfigError (one line) for a malformed one."""
+        return parse_ch_mult(self.vae_ch_mult)
 
 
 @dataclass
@@ -395,33 +408,69 @@ class SpeedConfig:
             if getattr(self, name) not in AUTO_BOOL:
                 raise ConfigError(f"--{name} must be one of {', '.join(AUTO_BOOL)}, got {getattr(self, name)!r}")
 
-    def tf32(self, device_type: str) -> bool:
-        """--allow_tf32 on this device: auto is on with CUDA (fp32 storage, range and accumulation; PyTorch's own
-        default for cuDNN convolutions, which this trainer once turned off at 0.2x the speed: docs/precision.md)."""
-        return self.allow_tf32 == "true" or (self.allow_tf32 == "auto" and device_type == "cuda")
-
-    def vae_channels_last(self, device_type: str) -> bool:
-        """The VAE's memory format on this device: auto is channels_last on a CPU (oneDNN's convolutions and
-        GroupNorm prefer it) and NCHW with CUDA, where native_group_norm copies a channels_last input to NCHW, and
-        cuDNN then copies its NCHW output back for a channels_last convolution, at every norm (BENCHMARKS.md
-        section 4; tests/test_copies.py counts those copies)."""
-        return self.channels_last == "true" or (self.channels_last == "auto" and device_type != "cuda")
-
-    def memory_formats(self, device_type: str, video_frames: int = 0
-                       ) -> tuple[torch.memory_format, torch.memory_format]:
-        """(the VAE's memory format, the loss networks'): LPIPS' VGG16 and the critics (convolutions without norms)
-        are channels_last unless --channels_last false. The video VAE's (Conv3d) is contiguous: the losses see its
-        frames as images."""
+    def on(self, device_type: str, video_frames: int = 0) -> "DeviceSpeed":
+        """This section on one kind of device, resolved once by the run's root (vae_trainer.Trainer) and handed to
+        each owner: --precision as a Precision, and --allow_tf32's and --channels_last's auto decided for the device
+        (config.json keeps auto: a run resumed on another kind of machine decides again)."""
+        tf32 = self.allow_tf32 == "true" or (self.allow_tf32 == "auto" and device_type == "cuda")
+        # the VAE: auto is channels_last on a CPU (oneDNN's convolutions and GroupNorm prefer it) and NCHW with CUDA,
+        # where native_group_norm copies a channels_last input to NCHW, and cuDNN then copies its NCHW output back
+        # for a channels_last convolution, at every norm (BENCHMARKS.md section 4; tests/test_copies.py counts those
+        # copies). The video VAE's (Conv3d) is contiguous: the losses see its frames as images.
+        vae_channels_last = self.channels_last == "true" or (self.channels_last == "auto" and device_type != "cuda")
         fmt = {True: torch.channels_last, False: torch.contiguous_format}
-        return fmt[self.vae_channels_last(device_type) and not video_frames], fmt[self.channels_last != "false"]
+        return DeviceSpeed(Precision.of(self.precision), tf32, fmt[vae_channels_last and not video_frames],
+                           fmt[self.channels_last != "false"], self.compile, device_type)
 
-    def describe(self, device_type: str, video_frames: int = 0) -> str:
+
+@dataclass(frozen=True)
+class Precision:
+    """--precision as its owners use it: the autocast dtype (None: fp32) and whether the loss is scaled (fp16's
+    GradScaler). Built once at the run's root (SpeedConfig.on) and handed to every owner that runs autocast or a
+    scaler (objective.VAEObjective and Adversary, train_state.VAETraining, memory.StepShape)."""
+    name: str  # fp32 | bf16 | fp16, the flag's value
+    amp_dtype: torch.dtype | None
+    scaled: bool
+
+    @classmethod
+    def of(cls, name: str) -> "Precision":
+        """The precision of a --precision value; ConfigError (one line) for another."""
+        amp_dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the one copy of this mapping
+        if name not in amp_dtypes:
+            raise ConfigError(f"--precision must be one of {', '.join(amp_dtypes)}, got {name!r}")
+        return cls(name, amp_dtypes[name], scaled=name == "fp16")
+
+    def autocast(self, device_type: str):
+        """The autocast context of this precision on the device (disabled for fp32)."""
+        return torch.autocast(device_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+
+    def grad_scaler(self, device_type: str) -> torch.amp.GradScaler:
+        """A GradScaler, enabled when the loss is scaled (fp16)."""
+        return torch.amp.GradScaler(device_type, enabled=self.scaled)
+
+
+FP32 = Precision.of("fp32")  # the owners' default, for those built outside a run (tests, bench)
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """The speed section as it is on one kind of device (SpeedConfig.on): a runtime value, never written (config.json
+    holds the flags, auto included)."""
+    precision: Precision
+    tf32: bool  # TF32 tensor cores for fp32 convolutions and matmuls (auto: on with CUDA)
+    memory_format: torch.memory_format  # the VAE's (auto: channels_last on a CPU, NCHW with CUDA)
+    loss_memory_format: torch.memory_format  # LPIPS' VGG16 and the critics' (channels_last unless false)
+    compiled: bool
+    device_type: str
+
+    def describe(self) -> str:
         """The start line's precision, TF32, compile and memory-format state: 'fp32 (TF32 on), eager, VAE NCHW'."""
-        precision = self.precision if self.precision == "fp32" else f"{self.precision} autocast"
-        if device_type == "cuda" and self.precision == "fp32":
-            precision += f" (TF32 {'on' if self.tf32('cuda') else 'off'})"
-        layout = "channels_last" if self.vae_channels_last(device_type) and not video_frames else "NCHW"
-        return f"{precision}, {'compiled' if self.compile else 'eager'}, VAE {layout}"
+        name = self.precision.name
+        precision = name if name == "fp32" else f"{name} autocast"
+        if self.device_type == "cuda" and name == "fp32":
+            precision += f" (TF32 {'on' if self.tf32 else 'off'})"
+        layout = "channels_last" if self.memory_format == torch.channels_last else "NCHW"
+        return f"{precision}, {'compiled' if self.compiled else 'eager'}, VAE {layout}"
 
 
 @dataclass
@@ -645,20 +694,21 @@ def with_legacy_arch(saved: dict) -> dict:
     return {**legacy, **{k: as_written_now(k, v) for k, v in saved.items()}}
 
 
-def ch_mult_of(model: ModelConfig) -> tuple[int, ...]:
+def parse_ch_mult(text: str) -> tuple[int, ...]:
+    """--vae_ch_mult as integers, the one place the string is parsed (ModelConfig.ch_mult holds the result)."""
     try:
-        mult = tuple(int(m) for m in model.vae_ch_mult.split(","))
+        mult = tuple(int(m) for m in text.split(","))
     except ValueError:
-        raise ConfigError(f"--vae_ch_mult must be comma-separated integers, got {model.vae_ch_mult!r}") from None
+        raise ConfigError(f"--vae_ch_mult must be comma-separated integers, got {text!r}") from None
     if not mult or min(mult) <= 0:
-        raise ConfigError(f"--vae_ch_mult must be positive integers, got {model.vae_ch_mult!r}")
+        raise ConfigError(f"--vae_ch_mult must be positive integers, got {text!r}")
     return mult
 
 
 def downsample_factor_of(model: ModelConfig) -> int:
     """The latent grid's downsampling: --vae_spatial_factor where a source set it, else 2^(levels - 1) x the pixel
     patch."""
-    return model.vae_spatial_factor or 2 ** (len(ch_mult_of(model)) - 1) * model.vae_patch_size
+    return model.vae_spatial_factor or 2 ** (len(model.ch_mult) - 1) * model.vae_patch_size
 
 
 def decoder_channels_of(model: ModelConfig) -> tuple[int, ...]:
@@ -669,7 +719,7 @@ def decoder_channels_of(model: ModelConfig) -> tuple[int, ...]:
         widths = tuple(int(c) for c in model.vae_decoder_ch.split(","))
     except ValueError:
         raise ConfigError(f"--vae_decoder_ch must be comma-separated integers, got {model.vae_decoder_ch!r}") from None
-    return () if widths == tuple(model.vae_ch * m for m in ch_mult_of(model)) else widths
+    return () if widths == tuple(model.vae_ch * m for m in model.ch_mult) else widths
 
 
 def parse_sizes(text: str, flag: str) -> tuple[int, ...]:
@@ -715,8 +765,8 @@ def min_loss_image_size(cfg: Config) -> int:
 
 
 def parse_schedule(spec: str) -> list[tuple[int, tuple[int, ...]]]:
-    """--train_resolutions as its stages [(first step, sizes)], the one place the string is parsed
-    (data.ResolutionSchedule draws each step's size from them); [] for ''. ConfigError (one line) for a malformed one:
+    """--train_resolutions as its stages [(first step, sizes)], the one place the string is parsed (DataConfig.stages
+    holds the result, data.ResolutionSchedule draws each step's size from them); [] for ''. ConfigError (one line) for a malformed one:
     stages separated by ';', each `[STEP:]SIZE[,SIZE...]`, the first from step 0, each later one after the one
     before."""
     stages: list[tuple[int, tuple[int, ...]]] = []
@@ -741,7 +791,7 @@ def parse_schedule(spec: str) -> list[tuple[int, tuple[int, ...]]]:
 
 def schedule_sizes(data: DataConfig) -> list[int]:
     """Every crop size the run trains at, ascending (--vae_resolution alone without --train_resolutions)."""
-    stages = parse_schedule(data.train_resolutions)
+    stages = data.stages
     return sorted({s for _, sizes in stages for s in sizes}) if stages else [data.vae_resolution]
 
 
@@ -776,11 +826,11 @@ def last_stage_levels(cfg: Config) -> int | None:
     value = cfg.finetune.last_stage_trains
     if value == "all":
         return None
-    levels = len(ch_mult_of(cfg.model))
+    levels = len(cfg.model.ch_mult)
     if not value.isdigit() or int(value) > levels:
         raise ConfigError(f"--last_stage_trains {value!r}: all, or a count of the decoder's highest levels from 0 "
                           f"to {levels} (--vae_ch_mult {cfg.model.vae_ch_mult})")
-    if len(parse_schedule(cfg.data.train_resolutions)) < 2:
+    if len(cfg.data.stages) < 2:
         raise ConfigError(f"--last_stage_trains {value} needs a --train_resolutions schedule of 2 stages or more "
                           "(it freezes the rest in the last one)")
     if cfg.latents.vf_weight > 0:

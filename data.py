@@ -218,7 +218,7 @@ class ResolutionSchedule:
     def of(cls, data, seed: int) -> "ResolutionSchedule":
         """The schedule of a run's data section (config.DataConfig): built once by the trainer and handed to the
         data stream and the memory check."""
-        return cls.parse(data.train_resolutions, data.vae_resolution, data.batch_size, seed)
+        return cls(data.stages or [(0, (data.vae_resolution,))], data.vae_resolution, data.batch_size, seed)
 
     @property
     def sizes(self) -> list[int]:

@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import tempfile
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -39,7 +40,7 @@ from clips import frames_of
 from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
 from common import (ConfigError, DistInfo, OneLineParser, all_reduce_sum, closing_distributed, first_line,
                     guard_console, init_distributed)
-from config import DataConfig, EvalConfig, eval_size_problem, eval_sizes, parse_sizes
+from config import DataConfig, EvalConfig, Precision, eval_size_problem, eval_sizes, parse_sizes
 from critics import build_lpips
 from weights import (WeightsUnavailable, ensure_vgg16_weights, ensure_weights, fetch_weights, hub_cache_path,
                      load_vgg16_features, warn_random_vgg, warn_random_weights)
@@ -732,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     vae.to(dist_info.device)
     autocast = None
     if args.precision == "bf16":  # the VAE only; every metric stays in fp32/fp64
-        autocast = lambda: torch.autocast(dist_info.device.type, dtype=torch.bfloat16)  # noqa: E731
+        autocast = partial(Precision.of(args.precision).autocast, dist_info.device.type)
     common = dict(batch_size=args.batch_size, device=dist_info.device, rank=dist_info.rank,
                   world_size=dist_info.world_size, max_images=args.max_images or None, autocast=autocast,
                   frames=args.video_frames, frame_stride=args.video_frame_stride)

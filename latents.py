@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from common import all_reduce_sum
-from config import downsample_factor_of, min_loss_image_size
 
 HF_CUTOFF = 0.5  # "upper half of the frequencies": radius above half the Nyquist frequency
 
@@ -178,12 +177,11 @@ def equivariance_sizes(latent_size: int, factor: int, mode: str, pool: int, min_
     return [s for s in candidates if s >= 1 and (s * factor) % pool == 0 and s * factor >= min_image]
 
 
-def equivariance_sizes_of(cfg) -> list[int]:
-    """The latent sizes a run's scale-equivariance steps may decode (config.Config: the model's downsampling, the
-    training size, --scale_equivariance_mode, the pooled MSE's factor and the losses' smallest image)."""
-    factor = downsample_factor_of(cfg.model)
-    return equivariance_sizes(cfg.data.vae_resolution // factor, factor, cfg.latents.scale_equivariance_mode,
-                              cfg.loss.mse_pool_factor, min_loss_image_size(cfg))
+def equivariance_sizes_of(factor: int, training_size: int, mode: str, pool: int, min_image: int) -> list[int]:
+    """The latent sizes a run's scale-equivariance steps may decode, from the model's downsample factor
+    (config.downsample_factor_of), the training size (--vae_resolution), --scale_equivariance_mode, the pooled MSE's
+    factor (--mse_pool_factor) and the losses' smallest image (config.min_loss_image_size)."""
+    return equivariance_sizes(training_size // factor, factor, mode, pool, min_image)
 
 
 class LatentRegularisers:

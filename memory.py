@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import families
-from config import GRAD_CHECKPOINTING
+from config import FP32, GRAD_CHECKPOINTING, Precision
 from train_state import TrainingForward
 from common import first_line
 
@@ -38,26 +38,29 @@ class StepShape:
     batch_size: int
     resolution: int
     grad_accum: int = 1
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: Precision = FP32  # the run's (config.Precision), or a remedy's
     grad_checkpointing: str = "none"  # config.GRAD_CHECKPOINTING
     frames: int = 0  # --video_frames (0: images)
     can_checkpoint: bool = True  # the model has gradient checkpointing (some diffusers classes have none)
 
     @classmethod
-    def of(cls, schedule, optim, speed, resolution: int | None = None, frames: int = 0,
+    def of(cls, schedule, optim, speed, precision: Precision, resolution: int | None = None, frames: int = 0,
            can_checkpoint: bool = True) -> "StepShape":
         """The shape of a run's step at `resolution` (default: the reference, --vae_resolution) with the micro-batch
-        the run's schedule (data.ResolutionSchedule) gives that size, from its optimisation and speed sections."""
+        the run's schedule (data.ResolutionSchedule) gives that size, from its optimisation and speed sections and
+        its precision (the trainer's config.Precision)."""
         size = schedule.reference if resolution is None else resolution
-        return cls(schedule.batch_for(size), size, optim.grad_accum, speed.precision, speed.grad_checkpointing,
+        return cls(schedule.batch_for(size), size, optim.grad_accum, precision, speed.grad_checkpointing,
                    frames, can_checkpoint)
 
     @classmethod
-    def to_check(cls, schedule, optim, speed, frames: int = 0, can_checkpoint: bool = True) -> list["StepShape"]:
+    def to_check(cls, schedule, optim, speed, precision: Precision, frames: int = 0,
+                 can_checkpoint: bool = True) -> list["StepShape"]:
         """The step shapes the memory check estimates: every size of the run's schedule (one without
         --train_resolutions) with its micro-batch, the largest first (a smaller size holds more images, and the
         floor of one image more pixels: any of them can need the most; the sizes are few)."""
-        return [cls.of(schedule, optim, speed, size, frames, can_checkpoint) for size in reversed(schedule.sizes)]
+        return [cls.of(schedule, optim, speed, precision, size, frames, can_checkpoint)
+                for size in reversed(schedule.sizes)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,15 +79,15 @@ class StepMemory:
 
 @contextlib.contextmanager
 def _probe_settings(vae: nn.Module, objective, shape: StepShape):
-    """The VAE's checkpointing mode and the objective's autocast dtype as `shape` asks, restored after."""
-    old_mode, old_amp = vae.grad_checkpointing, objective.amp_dtype
+    """The VAE's checkpointing mode and the objective's precision as `shape` asks, restored after."""
+    old_mode, old_precision = vae.grad_checkpointing, objective.precision
     vae.set_grad_checkpointing(shape.grad_checkpointing)
-    objective.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[shape.precision]
+    objective.precision = shape.precision
     try:
         yield
     finally:
         vae.set_grad_checkpointing(old_mode)
-        objective.amp_dtype = old_amp
+        objective.precision = old_precision
 
 
 def _networks(vae: nn.Module, objective) -> list[nn.Module]:
@@ -236,8 +239,8 @@ def remedies(shape: StepShape) -> list[tuple[str, StepShape]]:
         accum = shape.grad_accum * shape.batch_size // smaller
         out.append((f"--batch_size {smaller} --grad_accum {accum}",
                     dataclasses.replace(shape, batch_size=smaller, grad_accum=accum)))
-    if shape.precision == "fp32":
-        out.append(("--precision bf16", dataclasses.replace(shape, precision="bf16")))
+    if shape.precision.name == "fp32":
+        out.append(("--precision bf16", dataclasses.replace(shape, precision=Precision.of("bf16"))))
     return out
 
 
@@ -247,12 +250,13 @@ def all_remedies(shape: StepShape) -> tuple[str, StepShape] | None:
     strongest = dataclasses.replace(shape, grad_checkpointing="all" if shape.can_checkpoint else
                                     shape.grad_checkpointing, batch_size=1,
                                     grad_accum=shape.grad_accum * shape.batch_size,
-                                    precision="bf16" if shape.precision == "fp32" else shape.precision)
+                                    precision=Precision.of("bf16") if shape.precision.name == "fp32" else
+                                    shape.precision)
     if strongest == shape:
         return None
     flags = ["--grad_checkpointing all"] if strongest.grad_checkpointing != shape.grad_checkpointing else []
     flags += [f"--batch_size 1 --grad_accum {strongest.grad_accum}"] if shape.batch_size > 1 else []
-    flags += ["--precision bf16"] if shape.precision == "fp32" else []
+    flags += ["--precision bf16"] if shape.precision.name == "fp32" else []
     return " ".join(flags), strongest
 
 

@@ -5,7 +5,7 @@ micro-batch of a training step (`micro_step`: the forward, the critic's step, th
 the trainer runs and memory.py's estimate measures. The trainer does not know how the loss is composed.
 
     adversary = Adversary(cfg.critic, build_critic(cfg.critic, vgg_features), precision)  # None without --do_ganloss
-    objective = VAEObjective(cfg.loss, cfg.latents, lpips, adversary)
+    objective = VAEObjective(cfg.loss, cfg.latents, lpips, adversary, precision=precision)  # one config.Precision
     out = micro_step(objective, model, x, step, micro, accum, sync, regularisers, loss_scale, last_layer)
 
 Adding a loss term: a weight field in config.LossConfig (that is the flag), and one block in
@@ -25,16 +25,13 @@ from torch import Tensor, nn
 from ae import kl_divergence
 from alignment import AlignmentLoss
 from clips import frames_of
-from config import CriticConfig, LatentsConfig, LossConfig, OptimConfig
+from config import FP32, CriticConfig, LatentsConfig, LossConfig, OptimConfig, Precision
 from critics import (FeatureCriticHeads, NLayerDiscriminator, VGG16Discriminator, build_lpips, diff_augment,
                      lpips_from_features, r1_penalty, vgg16_features)
 from train_state import Decoded
 from utils import (LeCam, LowpassMSE, adaptive_gan_weight, cosine_with_warmup, discriminator_accuracy,
                    discriminator_loss, gan_ramp, generator_active_fraction, generator_loss, gradnorm,
                    gradnorm_branches_through_one_pass, pooled_mse)
-
-
-AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --precision -> autocast dtype
 
 
 # ------------------------------------------------------------------------------------------ composing the terms
@@ -157,21 +154,22 @@ class VAEObjective(nn.Module):
     owner (None: no GAN term). `alignment`: the VF branch (alignment.AlignmentLoss; None: off)."""
 
     def __init__(self, loss: LossConfig, latents: LatentsConfig, lpips: nn.Module | None = None,
-                 adversary: Adversary | None = None, alignment: AlignmentLoss | None = None, precision: str = "fp32",
+                 adversary: Adversary | None = None, alignment: AlignmentLoss | None = None,
+                 precision: Precision = FP32,
                  device: torch.device | str = "cpu", memory_format=torch.contiguous_format, with_kl: bool = True):
         super().__init__()
         self.loss_cfg, self.latents_cfg = loss, latents
         self.with_kl = with_kl  # False: a deterministic encoder (--posterior none), whose latent has no KL term
         self.device = torch.device(device)
         self.memory_format = memory_format
-        self.amp_dtype = AMP_DTYPES[precision]
+        self.precision = precision  # the run's (config.Precision, built once by the trainer)
         self.lpips = lpips
         self.lowpass_mse = LowpassMSE(loss.lowpass_threshold).to(device)  # its filters live on the device
         self.adversary = adversary
         self.alignment = alignment
 
     @classmethod
-    def from_config(cls, loss: LossConfig, latents: LatentsConfig, critic: CriticConfig, precision: str = "fp32",
+    def from_config(cls, loss: LossConfig, latents: LatentsConfig, critic: CriticConfig, precision: Precision = FP32,
                     vgg_features: dict | None = None, with_lpips: bool = True, device: torch.device | str = "cpu",
                     memory_format=torch.contiguous_format, z_channels: int = 16,
                     encoder_trains: bool = True, with_kl: bool = True) -> "VAEObjective":
@@ -189,7 +187,7 @@ class VAEObjective(nn.Module):
         return cls(loss, latents, lpips, adversary, alignment, precision, device, memory_format, with_kl)
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+        return self.precision.autocast(self.device.type)
 
     def gan_active(self, step: int) -> bool:
         """Whether the generator gets the adversarial term at `step` (the critic itself trains from step 0)."""
@@ -359,18 +357,17 @@ class Adversary:
     wrapper, AdamW, the warm-up/cosine schedule, the (fp16) GradScaler, LeCam, its loss and backward, and its
     guarded optimizer step. A checkpoint entry ("adversary")."""
 
-    def __init__(self, cfg: CriticConfig, critic: nn.Module, precision: str, device: torch.device | str = "cpu",
-                 memory_format=torch.contiguous_format):
+    def __init__(self, cfg: CriticConfig, critic: nn.Module, precision: Precision = FP32,
+                 device: torch.device | str = "cpu", memory_format=torch.contiguous_format):
         self.cfg, self.device, self.memory_format = cfg, torch.device(device), memory_format
-        self.amp_dtype = AMP_DTYPES[precision]
-        self.precision = precision
+        self.precision = precision  # the run's (config.Precision), the objective's too
         # --critic_trunk frozen: the critic reads the shared trunk's feature lists instead of images
         self.on_features = cfg.discriminator == "vgg16" and cfg.critic_trunk == "frozen"
         self.critic = critic.to(device, memory_format=memory_format)
         self.critic_ddp = self.critic  # the module the critic's pass runs (its DDP wrapper under torchrun)
         self.lecam = LeCam().to(device) if cfg.lecam_weight > 0 else None
         self.optimizer = self.scheduler = None
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "fp16")
+        self.scaler = precision.grad_scaler(self.device.type)
         # the buffers a forward pass moves (spectral norm's power iteration, BatchNorm's statistics), and their
         # values at the start of the step (step_began), for a step abandoned before its end (abandon_step)
         self.moved_by_forward = moved_by_forward(self.critic)
@@ -384,7 +381,7 @@ class Adversary:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+        return self.precision.autocast(self.device.type)
 
     def critic_input(self, images_or_features):
         """What the critic reads: the images (DiffAugment applied with --diffaug), or the frozen trunk's features."""

@@ -26,7 +26,7 @@ from common import ConfigError, redact
 from sources import IMAGE_EXTS
 from flags import DEMO_OWN_DATA_RUN, parse_flags
 from config import (FIELD_SECTION, SOURCE_FIELDS, Config, DataConfig, as_released, as_written_now,
-                    downsample_factor_of, eval_sizes, is_plain_local_path, min_loss_image_size, parse_schedule,
+                    downsample_factor_of, eval_sizes, is_plain_local_path, min_loss_image_size,
                     resolve_auto, unflatten, uses_vgg16, with_legacy_arch, with_values)
 from latents import equivariance_sizes_of
 from weights import vgg16_cache_path
@@ -88,8 +88,9 @@ def check_config(cfg: Config) -> None:
     cfg.validate()
     data, loss, latents = cfg.data, cfg.loss, cfg.latents
     factor = downsample_factor_of(cfg.model)
-    if latents.scale_equivariance_prob > 0 and not equivariance_sizes_of(cfg):
-        smallest = min_loss_image_size(cfg)
+    smallest = min_loss_image_size(cfg)
+    if latents.scale_equivariance_prob > 0 and not equivariance_sizes_of(
+            factor, data.vae_resolution, latents.scale_equivariance_mode, loss.mse_pool_factor, smallest):
         critic_text = (f" and at least {smallest} px (the smallest input of the critic or LPIPS)" if smallest > 1
                        else "")
         raise ConfigError(f"--scale_equivariance_mode {latents.scale_equivariance_mode}: no smaller size of the "
@@ -472,7 +473,7 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
     if cfg.finetune.train_parts == "decoder" and not (cfg.finetune.init_from or cfg.run.load_path):
         lines.append("warning: --train_parts decoder without --init_from or --load_path: the encoder stays random "
                      "(unless resumed)")
-    stages = parse_schedule(cfg.data.train_resolutions)
+    stages = cfg.data.stages
     if len(stages) > 1 and stages[-1][0] >= optim.max_steps:
         lines.append(f"warning: --train_resolutions' last stage starts at step {stages[-1][0]} >= --max_steps "
                      f"{optim.max_steps}: it never trains" + (" (nor does --last_stage_trains freeze anything)"

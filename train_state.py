@@ -16,7 +16,7 @@ import checkpoint
 import families
 from ae import AutoEncoder
 from common import ConfigError, DistInfo
-from config import OptimConfig
+from config import FP32, OptimConfig, Precision
 from run_log import Metrics
 from utils import cosine_with_warmup
 
@@ -126,7 +126,7 @@ class VAETraining:
     and the EMA, from the optimisation section. A checkpoint entry ("training")."""
 
     def __init__(self, vae: AutoEncoder, optim: OptimConfig, make_optimizer, wrap_ddp, device: torch.device,
-                 train_parts: str = "all", precision: str = "fp32", compile: bool = False,
+                 train_parts: str = "all", precision: Precision = FP32, compile: bool = False,
                  alignment: torch.nn.Module | None = None, teacher: TeacherDecoder | None = None):
         self.vae, self.optim, self.train_parts = vae, optim, train_parts
         self.trained = TrainingForward(vae, teacher, frozen_encoder=train_parts == "decoder")
@@ -145,7 +145,8 @@ class VAETraining:
         self.optimizer = make_optimizer([p for p in vae.parameters() if p.requires_grad], optim.learning_rate_vae)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, cosine_with_warmup(optim.warmup_steps, optim.max_steps, optim.min_lr_ratio))
-        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        self.precision = precision  # the run's (config.Precision, built once by the trainer)
+        self.scaler = precision.grad_scaler(device.type)
 
     def train_only(self, modules: list[torch.nn.Module]) -> int:
         """Freeze every VAE parameter outside `modules` (--last_stage_trains) and wrap for DDP again, so that its

@@ -38,8 +38,9 @@ from alignment import fetch_foundation_weights
 from checkpoint import checkpoint_files
 from common import (ConfigError, DistInfo, StopFlag, any_rank, capture_rng, closing_distributed, init_distributed,
                     redact, restore_rng)
-from config import Config, last_stage_levels, public_config, uses_vgg16, with_values
-from objective import AMP_DTYPES, Adversary, VAEObjective, micro_step
+from config import (Config, DeviceSpeed, downsample_factor_of, last_stage_levels, min_loss_image_size, public_config,
+                    uses_vgg16, with_values)
+from objective import Adversary, VAEObjective, micro_step
 from run_log import Metrics
 from run_setup import config_warnings, cpu_use_line, prepare_run, read_init_source
 from train_state import NonFiniteGuard, TeacherDecoder, VAETraining, adamw, compile_for_sizes, wrap_ddp
@@ -114,16 +115,19 @@ def vgg16_for_run(cfg: Config, info: DistInfo, eval_on: bool, log) -> tuple[dict
 
 def build_regularisers(cfg: Config, downsample_factor: int) -> latents_lib.LatentRegularisers:
     latents = cfg.latents
+    sizes = latents_lib.equivariance_sizes_of(downsample_factor_of(cfg.model), cfg.data.vae_resolution,
+                                              latents.scale_equivariance_mode, cfg.loss.mse_pool_factor,
+                                              min_loss_image_size(cfg))
     return latents_lib.LatentRegularisers(
         cfg.optim.seed, equivariance_prob=latents.scale_equivariance_prob,
-        equivariance_sizes=latents_lib.equivariance_sizes_of(cfg), equivariance_rotate=latents.scale_equivariance_rotate,
+        equivariance_sizes=sizes, equivariance_rotate=latents.scale_equivariance_rotate,
         noise_prob=latents.latent_noise_prob, noise_max=latents.latent_noise_max, downsample_factor=downsample_factor,
         equivariance_form=latents.scale_equivariance_form,
         latent_size=cfg.data.vae_resolution // downsample_factor)
 
 
 def start_lines(cfg: Config, vae: torch.nn.Module, info: DistInfo, run_dir: str,
-                schedule: data_lib.ResolutionSchedule) -> list[str]:
+                schedule: data_lib.ResolutionSchedule, speed: DeviceSpeed) -> list[str]:
     """The lines that open a run: what trains, on what, in which precision and batch."""
     n_params = sum(p.numel() for p in vae.parameters())
     lines = []
@@ -139,19 +143,20 @@ def start_lines(cfg: Config, vae: torch.nn.Module, info: DistInfo, run_dir: str,
     lines.append(f"run dir {run_dir} | {info.world_size} x {info.device.type} | VAE {n_params / 1e6:.1f}M params | "
                  f"{families.of(vae).describe(vae.params)} | f{vae.downsample_factor} z{cfg.model.vae_z_channels} "
                  f"{cfg.model.posterior} posterior | "
-                 f"{cfg.speed.describe(info.device.type, cfg.data.video_frames)} | batch {cfg.data.batch_size}"
+                 f"{speed.describe()} | batch {cfg.data.batch_size}"
                  f"{f' clips of {cfg.data.video_frames} frames' if cfg.data.video_frames else ''} x "
                  f"{cfg.optim.grad_accum} accum x {info.world_size} ranks")
     return lines
 
 
-def set_cuda_backends(speed, device: torch.device) -> None:
-    """TF32 as --allow_tf32 says on this device (auto: on with CUDA). cuDNN's autotuner stays as the user left it
-    (off by default): on an H100 it bought nothing for this model (FLUX width, 256 px, batch 8: 1.025 s fp32 and
-    0.169 s bf16 per step either way), and after the memory check's probe steps the first autotuned step ran for
+def set_cuda_backends(speed: DeviceSpeed, device: torch.device) -> None:
+    """TF32 as --allow_tf32 says on this device (auto: on with CUDA, PyTorch's own default for cuDNN convolutions,
+    which this trainer once turned off at 0.2x the speed: docs/precision.md). cuDNN's autotuner stays as the user
+    left it (off by default): on an H100 it bought nothing for this model (FLUX width, 256 px, batch 8: 1.025 s fp32
+    and 0.169 s bf16 per step either way), and after the memory check's probe steps the first autotuned step ran for
     minutes (BENCHMARKS.md section 4)."""
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = speed.tf32("cuda")
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = speed.tf32
 
 
 # ============================================================================================
@@ -240,11 +245,12 @@ class Start:
     """Where a run starts, settled before its Trainer is built: the config final for this world size (--grad_accum
     kept from the checkpoint's micro-batches), the checkpoint it resumes from, read once ((path, checkpoint) or
     None), whether the run's checkpoints of another architecture are set aside, and what the resumed step still owes
-    (work_left)."""
+    (work_left), and whether it evaluates during training (a test set and an interval)."""
     cfg: Config
     resume: tuple[str, dict] | None
     set_aside: bool
     owed: tuple[bool, bool]
+    eval_on: bool
 
     @classmethod
     def settle(cls, cfg: Config, info: DistInfo, run_lock: checkpoint.RunLock | None, log) -> "Start":
@@ -253,12 +259,8 @@ class Start:
         resume, set_aside = checkpoint.find_resume(cfg.run, cfg.model, info, log, run_lock)
         cfg = micro_batches_kept(cfg, resume, info, log)  # on another number of ranks
         # an evaluation or probe due at the resumed step that a stop interrupted (its record missing) is redone
-        return cls(cfg, resume, set_aside, work_left(resume, cfg, evaluates(cfg), info, run_lock))
-
-
-def evaluates(cfg: Config) -> bool:
-    """Whether the run evaluates during training (a test set and an interval)."""
-    return bool(cfg.data.test_dataset_url and cfg.eval.evaluate_every_n_steps)
+        eval_on = bool(cfg.data.test_dataset_url and cfg.eval.evaluate_every_n_steps)
+        return cls(cfg, resume, set_aside, work_left(resume, cfg, eval_on, info, run_lock), eval_on)
 
 
 def first_error(error: str | None, info: DistInfo) -> str | None:
@@ -304,16 +306,17 @@ class Trainer:
         resume, set_aside, self.owed = start.resume, start.set_aside, start.owed
         self.run_dir = cfg.run.run_dir
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
-        self.amp_dtype = AMP_DTYPES[cfg.speed.precision]
-        self.autocast = partial(torch.autocast, self.device.type, dtype=self.amp_dtype,
-                                enabled=self.amp_dtype is not None)
+        # the speed section on this device, resolved once: the Precision every owner holds (its autocast and
+        # scaler), TF32, the VAE's memory format and the loss networks' (--channels_last; auto: per device)
+        self.speed = cfg.speed.on(self.device.type, cfg.data.video_frames)
+        self.precision = self.speed.precision
+        self.autocast = partial(self.precision.autocast, self.device.type)
         self.wrap_ddp = partial(wrap_ddp, info=info)  # DDP under torchrun, the module itself otherwise
-        # the VAE's memory format and the loss networks' (--channels_last; auto: per device, config.SpeedConfig)
-        self.memory_format, self.loss_memory_format = cfg.speed.memory_formats(self.device.type, cfg.data.video_frames)
+        self.memory_format, self.loss_memory_format = self.speed.memory_format, self.speed.loss_memory_format
         self.channels_last = self.memory_format == torch.channels_last
-        self.step, self.eval_on = 0, evaluates(cfg)
+        self.step, self.eval_on = 0, start.eval_on
         self.created_run_dir = False  # by this run (rank 0, once every check that can refuse the run passed)
-        set_cuda_backends(cfg.speed, self.device)
+        set_cuda_backends(self.speed, self.device)
         max_steps = cfg.optim.max_steps
 
         # networks: built from the same seed on every rank (DDP also broadcasts rank 0's weights), in this
@@ -327,7 +330,7 @@ class Trainer:
         self.last_layer = families.of(self.vae).last_layer(self.vae)  # (LDM's adaptive weight reads it)
         vgg_features, with_lpips = vgg16_for_run(cfg, info, self.eval_on, self.log)
         self.objective = VAEObjective.from_config(
-            cfg.loss, cfg.latents, cfg.critic, cfg.speed.precision, vgg_features, with_lpips, self.device,
+            cfg.loss, cfg.latents, cfg.critic, self.precision, vgg_features, with_lpips, self.device,
             self.loss_memory_format, cfg.model.vae_z_channels, encoder_trains=cfg.finetune.train_parts != "decoder",
             with_kl=cfg.model.posterior != "none")
         self.adversary = self.objective.adversary
@@ -339,12 +342,13 @@ class Trainer:
             self.adversary.critic.compile()
         make_optimizer = partial(adamw, cfg.optim)
         self.training = VAETraining(self.vae, cfg.optim, make_optimizer, self.wrap_ddp, self.device,
-                                    cfg.finetune.train_parts, cfg.speed.precision, cfg.speed.compile,
+                                    cfg.finetune.train_parts, self.precision, cfg.speed.compile,
                                     self.objective.alignment, teacher)
         self.regularisers = build_regularisers(cfg, self.vae.downsample_factor)
         if cfg.speed.memory_check:  # before the critic's DDP wrapper (the probes run its forward without a backward)
-            shapes = memory.StepShape.to_check(self.schedule, cfg.optim, cfg.speed, cfg.data.video_frames,
-                                               families.of(self.vae).can_checkpoint(self.vae.params))
+            shapes = memory.StepShape.to_check(
+                self.schedule, cfg.optim, cfg.speed, self.precision, cfg.data.video_frames,
+                families.of(self.vae).can_checkpoint(self.vae.params))
             warning = memory.check_every_rank(
                 self.vae, self.objective, shapes, self.device,
                 self.training.ema is not None, info.ctrl_group, model=self.training.trained,
@@ -411,7 +415,7 @@ class Trainer:
     def load_state_dict(self, state: dict, path: str, log=print) -> dict | None:
         """The step, a precision change's note, and this rank's RNG; returns this rank's data-stream state."""
         self.step = int(state["step"])
-        precision = self.cfg.speed.precision
+        precision = self.precision.name
         saved_precision = state.get("config", {}).get("precision", precision)
         if saved_precision != precision:
             self.log(f"note: the checkpoint was written with --precision {saved_precision}; continuing in "
@@ -431,7 +435,7 @@ class Trainer:
         self.loader.should_stop = stop.anywhere  # a signal, on any rank, also ends the loader's wait in an outage
         if self.resumed_from and info.is_main:
             run_log.truncate_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
-        for line in start_lines(cfg, self.vae, info, self.run_dir, self.schedule):
+        for line in start_lines(cfg, self.vae, info, self.run_dir, self.schedule, self.speed):
             self.log(line)
         owed_evaluation, owed_probe = self.owed
         if self.eval_on and (self.step == 0 or owed_evaluation):
@@ -577,8 +581,9 @@ class Trainer:
         if self.adversary is not None:
             self.adversary.abandon_step()  # what its forward passes moved
         torch.cuda.empty_cache()  # a no-op without CUDA
-        shape = memory.StepShape.of(self.schedule, cfg.optim, cfg.speed, self.schedule.size_at(self.step),
-                                    cfg.data.video_frames, families.of(self.vae).can_checkpoint(self.vae.params))
+        shape = memory.StepShape.of(self.schedule, cfg.optim, cfg.speed, self.precision,
+                                    self.schedule.size_at(self.step), cfg.data.video_frames,
+                                    families.of(self.vae).can_checkpoint(self.vae.params))
         line = memory.out_of_memory_message(error, shape, self.step + 1)
         self.report.print(f"error: {line}", file=sys.stderr)
         if not self.info.distributed and self.step > 0 and self.step != last_saved:

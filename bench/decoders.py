@@ -13,6 +13,7 @@ import time
 import torch
 
 from bench.harness import HERE, LAUNCHER
+from config import Precision
 from bench.machine import cpu_model, current_rss, mib, peak_rss, synchronize
 from bench.report import Report, median
 
@@ -82,7 +83,7 @@ def run_decode_case(case: dict) -> dict:
     z = torch.randn(case["batch"], params.z_channels, size, size, device=device)
 
     def decode(latent):
-        amp = (torch.autocast(device.type, dtype=torch.bfloat16) if case["precision"] == "bf16"
+        amp = (Precision.of("bf16").autocast(device.type) if case["precision"] == "bf16"
                else contextlib.nullcontext())
         with torch.inference_mode(), amp:
             out = vae.decode(latent)

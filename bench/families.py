@@ -28,6 +28,7 @@ import time
 import torch
 
 from bench.report import Report
+from config import Precision
 
 MODELS = ("AutoencoderKLLTX2Video", "AutoencoderKLHunyuanVideo15")
 RECIPES = (("decoder only", "decoder", "decoder"), ("whole VAE", "all", "all"))  # (label, train_parts, checkpointing)
@@ -40,7 +41,8 @@ def _objective(parts: str, precision: str, z: int):
     import run_setup
     from objective import VAEObjective
     cfg = run_setup.parse_config(["--do_ganloss", "--vgg16_weights", "random", "--train_parts", parts])
-    return VAEObjective.from_config(cfg.loss, cfg.latents, cfg.critic, precision, None, True, torch.device("cpu"),
+    return VAEObjective.from_config(cfg.loss, cfg.latents, cfg.critic, Precision.of(precision), None, True,
+                                    torch.device("cpu"),
                                     torch.channels_last, z, encoder_trains=parts == "all")
 
 
@@ -65,13 +67,15 @@ def memory_case(class_name: str, frames: list[int], sizes: list[int]) -> dict:
             ratio = []
             for precision in ("fp32", "bf16"):  # the narrow model's saved bytes in each precision, at 64 px
                 model = TrainingForward(narrow, frozen_encoder=parts == "decoder")
-                shape = memory.StepShape(1, 64, precision=precision, grad_checkpointing=checkpointing, frames=t)
+                shape = memory.StepShape(1, 64, precision=Precision.of(precision), grad_checkpointing=checkpointing,
+                                         frames=t)
                 ratio.append(memory.probe_activation_bytes(narrow, _objective(parts, precision, narrow.params.z_channels),
                                                            shape, 1, 64, model=model)[0])
             model = TrainingForward(vae, frozen_encoder=parts == "decoder")
             objective, probes = _objective(parts, "fp32", vae.params.z_channels), {}
             for size in sizes:
-                shape = memory.StepShape(1, size, precision="fp32", grad_checkpointing=checkpointing, frames=t)
+                shape = memory.StepShape(1, size, precision=Precision.of("fp32"), grad_checkpointing=checkpointing,
+                                         frames=t)
                 need = memory.estimate_step_memory(vae, objective, shape, model=model, probes=probes,
                                                    probe_resolutions=(64, 96))
                 bf16 = need.total - need.activations + need.activations * ratio[1] / ratio[0]

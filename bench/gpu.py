@@ -12,6 +12,7 @@ import torch
 from bench.harness import FLUX_CONFIG, HERE, LAUNCHER, add_reference_habits, build_trainer, timed_step
 from bench.machine import peak_rss
 from bench.report import Report, median
+from config import Precision
 
 
 GPU_SIZES = {  # name: (model flags, resolution, batch at --gpu_batch 8); issue 30's two sizes and 512 px
@@ -41,9 +42,9 @@ def reference_habits(trainer, compiled: bool) -> None:
     compiled: the encoder and decoder only, as its --do_compile."""
     import ae
     ae.GroupNorm32.forward = torch.nn.GroupNorm.forward  # this process only (a fresh one per case)
-    trainer.objective.amp_dtype = None
+    trainer.objective.precision = Precision.of("fp32")
     if trainer.adversary is not None:
-        trainer.adversary.amp_dtype = None
+        trainer.adversary.precision = Precision.of("fp32")
     add_reference_habits(trainer)
     trainer.metrics.host_sync = True
     if compiled:

@@ -26,6 +26,7 @@ import torch
 import shards
 from bench.report import Report
 from bench.runs import run_logged, wait_logged
+from config import Precision
 from sources import brace_url, image_files
 
 # the recipes of the memory table: (label, --train_parts, --precision, --grad_checkpointing)
@@ -57,6 +58,7 @@ def memory_case(recipe: int, frames: list[int], sizes: list[int]) -> dict[str, f
     vae = wan_ae.WanAutoEncoder(wan21_params())
     model = TrainingForward(vae, frozen_encoder=parts == "decoder")
     cfg = run_setup.parse_config(["--do_ganloss", "--vgg16_weights", "random", "--train_parts", parts])
+    precision = Precision.of(precision)
     objective = VAEObjective.from_config(cfg.loss, cfg.latents, cfg.critic, precision, None, True,
                                          torch.device("cpu"), torch.channels_last, 16, encoder_trains=parts == "all")
     out, probes = {}, {}

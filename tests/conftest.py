@@ -237,6 +237,8 @@ def record_ops():
 def objective_of(cfg, vgg_features=None, with_lpips: bool = True, z_channels: int | None = None, **kwargs):
     """objective.VAEObjective.from_config with a whole config's sections (the trainer's composition, without it)."""
     from objective import VAEObjective
-    return VAEObjective.from_config(cfg.loss, cfg.latents, cfg.critic, cfg.speed.precision, vgg_features, with_lpips,
+    from config import Precision
+    return VAEObjective.from_config(cfg.loss, cfg.latents, cfg.critic, Precision.of(cfg.speed.precision), vgg_features,
+                                    with_lpips,
                                     z_channels=z_channels or cfg.model.vae_z_channels,
                                     encoder_trains=cfg.finetune.train_parts != "decoder", **kwargs)

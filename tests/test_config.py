@@ -60,7 +60,8 @@ def test_lpips_smallest_input_restricts_the_scale_equivariance_sizes(shard_url):
     cfg = run_setup.parse_config(flags)
     cfg.validate()
     factor = AutoEncoderParams.from_config(cfg.model).downsample_factor
-    assert [s * factor for s in latents.equivariance_sizes_of(cfg)] == [16, 20, 24, 28]
+    sizes = latents.equivariance_sizes_of(factor, 32, "random", 1, config.min_loss_image_size(cfg))
+    assert [s * factor for s in sizes] == [16, 20, 24, 28]
     import torch
     from critics import build_lpips
     lpips = build_lpips(None)
@@ -72,7 +73,8 @@ def test_lpips_smallest_input_restricts_the_scale_equivariance_sizes(shard_url):
             with pytest.raises(RuntimeError, match="too small"):
                 lpips(image, image)
     pixel_only = run_setup.parse_config(flags + ["--perceptual_weight", "0"])
-    assert [s * factor for s in latents.equivariance_sizes_of(pixel_only)] == [8, 12, 16, 20, 24, 28]
+    assert [s * factor for s in latents.equivariance_sizes_of(
+        factor, 32, "random", 1, config.min_loss_image_size(pixel_only))] == [8, 12, 16, 20, 24, 28]
     with pytest.raises(config.ConfigError, match="at least 16 for LPIPS"):
         run_setup.parse_config(["--dataset_url", shard_url, "--vae_ch_mult", "1,2", "--vae_resolution", "8",
                                 "--mse_pool_factor", "1"]).validate()
@@ -128,20 +130,85 @@ def test_speed_switches_decide_per_device_and_read_old_runs():
     import torch
     speed = run_setup.parse_config(["--dataset_url", "x"]).speed
     assert (speed.allow_tf32, speed.channels_last) == ("auto", "auto")
-    assert speed.tf32("cuda") and not speed.tf32("cpu")
-    assert speed.memory_formats("cuda") == (torch.contiguous_format, torch.channels_last)
-    assert speed.memory_formats("cpu") == (torch.channels_last, torch.channels_last)
-    assert speed.describe("cuda") == "fp32 (TF32 on), eager, VAE NCHW"
-    assert speed.describe("cpu") == "fp32, eager, VAE channels_last"
+    assert speed.on("cuda").tf32 and not speed.on("cpu").tf32
+    formats = lambda s, device, frames=0: (s.on(device, frames).memory_format,  # noqa: E731
+                                           s.on(device, frames).loss_memory_format)
+    assert formats(speed, "cuda") == (torch.contiguous_format, torch.channels_last)
+    assert formats(speed, "cpu") == (torch.channels_last, torch.channels_last)
+    assert formats(speed, "cpu", 5) == (torch.contiguous_format, torch.channels_last)  # the video VAE's Conv3d
+    assert speed.on("cuda").describe() == "fp32 (TF32 on), eager, VAE NCHW"
+    assert speed.on("cpu").describe() == "fp32, eager, VAE channels_last"
     given = run_setup.parse_config(["--dataset_url", "x", "--allow_tf32", "--channels_last", "false",
                                  "--precision", "bf16", "--compile"]).speed
     assert (given.allow_tf32, given.channels_last) == ("true", "false")
-    assert given.memory_formats("cpu") == (torch.contiguous_format, torch.contiguous_format)
-    assert given.describe("cuda") == "bf16 autocast, compiled, VAE NCHW"
-    assert not run_setup.parse_config(["--dataset_url", "x", "--allow_tf32", "off"]).speed.tf32("cuda")
+    assert formats(given, "cpu") == (torch.contiguous_format, torch.contiguous_format)
+    assert given.on("cuda").describe() == "bf16 autocast, compiled, VAE NCHW"
+    assert not run_setup.parse_config(["--dataset_url", "x", "--allow_tf32", "off"]).speed.on("cuda").tf32
     with pytest.raises(common.ConfigError, match="--channels_last"):
         run_setup.parse_config(["--dataset_url", "x", "--channels_last", "sometimes"])
     old = config.unflatten({"allow_tf32": True, "channels_last": False})
     assert (old.speed.allow_tf32, old.speed.channels_last) == ("true", "false")
     cfg, given_flags = flags.parse_flags(["--dataset_url", "x", "--channels_last", "false"])
     assert run_setup.continuing_note("runs/x", given_flags, {"channels_last": False}, cfg, []) is None
+
+
+def test_the_config_is_read_once_and_one_precision_is_held_by_every_owner(shard_url, tmp_path, monkeypatch,
+                                                                          one_torch_thread):
+    """Issue 40 item 13: --vae_ch_mult and --train_resolutions are parsed once per section (ModelConfig.ch_mult,
+    DataConfig.stages), not again by each use while a Trainer is built; --precision becomes one config.Precision,
+    built at the root and held by every owner (the objective, the critic's owner, what trains the VAE, the memory
+    check's shapes), of which no module keeps a second mapping; the flags stay the strings config.json holds, and
+    the typed views survive copies (dataclasses.replace parses its own) and pickling (DataLoader workers)."""
+    import pickle
+    from conftest import TINY
+    from objective import Adversary
+    calls = {"ch_mult": 0, "schedule": 0}
+
+    def counted(name, parse):
+        def parse_counted(text):
+            calls[name] += 1
+            return parse(text)
+        return parse_counted
+    import sys
+    parsers = (("ch_mult", config.parse_ch_mult), ("schedule", config.parse_schedule))
+    for module in list(sys.modules.values()):  # config's, and any module's own import of the parsers
+        for name, parser in parsers:
+            if getattr(module, parser.__name__, None) is parser:
+                monkeypatch.setattr(module, parser.__name__, counted(name, parser))
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
+                                  "--num_workers", "0", "--evaluate_every_n_steps", "0", "--train_resolutions",
+                                  "32;2:32,64", "--do_ganloss", "--discriminator", "patchgan", "--precision", "bf16"])
+    run_setup.check_config(cfg)
+    assert cfg.model.ch_mult == (1, 2, 2) and cfg.data.stages == [(0, (32,)), (2, (32, 64))]
+    assert (cfg.model.vae_ch_mult, cfg.data.train_resolutions) == ("1,2,2", "32;2:32,64")  # the flags, as given
+    assert config.flatten(cfg)["vae_ch_mult"] == "1,2,2" and "ch_mult" not in config.flatten(cfg)
+    copied = pickle.loads(pickle.dumps(cfg))
+    assert copied == cfg and copied.model.ch_mult == (1, 2, 2) and copied.data.stages == cfg.data.stages
+    other = config.with_values(cfg, vae_ch_mult="1,2", train_resolutions="")
+    assert other.model.ch_mult == (1, 2) and other.data.stages == [] and cfg.model.ch_mult == (1, 2, 2)
+    before = dict(calls)
+    shapes = []
+    monkeypatch.setattr(vae_trainer.memory, "check_every_rank", lambda vae, objective, shape, *a, **k: shapes.extend(
+        shape))
+    trainer = vae_trainer.Trainer(cfg, common.DistInfo())
+    try:
+        assert calls == before, (calls, before)  # the Trainer parsed neither string again
+        precision = trainer.precision
+        assert precision == config.Precision.of("bf16") and not precision.scaled
+        assert isinstance(trainer.adversary, Adversary) and shapes
+        held = [trainer.speed.precision, trainer.objective.precision, trainer.adversary.precision,
+                trainer.training.precision] + [shape.precision for shape in shapes]
+        assert all(p is precision for p in held), held
+        assert not trainer.training.scaler.is_enabled() and not trainer.adversary.scaler.is_enabled()
+    finally:
+        trainer.close()
+    assert config.Precision.of("fp16").scaled and config.Precision.of("fp16").grad_scaler("cpu").is_enabled()
+    with pytest.raises(common.ConfigError, match="--precision"):
+        config.Precision.of("fp8")
+    # one --precision -> dtype mapping in the code: config.Precision.of's
+    for folder in (ROOT, os.path.join(ROOT, "bench")):
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py") and name != "config.py":
+                with open(os.path.join(folder, name)) as f:
+                    lines = [line for line in f if "bfloat16" in line and "bf16" in line]
+                assert not lines, (name, lines)

@@ -66,7 +66,7 @@ def test_a_step_moves_no_activation_it_does_not_compute(shard_url, tmp_path, bat
     Parameter-sized casts (autocast's bf16 copy of each weight) are fixed per step and not in the budget; this CPU
     step has 4 fewer per GroupNorm than a CUDA step, whose kernel needs gamma and beta in bf16 (forward) and their
     gradients cast back (backward): test_group_norm_casts_only_its_weights_and_only_where_the_kernel_needs_it."""
-    assert config.SpeedConfig().vae_channels_last("cuda") is False
+    assert config.SpeedConfig().on("cuda").memory_format == torch.contiguous_format
     summary, image_bytes = census_of_a_step(shard_url, tmp_path, batches, "--precision", precision,
                                             "--channels_last", "false")
     assert "cuda_copy/activation" not in summary, summary

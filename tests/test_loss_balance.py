@@ -86,7 +86,7 @@ def test_kl_weight_default_keeps_todays_strength_at_the_default_config():
     """0.003 at batch 8, 256 px, f8, z16 (131072 latent elements per GPU) is the former per-element weight
     1.0 within 10%; the demo's 1/64 at its 4096 elements is exactly its former 1.0."""
     cfg = config.Config()
-    factor = 2 ** (len(config.ch_mult_of(cfg.model)) - 1)
+    factor = 2 ** (len(cfg.model.ch_mult) - 1)
     elements = cfg.data.batch_size * cfg.model.vae_z_channels * (cfg.data.vae_resolution // factor) ** 2
     assert elements == 131072
     assert cfg.loss.kl_weight * math.sqrt(elements) == pytest.approx(1.0, rel=0.1)

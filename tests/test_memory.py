@@ -93,7 +93,8 @@ def test_a_decoder_only_fine_tune_is_estimated_without_the_encoders_activations_
 
 
 def test_remedies_follow_the_current_flags():
-    shape = memory.StepShape(batch_size=1, resolution=512, grad_accum=8, precision="bf16", grad_checkpointing="hr")
+    shape = memory.StepShape(batch_size=1, resolution=512, grad_accum=8, precision=config.Precision.of("bf16"),
+                             grad_checkpointing="hr")
     assert [flags for flags, _ in memory.remedies(shape)] == ["--grad_checkpointing all"]
     shape = memory.StepShape(batch_size=8, resolution=512, grad_accum=2)
     assert [flags for flags, _ in memory.remedies(shape)] == [
@@ -203,7 +204,7 @@ def test_the_trainer_estimates_the_step_it_will_run(shard_url, tmp_path, monkeyp
         assert seen["model"] is trainer.training.trained and seen["regularisers"] is trainer.regularisers
         assert seen["eval_copy"] and seen["probe_copy"] and seen["ema"]
         # the shapes to judge (StepShape.to_check): without --train_resolutions the one step's
-        assert seen["shape"] == [memory.StepShape(2, 64, 2, "fp32", "none")]
+        assert seen["shape"] == [memory.StepShape(2, 64, 2, config.Precision.of("fp32"), "none")]
     finally:
         trainer.close()
 

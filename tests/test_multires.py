@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common
+import config
 import data
 import memory
 import vae_trainer
@@ -175,17 +176,19 @@ def test_the_memory_check_judges_the_largest_size(shard_url, tmp_path, monkeypat
     what does not grow with the pixels grows with them; the floor of one image holds more pixels). With as much memory as the reference step comfortably needs, a schedule reaching 512 px is
     refused, naming 512 px; the reference alone fits."""
     cfg = run_setup.parse_config([*TINY, "--train_resolutions", "32,48,64"])
-    shapes = memory.StepShape.to_check(data.ResolutionSchedule.of(cfg.data, cfg.optim.seed), cfg.optim, cfg.speed)
+    fp32 = config.Precision.of("fp32")
+    shapes = memory.StepShape.to_check(data.ResolutionSchedule.of(cfg.data, cfg.optim.seed), cfg.optim, cfg.speed, fp32)
     assert [(s.resolution, s.batch_size) for s in shapes] == [(64, 2), (48, 4), (32, 8)]
     cfg = run_setup.parse_config(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, "--num_workers",
                                   "0", "--evaluate_every_n_steps", "0", "--memory_check", "false",
                                   "--train_resolutions", "64;2:64,512"])
     cfg.validate()
-    shapes = memory.StepShape.to_check(data.ResolutionSchedule.of(cfg.data, cfg.optim.seed), cfg.optim, cfg.speed)
+    shapes = memory.StepShape.to_check(data.ResolutionSchedule.of(cfg.data, cfg.optim.seed), cfg.optim, cfg.speed, fp32)
     assert [(s.resolution, s.batch_size) for s in shapes] == [(512, 1), (64, 2)]
     trainer = vae_trainer.Trainer(cfg, common.DistInfo())
     try:
-        reference = memory.StepShape.of(data.ResolutionSchedule.of(cfg.data, cfg.optim.seed), cfg.optim, cfg.speed)
+        reference = memory.StepShape.of(data.ResolutionSchedule.of(cfg.data, cfg.optim.seed), cfg.optim, cfg.speed,
+                                        trainer.precision)
         needed = memory.estimate_step_memory(trainer.vae, trainer.objective, reference).total
         monkeypatch.setattr(memory, "available_memory", lambda device: (2 * needed, "RAM available"))
         assert memory.check_before_training(trainer.vae, trainer.objective, [reference], "cpu") == (None, False)

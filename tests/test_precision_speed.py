@@ -7,6 +7,7 @@ import contextlib
 import pytest
 import torch
 
+import config
 import data
 import objective
 import vae_trainer
@@ -130,14 +131,14 @@ def test_fp16_backward_through_lpips_and_the_critic_runs_at_the_loss_scale(shard
 
     def spy(t, weight):
         out = real_gradnorm(t, weight)
-        grads = upstream.setdefault(trainer.objective.amp_dtype, {})
+        grads = upstream.setdefault(trainer.objective.precision.amp_dtype, {})
         branch = ("perceptual", "pixel", "gan")[len(grads)]  # the order the objective builds them in
         grads[branch] = None
         out.register_hook(lambda g: grads.update({branch: g}))  # the gradient arriving at this GradNorm
         return out
     monkeypatch.setattr(objective, "gradnorm", spy)
-    for amp in (torch.float16, None):
-        trainer.objective.amp_dtype = amp  # None: no autocast, the fp32 reference (same networks, same inputs)
+    for name in ("fp16", "fp32"):  # fp32: no autocast, the reference (same networks, same inputs)
+        trainer.objective.precision = config.Precision.of(name)
         recon = recon0.clone().requires_grad_(True)
         batch = objective.MicroBatch(x, recon, torch.zeros(1, 1, 1, 1), None, trainer.cfg.loss.disc_start,
                                      real_logits, fake_logits, loss_scale=trainer.training.scaler.scale(torch.ones(())))
