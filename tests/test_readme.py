@@ -336,7 +336,6 @@ def test_the_layout_keeps_its_promises():
     """docs/extending.md's Layout table is the layout (issue 32 item 6): a row for every module and the bench
     package, and the README's tour names each of them; no import runs up a layer or in a circle; nothing but
     bench imports the trainer; the documented line counts hold within 15 %; vae_trainer.py stays under 750 lines."""
-    import ast
     modules = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
     package = sorted(os.path.join(ROOT, "bench", f) for f in os.listdir(os.path.join(ROOT, "bench"))
                      if f.endswith(".py"))
