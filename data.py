@@ -7,10 +7,11 @@ Training stream
   * The stream is global: step s has M = ranks x --grad_accum micro-batches, and image i of micro-batch j comes
     from lane j * P + i % P (P: --batch_size at the run's start). Every lane reads every shard, epoch after epoch,
     through its own shuffle buffer of raw bytes (--shuffle_buffer / P samples): the lanes go round one seeded
-    order of the shards per epoch, each starting at its own place (lane g of L at g / L of the way), so at any
-    time they read different shards and one pass of the data reads each image once (with fewer shards than
-    lanes, each lane has an order of its own). Its randomness is counter-based (seed, lane, counter). So a step's images depend on the seed and the step alone, not on
-    which rank or data worker computes them: a rank's lanes are dealt to its workers, and a run resumed on
+    order of the shards per epoch, each starting at its own place (lane g of L at sample g N / L of the N the
+    shards hold, counted from their tar headers), so one pass of the data reads each image once; remote shards
+    cannot be counted, and there lanes start at whole shards (with fewer shards than lanes, each lane has an
+    order of its own). Its randomness is counter-based (seed, lane, counter). So a step's images depend on the
+    seed and the step alone, not on which rank or data worker computes them: a rank's lanes are dealt to its workers, and a run resumed on
     another number of ranks (--grad_accum following, so that M stays) or workers continues the same stream.
   * The stream is endless (epoch after epoch, each in a fresh shard order) and the trainer runs a
     step budget, so every rank runs the same number of steps whatever the shard count.
@@ -303,10 +304,10 @@ class Lane:
         # every lane reads every shard: all lanes go round one seeded order of the shards per epoch, lane g starting
         # g / n_lanes of the way round, counted in samples (`sizes`: every shard's sample count), so that one pass of
         # the data (samples / lanes per lane) reads each sample once however the samples divide among the shards and
-        # the lanes, and at any time the lanes read different shards where there are enough. Without the sizes
-        # (remote shards) lanes start at whole shards, floor(g * shards / n_lanes), and with fewer shards than lanes
-        # each has an order of its own. A lane resumed from an earlier release's state (no "starts") keeps its
-        # whole-shard starts, so that its run resumes exactly.
+        # the lanes, and the lanes read different shards at any time where there are enough of about equal size.
+        # Without the sizes (remote shards) lanes start at whole shards, floor(g * shards / n_lanes), and with fewer
+        # shards than lanes each has an order of its own. A lane resumed from an earlier release's state (no
+        # "starts") keeps its whole-shard starts, so that its run resumes exactly.
         self.n_lanes = n_lanes
         by_sample = state.get("starts", "sample" if "epoch" not in state else "shard") == "sample"
         self.sizes = sizes if by_sample and sizes is not None and sum(sizes) > 0 else None
@@ -636,10 +637,19 @@ class TrainLoader:
         state = state or {}
         shards = list_shards(url)
         # every shard's sample count, where the lanes start: counted once per run (a resume reads the saved ones)
-        saved_sizes = state.get("sizes")
+        saved_sizes, counting = state.get("sizes"), time.monotonic()
         self.sizes = (saved_sizes if isinstance(saved_sizes, list) and len(saved_sizes) == len(shards)
                       else sources.shard_sizes(shards))
         self.grad_accum, self.pin_memory = max(1, grad_accum), pin_memory
+        self.notes = []
+        if self.sizes is None and not any(isinstance(s, str) and is_remote(s) for s in shards):
+            self.notes.append(f"counting the samples of {len(shards)} shards took over {sources.COUNT_BUDGET_S:.0f} s: "
+                              "the lanes start at whole shards (a pass over the data reads some images twice and "
+                              "skips as many, docs/data.md)")
+        elif self.sizes is not None and self.sizes is not saved_sizes and time.monotonic() - counting > 10:
+            self.notes.append(f"counted the {sum(self.sizes)} samples of {len(shards)} shards in "
+                              f"{time.monotonic() - counting:.0f} s, where each lane starts (a resume reads the counts "
+                              "saved)")
         self.lanes_per_micro = int(state.get("lanes_per_micro", batch_size))
         self.micro_batches = world_size * self.grad_accum
         first = (int(state.get("step", 0)), int(state.get("micro", 0)))
@@ -647,7 +657,6 @@ class TrainLoader:
         per_rank = self.grad_accum * self.lanes_per_micro
         mine = range(rank * per_rank, (rank + 1) * per_rank)
         saved = {int(k): v for k, v in state.get("lanes", {}).items()}
-        self.notes = []
         if state.get("worker_states") and not saved:
             self.notes.append(f"the data stream was saved by an earlier release (per data worker): it starts afresh "
                               f"at step {self.position[0]}")

@@ -78,26 +78,49 @@ def list_shards(url: str) -> list:
     return shards
 
 
-def _plain_tar_members(path: str) -> list[tuple[str, bool]] | None:
-    """(name, is a regular file) of each member of an uncompressed tar whose headers are all plain ustar/v7 ones,
-    read one 512-byte header at a time and seeking over the data (tarfile does the same ten times slower); the
-    members before a cut or a broken header. None where tarfile is needed: compressed, long names, pax headers."""
-    members, length = [], os.path.getsize(path)
+def _pax_records(data: bytes) -> dict[bytes, bytes]:
+    """The records of a pax extended header ("LEN key=value\\n" each)."""
+    records, pos = {}, 0
+    while pos < len(data) and data[pos:pos + 1] != b"\0":
+        length = int(data[pos:data.index(b" ", pos)])
+        key, _, value = data[data.index(b" ", pos) + 1:pos + length - 1].partition(b"=")
+        records[key], pos = value, pos + length
+    return records
+
+
+def _tar_members(path: str) -> list[tuple[str, bool]] | None:
+    """(name, is a regular file) of each member of an uncompressed tar, read one 512-byte header at a time, seeking
+    over the data (a name from a pax header, as webdataset's writer puts before every member, or a GNU long-name
+    header applies to the member after it); the members before a cut. None where tarfile must decide: compressed,
+    a header that does not check, a global pax header, a sparse file."""
+    members, length, name_for_next, size_for_next = [], os.path.getsize(path), None, None
     with open(path, "rb", buffering=0) as f:
         while len(header := f.read(512)) == 512 and header.count(0) < 512:
             stored = header[148:156].split(b"\0", 1)[0].strip()
             if not stored.isdigit() or int(stored, 8) != sum(header[:148]) + 256 + sum(header[156:]):
-                return None if not members else members  # not a tar at all (compressed?), or broken from here
+                return None
             kind, size = header[156:157], header[124:136].split(b"\0", 1)[0].strip()
-            if kind in (b"L", b"K", b"x", b"g", b"S") or not size.isdigit():
-                return None  # a GNU long name, a pax header, a sparse file, a base-256 size
+            if kind in (b"g", b"S") or not size.isdigit():
+                return None
+            size = int(size, 8) if size_for_next is None or kind in (b"x", b"L", b"K") else size_for_next
+            if f.tell() + size > length:
+                break  # cut short: the stream's read of it fails
+            if kind in (b"x", b"L", b"K"):
+                data = f.read(size)
+                f.seek(-(-size // 512) * 512 - size, 1)
+                if kind == b"x":
+                    records = _pax_records(data)
+                    name_for_next = records.get(b"path", name_for_next)
+                    size_for_next = int(records[b"size"]) if b"size" in records else size_for_next
+                elif kind == b"L":
+                    name_for_next = data.split(b"\0", 1)[0]
+                continue
             name = header[:100].split(b"\0", 1)[0]
             if header[257:262] == b"ustar" and (prefix := header[345:500].split(b"\0", 1)[0]):
                 name = prefix + b"/" + name
-            name, size = name.decode("utf-8", "surrogateescape"), int(size, 8)
-            if f.tell() + size > length:
-                break  # cut short: the stream's read of it fails
+            name = (name_for_next if name_for_next is not None else name).decode("utf-8", "surrogateescape")
             members.append((name, kind in (b"0", b"\0", b"7") and not name.endswith("/")))
+            name_for_next = size_for_next = None
             f.seek(-(-size // 512) * 512, 1)
     return members if members or len(header) == 512 else None  # a file shorter than a header: compressed?
 
@@ -129,7 +152,7 @@ def shard_size(shard) -> int | None:
         return members
 
     try:
-        members = _plain_tar_members(shard)
+        members = _tar_members(shard)
     except OSError:
         return 0
     if members is None:
@@ -140,13 +163,25 @@ def shard_size(shard) -> int | None:
     return sum(1 for _ in group_by_keys(files, handler=lambda exn: True))
 
 
-def shard_sizes(shards: list) -> list[int] | None:
-    """Every shard's sample count (shard_size), or None when one of them cannot be counted without downloading it."""
+# How long counting the shards' samples may take at start (each rank counts; a resume reads the saved counts);
+# past it, the lanes start at whole shards
+COUNT_BUDGET_S = 120.0
+
+
+def shard_sizes(shards: list, budget_s: float | None = None) -> list[int] | None:
+    """Every shard's sample count (shard_size), or None when one of them cannot be counted without downloading it,
+    or counting takes longer than `budget_s` (COUNT_BUDGET_S)."""
     if any(not isinstance(shard, tuple) and is_remote(shard) for shard in shards):
         return None
+    import time
     from concurrent.futures import ThreadPoolExecutor
+    deadline = time.monotonic() + (COUNT_BUDGET_S if budget_s is None else budget_s)
+
+    def count(shard) -> int | None:
+        return shard_size(shard) if time.monotonic() < deadline else None
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(shards)))) as pool:
-        return list(pool.map(shard_size, shards))
+        sizes = list(pool.map(count, shards))
+    return None if None in sizes else sizes
 
 
 def brace_url(paths: list[str]) -> str:

@@ -1152,16 +1152,36 @@ def test_a_stream_saved_by_an_earlier_release_resumes_exactly_with_its_whole_sha
         assert torch.equal(torch.stack(take(resumed, 9)), torch.stack(expected))
 
 
-def test_shard_size_counts_what_the_stream_reads(zoo, tmp_path):
+def test_shard_size_counts_what_the_stream_reads(zoo, tmp_path, monkeypatch):
     """The lanes' starts are counted from the tar headers alone: the count is the samples iter_shard yields, for
     bad members, metadata, a member without an extension and a truncated tar alike."""
     import webdataset as wds
     extra = write_tar(tmp_path / "meta.tar", [("__meta__.json", b"{}"), ("a.png", solid_png(1)), ("a.json", b"{}"),
                                               ("noext", b"x"), ("b.png", solid_png(2)), ("b.png", solid_png(3))])
-    shards = list(wds.shardlists.expand_urls(zoo)) + [extra, str(tmp_path / "missing.tar")]
+    with wds.TarWriter(str(tmp_path / "written.tar")) as sink:  # a pax header before every member (make-shards')
+        for i in range(7):
+            sink.write({"__key__": f"dir/{'long' * 40 * (i % 2)}é{i}", "png": solid_png(i), "json": b"{}"})
+    for fmt, name in ((tarfile.GNU_FORMAT, "gnu.tar"), (tarfile.PAX_FORMAT, "pax.tar"), (tarfile.GNU_FORMAT, "z.tgz")):
+        with tarfile.open(tmp_path / name, "w:gz" if name.endswith("tgz") else "w", format=fmt) as tf:
+            for i in range(5):
+                for ext in ("png", "txt"):
+                    info = tarfile.TarInfo(f"{'x' * 120}{i}.{ext}")
+                    info.size = 1
+                    tf.addfile(info, io.BytesIO(b"1"))
+    shards = list(wds.shardlists.expand_urls(zoo)) + [extra, str(tmp_path / "missing.tar")] + [
+        str(tmp_path / name) for name in ("written.tar", "gnu.tar", "pax.tar", "z.tgz")]
     for shard in shards:
         assert sources.shard_size(shard) == len(list(sources.iter_shard(shard, Counter()))), shard
+    # the header reader's names are tarfile's (it reads webdataset's, GNU and pax tars itself)
+    for name in ("written.tar", "gnu.tar", "pax.tar"):
+        with tarfile.open(tmp_path / name) as tf:
+            assert sources._tar_members(str(tmp_path / name)) == [(m.name, m.isreg()) for m in tf]
     assert sources.shard_sizes(["https://host/a.tar"] + shards) is None  # remote: lanes start at whole shards
+    assert sources.shard_sizes(shards, budget_s=0) is None  # counting past its budget: whole-shard starts, said
+    with monkeypatch.context() as m:
+        m.setattr(sources, "COUNT_BUDGET_S", 0.0)
+        with train_loader(str(tmp_path / "written.tar")) as loader:
+            assert loader.sizes is None and any("took over 0 s" in note for note in loader.notes)
 
 
 def test_fewer_shards_than_workers(tmp_path):
