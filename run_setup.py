@@ -66,8 +66,7 @@ def prepare_run(argv: list[str] | None = None, builds_demo_data: bool = True) ->
     derived.update(automatic_values(cfg, given))
     cfg = resolve_cpu(resolve_auto(cfg))
     check_config(cfg)
-    check_paths(cfg)
-    notes = [demo_summary(cfg)] if cfg.run.demo else []
+    notes = check_paths(cfg) + ([demo_summary(cfg)] if cfg.run.demo else [])
     if saved is not None:
         note = continuing_note(cfg.run.run_dir, given, saved, cfg, again)
         notes += [note] if note else []
@@ -207,10 +206,11 @@ def saved_run_config(cfg: Config, explicit: set[str]) -> dict | None:
     return with_legacy_arch(saved) if same_arch else None
 
 
-def check_paths(cfg: Config) -> None:
-    """The files the flags name exist, and the datasets can be read (remote shards probed): one line each,
-    before any process group or worker starts."""
+def check_paths(cfg: Config) -> list[str]:
+    """The files the flags name exist, and the datasets can be read (remote shards probed) and are of the run's
+    kind: one line each, before any process group or worker starts; returns warnings for the user."""
     critic, ev, latents, run = cfg.critic, cfg.eval, cfg.latents, cfg.run
+    warnings: list[str] = []
     if critic.vgg16_weights not in ("torchvision", "random") and not os.path.isfile(critic.vgg16_weights):
         raise ConfigError(f"--vgg16_weights {critic.vgg16_weights}: no such file (or use torchvision / random)")
     if ev.inception_weights not in ("torchvision", "random", "none") and not os.path.isfile(ev.inception_weights):
@@ -232,33 +232,38 @@ def check_paths(cfg: Config) -> None:
                 probed = sources.probe_remote_shards(shard_list)
             except data_lib.DatasetError as e:
                 raise ConfigError(f"--{name}: {e}") from None
-            check_sample_kind(name, shard_list, probed, cfg.data)
+            warnings += check_sample_kind(name, shard_list, probed, cfg.data)
+    return warnings
 
 
 # The samples read to tell a dataset's kind (images or videos) at start-up: a few, by their names alone.
 KIND_SAMPLES = 4
 
 
-def first_samples(shard_list: list, probed: tuple[str, bytes] | None) -> tuple[str, list[set[str]]]:
-    """(where they are, the extensions of each of the dataset's first samples, as the stream groups them), read
-    cheaply at start-up: a local tar's first member headers (their data skipped), a folder's file names, a remote
-    shard's first tar header (`probed`: what the start-up probe read, one member); none where it would cost a
-    wait (a pipe: command, a remote shard not probed) or where the shard does not open (the stream says why)."""
+def first_samples(shard, probed: tuple[str, bytes] | None) -> tuple[list[set[str]], bool]:
+    """(the extensions of each of a shard's first samples, as the stream groups them; whether they are whole
+    samples), read cheaply at start-up: a local tar's first member headers (their data skipped; the last group read
+    is left out, as its sample may go on), a folder's file names, a remote shard's first tar header (`probed`: what
+    the start-up probe read: one member, maybe not its whole sample); none where it would cost a wait (a pipe:
+    command, a remote shard not probed) or where the shard does not open (the stream says why)."""
     from webdataset.tariterators import base_plus_ext
-    first = shard_list[0]
-    if isinstance(first, tuple):
-        return os.path.dirname(first[0]), [{p.rsplit(".", 1)[-1].lower()} for p in first[:KIND_SAMPLES]]
-    names = []
+    if isinstance(shard, tuple):
+        return [{p.rsplit(".", 1)[-1].lower()} for p in shard[:KIND_SAMPLES]], True
+    names, whole = [], True
     try:
-        if probed is not None and probed[0] == first:
+        if probed is not None and probed[0] == shard:
             with tarfile.open(fileobj=io.BytesIO(probed[1]), mode="r|") as tar:
                 info = tar.next()  # (a pax or long-name header first: tarfile reads the member's after it)
-                names = [info.name] if info is not None and info.isreg() else []
-        elif not sources.is_remote(first):
-            with tarfile.open(first, "r:*") as tar:
+                names, whole = ([info.name] if info is not None and info.isreg() else []), False
+        elif not sources.is_remote(shard):
+            with tarfile.open(shard, "r:*") as tar:
                 for info in tar:
                     names += [info.name] if info.isreg() and not info.name.startswith("__") else []
-                    if len({base_plus_ext(n)[0] for n in names}) > KIND_SAMPLES or len(names) >= 16 * KIND_SAMPLES:
+                    if len({base_plus_ext(n)[0] for n in names}) > KIND_SAMPLES:
+                        names.pop()  # the first name of a sample past those looked at: every one before is whole
+                        break
+                    if len(names) >= 16 * KIND_SAMPLES:
+                        names = [n for n in names if base_plus_ext(n)[0] != base_plus_ext(names[-1])[0]]
                         break
     except (tarfile.TarError, OSError, EOFError, ValueError):
         names = []
@@ -267,25 +272,46 @@ def first_samples(shard_list: list, probed: tuple[str, bytes] | None) -> tuple[s
         key, ext = base_plus_ext(name)
         if key is not None:
             samples.setdefault(key, set()).add(ext.lower())
-    return redact(first), list(samples.values())[:KIND_SAMPLES]
+    return list(samples.values())[:KIND_SAMPLES], whole
 
 
-def check_sample_kind(flag: str, shard_list: list, probed: tuple[str, bytes] | None, data: DataConfig) -> None:
+def check_sample_kind(flag: str, shard_list: list, probed: tuple[str, bytes] | None, data: DataConfig) -> list[str]:
     """One line, within seconds, when a dataset's first samples are not the kind the run reads: images for a clip
-    run (--video_frames; where --video_image_prob adds images to the training clips, only when none is a video),
-    videos for an image run. What cannot be told cheaply (first_samples) is left to the stream."""
-    where, samples = first_samples(shard_list, probed)
-    exts = set().union(*samples) if samples else set()
-    videos, images = sorted(exts & set(VIDEO_EXTS)), sorted(exts & set(IMAGE_EXTS))
-    mixed_ok = flag == "dataset_url" and data.video_image_prob > 0
-    if data.video_frames and images and not videos and not mixed_ok:
-        raise ConfigError(f"--{flag}: the first samples of {where} are images ({', '.join(images)}), not videos: "
-                          f"--video_frames {data.video_frames} trains on clips of videos (packed by python data.py "
-                          "make-clips); leave it out to train on images")
-    if not data.video_frames and videos and not images:
-        raise ConfigError(f"--{flag}: the first samples of {where} are videos ({', '.join(videos)}), not images: "
-                          "give --video_frames N to train on clips of them (docs/finetuning.md), or shards of "
-                          "images (python data.py make-shards)")
+    run (--video_frames; where --video_image_prob adds images to the training clips, not checked), videos for an
+    image run. The first, middle and last shards are looked at (several lists joined by :: may hold other kinds), and
+    the run is refused only when every one of them that shows whole samples holds the wrong kind; a remote shard
+    shows one member (the probe's), which is said as a warning (returned), not refused. What cannot be told cheaply
+    (first_samples) is left to the stream."""
+    if flag == "dataset_url" and data.video_frames and data.video_image_prob > 0:
+        return []
+    looked = list(dict.fromkeys(shard_list[i] for i in (0, len(shard_list) // 2, len(shard_list) - 1)))
+    wrong, whole_seen, where = [], False, None
+    for shard in looked:
+        samples, whole = first_samples(shard, probed)
+        exts = set().union(*samples) if samples else set()
+        videos, images = exts & set(VIDEO_EXTS), exts & set(IMAGE_EXTS)
+        kind = sorted(images) if data.video_frames and images and not videos else \
+            sorted(videos) if not data.video_frames and videos and not images else None
+        if samples and kind is None:
+            return []  # a shard of the run's kind
+        if kind:
+            wrong.append(kind)
+            whole_seen = whole_seen or whole
+            where = where or (os.path.dirname(shard[0]) if isinstance(shard, tuple) else redact(shard))
+    if not wrong:
+        return []
+    exts = ", ".join(sorted(set().union(*wrong)))
+    found = f"the first samples of {where} are" if whole_seen else f"the first member of {where} is one of"
+    if data.video_frames:
+        line = (f"--{flag}: {found} images ({exts}), not videos: --video_frames {data.video_frames} trains on clips "
+                "of videos (packed by python data.py make-clips); leave it out to train on images")
+    else:
+        line = (f"--{flag}: {found} videos ({exts}), not images: give --video_frames N to train on clips of them "
+                "(docs/finetuning.md), or shards of images (python data.py make-shards)")
+    if whole_seen:
+        raise ConfigError(line)
+    return [f"warning: {line} (the start-up probe reads one member of a remote shard; a run on shards without "
+            "usable samples stops when its stream has found none in thousands)"]
 
 
 # ==============================================================================================================
