@@ -109,8 +109,9 @@ class GroupNorm32(nn.GroupNorm):
 
     - CPU: gamma and beta stay fp32 (the kernel takes mixed dtypes). It then also saves the mean and rstd in fp32 and
       reduces dgamma and dbeta in fp32: the backward is as close to fp64 as an fp32 GroupNorm's, dx up to its
-      rounding to the input's dtype (tests/test_ae.py). With gamma cast to bf16 the kernel saved bf16 statistics and wrote a bf16 dgamma: for
-      activations whose mean is 20x their spread dgamma was 2.6% of its largest value off, dx twice as far as now.
+      rounding to the input's dtype (tests/test_ae.py). With gamma cast to bf16 the kernel saved bf16 statistics
+      and wrote a bf16 dgamma: for activations whose mean is 20x their spread dgamma was 2.6% of its largest value
+      off, dx twice as far as now.
     - CUDA (and any device not in GROUP_NORM_MIXED_DTYPES): the kernel refuses fp32 gamma and beta with a bf16/fp16
       input, so they are cast to the input's dtype (a per-step copy of C values). Its forward is as accurate, but
       native_group_norm then saves the mean and rstd in the input's dtype, and the backward, though it accumulates in

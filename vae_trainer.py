@@ -295,7 +295,7 @@ class Trainer:
                  start: Start | None = None):
         """`cfg` is finished (run_setup.prepare_run); `source`: the --init_from source it read (None: read here
         if needed); `derived`: {automatic field: its basis}, recorded for a continued run; `run_lock`: main's,
-        which it releases also when this constructor fails; `start`: main's settled start (Start.settle; None:
+        which main releases however the run ends; `start`: main's settled start (Start.settle; None:
         settled here, with `cfg`), whose config replaces `cfg`."""
         self.info, self.device, self.derived = info, info.device, derived
         # The run directory is this job's (rank 0 holds its lock until the run ends): a second job is refused here.
