@@ -101,8 +101,9 @@ def multi_size_run(shard_url, tmp_path_factory):
 
 def test_each_size_is_logged_with_its_suffix_and_its_own_numbers(multi_size_run, shard_url):
     """metrics.jsonl's @SIZE keys hold an evaluation at that size: equal (to rounding: these run one image per
-    batch, the trainer fewer images per batch above its size) to evaluate_model called here at that size on the
-    same weights. The un-suffixed keys are the training size's."""
+    batch, the trainer fewer images per batch above its size: fp32 convolutions of other batch shapes round apart by
+    a few 1e-6 of an MSE, 1e-5 of a PSNR, where another size's numbers differ by percents) to evaluate_model called
+    here at that size on the same weights. The un-suffixed keys are the training size's."""
     trainer, run_dir = multi_size_run
     record = eval_record(run_dir, 2)
     for prefix, model in weights_and_ema(trainer):
@@ -113,7 +114,7 @@ def test_each_size_is_logged_with_its_suffix_and_its_own_numbers(multi_size_run,
             for metric in METRICS:
                 logged = record[f"{prefix}/{metric}{suffix}"]
                 assert isinstance(logged, float), (prefix, metric, suffix)
-                assert logged == pytest.approx(direct[metric], rel=1e-4 if metric == "rfid" else 1e-6), \
+                assert logged == pytest.approx(direct[metric], rel=1e-4 if metric == "rfid" else 1e-5), \
                     (prefix, metric, suffix)
     # the sizes differ: a run that evaluated every size at its training size would log one number thrice
     assert len({record["eval/psnr"], record["eval/psnr@128"], record["eval/psnr@32"]}) == 3

@@ -394,7 +394,8 @@ def test_what_clips_cannot_do_is_refused_in_one_line(wan_folder, clip_url, shard
     assert "clips train a video VAE, loaded with --init_from from its diffusers folder" in capsys.readouterr().err
     # a run of the image model continued with clips (its source gone: the architecture comes from its checkpoint)
     images = [a for a in trainer_args(wan_folder, train, test, tmp_path, "img", "--max_steps", "1", "--num_workers",
-                                      "0", "--dataset_url", shard_url) if a != "--video_frames"]
+                                      "0", "--dataset_url", shard_url, "--test_dataset_url", shard_url)
+              if a != "--video_frames"]  # (its test set of images: one of clips is refused for an image run)
     images.remove("5")
     assert vae_trainer.main(images) == 0
     capsys.readouterr()
