@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import families
+import sharding
 from common import ConfigError, DistInfo, atomic_write, first_line
 from config import ARCH_FIELDS, CriticConfig, ModelConfig, RunConfig, with_legacy_arch
 from pretrained import DIFFUSERS_WEIGHTS
@@ -37,12 +38,21 @@ from pretrained import DIFFUSERS_WEIGHTS
 # a reconstruction-only warm-up is normal.
 
 
+CHECKPOINT_NAME = r"step_\d+(\.pt)?"  # step_<step>.pt, or the directory step_<step> of a sharded run (sharding.py)
+
+
+def is_checkpoint_name(name: str) -> bool:
+    return re.fullmatch(CHECKPOINT_NAME, name) is not None
+
+
 def checkpoint_files(ckpt_dir: str) -> list[str]:
-    """Checkpoints of a run, newest first (the `latest` pointer's target leads)."""
+    """Checkpoints of a run (files, and complete directories of sharded runs), newest first (the `latest` pointer's
+    target leads)."""
     if not os.path.isdir(ckpt_dir):
         return []
-    files = sorted((os.path.join(ckpt_dir, f) for f in os.listdir(ckpt_dir) if re.fullmatch(r"step_\d+\.pt", f)),
-                   reverse=True)
+    files = sorted((os.path.join(ckpt_dir, f) for f in os.listdir(ckpt_dir) if is_checkpoint_name(f)),
+                   key=lambda p: int(re.search(r"step_(\d+)", os.path.basename(p)).group(1)), reverse=True)
+    files = [f for f in files if not os.path.isdir(f) or sharding.is_dcp_dir(f)]
     pointer = os.path.join(ckpt_dir, "latest")
     if os.path.isfile(pointer):
         with open(pointer) as f:
@@ -56,9 +66,12 @@ def checkpoint_files(ckpt_dir: str) -> list[str]:
 FORMAT_VERSION = 2
 
 
-def load_checkpoint(path: str) -> dict:
+def load_checkpoint(path: str, whole: bool = True) -> dict:
     """A checkpoint in today's layout (migrated if written by earlier code). weights_only: a checkpoint from
-    elsewhere cannot run code when loaded."""
+    elsewhere cannot run code when loaded. A sharded run's directory: read whole (`whole`), or for a resume without
+    its DCP tensors, which the training entry names (`training["dcp"]`) and VAETraining reads with every rank."""
+    if os.path.isdir(path):
+        return sharding.load_whole(path) if whole else sharding.load_rest(path)
     return migrate(torch.load(path, map_location="cpu", weights_only=True))
 
 
@@ -95,24 +108,42 @@ def critic_kind_of(config: dict) -> dict:
                         critic_trunk=config.get("critic_trunk", "trainable")).kind()
 
 
-def load_latest_checkpoint(ckpt_dir: str, log=print) -> tuple[str, dict] | None:
+def load_latest_checkpoint(ckpt_dir: str, log=print, whole: bool = True) -> tuple[str, dict] | None:
     for path in checkpoint_files(ckpt_dir):
         try:
-            return path, load_checkpoint(path)
+            return path, load_checkpoint(path, whole)
         except Exception as e:
             log(f"warning: checkpoint {path} is unreadable ({type(e).__name__}); falling back to the previous one")
     return None
 
 
-def write_checkpoint(ckpt_dir: str, step: int, state: dict, keep_last_k: int) -> str:
-    """step_<step>.pt, then the `latest` pointer, both atomic; older checkpoints beyond keep_last_k removed."""
-    name = f"step_{step:08d}.pt"
+def write_checkpoint(ckpt_dir: str, step: int, state: dict, keep_last_k: int, info: DistInfo | None = None
+                     ) -> str | None:
+    """step_<step>.pt (rank 0 alone calls it), or with `info` a sharded run's directory step_<step> (every rank
+    calls it: sharding.save_dcp), then the `latest` pointer, each atomic; older checkpoints beyond keep_last_k
+    removed. Returns the path on rank 0, None on the others."""
+    name = f"step_{step:08d}" + ("" if info is not None else ".pt")
     path = os.path.join(ckpt_dir, name)
-    atomic_write(path, lambda f: torch.save(state, f))
+    if info is not None:
+        tmp = os.path.join(ckpt_dir, f".{name}.incomplete")  # a kill leaves it; the next save of the step clears it
+        if info.is_main:
+            os.makedirs(ckpt_dir, exist_ok=True)
+            for leftover in (tmp, path):
+                shutil.rmtree(leftover, ignore_errors=True)
+        if info.distributed:
+            dist.barrier(group=info.ctrl_group)
+        sharding.save_dcp(state, tmp, path, info)
+        if not info.is_main:
+            return None
+    else:
+        atomic_write(path, lambda f: torch.save(state, f))
     atomic_write(os.path.join(ckpt_dir, "latest"), lambda f: f.write(name.encode()))
     for old in checkpoint_files(ckpt_dir)[keep_last_k:]:
         if old != path:
-            os.remove(old)
+            shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+    for entry in os.listdir(ckpt_dir):  # what a save killed midway left
+        if entry.endswith(".incomplete") and entry != os.path.basename(tmp if info is not None else path):
+            shutil.rmtree(os.path.join(ckpt_dir, entry), ignore_errors=True)
     return path
 
 
@@ -234,12 +265,12 @@ def decide_resume(run: RunConfig, model: ModelConfig, log=print) -> tuple[tuple[
                               "choose another --run_name or --output_dir")
         return None, set_aside
     if run.resume == "auto":
-        found = load_latest_checkpoint(ckpt_dir, log) if existing else None
+        found = load_latest_checkpoint(ckpt_dir, log, whole=False) if existing else None
         if existing and found is None:
             raise ConfigError(f"no readable checkpoint in {ckpt_dir}")
     else:
         try:
-            found = (run.resume, load_checkpoint(run.resume))
+            found = (run.resume, load_checkpoint(run.resume, whole=False))
         except Exception as e:
             raise ConfigError(f"--resume {run.resume}: unreadable checkpoint ({type(e).__name__}: "
                               f"{first_line(e)})") from None
@@ -276,7 +307,7 @@ def find_resume(run: RunConfig, model: ModelConfig, info: DistInfo, log=print, l
         raise ConfigError(decision["error"])  # printed by rank 0 only
     if decision["path"] is not None and found is None:
         try:
-            found = (decision["path"], load_checkpoint(decision["path"]))
+            found = (decision["path"], load_checkpoint(decision["path"], whole=False))
         except Exception as e:
             raise ConfigError(f"rank {info.rank} cannot read {decision['path']} ({type(e).__name__}), "
                               "which rank 0 resumes from: is the run directory on a shared file system?") from None
@@ -510,7 +541,7 @@ def load_model(ckpt: str, ema: bool = False, video: bool = False) -> tuple[torch
     if os.path.isdir(ckpt):
         ckpt_dir = os.path.join(ckpt, "checkpoints") if os.path.isdir(os.path.join(ckpt, "checkpoints")) else ckpt
         if not checkpoint_files(ckpt_dir):
-            raise ConfigError(f"--ckpt {ckpt}: no checkpoints (step_*.pt) in {ckpt_dir}, and not an export.py folder "
+            raise ConfigError(f"--ckpt {ckpt}: no checkpoints (step_*.pt, step_*/) in {ckpt_dir}, and not an export.py folder "
                               f"({SAFETENSORS_WEIGHTS} or {DIFFUSERS_WEIGHTS})")
         quiet = os.environ.get("RANK", "0") != "0"
         found = load_latest_checkpoint(ckpt_dir, log=lambda m: quiet or print(m, file=sys.stderr))

@@ -398,6 +398,10 @@ class SpeedConfig:
                                        "because PyTorch's CUDA GroupNorm copies a channels_last input to NCHW and "
                                        "back at every norm (docs/precision.md)")
     compile: bool = opt(False, "torch.compile the encoder, decoder and discriminator")
+    sharding: str = opt("ddp", "how the VAE's training state is spread over the ranks: ddp, whole on every rank (about "
+                               "20 bytes per parameter each); fsdp, sharded over every rank (1/N each, FSDP2, "
+                               "checkpoints by every rank that resume on any world size); hsdp, sharded within a "
+                               "node and replicated across nodes (docs/sharding.md)", ("ddp", "fsdp", "hsdp"))
     memory_check: bool = opt(True, "before the first step, estimate the step's memory: stop (exit 2) if it exceeds "
                                    "the free memory by more than the estimate's error (25%), warn if it may not fit")
     num_threads: int = opt(0, "torch threads per rank. 0: auto, the rank's CPU cores left to it by its data workers")
@@ -418,6 +422,7 @@ class SpeedConfig:
         # for a channels_last convolution, at every norm (BENCHMARKS.md section 4; tests/test_copies.py counts those
         # copies). The video VAE's (Conv3d) is contiguous: the losses see its frames as images.
         vae_channels_last = self.channels_last == "true" or (self.channels_last == "auto" and device_type != "cuda")
+        vae_channels_last = vae_channels_last and self.sharding == "ddp"  # FSDP shards contiguous parameters only
         fmt = {True: torch.channels_last, False: torch.contiguous_format}
         return DeviceSpeed(Precision.of(self.precision), tf32, fmt[vae_channels_last and not video_frames],
                            fmt[self.channels_last != "false"], self.compile, device_type)
@@ -868,10 +873,29 @@ def check_video(cfg: Config) -> None:
                           "frame counts vary): leave it off for video")
 
 
+def check_sharding(cfg: Config) -> None:
+    """--sharding fsdp|hsdp with a flag that does not compose with it: one line (sharding.py says why each)."""
+    sharding = cfg.speed.sharding
+    if sharding == "ddp":
+        return
+    flag = f"--sharding {sharding}"
+    for on, name, why in (
+            (cfg.speed.compile, "--compile", "torch.compile of the sharded units is not tested here"),
+            (cfg.speed.channels_last == "true", "--channels_last true", "FSDP shards contiguous parameters only"),
+            (cfg.loss.loss_balance == "adaptive", "--loss_balance adaptive",
+             "LDM's adaptive weight differentiates by the decoder's last weight, which FSDP holds as shards"),
+            (cfg.latents.vf_weight > 0, "--vf_weight", "its projection trains in the VAE's DDP wrapper"),
+            (cfg.finetune.last_stage_trains != "all", "--last_stage_trains",
+             "its freeze rewraps the VAE mid-run")):
+        if on:
+            raise ConfigError(f"{flag} does not compose with {name} ({why}): use --sharding ddp or leave it off")
+
+
 def validate_across_sections(cfg: Config) -> None:
     """The checks that read two sections or more."""
     data, model, loss, critic, latents = cfg.data, cfg.model, cfg.loss, cfg.critic, cfg.latents
     check_video(cfg)
+    check_sharding(cfg)
     factor = downsample_factor_of(model)
     check_train_resolutions(cfg, factor)
     last_stage_levels(cfg)

@@ -98,6 +98,12 @@ class Family:
         """The decoder's last weight (LDM's adaptive GAN weight is computed on it)."""
         return vae.decoder.conv_out.weight
 
+    def shard_units(self, vae: nn.Module) -> list[nn.Module]:
+        """The modules --sharding fsdp|hsdp gathers one at a time (sharding.shard_units: the encoder's and decoder's
+        levels and mid blocks, which every family here keeps in ModuleLists and children of the two)."""
+        import sharding
+        return sharding.shard_units(vae)
+
     def last_stage_modules(self, vae: nn.Module, levels: int) -> list[nn.Module]:
         raise ConfigError(f"--last_stage_trains: the decoder's levels are the LDM family's, not {self.name}'s")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import tarfile
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,9 @@ import data as data_lib
 import families
 import pretrained
 import shards
+import sharding
 import sources
+from checkpoint import is_checkpoint_name
 from clips import VIDEO_EXTS
 from common import ConfigError, redact
 from sources import IMAGE_EXTS
@@ -172,7 +173,7 @@ def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Confi
 
 def has_checkpoints(run_dir: str) -> bool:
     folder = os.path.join(run_dir, "checkpoints")
-    return os.path.isdir(folder) and any(re.fullmatch(r"step_\d+\.pt", f) for f in os.listdir(folder))
+    return os.path.isdir(folder) and any(is_checkpoint_name(f) for f in os.listdir(folder))
 
 
 def saved_run_config(cfg: Config, explicit: set[str]) -> dict | None:
@@ -188,9 +189,10 @@ def saved_run_config(cfg: Config, explicit: set[str]) -> dict | None:
 
             from checkpoint import migrate
             # mapped, not read: only its config is wanted here (the trainer reads the checkpoint, once)
-            ckpt = migrate(torch.load(run.resume, map_location="cpu", weights_only=True, mmap=True))["run"]
+            ckpt = (sharding.load_rest(run.resume) if os.path.isdir(run.resume) else
+                    migrate(torch.load(run.resume, map_location="cpu", weights_only=True, mmap=True)))["run"]
             saved = {**ckpt.get("config", {}), **({"derived": ckpt["derived"]} if "derived" in ckpt else {})}
-        elif any(re.fullmatch(r"step_\d+\.pt", f) for f in os.listdir(os.path.join(run.run_dir, "checkpoints"))):
+        elif any(is_checkpoint_name(f) for f in os.listdir(os.path.join(run.run_dir, "checkpoints"))):
             with open(os.path.join(run.run_dir, "config.json")) as f:
                 saved = json.load(f)
         else:

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import families
+import sharding
 from ae import AutoEncoder
 from common import ConfigError, DistInfo
 from config import FP32, OptimConfig, Precision
@@ -24,7 +25,8 @@ from utils import cosine_with_warmup
 class EMA:
     """fp32 exponential moving average of the VAE parameters that train (frozen ones, --train_parts decoder, never
     change: their average is themselves), decay warmed up as min(decay, (1+t)/(10+t)). The update is skipped (on
-    the device, no host sync) on steps the guard rejected."""
+    the device, no host sync) on steps the guard rejected. Under --sharding fsdp|hsdp each shadow is a DTensor laid
+    out as its parameter (the rank holds and averages its shard only)."""
 
     def __init__(self, model: torch.nn.Module, decay: float):
         self.decay = decay
@@ -38,17 +40,17 @@ class EMA:
         # the parameters that trained at the start, also those a later stage froze (--last_stage_trains: their
         # average keeps converging on their now fixed value)
         named = dict(model.named_parameters())
-        params = [named[n].detach().float() for n in self.names]
-        delta = torch._foreach_sub(params, self.shadow)
+        params = [sharding.local(named[n].detach()).float() for n in self.names]
+        shadow = [sharding.local(s) for s in self.shadow]  # (views of the DTensors' shards)
+        delta = torch._foreach_sub(params, shadow)
         torch._foreach_mul_(delta, (1.0 - decay) * (1.0 - skip))
-        torch._foreach_add_(self.shadow, delta)
+        torch._foreach_add_(shadow, delta)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.shadow))
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for name, tensor in zip(self.names, self.shadow):
-            tensor.copy_(state[name])
+        sharding.copy_into(self.shadow, [state[name] for name in self.names])
 
     def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """A whole state dict of `model` with the averaged weights (the frozen ones as they are)."""
@@ -134,13 +136,14 @@ class VAETraining:
         self.projection = ProjectionTraining(alignment.projection, optim, make_optimizer) if alignment else None
         if self.projection is not None:
             self.trained = WithProjection(self.trained, alignment.projection)
-        self.ema = EMA(vae, optim.ema_decay) if optim.ema_decay > 0 else None
         if compile:
             vae.encoder.compile()  # the inner modules, never the DDP wrapper
             vae.decoder.compile()
         # a video VAE's temporal layers do not run on one-frame clips (--video_image_prob's steps)
         self.wrap_ddp = partial(wrap_ddp, find_unused=families.of(vae).unused_parameters(vae.params))
-        self.ddp = self.wrap_ddp(self.trained)
+        self.ddp = self.wrap_ddp(self.trained)  # (--sharding fsdp|hsdp: sharded in place, its parameters DTensors)
+        self.sharded = sharding.is_sharded(vae)
+        self.ema = EMA(vae, optim.ema_decay) if optim.ema_decay > 0 else None  # laid out as the parameters
         # the VAE's frozen parts (--train_parts decoder) stay out: no state, and weight decay never moves them
         self.optimizer = make_optimizer([p for p in vae.parameters() if p.requires_grad], optim.learning_rate_vae)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -182,6 +185,14 @@ class VAETraining:
         self.scheduler.step()
 
     def state_dict(self) -> dict:
+        """Whole tensors on the CPU; sharded (--sharding fsdp|hsdp), the rank's DTensors on its device and the
+        optimizer keyed by parameter name, which checkpoint.write_checkpoint hands to DCP (every rank writes its
+        shards)."""
+        if self.sharded:
+            return {"vae": self.vae.state_dict(), "ema": self.ema.model_state_dict(self.vae) if self.ema else None,
+                    "optimizer": sharding.optimizer_state(self.vae, self.optimizer),
+                    "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                    "train_parts": self.train_parts}
         return {"vae": {k: v.detach().cpu() for k, v in self.vae.state_dict().items()},
                 "ema": ({k: v.detach().cpu() for k, v in self.ema.model_state_dict(self.vae).items()}
                         if self.ema else None),
@@ -193,15 +204,28 @@ class VAETraining:
             raise ConfigError(f"{path} was trained with --train_parts {state['train_parts']}: resume with the same "
                               "(its optimizer holds those parameters), or start a new --run_name from it with "
                               "--load_path")
-        self.vae.load_state_dict(state["vae"])
+        if "dcp" in state:  # a sharded checkpoint's tensors, read now (every rank together)
+            state = {**state, **self.read_sharded(path, state["dcp"])}
+        sharding.load_model(self.vae, state["vae"])
         if self.ema is not None:
             if state.get("ema"):
                 self.ema.load_state_dict(state["ema"])
             else:
                 self.ema = EMA(self.vae, self.optim.ema_decay)
-        self.optimizer.load_state_dict(state["optimizer"])
+        sharding.load_optimizer(self.vae, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.restore_scaler(self.scaler, state.get("scaler"))
+
+
+    def read_sharded(self, path: str, written: list[str]) -> dict:
+        """The DCP parts (`written`: vae, ema, optimizer) of the sharded checkpoint `path`: this run sharded, each rank
+        reads its shards of them (resharded from whatever layout wrote them); otherwise every rank reads them whole."""
+        if not self.sharded:
+            return sharding.load_whole(path)["training"]
+        template = {"vae": self.vae.state_dict(), "optimizer": sharding.optimizer_state(self.vae, self.optimizer)}
+        if "ema" in written and self.ema is not None:
+            template["ema"] = self.ema.model_state_dict(self.vae)
+        return sharding.load_sharded(path, template)
 
 
 class WithProjection(torch.nn.Module):
@@ -278,6 +302,8 @@ class NonFiniteGuard:
             norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        # sharded: the norm over every rank's shards (DTensor reduces the local sums), replicated; its local value
+        norm = sharding.whole(norm)
         metrics.add(**{f"grad_norm/{name}": norm})
         return ~torch.isfinite(norm)
 
@@ -341,6 +367,14 @@ def wrap_ddp(module: torch.nn.Module, info: DistInfo, find_unused: bool = False)
         return module
     ids = [info.device.index] if info.device.type == "cuda" else None
     return DDP(module, device_ids=ids, gradient_as_bucket_view=True, find_unused_parameters=find_unused)
+
+
+def wrap_sharded(module: torch.nn.Module, mesh, find_unused: bool = False) -> torch.nn.Module:
+    """--sharding fsdp|hsdp: `module` (the training forward) sharded in place over `mesh` by the units its VAE's
+    family names (sharding.py); `find_unused` needs nothing here: FSDP reduces the gradients a step produced, and
+    every rank of a step takes the same kind of batch."""
+    vae = module.trained.vae if hasattr(module, "trained") else module.vae
+    return sharding.shard(module, families.of(vae).shard_units(vae), mesh)
 
 
 def adamw(optim: OptimConfig, params, lr: float) -> torch.optim.AdamW:

@@ -15,6 +15,7 @@ registry of stateful entries, run_log.py everything the user sees).
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
@@ -34,6 +35,7 @@ import memory
 import pretrained
 import probe as probe_lib
 import run_log
+import sharding
 from alignment import fetch_foundation_weights
 from checkpoint import checkpoint_files
 from common import (ConfigError, DistInfo, StopFlag, any_rank, capture_rng, closing_distributed, init_distributed,
@@ -43,7 +45,8 @@ from config import (Config, DeviceSpeed, downsample_factor_of, last_stage_levels
 from objective import Adversary, VAEObjective, micro_step
 from run_log import Metrics
 from run_setup import config_warnings, cpu_use_line, prepare_run, read_init_source
-from train_state import NonFiniteGuard, TeacherDecoder, VAETraining, adamw, compile_for_sizes, wrap_ddp
+from train_state import (NonFiniteGuard, TeacherDecoder, VAETraining, adamw, compile_for_sizes, wrap_ddp,
+                         wrap_sharded)
 from weights import WeightsUnavailable, ensure_vgg16_weights, fetch_weights, load_vgg16_features, warn_random_vgg
 
 
@@ -146,7 +149,8 @@ def start_lines(cfg: Config, vae: torch.nn.Module, info: DistInfo, run_dir: str,
                  f"{speed.describe()} | batch {cfg.data.batch_size}"
                  f"{f' clips of {cfg.data.video_frames} frames' if cfg.data.video_frames else ''} x "
                  f"{cfg.optim.grad_accum} accum x {info.world_size} ranks")
-    return lines
+    trained = sum(p.numel() for p in vae.parameters() if p.requires_grad)
+    return lines + sharding.describe(cfg.speed.sharding, info.world_size, trained, cfg.optim.ema_decay > 0)
 
 
 def set_cuda_backends(speed: DeviceSpeed, device: torch.device) -> None:
@@ -341,7 +345,15 @@ class Trainer:
         if cfg.speed.compile and self.adversary is not None:
             self.adversary.critic.compile()
         make_optimizer = partial(adamw, cfg.optim)
-        self.training = VAETraining(self.vae, cfg.optim, make_optimizer, self.wrap_ddp, self.device,
+        # --sharding fsdp|hsdp (under torchrun): the VAE's state sharded (sharding.py); the critic stays under DDP
+        self.sharding = cfg.speed.sharding if info.distributed else "ddp"
+        wrap_vae, self.whole_template = self.wrap_ddp, None
+        if self.sharding != "ddp":
+            wrap_vae = partial(wrap_sharded, mesh=sharding.mesh_for(self.sharding, info))
+            # evaluation, the sample grid and the probe run a whole copy (sharded, the VAE runs only inside the
+            # training forward, on every rank together): its architecture, kept on the CPU, the weights gathered
+            self.whole_template = copy.deepcopy(self.vae).cpu()
+        self.training = VAETraining(self.vae, cfg.optim, make_optimizer, wrap_vae, self.device,
                                     cfg.finetune.train_parts, self.precision, cfg.speed.compile,
                                     self.objective.alignment, teacher)
         self.regularisers = build_regularisers(cfg, self.vae.downsample_factor)
@@ -606,33 +618,56 @@ class Trainer:
             return False
         path = self.save()
         if path:
-            same = " (weights identical on all ranks)" if self.replicas_equal else " (rank 0's weights: ranks differ)"
+            same = (" (sharded: each rank wrote its shards)" if self.training.sharded else
+                    " (weights identical on all ranks)" if self.replicas_equal else " (rank 0's weights: ranks differ)")
             self.log(f"saved {path}" + (same if self.info.distributed else ""))
         return True
 
     def save(self) -> str | None:
-        in_sync = checkpoint.ranks_in_sync(self.training.replicated(), self.info)
+        sharded = self.training.sharded
+        # sharded, each shard has one owner: there are no replicas of the VAE to compare
+        in_sync = sharded or checkpoint.ranks_in_sync(self.training.replicated(), self.info)
         state = self.state.state_dict()  # every rank takes part in the gather
         # the critic's replicas too (the frozen critic's heads: only they are in its DDP buckets)
         critic_in_sync = self.adversary is None or checkpoint.ranks_in_sync(self.adversary.critic, self.info)
         state["run"].update(ranks_in_sync=in_sync, critic_in_sync=critic_in_sync)
         self.replicas_equal = in_sync and critic_in_sync
+        if sharded:  # every rank writes its shards; the grid's whole weights are gathered by all
+            path = checkpoint.write_checkpoint(self.ckpt_dir, self.step, state, self.cfg.run.keep_last_k, self.info)
+            grid_vae = self.whole_vae()
         if not self.info.is_main:
             return None
         if not in_sync:
             self.log("warning: VAE weights differ across ranks (DDP desynchronised); saving rank 0's")
-        path = checkpoint.write_checkpoint(self.ckpt_dir, self.step, state, self.cfg.run.keep_last_k)
-        self.report.sample_grid(self.vae, self.autocast, self.step)
+        if not sharded:
+            path, grid_vae = checkpoint.write_checkpoint(self.ckpt_dir, self.step, state,
+                                                         self.cfg.run.keep_last_k), self.vae
+        self.report.sample_grid(grid_vae, self.autocast, self.step)
         return path
 
-    def evaluate(self) -> dict:
+    def whole_vae(self) -> torch.nn.Module:
+        """The VAE with whole weights: itself, or sharded a copy with its weights gathered (every rank calls it)."""
+        if self.whole_template is None:
+            return self.vae
+        whole = copy.deepcopy(self.whole_template).to(self.device)
+        whole.load_state_dict(sharding.full_state(self.vae.state_dict(), cpu=False))
+        return whole.train(self.vae.training)
+
+    def whole_ema_state(self) -> dict | None:
+        """The EMA's whole state dict of the VAE (gathered when sharded: every rank calls it), None without EMA."""
         ema = self.training.ema
-        results, grids = self.validator.run(self.vae, ema.model_state_dict(self.vae) if ema else None, self.autocast)
+        return None if ema is None else sharding.full_state(ema.model_state_dict(self.vae), cpu=False)
+
+    def evaluate(self) -> dict:
+        results, grids = self.validator.run(self.whole_vae(), self.whole_ema_state(), self.autocast)
         self.report.evaluation(results, grids, self.step)
         return results
 
     def probe(self) -> None:
-        self.report.probe(self.step, *self.in_loop_probe(self.vae, self.training.ema))
+        ema = self.training.ema
+        if ema is not None and self.training.sharded:
+            ema = sharding.Averaged(self.whole_ema_state())
+        self.report.probe(self.step, *self.in_loop_probe(self.whole_vae(), ema))
 
     def close(self) -> None:
         self.loader.close()
