@@ -538,7 +538,7 @@ def load_model(ckpt: str, ema: bool = False, video: bool = False) -> tuple[torch
                               f"({type(e).__name__}: {reason})") from None
     if os.path.isfile(ckpt) and ckpt.endswith(".safetensors"):
         return load_single_file(ckpt, ema)
-    if os.path.isdir(ckpt):
+    if os.path.isdir(ckpt) and not sharding.is_dcp_dir(ckpt):  # a run, or its checkpoints folder
         ckpt_dir = os.path.join(ckpt, "checkpoints") if os.path.isdir(os.path.join(ckpt, "checkpoints")) else ckpt
         if not checkpoint_files(ckpt_dir):
             raise ConfigError(f"--ckpt {ckpt}: no checkpoints (step_*.pt, step_*/) in {ckpt_dir}, and not an export.py folder "

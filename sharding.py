@@ -28,6 +28,7 @@ needed again first in backward)."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -222,7 +223,9 @@ def load_whole(path: str, rest: dict | None = None) -> dict:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
     rest = rest if rest is not None else load_rest(path)
     # under torchrun a collective of the default group: every rank calls it (a DDP run's resume does, together)
-    loaded = _load_state_dict_from_keys(checkpoint_id=path)
+    with warnings.catch_warnings():  # one process: DCP's "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", message=".*single process")
+        loaded = _load_state_dict_from_keys(checkpoint_id=path)
     training = {k: v for k, v in rest["training"].items() if k != "dcp"}
     return {**rest, "training": {**training, **loaded["training"]}}
 
