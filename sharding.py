@@ -199,7 +199,9 @@ def save_dcp(state: dict, tmp: str, final: str, info: DistInfo) -> None:
     sharded = {k: training[k] for k in SHARDED_ENTRIES if training.get(k) is not None}
     rest = {**state, "training": {**{k: v for k, v in training.items() if k not in SHARDED_ENTRIES},
                                   "dcp": sorted(sharded)}}
-    dcp.save({"training": sharded}, checkpoint_id=tmp)
+    with warnings.catch_warnings():  # one process: DCP's "assuming the intent is to save in a single process"
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.save({"training": sharded}, checkpoint_id=tmp)
     if info.is_main:
         atomic_write(os.path.join(tmp, REST), lambda f: torch.save(rest, f))
         os.replace(tmp, final)

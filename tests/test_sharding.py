@@ -1,0 +1,270 @@
+"""--sharding fsdp|hsdp (sharding.py): the same math as DDP, state that falls as 1/N, checkpoints that reshard onto
+any world size and either sharding, written atomically, and the one-line refusals. Real torchrun (gloo) on the CPU
+where only processes show it; the plumbing in-process."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, cli_env, run_cli
+
+import checkpoint
+import sharding
+from common import ConfigError, DistInfo
+
+
+def sharded_args(url, out, run, steps, *extra):
+    """Checkpoints every step, all kept; the GAN with LeCam from step 1, EMA, 2 micro-batches per step; NCHW (the
+    sharded VAE's layout: on a CPU the DDP run would otherwise be channels_last, whose noise draws differ)."""
+    return ["--dataset_url", url, "--output_dir", str(out), "--run_name", run, "--max_steps", str(steps),
+            "--save_every_n_steps", "1", "--log_every_n_steps", "1", "--evaluate_every_n_steps", "0",
+            "--keep_last_k", "20", *TINY, "--do_ganloss", "--disc_start", "1", "--lecam_weight", "0.1",
+            "--ema_decay", "0.9", "--num_threads", "1", "--channels_last", "false", "--memory_check", "false", *extra]
+
+
+def logged(run_dir) -> dict[int, dict]:
+    """{step: its logged losses and VAE gradient norm}."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("loss/") or k == "grad_norm/vae"} for r in rows}
+
+
+def step_images(folder) -> dict[int, list[str]]:
+    """{step: the digests of its micro-batches in index order} from tests/recording_trainer.py's records."""
+    steps: dict[int, dict[int, str]] = {}
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name)) as f:
+            for line in f:
+                r = json.loads(line)
+                steps.setdefault(r["step"], {}).update({r["first"] + i: d for i, d in enumerate(r["digests"])})
+    return {step: [slots[j] for j in sorted(slots)] for step, slots in steps.items()}
+
+
+def worst_relative(a: dict, b: dict) -> float:
+    """The largest relative difference of the values two logs share."""
+    return max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-6) for k in a if k in b)
+
+
+@pytest.fixture(scope="module")
+def runs(shard_url, tmp_path_factory):
+    """5 steps of 2 ranks x --grad_accum 2 three ways: ddp, fsdp (recorded: tests/recording_trainer.py), and ddp on
+    1 rank x --grad_accum 4 (the same micro-batches, issue 34: it differs from the 2-rank run only in the order of
+    the fp32 sums, the yardstick of "float rounding")."""
+    out = tmp_path_factory.mktemp("sharded")
+    (out / "record").mkdir()
+    env = cli_env(VAE_TRAINER_RECORD=str(out / "record"))
+    for run, nproc, extra in (("ddp", 2, ["--sharding", "ddp"]), ("fsdp", 2, ["--sharding", "fsdp"]),
+                              ("one", 1, ["--grad_accum", "4"])):
+        script = "tests/recording_trainer.py" if run == "fsdp" else "vae_trainer.py"
+        accum = [] if run == "one" else ["--grad_accum", "2"]
+        result = run_cli(script, sharded_args(shard_url, out, run, 5, *accum, *extra), nproc=nproc,
+                         env=env if run == "fsdp" else cli_env())
+        assert result.returncode == 0, result.stderr[-3000:]
+        if run == "fsdp":
+            assert "sharding: fsdp, the trained state in 2 shards" in result.stdout, result.stdout[-2000:]
+            assert "(sharded: each rank wrote its shards)" in result.stdout
+    return out
+
+
+@pytest.mark.process
+@pytest.mark.timeout(600)
+def test_fsdp_trains_as_ddp_does_to_float_rounding(runs):
+    """The same 5 steps (GAN, LeCam, EMA, accumulation) under fsdp and ddp on 2 ranks. Step 1 starts from the same
+    weights: its losses and the VAE's clipped gradient norm (over every rank's shards) equal DDP's to 1e-6. Later
+    steps part by rounding only: the fsdp-vs-ddp difference of every logged loss stays within 3x the difference of
+    two DDP runs that differ only in the order of their sums (2 ranks x 2 micro-batches against 1 x 4), and within
+    1e-3 relative. (Adam turns any rounding of a near-zero gradient into a +-lr step, so the runs part a little
+    more each step; an unreduced shard's gradient moves the losses by percents.) The sharded checkpoint's EMA is
+    the average of its weights on every shard: ema_k = d ema_(k-1) + (1-d) w_k, d = min(0.9, (1+k)/(10+k))."""
+    ddp, fsdp, one = (logged(runs / name) for name in ("ddp", "fsdp", "one"))
+    assert sorted(ddp) == sorted(fsdp) == [1, 2, 3, 4, 5]
+    assert worst_relative(fsdp[1], ddp[1]) <= 1e-6, (fsdp[1], ddp[1])  # clipping by a local norm: ~30 % off
+    rounding = max(worst_relative(one[step], ddp[step]) for step in range(2, 6))
+    ours = max(worst_relative({k: v for k, v in fsdp[step].items() if k.startswith("loss/")}, ddp[step])
+               for step in range(2, 6))
+    assert ours <= max(3 * rounding, 1e-6) and ours <= 1e-3, (ours, rounding)
+    ckpts = [checkpoint.load_checkpoint(str(runs / "fsdp" / "checkpoints" / f"step_{k:08d}")) for k in (3, 4)]
+    for name, ema in ckpts[1]["training"]["ema"].items():
+        decay = min(0.9, (1 + 3) / (10 + 3))  # the EMA's update after step 4 is its update number 3 (from 0)
+        expected = decay * ckpts[0]["training"]["ema"][name] + (1 - decay) * ckpts[1]["training"]["vae"][name]
+        if ema.is_floating_point():
+            assert torch.allclose(ema, expected, rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.process
+@pytest.mark.timeout(600)
+def test_a_sharded_run_resumes_on_4_ranks_then_on_1_with_the_same_steps(runs, tmp_path, shard_url):
+    """The fsdp run stopped after step 3 (its own directory, cut back) continues on 4 ranks (the DCP checkpoint of 2
+    ranks resharded onto 4: each reads only its shards) for step 4, then on 1 process (which reads it whole and
+    writes a single file) for step 5. Every step trains on the uninterrupted run's images, bitwise; step 4 computes
+    what the uninterrupted run computed from the same checkpoint up to the order of the fp32 sums (1e-5, the bound
+    of the elastic tests), and so does step 5 against a 2-rank fsdp run resumed from the same step-4 checkpoint."""
+    import shutil
+    cut = tmp_path / "cut"
+    shutil.copytree(runs / "fsdp", cut)
+    for k in (4, 5):
+        shutil.rmtree(cut / "checkpoints" / f"step_{k:08d}")
+    (cut / "checkpoints" / "latest").write_text("step_00000003")
+    record = tmp_path / "record"
+    record.mkdir()
+    env = cli_env(VAE_TRAINER_RECORD=str(record))
+    four = run_cli("tests/recording_trainer.py", sharded_args(shard_url, tmp_path, "cut", 4, "--grad_accum", "2",
+                                                             "--sharding", "fsdp"), nproc=4, env=env)
+    assert four.returncode == 0, four.stderr[-3000:]
+    assert "resumed from" in four.stdout and "sharding: fsdp, the trained state in 4 shards" in four.stdout
+    assert sorted(os.listdir(cut / "checkpoints" / "step_00000004")).count("rest.pt") == 1
+    shutil.copytree(cut, tmp_path / "control")
+    one = run_cli("tests/recording_trainer.py", sharded_args(shard_url, tmp_path, "cut", 5, "--grad_accum", "2",
+                                                            "--sharding", "fsdp"), nproc=0, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "--sharding fsdp on one process shards nothing" in one.stdout, one.stdout[-2000:]
+    assert os.path.isfile(cut / "checkpoints" / "step_00000005.pt")
+    control = run_cli("vae_trainer.py", sharded_args(shard_url, tmp_path, "control", 5, "--grad_accum", "2",
+                                                     "--sharding", "fsdp"), nproc=2)
+    assert control.returncode == 0, control.stderr[-3000:]
+    reference = step_images(runs / "record")
+    assert step_images(record) == {k: reference[k] for k in (3, 4)}  # (the record's step: completed steps before)
+    assert worst_relative(logged(cut)[4], logged(runs / "fsdp")[4]) <= 1e-5
+    assert worst_relative(logged(cut)[5], logged(tmp_path / "control")[5]) <= 1e-5
+    assert "warning" not in four.stderr + one.stderr, four.stderr + one.stderr
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("train_parts", ["all", "decoder"])
+def test_each_rank_holds_a_1_over_n_share_of_the_trained_state(tmp_path, train_parts):
+    """tests/sharded_state.py on 2 and 4 ranks, after a real step: each rank's local parameters, gradients, AdamW
+    moments and EMA are its share of the whole (they add up to it exactly, and none exceeds 1/N of it by more than
+    FSDP's padding of each tensor's first dimension: one row per tensor); the decoder-only fine-tune's frozen encoder
+    stays whole on every rank and is no DTensor."""
+    whole = None
+    for n in (2, 4):
+        out = tmp_path / str(n)
+        out.mkdir()
+        result = run_cli("tests/sharded_state.py", [str(out), "fsdp", train_parts], nproc=n)
+        assert result.returncode == 0, result.stderr[-3000:]
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+        whole = ranks[0]["whole_trained"]
+        for part, factor in (("params", 1), ("grads", 1), ("optimizer", 2), ("ema", 1)):
+            assert sum(r[part] for r in ranks) == factor * whole, (n, part)
+            # the padding: at most one row of each of the model's tensors (a bias: one element), well under 2 %
+            assert all(r[part] <= factor * whole / n * 1.02 for r in ranks), (n, part, [r[part] for r in ranks])
+        frozen = {r["frozen"] for r in ranks}
+        assert len(frozen) == 1 and all(r["frozen_dtensors"] == 0 for r in ranks)
+        assert (frozen.pop() > 0) == (train_parts == "decoder")
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints: atomic, listed, read whole on one process
+# --------------------------------------------------------------------------------------------
+KILLED_SAVE = r"""
+import os, sys, time, torch
+sys.path.insert(0, {root!r})
+import checkpoint, common
+from common import DistInfo
+ckpt_dir = sys.argv[1]
+
+def state(step):
+    weights = {{"w": torch.full((64, 8), float(step)), "b": torch.arange(8.0) * step}}
+    return {{"format_version": 2, "training": {{"vae": weights, "ema": None, "optimizer": {{"state": {{}},
+            "param_groups": []}}, "train_parts": "all"}}, "run": {{"step": step}}}}
+
+checkpoint.write_checkpoint(ckpt_dir, 1, state(1), 3, DistInfo())
+real = common.atomic_write
+def stalled(path, write):  # the second save stops for good after DCP wrote its files, before rest.pt
+    open(os.path.join(ckpt_dir, "..", "stalled"), "w").close()
+    time.sleep(600)
+common.atomic_write = stalled
+checkpoint.write_checkpoint(ckpt_dir, 2, state(2), 3, DistInfo())
+"""
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_a_kill_during_a_sharded_save_leaves_the_last_checkpoint_loadable(tmp_path):
+    """A process SIGKILLed inside the save of step 2 (DCP's files written, rest.pt not yet): step 1's directory is
+    still the run's latest checkpoint and loads; the half-written one is not listed, and the next save clears it."""
+    ckpt_dir = tmp_path / "checkpoints"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE.format(root=ROOT), str(ckpt_dir)], env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while not (tmp_path / "stalled").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert os.listdir(ckpt_dir / ".step_00000002.incomplete")  # DCP's files were there
+    assert checkpoint.checkpoint_files(str(ckpt_dir)) == [str(ckpt_dir / "step_00000001")]
+    path, state = checkpoint.load_latest_checkpoint(str(ckpt_dir))
+    assert state["run"]["step"] == 1 and torch.equal(state["training"]["vae"]["b"], torch.arange(8.0))
+    # a sharded checkpoint read for a resume holds all but its DCP parts, which it names
+    rest = checkpoint.load_checkpoint(path, whole=False)
+    assert "vae" not in rest["training"] and rest["training"]["dcp"] == ["optimizer", "vae"]
+    state["run"]["step"] = 2
+    checkpoint.write_checkpoint(str(ckpt_dir), 2, state, 3, DistInfo())
+    assert sorted(os.listdir(ckpt_dir)) == ["latest", "step_00000001", "step_00000002"]
+
+
+# --------------------------------------------------------------------------------------------
+# refusals and notes
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags,named", [
+    (["--compile"], "--compile"),
+    (["--channels_last", "true"], "--channels_last true"),
+    (["--loss_balance", "adaptive"], "--loss_balance adaptive"),
+    (["--vf_weight", "0.1", "--vf_weights", "random"], "--vf_weight"),
+])
+def test_a_flag_that_does_not_compose_with_sharding_is_refused_in_one_line(flags, named, tmp_path):
+    """Refused by the configuration's checks (before torchrun's workers build anything), naming both flags."""
+    from run_setup import prepare_run
+    with pytest.raises(ConfigError) as e:
+        prepare_run(["--dataset_url", str(tmp_path / "x.tar"), "--output_dir", str(tmp_path), *TINY,
+                     "--sharding", "fsdp", *flags])
+    assert "--sharding fsdp does not compose with " + named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_start_says_which_sharding_and_what_it_holds_per_rank():
+    ddp = sharding.describe("ddp", 8, 1_220_000_000, ema=True)
+    assert ddp == ["sharding: ddp, the trained state whole on each of 8 ranks (22.72 GiB each: weights, gradients, "
+                   "AdamW, EMA); --sharding fsdp would hold 2.84 GiB per rank"]
+    fsdp = sharding.describe("fsdp", 8, 1_220_000_000, ema=False)
+    assert fsdp == ["sharding: fsdp, the trained state in 8 shards (2.27 GiB per rank of 18.18 GiB; ddp would hold "
+                    "all of it on each)"]
+    assert sharding.describe("fsdp", 1, 10, ema=True)[0].startswith("note: --sharding fsdp on one process")
+    assert sharding.describe("fsdp", 2, 1_000_000, ema=True)[1].startswith("note: --sharding fsdp of 1.0M trained")
+    assert sharding.describe("ddp", 1, 10, ema=True) == []
+
+
+def test_the_units_are_the_blocks_the_encoder_and_decoder_call():
+    """FSDP gathers a unit in its forward's hooks: ae.py's levels and mid are containers, so the units are their
+    ResnetBlocks and resampling convs (every one is called by Encoder/Decoder.forward); conv_in/out stay in the
+    root's group."""
+    from ae import AutoEncoder, AutoEncoderParams, Downsample, ResnetBlock, Upsample
+    vae = AutoEncoder(AutoEncoderParams(ch=32, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4, use_attn=False,
+                                        norm_groups=8))
+    units = sharding.shard_units(vae)
+    assert all(isinstance(u, (ResnetBlock, Downsample, Upsample)) for u in units)
+    blocks = [m for m in vae.modules() if isinstance(m, (ResnetBlock, Downsample, Upsample))]
+    assert len(units) == len(blocks)
+    assert vae.encoder.conv_in not in units and vae.decoder.conv_out not in units
+
+
+def test_a_single_file_checkpoint_of_an_earlier_release_still_names_itself_a_checkpoint(tmp_path):
+    """Checkpoint listing: files and complete sharded directories by step, newest first; an incomplete directory
+    (no rest.pt) is skipped."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"x": 1}, folder / "step_00000002.pt")
+    (folder / "step_00000003").mkdir()  # incomplete: no rest.pt
+    (folder / "step_00000001").mkdir()
+    (folder / "step_00000001" / "rest.pt").write_bytes(b"")
+    (folder / "step_00000001" / ".metadata").write_bytes(b"")
+    assert checkpoint.checkpoint_files(str(folder)) == [str(folder / "step_00000002.pt"),
+                                                        str(folder / "step_00000001")]
+    assert checkpoint.is_checkpoint_name("step_00000003") and not checkpoint.is_checkpoint_name(".step_1.incomplete")
+    assert DistInfo().is_main  # (the single-process info write_checkpoint takes for a sharded run's one process)
