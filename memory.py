@@ -12,11 +12,20 @@ has can be left out here. Saved bytes grow linearly with the pixels of a micro-b
 and the constant, and the step at the real batch and resolution is extrapolated from them. To that come the
 weights, their gradients, the AdamW moments and the EMA copy (fp32 each) of every trained parameter, the copy of
 the VAE that evaluation keeps for the EMA weights, and the in-loop probe's copy (between steps).
+
+Under --sharding fsdp|hsdp (StepShape.shards > 1) the VAE's trained parameters, their gradients, AdamW moments and
+EMA are held 1/N per rank (FSDP2 pads each parameter's first dimension to a multiple of N: counted so), plus what is
+gathered whole during the step (state_memory): the root group's weights (kept whole from forward to backward) and
+two units' at a time (the one computing and the next, prefetched), with the largest unit's whole gradient before its
+reduce-scatter. Frozen parameters (--train_parts decoder's encoder side, a teacher), LPIPS and the critic (DDP) stay
+whole. Activations are not sharded: the probes run a whole copy of the VAE (whole_for_probes), with no collective.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import math
 import os
 
 import torch
@@ -42,24 +51,26 @@ class StepShape:
     grad_checkpointing: str = "none"  # config.GRAD_CHECKPOINTING
     frames: int = 0  # --video_frames (0: images)
     can_checkpoint: bool = True  # the model has gradient checkpointing (some diffusers classes have none)
+    shards: int = 1  # the ranks the VAE's trained state is spread over (--sharding fsdp|hsdp); 1: whole (ddp)
+    ranks: int = 1  # the run's processes (torchrun's world size): where --sharding fsdp could help
 
     @classmethod
     def of(cls, schedule, optim, speed, precision: Precision, resolution: int | None = None, frames: int = 0,
-           can_checkpoint: bool = True) -> "StepShape":
+           can_checkpoint: bool = True, shards: int = 1, ranks: int = 1) -> "StepShape":
         """The shape of a run's step at `resolution` (default: the reference, --vae_resolution) with the micro-batch
         the run's schedule (data.ResolutionSchedule) gives that size, from its optimisation and speed sections and
         its precision (the trainer's config.Precision)."""
         size = schedule.reference if resolution is None else resolution
         return cls(schedule.batch_for(size), size, optim.grad_accum, precision, speed.grad_checkpointing,
-                   frames, can_checkpoint)
+                   frames, can_checkpoint, shards, ranks)
 
     @classmethod
     def to_check(cls, schedule, optim, speed, precision: Precision, frames: int = 0,
-                 can_checkpoint: bool = True) -> list["StepShape"]:
+                 can_checkpoint: bool = True, shards: int = 1, ranks: int = 1) -> list["StepShape"]:
         """The step shapes the memory check estimates: every size of the run's schedule (one without
         --train_resolutions) with its micro-batch, the largest first (a smaller size holds more images, and the
         floor of one image more pixels: any of them can need the most; the sizes are few)."""
-        return [cls.of(schedule, optim, speed, precision, size, frames, can_checkpoint)
+        return [cls.of(schedule, optim, speed, precision, size, frames, can_checkpoint, shards, ranks)
                 for size in reversed(schedule.sizes)]
 
 
@@ -71,10 +82,13 @@ class StepMemory:
     training_state: int  # gradients, AdamW's two moments and the EMA copy of the trained parameters
     copies: int = 0  # whole-VAE copies kept for the run: evaluation's model for the EMA weights
     between_steps: int = 0  # held only between steps, when the step's activations are freed: the probe's copy
+    gathered: int = 0  # sharded: the weights (and a gradient) gathered whole during the step (state_memory)
 
     @property
     def total(self) -> int:
-        return max(self.activations, self.between_steps) + self.weights + self.training_state + self.copies
+        # (between steps nothing is gathered: the root reshards after backward, every unit after its pass)
+        return (max(self.activations + self.gathered, self.between_steps) + self.weights + self.training_state
+                + self.copies)
 
 
 @contextlib.contextmanager
@@ -159,7 +173,9 @@ def estimate_step_memory(vae: nn.Module, objective, shape: StepShape, ema: bool 
     or optimizer state, so it is estimated as the trainer will run it. `eval_copy`: evaluation keeps a copy of the
     VAE for its EMA weights (evaluation and EMA on); `probe_copy`: the in-loop probe copies the VAE between steps.
     `probes`: a dict that keeps the probes' results across calls (they depend on the precision, the checkpointing
-    and the probe sizes only: another batch size or resolution is the same probes extrapolated)."""
+    and the probe sizes only: another batch size, resolution or shard count is the same probes extrapolated).
+    `shape.shards` > 1: the VAE's trained state per rank under --sharding (state_memory); `vae` is whole (sharded, the
+    probes run whole_for_probes' copy)."""
     r1, r2 = probe_resolutions or (min(64, shape.resolution), min(128, shape.resolution))
     key = (shape.precision, shape.grad_checkpointing, shape.frames, r1, r2)
     if probes is not None and key in probes:
@@ -177,18 +193,85 @@ def estimate_step_memory(vae: nn.Module, objective, shape: StepShape, ema: bool 
     # checkpointing, one recomputed block): a few tensors of the largest size, BACKWARD_TENSORS of them.
     transient = BACKWARD_TENSORS * largest * (shape.resolution / r2) ** 2
     activations = int((max(0.0, per_image) + transient) * shape.batch_size)
-    networks = _networks(vae, objective)
-    if model is not None:  # the alignment's projection trains with the VAE
-        networks.append(model)
+    weights, training_state, gathered = state_memory(vae, _networks(vae, objective)[1:], shape.shards, ema, model)
+    copy_bytes = model_bytes(vae)
+    between = copy_bytes if probe_copy else 0
+    if shape.shards > 1 and (eval_copy or probe_copy):
+        between += 2 * copy_bytes  # evaluation and the probe gather a whole VAE: its state dict and the model it fills
+    return StepMemory(activations, weights, training_state, copy_bytes if eval_copy else 0, between, gathered)
+
+
+def _sharded_bytes(p: torch.Tensor, shards: int) -> int:
+    """One rank's bytes of `p` sharded `shards` ways on its first dimension (FSDP2's Shard(0), padded to a multiple
+    of `shards`: every rank holds ceil(rows / shards) rows)."""
+    if shards <= 1 or p.dim() == 0:
+        return p.numel() * p.element_size()
+    rows = p.shape[0]
+    return math.ceil(rows / shards) * (p.numel() // max(rows, 1)) * p.element_size()
+
+
+def state_memory(vae: nn.Module, others: list[nn.Module], shards: int = 1, ema: bool = True,
+                 model: nn.Module | None = None, units: list[nn.Module] | None = None) -> tuple[int, int, int]:
+    """(weights, gradients + AdamW + EMA, gathered) bytes per rank, from the parameters alone (a module built on
+    the meta device will do). `vae`: the VAE, its trained parameters the ones with requires_grad; `others`: the
+    loss networks and the critic (whole: LPIPS frozen, the critic under DDP); `model`: what the trainer wraps (the
+    training forward, with the alignment's projection that trains beside the VAE; default the VAE). Gradients are of
+    the parameter's dtype, AdamW's two moments and the EMA fp32. `shards` > 1 (--sharding fsdp|hsdp): the trained
+    parameters of `model` and their state are 1/shards per rank, and `gathered` is what the step holds whole besides:
+    the root group's trained weights (reshard_after_forward False: whole from forward to backward), the two largest
+    units' (the one computing and the next one, prefetched) and the largest unit's gradient before its
+    reduce-scatter (`units`: default families.Family.shard_units, as the trainer shards them)."""
+    networks = [vae, *others] + ([model] if model is not None else [])
     params = list({id(p): p for m in networks for p in m.parameters()}.values())
-    weights = sum(p.numel() * p.element_size() for p in params)
+    sharded = ({id(p) for p in (model or vae).parameters() if p.requires_grad} if shards > 1 else set())
+
+    def local(p: torch.Tensor, per_element: int | None = None) -> int:
+        """One rank's bytes of p (or of a state of `per_element` bytes per element of it)."""
+        nbytes = _sharded_bytes(p, shards) if id(p) in sharded else p.numel() * p.element_size()
+        return nbytes if per_element is None else nbytes // p.element_size() * per_element
+    weights = sum(local(p) for p in params)
     trained = [p for p in params if p.requires_grad]  # LPIPS is frozen; the critic trains
     vae_trained = [p for p in vae.parameters() if p.requires_grad]
-    training_state = (sum(p.numel() * p.element_size() for p in trained)  # gradients
-                      + sum(p.numel() * 4 * 2 for p in trained)  # AdamW's exp_avg and exp_avg_sq, fp32
-                      + (sum(p.numel() * 4 for p in vae_trained) if ema else 0))  # the EMA's fp32 shadow
-    copy = model_bytes(vae)
-    return StepMemory(activations, weights, training_state, copy if eval_copy else 0, copy if probe_copy else 0)
+    training_state = (sum(local(p) for p in trained)  # gradients
+                      + sum(local(p, 4 * 2) for p in trained)  # AdamW's exp_avg and exp_avg_sq, fp32
+                      + (sum(local(p, 4) for p in vae_trained) if ema else 0))  # the EMA's fp32 shadow
+    gathered = 0
+    if sharded:
+        import families
+        whole = {id(p): p.numel() * p.element_size() for p in params if id(p) in sharded}
+        units = sorted((sum(whole.get(id(p), 0) for p in unit.parameters())
+                        for unit in (families.of(vae).shard_units(vae) if units is None else units)), reverse=True)
+        root = sum(whole.values()) - sum(units)
+        gathered = root + sum(units[:2]) + (units[0] if units else 0)
+    return weights, training_state, gathered
+
+
+def shard_count(module: nn.Module) -> int:
+    """The ranks each of `module`'s sharded parameters is spread over (the mesh dimensions a DTensor parameter is
+    Shard on: all ranks under fsdp, a node's under hsdp); 1 for a module without DTensors (ddp, one process)."""
+    from sharding import is_dtensor
+    for p in module.parameters():
+        if is_dtensor(p):
+            return math.prod(p.device_mesh.size(dim) for dim, placement in enumerate(p.placements)
+                             if placement.is_shard())
+    return 1
+
+
+@contextlib.contextmanager
+def whole_for_probes(template: nn.Module, vae: nn.Module, model: nn.Module, device):
+    """Sharded (--sharding fsdp|hsdp), the VAE's parameters are DTensors that only the training forward gathers,
+    every rank together; the probes, whose count can differ across ranks (a rank short of memory estimates the
+    remedies too), run instead on a whole copy of the VAE on the device: `template` (the trainer's whole CPU copy,
+    made before sharding) with the trained/frozen split of the sharded `vae`, inside a training forward like `model`
+    (its frozen encoder, its teacher: frozen, so whole). Yields (vae, model) for estimate_step_memory; no
+    collective. (--sharding refuses --vf_weight, whose projection would be sharded with the VAE:
+    config.check_sharding.)"""
+    from train_state import TrainingForward
+    whole_vae = copy.deepcopy(template).to(device)
+    trains = {name: p.requires_grad for name, p in vae.named_parameters()}
+    for name, p in whole_vae.named_parameters():
+        p.requires_grad_(trains.get(name, p.requires_grad))
+    yield whole_vae, TrainingForward(whole_vae, model.teacher, frozen_encoder=bool(model.frozen))
 
 
 def available_memory(device: torch.device | str) -> tuple[int, str]:
@@ -226,10 +309,16 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2 ** 20:.0f} MiB"
 
 
-def remedies(shape: StepShape) -> list[tuple[str, StepShape]]:
-    """The flags that cut a step's memory, strongest last, each with the shape it gives: checkpointing the
-    high-resolution levels (then all), a smaller micro-batch with accumulation (same images per step), bf16."""
+def remedies(shape: StepShape, fits=None) -> list[tuple[str, StepShape]]:
+    """The flags that cut a step's memory, strongest last, each with the shape it gives: under torchrun with DDP,
+    sharding the VAE's state over the ranks (the same math; only where `fits(shape) -> bool`, if given, says it
+    would fit); checkpointing the high-resolution levels (then all), a smaller micro-batch with accumulation (same
+    images per step), bf16."""
     out = []
+    if shape.ranks > 1 and shape.shards == 1:
+        sharded = dataclasses.replace(shape, shards=shape.ranks)
+        if fits is None or fits(sharded):
+            out.append(("--sharding fsdp", sharded))
     stronger = [mode for mode in ("hr", "all") if shape.can_checkpoint
                 and GRAD_CHECKPOINTING.index(mode) > GRAD_CHECKPOINTING.index(shape.grad_checkpointing)]
     if stronger:
@@ -268,15 +357,17 @@ def fit_message(needed: StepMemory, available: tuple[int, str], shape: StepShape
     if needed.total <= headroom * free:
         return None
     options = []
-    for flags, new_shape in remedies(shape):
+    fits = (lambda s: estimate(s).total <= headroom * free) if estimate else None  # --sharding fsdp: only if it fits
+    for flags, new_shape in remedies(shape, fits):
         options.append(f"{flags} (~{_gib(estimate(new_shape).total)})" if estimate else flags)
     together = all_remedies(shape)
-    if estimate and together and len(remedies(shape)) > 1:
+    if estimate and together and len([f for f, _ in remedies(shape) if not f.startswith("--sharding")]) > 1:
         options.append(f"all of them, {together[0]} (~{_gib(estimate(together[1]).total)})")
     options.append("a smaller --vae_resolution")
+    sharded = (f" in {shape.shards} shards, whole units {_gib(needed.gathered)}" if shape.shards > 1 else "")
     return (f"a training step at batch {shape.batch_size} x {shape.resolution} px needs about {_gib(needed.total)} "
             f"(activations {_gib(needed.activations)}, weights {_gib(needed.weights)}, gradients/AdamW/EMA "
-            f"{_gib(needed.training_state)}) but {_gib(free)} is {where}; these help: " + ", ".join(options))
+            f"{_gib(needed.training_state)}{sharded}) but {_gib(free)} is {where}; these help: " + ", ".join(options))
 
 
 def out_of_memory_message(error: BaseException, shape: StepShape, step: int) -> str:
@@ -355,14 +446,22 @@ REMEDY_PROBES = (32, 64)  # the probe sizes of a remedy's estimate (check_before
 
 
 def check_every_rank(vae: nn.Module, objective, shape: StepShape | list[StepShape], device, ema: bool, group=None,
-                     **features) -> str | None:
+                     template: nn.Module | None = None, **features) -> str | None:
     """Before the first step and before anything is written: raises WontFit if the step clearly will not fit
     (REFUSE_ABOVE) on any rank, returns a warning line if it may not, else None. Every rank estimates for its own
-    device; under torchrun the verdicts are gathered (every rank takes part)."""
+    device; under torchrun the verdicts are gathered (every rank takes part, once: the only collective here).
+    `template`: sharded (--sharding fsdp|hsdp), the VAE's whole CPU copy from before sharding, which the probes run
+    a copy of (whole_for_probes; the shapes say the shard count)."""
     # the probes run the modules eagerly: compiled (--compile), each probe size would be one more compilation (and
     # the estimate is of the eager step, which holds more than a compiled one)
-    with torch.compiler.set_stance("force_eager"):
-        mine = check_before_training(vae, objective, shape, device, ema=ema, **features)
+    whole = (whole_for_probes(template, vae, features.get("model") or TrainingForward(vae), device)
+             if template is not None else contextlib.nullcontext((vae, features.get("model"))))
+    with torch.compiler.set_stance("force_eager"), whole as (probe_vae, probe_model):
+        mine = check_before_training(probe_vae, objective, shape, device, ema=ema,
+                                     **{**features, "model": probe_model})
+    del probe_vae, probe_model
+    if template is not None and torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the whole copy's blocks
     verdicts = [mine]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         verdicts = [None] * torch.distributed.get_world_size()

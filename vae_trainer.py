@@ -360,12 +360,12 @@ class Trainer:
         if cfg.speed.memory_check:  # before the critic's DDP wrapper (the probes run its forward without a backward)
             shapes = memory.StepShape.to_check(
                 self.schedule, cfg.optim, cfg.speed, self.precision, cfg.data.video_frames,
-                families.of(self.vae).can_checkpoint(self.vae.params))
-            warning = memory.check_every_rank(
+                families.of(self.vae).can_checkpoint(self.vae.params), memory.shard_count(self.vae), info.world_size)
+            warning = memory.check_every_rank(  # sharded, the probes run a whole copy of the template
                 self.vae, self.objective, shapes, self.device,
                 self.training.ema is not None, info.ctrl_group, model=self.training.trained,
                 regularisers=self.regularisers, eval_copy=self.eval_on and self.training.ema is not None,
-                probe_copy=bool(cfg.latents.probe_every_n_steps))
+                probe_copy=bool(cfg.latents.probe_every_n_steps), template=self.whole_template)
             if warning:
                 self.log(warning)
         if self.adversary is not None:

@@ -3,6 +3,7 @@ against autograd's saved bytes at the real size), the one-line verdict with the 
 CUDA out-of-memory line."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -203,6 +204,7 @@ def test_the_trainer_estimates_the_step_it_will_run(shard_url, tmp_path, monkeyp
     try:
         assert seen["model"] is trainer.training.trained and seen["regularisers"] is trainer.regularisers
         assert seen["eval_copy"] and seen["probe_copy"] and seen["ema"]
+        assert seen["template"] is None  # one process: nothing sharded, the probes run the VAE itself
         # the shapes to judge (StepShape.to_check): without --train_resolutions the one step's
         assert seen["shape"] == [memory.StepShape(2, 64, 2, config.Precision.of("fp32"), "none")]
     finally:
@@ -229,3 +231,94 @@ def test_a_refusal_probes_the_remedies_small_and_once(monkeypatch):
     step_pixels = 64 ** 2 + 128 ** 2
     assert probed[:2] == [64 ** 2, 128 ** 2] and sum(probed) <= 2 * step_pixels, probed
     assert sorted(probed[2:]) == [32 ** 2] * 3 + [64 ** 2] * 3  # checkpointing, bf16, all of them
+
+
+def _state_bytes(params, per_param_bytes: int) -> int:
+    return sum(p.numel() for p in params) * per_param_bytes
+
+
+@pytest.mark.parametrize("decoder_only", [False, True], ids=["full", "decoder_only"])
+def test_a_sharded_estimate_holds_the_trained_state_in_n_shards(decoder_only):
+    """Issue 41 item 4: under --sharding fsdp|hsdp (StepShape.shards = N) the VAE's trained weights, gradients,
+    AdamW moments and EMA are 1/N per rank (FSDP2's padding of the first dimension aside), the frozen encoder of a
+    decoder-only fine-tune and the critic (DDP) stay whole, the activations are the same probes', and the whole
+    weights gathered during the step (root group, two units and a unit's gradient) are counted, the same at any N."""
+    vae, objective = build(do_ganloss=True, discriminator="patchgan", perceptual_weight=0.0)
+    model = train_state.TrainingForward(vae, frozen_encoder=decoder_only)
+    trained = [p for p in vae.parameters() if p.requires_grad]
+    critic = list(objective.critic.parameters())
+    probes = {}
+
+    def estimate(shards):
+        shape = memory.StepShape(batch_size=2, resolution=64, shards=shards, ranks=4)
+        return memory.estimate_step_memory(vae, objective, shape, model=model, probes=probes)
+    whole = estimate(1)
+    assert whole.gathered == 0
+    assert whole.training_state == _state_bytes(trained, 16) + _state_bytes(critic, 12)  # EMA: the VAE's only
+    for n in (2, 4):
+        sharded = estimate(n)
+        assert sharded.activations == whole.activations
+        # gradients (4), AdamW (8) and EMA (4) of the VAE's trained parameters in N shards; the critic's whole
+        assert sharded.training_state - _state_bytes(critic, 12) == pytest.approx(_state_bytes(trained, 16) / n,
+                                                                                 rel=0.02)
+        assert whole.weights - sharded.weights == pytest.approx(_state_bytes(trained, 4) * (1 - 1 / n), rel=0.02)
+        assert sharded.gathered == estimate(2).gathered  # what a unit is does not depend on N
+        assert 0 < sharded.gathered < _state_bytes(trained, 4) * 2
+        assert sharded.total < whole.total
+    if decoder_only:  # the encoder is frozen: whole on every rank, and nothing of it gathered
+        encoder = sum(p.numel() * 4 for p in vae.encoder.parameters())
+        assert estimate(4).weights > encoder + _state_bytes(critic, 4)
+
+
+def test_the_remedy_offers_sharding_where_it_fits_and_only_to_several_ranks():
+    """Under torchrun with DDP (ranks > 1, shards 1), --sharding fsdp is offered when the estimate says the step
+    would fit with the state in one shard per rank; not when it would not fit, not on one process, not when the
+    run is sharded already."""
+    vae, objective = build(perceptual_weight=0.0)
+    probes = {}
+
+    def estimate(s):
+        return memory.estimate_step_memory(vae, objective, s, probes=probes)
+    ddp = memory.StepShape(batch_size=1, resolution=32, ranks=8)
+    needed, fsdp = estimate(ddp), estimate(dataclasses.replace(ddp, shards=8))
+    assert fsdp.total < needed.total
+    between = (fsdp.total + needed.total) / 2 / 0.9  # 90% of it: room for the sharded step, not for DDP's
+    line = memory.fit_message(needed, (int(between), "free on GPU"), ddp, estimate)
+    assert f"--sharding fsdp (~{memory._gib(fsdp.total)})" in line and "\n" not in line
+    short = fsdp.total / 0.9 * 0.99  # not even the sharded step fits: not offered
+    assert "--sharding" not in memory.fit_message(needed, (int(short), "free on GPU"), ddp, estimate)
+    one = dataclasses.replace(ddp, ranks=1)
+    assert "--sharding" not in memory.fit_message(estimate(one), (int(between), "free on GPU"), one, estimate)
+    assert "--sharding" not in " ".join(f for f, _ in memory.remedies(one))
+    assert [s.shards for f, s in memory.remedies(ddp) if f == "--sharding fsdp"] == [8]
+    sharded = dataclasses.replace(ddp, shards=8)
+    assert "--sharding" not in " ".join(f for f, _ in memory.remedies(sharded))
+    line = memory.fit_message(fsdp, (int(fsdp.total / 2), "free on GPU"), sharded, estimate)
+    assert "in 8 shards, whole units" in line  # the breakdown says the state is sharded
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+    assert "--sharding fsdp" in memory.out_of_memory_message(error, ddp, step=3)
+
+
+def test_the_check_runs_on_a_sharded_vae(tmp_path):
+    """Issue 41 item 4: sharded (FSDP2, DTensor parameters) the check crashed reading the parameters' storage. The
+    probes now run a whole copy of the template (the trainer's CPU copy from before sharding) with the sharded
+    VAE's trained/frozen split: the same activations as the whole VAE's, no collective (here one rank's mesh)."""
+    import copy
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    vae, objective = build(perceptual_weight=0.0)
+    template = copy.deepcopy(vae)
+    shape = memory.StepShape(batch_size=2, resolution=64)
+    expected = memory.estimate_step_memory(vae, objective, shape, model=train_state.TrainingForward(vae))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = train_state.TrainingForward(vae)
+        train_state.wrap_sharded(model, init_device_mesh("cpu", (1,), mesh_dim_names=("shard",)))
+        assert all(type(p).__name__ == "DTensor" for p in vae.parameters())
+        assert memory.check_every_rank(vae, objective, [shape], "cpu", ema=True, template=template,
+                                       model=model) is None
+        with memory.whole_for_probes(template, vae, model, "cpu") as (whole_vae, whole_model):
+            probed = memory.estimate_step_memory(whole_vae, objective, shape, model=whole_model)
+        assert probed.activations == expected.activations and probed.training_state == expected.training_state
+    finally:
+        dist.destroy_process_group()
