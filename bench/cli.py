@@ -48,6 +48,11 @@ Sections
           and HunyuanVideo 1.5's VAE at diffusers' default configs (decoder only and whole, --families_frames x
           --families_sizes), and Wan's VAE through wan_ae.py and through diffusers' own AutoencoderKLWan on the same
           clips (step time and saved bytes).
+  sharding (only when named in --sections) What --sharding fsdp's communication adds (bench/sharding.py; under
+          5 minutes on 2 CPU cores): real `torchrun --nproc_per_node 2 vae_trainer.py --demo` runs on gloo with
+          --sharding ddp and fsdp, alternated over --sharding_rounds of --sharding_steps steps, the step time fsdp/ddp
+          from the trainer's logged img/s (the first window left out); and the bytes each sends per step from the
+          parameter counts, with their time over NVLink and InfiniBand for LTX-2's VAE on 8 and 16 GPUs.
   latents (only when named in --sections) What each latent feature of issue 20 costs per step, on the demo's
           model (ch 32 x 1,2,2, z 4, 64 px, batch 4; LPIPS on, no critic, fp32): the real Trainer's step with
           nothing, --scale_equivariance_prob 0.5, --latent_noise_prob 0.5, --vf_weight with DINOv2 ViT-S/14 at
@@ -113,6 +118,8 @@ Headline keys of --json (the target each is checked against)
   small_decoder_{flop,time,peak,increase}_ratio_<device>_<precision>  decoders: BFL's small decoder / FLUX.2's,
                                FLOPs, median time, peak memory, peak - memory before the decode (no target)
   narrow_decoder_teacher_{psnr,ssim}_gain_s<seed>  decoder_quality: narrow + teacher - narrow (no target)
+  sharding_fsdp_over_ddp_step_cpu  sharding: s/step under --sharding fsdp / under ddp, 2 gloo ranks on the CPU
+                               (no target)
 The peak increase is the peak minus the memory in use right before the first training step, i.e. what
 the step itself needs (activations, gradients, optimizer state), the part checkpointing acts on.
 
@@ -151,10 +158,11 @@ from bench.resolutions import bench_resolutions
 from bench.train import bench_train
 from bench.video import bench_video
 from bench.families import bench_families
+from bench.sharding import bench_sharding
 
 
 SECTIONS = ("data", "train", "memory", "gpu", "quality", "finetune", "latents", "decoders", "decoder_quality",
-            "resolutions", "copies", "precision", "video", "families")
+            "resolutions", "copies", "precision", "video", "families", "sharding")
 TARGETS = {  # key: (comparison, threshold)
     "pipeline_fraction_of_decode": (">=", 0.90),
     "train_step_speedup": (">=", 1.3),
@@ -187,8 +195,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="print one JSON object on stdout (the human tables go to stderr)")
     p.add_argument("--sections", default="data,train,memory,gpu",
                    help="comma-separated subset of " + ",".join(SECTIONS) + " (default: data,train,memory,gpu; "
-                        "quality trains for one to two hours on 2 CPU cores, finetune takes ~5 minutes, decoders "
-                        "and decoder_quality several; gpu runs on CUDA only)")
+                        "quality trains for one to two hours on 2 CPU cores, finetune and sharding take ~5 minutes, "
+                        "decoders and decoder_quality several; gpu runs on CUDA only)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if available, else cpu")
     p.add_argument("--threads", type=int, default=0,
@@ -283,6 +291,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--families_sizes", default="256,480", help="frame sizes of the families memory table")
     g.add_argument("--families_steps", type=int, default=5, help="interleaved steps of each path of Wan's VAE")
     g.add_argument("--families_skip_memory", action="store_true", help="the families section without its memory table")
+    g = p.add_argument_group("sharding")
+    g.add_argument("--sharding_steps", type=int, default=25,
+                   help="steps of each measured run of the sharding section (logged every 5; the first 5 not timed)")
+    g.add_argument("--sharding_rounds", type=int, default=1,
+                   help="rounds of the sharding section, each a --sharding ddp and a fsdp run (alternating order)")
     g = p.add_argument_group("precision")
     g.add_argument("--precision_steps", type=int, default=900, help="steps of each run of the precision section")
     g.add_argument("--precision_seeds", default="0,1", help="comma-separated seeds of the precision section")
@@ -423,6 +436,9 @@ def summarize(results: dict) -> dict:
         for name, summary in c.items():
             if "activation_total" in summary:  # (beside the cases: the CPU's bf16 step times by GroupNorm)
                 keys[f"copies_activation_mib_{name}"] = summary["activation_total"]["mib"]
+    s = results.get("sharding")
+    if s:
+        keys["sharding_fsdp_over_ddp_step_cpu"] = s["measured"]["fsdp_over_ddp"]
     p = results.get("precision")
     if p:
         for name in ("tf32", "bf16"):
@@ -474,7 +490,7 @@ def main(argv=None) -> int:
     # Trainer construction and the data tools print progress lines: keep stdout for the JSON object
     with contextlib.redirect_stdout(report.stream), tempfile.TemporaryDirectory(prefix="vae_bench_") as tmp:
         if set(args.sections) - {"quality", "decoders", "decoder_quality", "resolutions", "precision", "video",
-                                 "families"}:
+                                 "families", "sharding"}:
             report.line(f"generating {args.images} photo-like {args.height}x{args.width} images as PNG and JPEG "
                         "shards ...")
             datasets = make_datasets(tmp, args.images, args.height, args.width, args.seed)
@@ -507,6 +523,8 @@ def main(argv=None) -> int:
             results["video"] = bench_video(args, tmp, report)
         if "families" in args.sections:
             results["families"] = bench_families(args, report)
+        if "sharding" in args.sections:
+            results["sharding"] = bench_sharding(args, tmp, report)
         if "gpu" in args.sections and device.type == "cuda":
             results["gpu"] = bench_gpu(args, train_url, tmp, device, report)
         elif "gpu" in args.sections:
