@@ -6,8 +6,9 @@ checkpoint is written change.
 What is sharded, and what is not:
 - The VAE's trained parameters, their gradients, both AdamW moments and the EMA: each rank holds 1/N of each
   (N: the ranks a shard is spread over: all of them under fsdp, those of one node under hsdp).
-- Units (the all-gather granularity): each level of the encoder and decoder and their mid blocks
-  (families.Family.shard_units); the rest (conv_in/out, norms, quant convs) is the root's one group.
+- Units (the all-gather granularity): the blocks the encoder and decoder call, each at most 1/8 of the model
+  where it allows (families.Family.shard_units, shard_units here); the rest (conv_in/out, norms, quant convs) is
+  the root's one group.
 - Frozen parameters (--train_parts decoder's encoder side, a --distill_weight teacher) stay whole, plain tensors
   outside every group (`ignored_params`): they take no gradient, so sharding them would only add all-gathers.
 - The critic stays under DDP: a VGG16-sized critic is under 2 % of the state of the VAEs that need sharding, and
@@ -74,26 +75,28 @@ def mesh_for(kind: str, info: DistInfo):
                             mesh_dim_names=("replicate", "shard"))
 
 
-def shard_units(vae: nn.Module, share: float = 0.005) -> list[nn.Module]:
-    """The all-gather units of a VAE: the blocks its encoder and decoder call (FSDP gathers a unit in the hooks of
-    its forward, so a unit must be a module that is called: ae.py's levels and mid are plain containers whose
-    ResnetBlocks, attention and resampling convs the encoder calls one by one; diffusers' down_blocks and mid_block
-    are called whole). Found by descending from the encoder's and decoder's children through containers (a module
-    without a forward of its own, a ModuleList) to the first modules with a forward; those under `share` of the
-    parameters (conv_in, norm_out, conv_out) stay in the root's group."""
+def shard_units(vae: nn.Module, largest: float = 0.125, smallest: float = 0.005) -> list[nn.Module]:
+    """The all-gather units of a VAE: the blocks its encoder and decoder call, each at most `largest` of the
+    parameters where the model allows (so that the whole weights of a unit or two, not of a whole decoder, are
+    gathered at a time). FSDP gathers a unit in the hooks of its forward, so a unit must be a module that is called:
+    from the model's children down, a container (no forward of its own: ae.py's levels and mid, a ModuleList) is
+    looked into, and so is a called module larger than `largest` (an encoder, a decoder, a diffusers model inside
+    its wrapper, a large down block): their forwards call their children. Modules under `smallest` (conv_in,
+    norm_out, conv_out) and a large module's own direct parameters stay in the root's group."""
     total = sum(p.numel() for p in vae.parameters())
     units: list[nn.Module] = []
 
     def descend(module: nn.Module) -> None:
-        if type(module).forward is nn.Module.forward:  # a container: ModuleList, a plain nn.Module
+        size = sum(p.numel() for p in module.parameters())
+        container = type(module).forward is nn.Module.forward  # a ModuleList, a plain nn.Module
+        if container or (size > largest * total and any(True for _ in module.children())):
             for child in module.children():
                 descend(child)
-        elif sum(p.numel() for p in module.parameters()) >= share * total:
+        elif size >= smallest * total:
             units.append(module)
 
-    for part in vae.children():
-        for child in part.children():
-            descend(child)
+    for child in vae.children():
+        descend(child)
     return units
 
 
@@ -103,6 +106,10 @@ def shard(module: nn.Module, units: list[nn.Module], mesh) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     frozen = {p for p in module.parameters() if not p.requires_grad}
+    scalars = [name for name, p in module.named_parameters() if p.requires_grad and p.dim() == 0]
+    if scalars:  # (LTX-Video's timestep-conditioned decoder: timestep_scale_multiplier)
+        raise ConfigError(f"--sharding: {scalars[0].removeprefix('vae.')} is a trained scalar parameter, which FSDP2 "
+                          "cannot shard: train this model with --sharding ddp")
     for unit in units:
         if any(p.requires_grad for p in unit.parameters()):
             fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=policy,
@@ -220,14 +227,17 @@ def load_rest(path: str) -> dict:
 
 
 def load_whole(path: str, rest: dict | None = None) -> dict:
-    """A sharded checkpoint read whole (export and evaluate on one process, or every rank of a DDP run's resume):
-    the same layout as a .pt checkpoint, its optimizer state keyed by parameter name."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    """A sharded checkpoint read whole by this process alone (export, evaluate, a DDP run's or one process's resume):
+    the same layout as a .pt checkpoint, its optimizer state keyed by parameter name. No collective, under torchrun
+    or not (DCP's own _load_state_dict_from_keys would make it one of the default group, which a rank reading alone,
+    as evaluate.py's may, would wait on forever)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     rest = rest if rest is not None else load_rest(path)
-    # under torchrun a collective of the default group: every rank calls it (a DDP run's resume does, together)
-    with warnings.catch_warnings():  # one process: DCP's "assuming the intent is to load in a single process"
-        warnings.filterwarnings("ignore", message=".*single process")
-        loaded = _load_state_dict_from_keys(checkpoint_id=path)
+    loaded: dict = {}
+    _load_state_dict(loaded, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
     training = {k: v for k, v in rest["training"].items() if k != "dcp"}
     return {**rest, "training": {**training, **loaded["training"]}}
 

@@ -1,0 +1,62 @@
+"""Run under torchrun (gloo, 2 ranks): every diffusers class tests/test_families.py trains (its tiny config), sharded
+by sharding.shard_units through the trainer's own wrap_sharded, takes one forward and backward of a clip (or
+image) and must give every parameter the gradient the unsharded model gives on one process, to 1e-5 of the largest
+(both ranks see the same input, so their average is that gradient). Prints "ok <class> <units>" per class, or "refused
+<class>: <the trainer's one line>"; a class whose units FSDP cannot gather fails loudly (a DTensor met outside a
+unit's forward)."""
+import copy
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import warnings  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import diffusers_ae  # noqa: E402
+import families  # noqa: E402
+import sharding  # noqa: E402
+from common import ConfigError, DistInfo  # noqa: E402
+from test_families import TINY  # noqa: E402
+from train_state import TrainingForward, wrap_sharded  # noqa: E402
+
+
+def main() -> None:
+    # FSDP2 warns of blocks that return views (in-place ops on them would skip its hooks); the gradients are compared
+    warnings.filterwarnings("ignore", message=".*returned a view tensor")
+    dist.init_process_group("gloo")
+    mesh = sharding.mesh_for("fsdp", DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size()))
+    for class_name in sorted(TINY):
+        params = diffusers_ae.DiffusersParams.of(class_name, TINY[class_name])
+        torch.manual_seed(0)
+        vae = diffusers_ae.DiffusersAutoEncoder(params)
+        reference = TrainingForward(copy.deepcopy(vae))
+        t = families.of_params(params).temporal_factor(params)
+        shape = (1, 3, 1 + t, 64, 64) if t else (2, 3, 64, 64)
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+        try:
+            sharded = wrap_sharded(TrainingForward(vae), mesh)
+        except ConfigError as e:
+            if dist.get_rank() == 0:
+                print(f"refused {class_name}: {e}", flush=True)
+            continue
+        grads = []
+        for model in (sharded, reference):
+            torch.manual_seed(2)
+            recon, mean, *_ = model(x)
+            (recon.float().square().mean() + mean.float().square().mean()).backward()
+            grads.append({n: sharding.whole(p.grad) for n, p in model.vae.named_parameters() if p.grad is not None})
+        assert grads[0].keys() == grads[1].keys(), class_name
+        scale = max(g.abs().max().item() for g in grads[1].values())
+        worst = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[1])
+        assert worst <= 1e-5 * scale, (class_name, worst, scale)
+        if dist.get_rank() == 0:
+            print(f"ok {class_name} {len(families.of(vae).shard_units(vae))}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
