@@ -303,17 +303,20 @@ def test_the_trainer_resumes_bitwise_across_data_worker_counts(shard_url, tmp_pa
 
 @pytest.mark.process
 @pytest.mark.timeout(300)
-def test_an_elastic_job_that_loses_a_node_continues_on_the_other_with_the_same_steps(shard_url, tmp_path):
+@pytest.mark.parametrize("sharding", ["ddp", "hsdp"])
+def test_an_elastic_job_that_loses_a_node_continues_on_the_other_with_the_same_steps(shard_url, tmp_path, sharding):
     """Two torchrun agents as two nodes on loopback, `--nnodes=1:2` (the README's multi-node recipe made elastic),
     one rank each, --grad_accum 2, the latent noise on (no critic: the test above has it). Once the step-2
     checkpoint is written, node 1 goes away (its agent and worker killed); node 0's agent restarts its worker, the
     job re-forms with one node, --grad_accum becomes 4, and the run finishes with every step's images those of an
-    uninterrupted two-rank run, and the first step after the loss equal to that run's step (losses to 1e-5)."""
+    uninterrupted two-rank run, and the first step after the loss equal to that run's step (losses to 1e-5).
+    hsdp: shards within a node (one rank here), replicas across the two: the step-2 checkpoint is the directory
+    both nodes wrote (DCP), which the one remaining process reads whole."""
     import shutil
     ref_record, record = tmp_path / "ref_record", tmp_path / "record"
     ref_record.mkdir(), record.mkdir()
     args = elastic_args(shard_url, tmp_path, "nodes", 5, "--grad_accum", "2", "--num_workers", "0",
-                        "--save_every_n_steps", "2", gan=False)
+                        "--save_every_n_steps", "2", "--sharding", sharding, "--channels_last", "false", gan=False)
     ref = run_cli("tests/recording_trainer.py", [*args, "--run_name", "ref"], nproc=2,
                   env=cli_env(VAE_TRAINER_RECORD=str(ref_record)))
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -325,7 +328,8 @@ def test_an_elastic_job_that_loses_a_node_continues_on_the_other_with_the_same_s
     # node 0 first: the agent that binds the endpoint hosts the rendezvous store (on a cluster, the head node's),
     # which must outlive node 1
     nodes = [subprocess.Popen(node, stdout=logs[0][0], stderr=logs[0][1], text=True, env=env, cwd=ROOT)]
-    checkpoint = tmp_path / "nodes" / "checkpoints" / "step_00000002.pt"
+    checkpoint = tmp_path / "nodes" / "checkpoints" / ("step_00000002.pt" if sharding == "ddp" else
+                                                      "step_00000002/rest.pt")
     try:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline and nodes[0].poll() is None:

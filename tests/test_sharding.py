@@ -136,6 +136,25 @@ def test_a_sharded_run_resumes_on_4_ranks_then_on_1_with_the_same_steps(runs, tm
 
 @pytest.mark.process
 @pytest.mark.timeout(300)
+def test_a_single_file_checkpoint_of_a_ddp_run_resumes_sharded(runs, tmp_path, shard_url):
+    """The ddp run's step_3.pt (whole tensors, AdamW's state by integer id) continues under --sharding fsdp on 2
+    ranks: each rank takes its shards of the weights, moments and EMA, and step 4 computes what the ddp run's
+    step 4 computed from that file (losses and gradient norm to 1e-5)."""
+    import shutil
+    cut = tmp_path / "ddp"
+    shutil.copytree(runs / "ddp", cut)
+    for k in (4, 5):
+        os.remove(cut / "checkpoints" / f"step_{k:08d}.pt")
+    (cut / "checkpoints" / "latest").write_text("step_00000003.pt")
+    result = run_cli("vae_trainer.py", sharded_args(shard_url, tmp_path, "ddp", 4, "--grad_accum", "2",
+                                                    "--sharding", "fsdp"), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout and os.path.isdir(cut / "checkpoints" / "step_00000004")
+    assert worst_relative(logged(cut)[4], logged(runs / "ddp")[4]) <= 1e-5
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("train_parts", ["all", "decoder"])
 def test_each_rank_holds_a_1_over_n_share_of_the_trained_state(tmp_path, train_parts):
     """tests/sharded_state.py on 2 and 4 ranks, after a real step: each rank's local parameters, gradients, AdamW
@@ -268,3 +287,20 @@ def test_a_single_file_checkpoint_of_an_earlier_release_still_names_itself_a_che
                                                         str(folder / "step_00000001")]
     assert checkpoint.is_checkpoint_name("step_00000003") and not checkpoint.is_checkpoint_name(".step_1.incomplete")
     assert DistInfo().is_main  # (the single-process info write_checkpoint takes for a sharded run's one process)
+
+
+@pytest.mark.process
+@pytest.mark.timeout(900)
+def test_every_diffusers_class_trains_sharded_with_its_unsharded_gradients():
+    """tests/sharded_families.py on 2 ranks: each class the registry trains, sharded into the units
+    families.Family.shard_units names, gives every parameter its unsharded gradient (1e-5 of the largest); LTX-Video's
+    timestep-conditioned decoder, whose trained scalar FSDP2 cannot shard, is refused in one line."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_families import TINY as classes
+    result = run_cli("tests/sharded_families.py", [], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    ok = {line.split()[1] for line in lines if line.startswith("ok ")}
+    refused = {line.split()[1].rstrip(":") for line in lines if line.startswith("refused ")}
+    assert ok | refused == set(classes) and refused == {"AutoencoderKLLTXVideo"}, result.stdout
+    assert all(int(line.split()[2]) >= 8 for line in lines if line.startswith("ok ")), result.stdout
