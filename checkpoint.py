@@ -52,7 +52,7 @@ def checkpoint_files(ckpt_dir: str) -> list[str]:
         return []
     files = sorted((os.path.join(ckpt_dir, f) for f in os.listdir(ckpt_dir) if is_checkpoint_name(f)),
                    key=lambda p: int(re.search(r"step_(\d+)", os.path.basename(p)).group(1)), reverse=True)
-    files = [f for f in files if not os.path.isdir(f) or sharding.is_dcp_dir(f)]
+    files = [f for f in files if (f.endswith(".pt") and os.path.isfile(f)) or sharding.is_dcp_dir(f)]
     pointer = os.path.join(ckpt_dir, "latest")
     if os.path.isfile(pointer):
         with open(pointer) as f:
@@ -128,8 +128,7 @@ def write_checkpoint(ckpt_dir: str, step: int, state: dict, keep_last_k: int, in
         tmp = os.path.join(ckpt_dir, f".{name}.incomplete")  # a kill leaves it; the next save of the step clears it
         if info.is_main:
             os.makedirs(ckpt_dir, exist_ok=True)
-            for leftover in (tmp, path):
-                shutil.rmtree(leftover, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
         if info.distributed:
             dist.barrier(group=info.ctrl_group)
         sharding.save_dcp(state, tmp, path, info)
@@ -139,10 +138,14 @@ def write_checkpoint(ckpt_dir: str, step: int, state: dict, keep_last_k: int, in
         atomic_write(path, lambda f: torch.save(state, f))
     atomic_write(os.path.join(ckpt_dir, "latest"), lambda f: f.write(name.encode()))
     for old in checkpoint_files(ckpt_dir)[keep_last_k:]:
-        if old != path:
-            shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
-    for entry in os.listdir(ckpt_dir):  # what a save killed midway left
-        if entry.endswith(".incomplete") and entry != os.path.basename(tmp if info is not None else path):
+        if old != path and os.path.isdir(old):  # aside first: a kill mid-removal leaves no half checkpoint listed
+            aside = os.path.join(ckpt_dir, f".{os.path.basename(old)}.deleting")
+            os.replace(old, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        elif old != path:
+            os.remove(old)
+    for entry in os.listdir(ckpt_dir):  # what a save or a removal killed midway left
+        if entry.endswith((".incomplete", ".deleting")) and entry != f".{name}.incomplete":
             shutil.rmtree(os.path.join(ckpt_dir, entry), ignore_errors=True)
     return path
 

@@ -86,6 +86,7 @@ class ClassSpec:
     pixel_channels: int = 3  # the channels its encoder reads: 4 for RGBA (an alpha of 1 is added, dropped after)
     decode_kwargs: Callable[[dict, Tensor], dict] | None = None  # what its pipelines pass to decode beside z
     note: str = ""  # what the docs' table says of it
+    unshardable: str = ""  # why --sharding fsdp|hsdp refuses it (tests/sharded_families.py); "": it shards
 
     def supports_checkpointing(self, class_name: str) -> bool:
         if self.checkpointing is not None:
@@ -130,7 +131,9 @@ CLASSES: dict[str, ClassSpec] = {
                                training_plan=TILING_OFF),
     "AutoencoderTiny": ClassSpec(SCALE_SHIFT, clip_input=False, clips=False,
                                  training_plan=TILING_OFF, checkpointing=False),
-    "AutoencoderKLWan": ClassSpec(CHANNELS, training_plan=TILING_OFF),
+    "AutoencoderKLWan": ClassSpec(CHANNELS, training_plan=TILING_OFF, unshardable=(
+        "sharded by FSDP2 its time_convs' gradients are lost (tests/sharded_families.py); the native Wan family, "
+        "this class's default, shards with the right gradients")),
     "AutoencoderKLQwenImage": ClassSpec(CHANNELS, training_plan=TILING_OFF),
     "AutoencoderKL": ClassSpec(SCALE_SHIFT, clip_input=False, clips=False, training_plan=TILING_OFF),
 }

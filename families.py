@@ -98,6 +98,10 @@ class Family:
         """The decoder's last weight (LDM's adaptive GAN weight is computed on it)."""
         return vae.decoder.conv_out.weight
 
+    def unshardable(self, vae: nn.Module) -> str:
+        """Why --sharding fsdp|hsdp cannot train this model ("": it can)."""
+        return ""
+
     def shard_units(self, vae: nn.Module) -> list[nn.Module]:
         """The modules --sharding fsdp|hsdp gathers one at a time (sharding.shard_units: the encoder's and decoder's
         levels and mid blocks, which every family here keeps in ModuleLists and children of the two)."""
@@ -389,6 +393,9 @@ class Diffusers(Family):
 
     def can_checkpoint(self, params):
         return diffusers_ae.CLASSES[params.class_name].supports_checkpointing(params.class_name)
+
+    def unshardable(self, vae):
+        return diffusers_ae.CLASSES[vae.params.class_name].unshardable
 
     def unused_parameters(self, params):
         return True  # which parameters a step leaves without a gradient is the class's business (Qwen-Image 2's

@@ -220,10 +220,11 @@ def check_paths(cfg: Config) -> list[str]:
                           "none)")
     if latents.vf_weights not in ("timm", "random") and not os.path.isfile(latents.vf_weights):
         raise ConfigError(f"--vf_weights {latents.vf_weights}: no such file (or use timm / random)")
-    if run.resume not in ("auto", "never") and not os.path.isfile(run.resume):
-        raise ConfigError(f"--resume {run.resume}: no such checkpoint file (or use auto / never)")
-    if run.load_path and not os.path.isfile(run.load_path):
-        raise ConfigError(f"--load_path {run.load_path}: no such file")
+    if run.resume not in ("auto", "never") and not (os.path.isfile(run.resume) or sharding.is_dcp_dir(run.resume)):
+        raise ConfigError(f"--resume {run.resume}: no such checkpoint file or complete sharded checkpoint directory "
+                          "(or use auto / never)")
+    if run.load_path and not (os.path.isfile(run.load_path) or sharding.is_dcp_dir(run.load_path)):
+        raise ConfigError(f"--load_path {run.load_path}: no such file or sharded checkpoint directory")
     for name in ("dataset_url", "test_dataset_url"):
         url = getattr(cfg.data, name)
         if url and is_plain_local_path(url) and not os.path.exists(url):

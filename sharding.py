@@ -29,6 +29,7 @@ needed again first in backward)."""
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 
 import torch
@@ -68,9 +69,11 @@ def mesh_for(kind: str, info: DistInfo):
     if kind == "fsdp":
         return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("shard",))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
-    if info.world_size % per_node:
+    counts = [per_node] * info.world_size
+    dist.all_gather_object(counts, per_node, group=info.ctrl_group)  # every rank refuses, or none: no hang
+    if len(set(counts)) > 1 or info.world_size % per_node:
         raise ConfigError(f"--sharding hsdp needs the same ranks on every node: {info.world_size} ranks, "
-                          f"{per_node} on this one")
+                          f"{sorted(set(counts))} per node")
     return init_device_mesh(info.device.type, (info.world_size // per_node, per_node),
                             mesh_dim_names=("replicate", "shard"))
 
@@ -170,8 +173,9 @@ def load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, state: d
         moments[name] = {k: distribute_like(v, params[name]) if torch.is_tensor(v) and v.dim() else v
                          for k, v in per_param.items()}
     groups = [{**g, "params": [by_name(k) for k in g["params"]]} for g in state["param_groups"]]
+    # not strict: a parameter that never had a gradient has no moments (as in the run that wrote them)
     set_optimizer_state_dict(module, optimizer, {"state": moments, "param_groups": groups},
-                             options=StateDictOptions(strict=True))
+                             options=StateDictOptions(strict=False))
 
 
 def copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -209,9 +213,25 @@ def save_dcp(state: dict, tmp: str, final: str, info: DistInfo) -> None:
     with warnings.catch_warnings():  # one process: DCP's "assuming the intent is to save in a single process"
         warnings.filterwarnings("ignore", message=".*single process")
         dcp.save({"training": sharded}, checkpoint_id=tmp)
+    missing = []
+    if info.is_main:  # every rank's files in rank 0's folder: a checkpoint folder the ranks do not share has not
+        from torch.distributed.checkpoint import FileSystemReader
+        written = FileSystemReader(tmp).read_metadata().storage_data.values()
+        missing = sorted({w.relative_path for w in written} - set(os.listdir(tmp)))
+    if info.distributed:
+        box = [missing]
+        dist.broadcast_object_list(box, src=0, group=info.ctrl_group)
+        missing = box[0]
+    if missing:
+        raise ConfigError(f"the sharded checkpoint {final} lacks {missing[0]}, which another rank wrote: "
+                          "--output_dir must be on a file system every rank shares")
     if info.is_main:
         atomic_write(os.path.join(tmp, REST), lambda f: torch.save(rest, f))
+        aside = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.deleting")
+        if os.path.isdir(final):  # the same step saved again: the good copy goes only once replaced
+            os.replace(final, aside)
         os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
     if info.distributed:
         dist.barrier(group=info.ctrl_group)
 
@@ -246,6 +266,14 @@ def load_sharded(path: str, template: dict) -> dict:
     """The DCP parts of a sharded checkpoint read into `template` ({name: state laid out as this run's, DTensors}),
     each rank reading only its shards of them (resharded from whatever world size wrote them). A collective."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    held = FileSystemReader(path).read_metadata().state_dict_metadata
+    # AdamW has no state for a parameter that never had a gradient (a time_conv before the first clip step): the
+    # template (optimizer_state initialises every parameter's) keeps only the moments the checkpoint holds
+    optimizer = template.get("optimizer")
+    if optimizer is not None:
+        optimizer["state"] = {name: moments for name, moments in optimizer["state"].items()
+                              if all(f"training.optimizer.state.{name}.{k}" in held for k in moments)}
     box = {"training": template}
     dcp.load(box, checkpoint_id=path)
     return box["training"]

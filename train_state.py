@@ -220,12 +220,18 @@ class VAETraining:
     def read_sharded(self, path: str, written: list[str]) -> dict:
         """The DCP parts (`written`: vae, ema, optimizer) of the sharded checkpoint `path`: this run sharded, each rank
         reads its shards of them (resharded from whatever layout wrote them); otherwise every rank reads them whole."""
-        if not self.sharded:
-            return sharding.load_whole(path)["training"]
-        template = {"vae": self.vae.state_dict(), "optimizer": sharding.optimizer_state(self.vae, self.optimizer)}
-        if "ema" in written and self.ema is not None:
-            template["ema"] = self.ema.model_state_dict(self.vae)
-        return sharding.load_sharded(path, template)
+        try:
+            if not self.sharded:
+                return sharding.load_whole(path)["training"]
+            template = {"vae": self.vae.state_dict(), "optimizer": sharding.optimizer_state(self.vae, self.optimizer)}
+            if "ema" in written and self.ema is not None:
+                template["ema"] = self.ema.model_state_dict(self.vae)
+            return sharding.load_sharded(path, template)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise ConfigError(f"{path}: unreadable sharded checkpoint ({type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''})") from None
 
 
 class WithProjection(torch.nn.Module):
@@ -374,7 +380,10 @@ def wrap_sharded(module: torch.nn.Module, mesh, find_unused: bool = False) -> to
     family names (sharding.py); `find_unused` needs nothing here: FSDP reduces the gradients a step produced, and
     every rank of a step takes the same kind of batch."""
     vae = module.trained.vae if hasattr(module, "trained") else module.vae
-    return sharding.shard(module, families.of(vae).shard_units(vae), mesh)
+    family = families.of(vae)
+    if family.unshardable(vae):
+        raise ConfigError(f"--sharding: a {vae.params.class_name}: {family.unshardable(vae)}; use --sharding ddp")
+    return sharding.shard(module, family.shard_units(vae), mesh)
 
 
 def adamw(optim: OptimConfig, params, lr: float) -> torch.optim.AdamW:

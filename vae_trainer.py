@@ -352,7 +352,8 @@ class Trainer:
             wrap_vae = partial(wrap_sharded, mesh=sharding.mesh_for(self.sharding, info))
             # evaluation, the sample grid and the probe run a whole copy (sharded, the VAE runs only inside the
             # training forward, on every rank together): its architecture, kept on the CPU, the weights gathered
-            self.whole_template = copy.deepcopy(self.vae).cpu()
+            self.whole_template = copy.deepcopy(self.vae.cpu())  # (through the CPU: no second copy on the GPU)
+            self.vae.to(self.device)
         self.training = VAETraining(self.vae, cfg.optim, make_optimizer, wrap_vae, self.device,
                                     cfg.finetune.train_parts, self.precision, cfg.speed.compile,
                                     self.objective.alignment, teacher)
@@ -595,7 +596,8 @@ class Trainer:
         torch.cuda.empty_cache()  # a no-op without CUDA
         shape = memory.StepShape.of(self.schedule, cfg.optim, cfg.speed, self.precision,
                                     self.schedule.size_at(self.step), cfg.data.video_frames,
-                                    families.of(self.vae).can_checkpoint(self.vae.params))
+                                    families.of(self.vae).can_checkpoint(self.vae.params),
+                                    memory.shard_count(self.vae), self.info.world_size)
         line = memory.out_of_memory_message(error, shape, self.step + 1)
         self.report.print(f"error: {line}", file=sys.stderr)
         if not self.info.distributed and self.step > 0 and self.step != last_saved:
@@ -625,6 +627,7 @@ class Trainer:
 
     def save(self) -> str | None:
         sharded = self.training.sharded
+        self.sync_buffers()
         # sharded, each shard has one owner: there are no replicas of the VAE to compare
         in_sync = sharded or checkpoint.ranks_in_sync(self.training.replicated(), self.info)
         state = self.state.state_dict()  # every rank takes part in the gather
@@ -632,9 +635,9 @@ class Trainer:
         critic_in_sync = self.adversary is None or checkpoint.ranks_in_sync(self.adversary.critic, self.info)
         state["run"].update(ranks_in_sync=in_sync, critic_in_sync=critic_in_sync)
         self.replicas_equal = in_sync and critic_in_sync
-        if sharded:  # every rank writes its shards; the grid's whole weights are gathered by all
+        if sharded:  # every rank writes its shards; the grid's whole weights are gathered by all, kept by rank 0
             path = checkpoint.write_checkpoint(self.ckpt_dir, self.step, state, self.cfg.run.keep_last_k, self.info)
-            grid_vae = self.whole_vae()
+            grid_vae = self.whole_vae(keep=self.info.is_main)
         if not self.info.is_main:
             return None
         if not in_sync:
@@ -645,13 +648,26 @@ class Trainer:
         self.report.sample_grid(grid_vae, self.autocast, self.step)
         return path
 
-    def whole_vae(self) -> torch.nn.Module:
-        """The VAE with whole weights: itself, or sharded a copy with its weights gathered (every rank calls it)."""
+    def whole_vae(self, keep: bool = True) -> torch.nn.Module | None:
+        """The VAE with whole weights: itself, or sharded a copy with its weights gathered (every rank calls it; one
+        tensor at a time, so the copy is the peak; `keep` False: this rank only takes part in the gathers)."""
         if self.whole_template is None:
             return self.vae
-        whole = copy.deepcopy(self.whole_template).to(self.device)
-        whole.load_state_dict(sharding.full_state(self.vae.state_dict(), cpu=False))
-        return whole.train(self.vae.training)
+        whole = copy.deepcopy(self.whole_template).to(self.device) if keep else None
+        into = whole.state_dict() if keep else {}
+        with torch.no_grad():
+            for name, tensor in self.vae.state_dict().items():
+                gathered = sharding.whole(tensor.detach())
+                if keep:
+                    into[name].copy_(gathered)
+        return whole.train(self.vae.training) if keep else None
+
+    def sync_buffers(self) -> None:
+        """Sharded, the VAE's buffers (a BatchNorm's running statistics) are rank 0's before a save or an
+        evaluation, as DDP makes them at every forward: FSDP leaves each rank's own."""
+        if self.training.sharded:
+            for buffer in self.vae.buffers():
+                dist.broadcast(buffer, src=0)
 
     def whole_ema_state(self) -> dict | None:
         """The EMA's whole state dict of the VAE (gathered when sharded: every rank calls it), None without EMA."""
@@ -659,11 +675,13 @@ class Trainer:
         return None if ema is None else sharding.full_state(ema.model_state_dict(self.vae), cpu=False)
 
     def evaluate(self) -> dict:
+        self.sync_buffers()
         results, grids = self.validator.run(self.whole_vae(), self.whole_ema_state(), self.autocast)
         self.report.evaluation(results, grids, self.step)
         return results
 
     def probe(self) -> None:
+        self.sync_buffers()
         ema = self.training.ema
         if ema is not None and self.training.sharded:
             ema = sharding.Averaged(self.whole_ema_state())

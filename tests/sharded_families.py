@@ -22,6 +22,7 @@ import sharding  # noqa: E402
 from common import ConfigError, DistInfo  # noqa: E402
 from test_families import TINY  # noqa: E402
 from train_state import TrainingForward, wrap_sharded  # noqa: E402
+from wan_ae import WanParams  # noqa: E402
 
 
 def main() -> None:
@@ -29,10 +30,16 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*returned a view tensor")
     dist.init_process_group("gloo")
     mesh = sharding.mesh_for("fsdp", DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size()))
-    for class_name in sorted(TINY):
-        params = diffusers_ae.DiffusersParams.of(class_name, TINY[class_name])
+    names = sorted(TINY) + ["wan_ae.WanVideo"] if len(sys.argv) < 2 else sys.argv[1:]
+    for class_name in names:
         torch.manual_seed(0)
-        vae = diffusers_ae.DiffusersAutoEncoder(params)
+        if class_name == "wan_ae.WanVideo":  # the native Wan family's video model, its explicit temporal cache
+            params = WanParams(ch=16, ch_mult=(1, 2, 2), num_res_blocks=1, z_channels=4, video=True,
+                               temporal_downsample=(True, True))
+            vae = families.named("wan").build(params)
+        else:
+            params = diffusers_ae.DiffusersParams.of(class_name, TINY[class_name])
+            vae = diffusers_ae.DiffusersAutoEncoder(params)
         reference = TrainingForward(copy.deepcopy(vae))
         t = families.of_params(params).temporal_factor(params)
         shape = (1, 3, 1 + t, 64, 64) if t else (2, 3, 64, 64)
@@ -49,12 +56,13 @@ def main() -> None:
             recon, mean, *_ = model(x)
             (recon.float().square().mean() + mean.float().square().mean()).backward()
             grads.append({n: sharding.whole(p.grad) for n, p in model.vae.named_parameters() if p.grad is not None})
-        assert grads[0].keys() == grads[1].keys(), class_name
+        lost = sorted(grads[1].keys() - grads[0].keys())
         scale = max(g.abs().max().item() for g in grads[1].values())
-        worst = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[1])
-        assert worst <= 1e-5 * scale, (class_name, worst, scale)
+        worst = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[1] if n in grads[0])
         if dist.get_rank() == 0:
-            print(f"ok {class_name} {len(families.of(vae).shard_units(vae))}", flush=True)
+            verdict = "ok" if not lost and grads[0].keys() == grads[1].keys() and worst <= 1e-5 * scale else "wrong"
+            print(f"{verdict} {class_name} {len(families.of(vae).shard_units(vae))} lost={len(lost)} "
+                  f"worst={worst / scale:.1e} {lost[:2]}", flush=True)
     dist.destroy_process_group()
 
 

@@ -353,6 +353,9 @@ def test_an_elastic_job_that_loses_a_node_continues_on_the_other_with_the_same_s
     assert resumed and "on 1 ranks --grad_accum 4 keeps its 4 micro-batches per step" in outputs[0], outputs[0][-4000:]
     assert step_images(record) == step_images(ref_record)
     at = int(resumed.group(1))
+    # hsdp: the reference's one node of 2 ranks shards (a reduce-scatter), the two nodes of 1 rank replicate (an
+    # all-reduce): their first steps' sums round differently, which Adam carries into the resumed step (2e-5 seen)
+    rel = 1e-5 if sharding == "ddp" else 1e-4
     for key, value in logged(tmp_path / "ref")[at].items():
-        assert logged(tmp_path / "nodes")[at][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+        assert logged(tmp_path / "nodes")[at][key] == pytest.approx(value, rel=rel, abs=1e-7), key
     shutil.rmtree(tmp_path / "nodes" / "checkpoints")  # free the disk early
