@@ -68,10 +68,11 @@ FORMAT_VERSION = 2
 
 def load_checkpoint(path: str, whole: bool = True) -> dict:
     """A checkpoint in today's layout (migrated if written by earlier code). weights_only: a checkpoint from
-    elsewhere cannot run code when loaded. A sharded run's directory: read whole (`whole`), or for a resume without
-    its DCP tensors, which the training entry names (`training["dcp"]`) and VAETraining reads with every rank."""
+    elsewhere cannot run code when loaded. A sharded run's directory: with its weights and EMA (`whole`: for
+    export, evaluation, --load_path; AdamW's moments are not read), or for a resume without its DCP tensors, which
+    the training entry names (`training["dcp"]`) and VAETraining reads with every rank."""
     if os.path.isdir(path):
-        return sharding.load_whole(path) if whole else sharding.load_rest(path)
+        return sharding.load_whole(path, weights_only=True) if whole else sharding.load_rest(path)
     return migrate(torch.load(path, map_location="cpu", weights_only=True))
 
 

@@ -246,17 +246,19 @@ def load_rest(path: str) -> dict:
     return torch.load(os.path.join(path, REST), map_location="cpu", weights_only=True)
 
 
-def load_whole(path: str, rest: dict | None = None) -> dict:
+def load_whole(path: str, rest: dict | None = None, weights_only: bool = False) -> dict:
     """A sharded checkpoint read whole by this process alone (export, evaluate, a DDP run's or one process's resume):
     the same layout as a .pt checkpoint, its optimizer state keyed by parameter name. No collective, under torchrun
     or not (DCP's own _load_state_dict_from_keys would make it one of the default group, which a rank reading alone,
-    as evaluate.py's may, would wait on forever)."""
+    as evaluate.py's may, would wait on forever). `weights_only`: the VAE's weights and EMA, not AdamW's moments
+    (twice the weights again), for export and evaluation."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     rest = rest if rest is not None else load_rest(path)
     loaded: dict = {}
-    _load_state_dict(loaded, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
+    keys = {"training.vae", "training.ema"} if weights_only else None
+    _load_state_dict(loaded, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys=keys),
                      no_dist=True)
     training = {k: v for k, v in rest["training"].items() if k != "dcp"}
     return {**rest, "training": {**training, **loaded["training"]}}
