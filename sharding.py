@@ -28,6 +28,7 @@ against a VAE level's convolutions over full-resolution activations), False for 
 needed again first in backward)."""
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import warnings
@@ -182,6 +183,27 @@ def copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """In-place copies of `src` (whole tensors or DTensors of dst's layout) into `dst` (tensors or DTensors)."""
     for d, s in zip(dst, src):
         d.copy_(s if is_dtensor(s) or not is_dtensor(d) else distribute_like(s, d))
+
+
+def whole_copy(template: nn.Module, vae: nn.Module, device, keep: bool = True) -> nn.Module | None:
+    """A copy of `template` (the VAE's architecture, kept on the CPU) on `device` with the sharded `vae`'s weights,
+    gathered one tensor at a time, so the copy is the peak (every rank calls it; `keep` False: this rank only takes
+    part in the gathers and gets None)."""
+    model = copy.deepcopy(template).to(device) if keep else None
+    into = model.state_dict() if keep else {}
+    with torch.no_grad():
+        for name, tensor in vae.state_dict().items():
+            gathered = whole(tensor.detach())
+            if keep:
+                into[name].copy_(gathered)
+    return model.train(vae.training) if keep else None
+
+
+def sync_buffers(vae: nn.Module) -> None:
+    """The VAE's buffers (a BatchNorm's running statistics) as rank 0's, before a save or an evaluation, as DDP makes
+    them at every forward: FSDP leaves each rank's own."""
+    for buffer in vae.buffers():
+        dist.broadcast(buffer, src=0)
 
 
 class Averaged:

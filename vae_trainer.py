@@ -649,25 +649,15 @@ class Trainer:
         return path
 
     def whole_vae(self, keep: bool = True) -> torch.nn.Module | None:
-        """The VAE with whole weights: itself, or sharded a copy with its weights gathered (every rank calls it; one
-        tensor at a time, so the copy is the peak; `keep` False: this rank only takes part in the gathers)."""
+        """The VAE with whole weights: itself, or sharded a copy of the template with its weights gathered (every
+        rank calls it; `keep` False: this rank only takes part in the gathers)."""
         if self.whole_template is None:
             return self.vae
-        whole = copy.deepcopy(self.whole_template).to(self.device) if keep else None
-        into = whole.state_dict() if keep else {}
-        with torch.no_grad():
-            for name, tensor in self.vae.state_dict().items():
-                gathered = sharding.whole(tensor.detach())
-                if keep:
-                    into[name].copy_(gathered)
-        return whole.train(self.vae.training) if keep else None
+        return sharding.whole_copy(self.whole_template, self.vae, self.device, keep)
 
     def sync_buffers(self) -> None:
-        """Sharded, the VAE's buffers (a BatchNorm's running statistics) are rank 0's before a save or an
-        evaluation, as DDP makes them at every forward: FSDP leaves each rank's own."""
         if self.training.sharded:
-            for buffer in self.vae.buffers():
-                dist.broadcast(buffer, src=0)
+            sharding.sync_buffers(self.vae)
 
     def whole_ema_state(self) -> dict | None:
         """The EMA's whole state dict of the VAE (gathered when sharded: every rank calls it), None without EMA."""
