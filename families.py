@@ -103,8 +103,8 @@ class Family:
         return ""
 
     def shard_units(self, vae: nn.Module) -> list[nn.Module]:
-        """The modules --sharding fsdp|hsdp gathers one at a time (sharding.shard_units: the encoder's and decoder's
-        levels and mid blocks, which every family here keeps in ModuleLists and children of the two)."""
+        """The modules --sharding fsdp|hsdp gathers one at a time (sharding.shard_units: the blocks the encoder and
+        decoder call, each at most 1/8 of the model where it allows, found the same way in every family here)."""
         import sharding
         return sharding.shard_units(vae)
 

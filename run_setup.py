@@ -21,7 +21,7 @@ import pretrained
 import shards
 import sharding
 import sources
-from checkpoint import is_checkpoint_name
+from checkpoint import checkpoint_files
 from clips import VIDEO_EXTS
 from common import ConfigError, redact
 from sources import IMAGE_EXTS
@@ -172,8 +172,7 @@ def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Confi
 
 
 def has_checkpoints(run_dir: str) -> bool:
-    folder = os.path.join(run_dir, "checkpoints")
-    return os.path.isdir(folder) and any(is_checkpoint_name(f) for f in os.listdir(folder))
+    return bool(checkpoint_files(os.path.join(run_dir, "checkpoints")))
 
 
 def saved_run_config(cfg: Config, explicit: set[str]) -> dict | None:
@@ -192,7 +191,7 @@ def saved_run_config(cfg: Config, explicit: set[str]) -> dict | None:
             ckpt = (sharding.load_rest(run.resume) if os.path.isdir(run.resume) else
                     migrate(torch.load(run.resume, map_location="cpu", weights_only=True, mmap=True)))["run"]
             saved = {**ckpt.get("config", {}), **({"derived": ckpt["derived"]} if "derived" in ckpt else {})}
-        elif any(is_checkpoint_name(f) for f in os.listdir(os.path.join(run.run_dir, "checkpoints"))):
+        elif has_checkpoints(run.run_dir):
             with open(os.path.join(run.run_dir, "config.json")) as f:
                 saved = json.load(f)
         else:

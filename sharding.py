@@ -123,13 +123,9 @@ def shard(module: nn.Module, units: list[nn.Module], mesh) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------------- state across layouts
-def full_state(state: dict[str, torch.Tensor], cpu: bool = True) -> dict[str, torch.Tensor]:
-    """A state dict with each DTensor gathered whole (every rank calls it), on the CPU unless `cpu` is False."""
-    out = {}
-    for name, t in state.items():
-        t = whole(t.detach())
-        out[name] = t.cpu() if cpu else t
-    return out
+def full_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with each DTensor gathered whole on its device (every rank calls it); tensors as they are."""
+    return {name: whole(t.detach()) for name, t in state.items()}
 
 
 def distribute_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

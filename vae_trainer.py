@@ -662,7 +662,7 @@ class Trainer:
     def whole_ema_state(self) -> dict | None:
         """The EMA's whole state dict of the VAE (gathered when sharded: every rank calls it), None without EMA."""
         ema = self.training.ema
-        return None if ema is None else sharding.full_state(ema.model_state_dict(self.vae), cpu=False)
+        return None if ema is None else sharding.full_state(ema.model_state_dict(self.vae))
 
     def evaluate(self) -> dict:
         self.sync_buffers()
