@@ -285,3 +285,40 @@ def test_an_abandoned_step_restores_what_the_3d_critics_forward_moved(norm):
     assert bool(moved) == (norm != "none")
     adversary.abandon_step()
     assert all(torch.equal(v, before[k]) for k, v in adversary.critic.state_dict().items())
+
+
+@pytest.mark.parametrize("r1", [0.0, 1.0])
+def test_the_3d_critic_copies_no_activation_the_frame_critic_does_not(r1):
+    """The copy census (bench.copies.CopyCensus, CPU kernels) of one micro-batch of clips through micro_step, the
+    critic's step and the generator's term included: the 3D critic reads the clips micro_step folded its frames
+    from, so it copies no more activation bytes than the frame critic (folding the frames back would copy the
+    reconstruction into the (B, C, T, H, W) layout); its gradient reaches the reconstruction."""
+    import latents as latents_lib
+    from bench.copies import CopyCensus, parameter_shapes
+    from objective import micro_step
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(2, 3, 5, 32, 32, generator=gen) * 2 - 1
+
+    class Clips(torch.nn.Module):  # a stand-in VAE: its reconstruction and posterior are its parameters
+        def __init__(self):
+            super().__init__()
+            self.recon = torch.nn.Parameter(x + 0.1 * torch.randn(x.shape, generator=gen))
+            self.mean = torch.nn.Parameter(torch.randn(2, 4, 2, 8, 8, generator=gen))
+
+        def forward(self, x, latent_transform=None, also_decode=None):
+            return self.recon * 1, self.mean * 1, None, None, None
+
+    copied = {}
+    for critic in ("patchgan", "patchgan3d"):
+        torch.manual_seed(0)
+        objective = objective_of(config(discriminator=critic, video_frames=5, disc_start=0, r1_weight=r1,
+                                        perceptual_weight=0, mse_pool_factor=4),
+                                 with_lpips=False, z_channels=4)
+        model = Clips()
+        census = CopyCensus(parameter_shapes(objective.adversary.critic, model), cuda_layouts=False)
+        with census:
+            out = micro_step(objective, model, x, 0, 0, 1, True, latents_lib.LatentRegularisers(0), torch.ones(()),
+                             None)
+        assert "loss/gan_g" in out.logs and model.recon.grad.abs().sum() > 0
+        copied[critic] = census.summary().get("copy/activation", {"mib": 0.0})["mib"]
+    assert copied["patchgan3d"] <= copied["patchgan"], copied
