@@ -309,9 +309,9 @@ class CriticConfig:
                                       "patchgan3d: its Conv3d twin judging whole clips (--video_frames)",
                              ("vgg16", "patchgan", "patchgan3d"))
     disc_type: str = opt("hinge", "discriminator loss", DISC_TYPES)
-    disc_norm: str = opt("group_spectral", "PatchGAN normalisation", DISC_NORMS)
+    disc_norm: str = opt("group_spectral", "the PatchGANs' normalisation (patchgan, patchgan3d)", DISC_NORMS)
     learning_rate_disc: float = opt(0.0, "discriminator learning rate. 0: auto, 1e-5 for the vgg16 critic (a "
-                                         "pretrained trunk, as the reference), --learning_rate_vae for patchgan "
+                                         "pretrained trunk, as the reference), --learning_rate_vae for the PatchGANs "
                                          "(as LDM)")
     lecam_weight: float = opt(0.0, "LeCam regularisation weight for the discriminator (0: off)")
     critic_trunk: str = opt("trainable", "the vgg16 critic's trunk. trainable: its own VGG16, trained (the "

@@ -44,6 +44,11 @@ Sections
           --video_photos (decoder only, the same with --temporal_weight 1, the whole VAE; --video_finetune_steps
           each, concurrently), `evaluate.py --video_frames` of each on held-out clips: per-frame PSNR/SSIM, temporal
           PSNR.
+  video_critic (only when named in --sections) The spatio-temporal critic against the frame critic (issue 42;
+          bench/video_critic.py): a small Wan-structured VAE trained on clips of the demo's photos with
+          --discriminator patchgan (frames) and patchgan3d (clips), each with --temporal_weight 1, and without a
+          critic (--critic_variants x --critic_seeds, --critic_steps each, concurrently); `evaluate.py --video_frames`
+          on held-out clips: per-frame PSNR, temporal PSNR, tLP; and each critic's share of one micro-batch's time.
   families (only when named in --sections) Issue 39 (bench/families.py): the memory check's estimate per GPU for LTX-2's
           and HunyuanVideo 1.5's VAE at diffusers' default configs (decoder only and whole, --families_frames x
           --families_sizes), and Wan's VAE through wan_ae.py and through diffusers' own AutoencoderKLWan on the same
