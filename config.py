@@ -305,12 +305,13 @@ class CriticConfig:
     TITLE: ClassVar[str] = "Discriminator (GAN)"  # the flag table's heading
 
     do_ganloss: bool = opt(False, "train with the discriminator")
-    discriminator: str = opt("vgg16", "vgg16: VGG16 feature slices with conv heads; patchgan: N-layer PatchGAN",
-                             ("vgg16", "patchgan"))
+    discriminator: str = opt("vgg16", "vgg16: VGG16 feature slices with conv heads; patchgan: N-layer PatchGAN; "
+                                      "patchgan3d: its Conv3d twin judging whole clips (--video_frames)",
+                             ("vgg16", "patchgan", "patchgan3d"))
     disc_type: str = opt("hinge", "discriminator loss", DISC_TYPES)
-    disc_norm: str = opt("group_spectral", "PatchGAN normalisation", DISC_NORMS)
+    disc_norm: str = opt("group_spectral", "the PatchGANs' normalisation (patchgan, patchgan3d)", DISC_NORMS)
     learning_rate_disc: float = opt(0.0, "discriminator learning rate. 0: auto, 1e-5 for the vgg16 critic (a "
-                                         "pretrained trunk, as the reference), --learning_rate_vae for patchgan "
+                                         "pretrained trunk, as the reference), --learning_rate_vae for the PatchGANs "
                                          "(as LDM)")
     lecam_weight: float = opt(0.0, "LeCam regularisation weight for the discriminator (0: off)")
     critic_trunk: str = opt("trainable", "the vgg16 critic's trunk. trainable: its own VGG16, trained (the "
@@ -332,6 +333,8 @@ class CriticConfig:
         if self.diffaug and self.critic_trunk == "frozen":
             raise ConfigError("--diffaug needs --critic_trunk trainable: augmented images would need their own pass "
                               "through the frozen trunk, the pass it shares with LPIPS")
+        if self.diffaug and self.discriminator == "patchgan3d":
+            raise ConfigError("--diffaug draws per image, not per clip: leave it off with --discriminator patchgan3d")
         unknown = sorted(set(filter(None, self.diffaug.split(","))) - set(DIFFAUG_POLICIES))
         if unknown:
             raise ConfigError(f"--diffaug {self.diffaug}: unknown {','.join(unknown)} (choose from "
@@ -847,6 +850,9 @@ def check_video(cfg: Config) -> None:
     """One line for --video_frames without a video VAE, of a length it cannot take, or with what does not take clips
     yet."""
     if not cfg.data.video_frames:
+        if cfg.critic.discriminator == "patchgan3d":
+            raise ConfigError("--discriminator patchgan3d judges clips: a 3D critic with images only needs "
+                              "--video_frames (patchgan or vgg16 judge images)")
         if cfg.loss.temporal_weight > 0 or cfg.data.video_image_prob > 0:
             raise ConfigError(f"{'--temporal_weight' if cfg.loss.temporal_weight > 0 else '--video_image_prob'} is "
                               "for clips: it needs --video_frames")

@@ -1,5 +1,5 @@
 """The networks that judge reconstructions: LPIPS on VGG16 (the `lpips` package's learned heads), the critics (the
-VGG16 discriminator, the PatchGAN, the frozen trunk's feature heads), the one VGG16 pass the frozen-trunk critic
+VGG16 discriminator, the PatchGAN and its 3D twin for clips, the frozen trunk's feature heads), the one VGG16 pass the frozen-trunk critic
 shares with LPIPS, and the critic's stabilisers (DiffAugment, R1). The objective (objective.py) composes them."""
 from __future__ import annotations
 
@@ -135,6 +135,57 @@ class NLayerDiscriminator(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.main(x)
+
+
+class PatchGAN3D(nn.Module):
+    """The spatio-temporal PatchGAN (--discriminator patchgan3d): NLayerDiscriminator with Conv3d, the same
+    normalisations (--disc_norm; BatchNorm3d for batch), widths and initialisation, judging (N, C, T, H, W) clips.
+    Its first two convolutions halve time as well as space (kernel 3 in time, padding 1), so a 17-frame clip gives
+    a grid of 5 temporal patches (9 frames: 3), each seeing the whole clip (temporal receptive field 31 frames),
+    and a one-frame clip (--video_image_prob's image steps) gives one.
+
+    Not causal in time: the critic judges whole clips in training and never runs chunk by chunk, so nothing is
+    gained by hiding the frames after a patch from it, and flicker is a difference in both directions. The causal
+    VAE's first frame (encoded alone) is still told apart: the zero padding in time marks the clip's ends, so the
+    patches at the start of the clip learn the first frame's own statistics."""
+
+    def __init__(self, input_nc: int = 3, ndf: int = 64, n_layers: int = 3, norm: str = "batch"):
+        super().__init__()
+        if norm not in DISC_NORMS:
+            raise ValueError(f"disc_norm must be one of {DISC_NORMS}")
+        spectral = norm in ("spectral", "group_spectral")
+
+        def conv(cin, cout, stride, time_stride, bias):
+            layer = nn.Conv3d(cin, cout, kernel_size=(3, 4, 4), stride=(time_stride, stride, stride),
+                              padding=1, bias=bias)
+            return nn.utils.spectral_norm(layer) if spectral else layer
+
+        def normalization(c):
+            if norm == "batch":
+                return nn.BatchNorm3d(c)
+            if norm == "group_spectral":
+                return nn.GroupNorm(min(32, c), c)
+            return nn.Identity()
+
+        layers = [conv(input_nc, ndf, 2, 2, True), nn.LeakyReLU(0.2)]
+        mult = 1
+        for n in range(1, n_layers + 1):
+            prev, mult = mult, min(2 ** n, 8)
+            stride = 2 if n < n_layers else 1
+            layers += [conv(ndf * prev, ndf * mult, stride, 2 if n == 1 else 1, norm in ("none", "spectral")),
+                       normalization(ndf * mult), nn.LeakyReLU(0.2)]
+        layers += [conv(ndf * mult, 1, 1, 1, True)]
+        self.main = nn.Sequential(*layers)
+        if not spectral:
+            for m in self.modules():
+                if isinstance(m, nn.Conv3d):
+                    nn.init.normal_(m.weight, 0.0, 0.02)
+                elif isinstance(m, (nn.BatchNorm3d, nn.GroupNorm)):
+                    nn.init.normal_(m.weight, 1.0, 0.02)
+                    nn.init.zeros_(m.bias)
+
+    def forward(self, clips: Tensor) -> Tensor:
+        return self.main(clips)
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ from ae import kl_divergence
 from alignment import AlignmentLoss
 from clips import frames_of
 from config import FP32, CriticConfig, LatentsConfig, LossConfig, OptimConfig, Precision
-from critics import (FeatureCriticHeads, NLayerDiscriminator, VGG16Discriminator, build_lpips, diff_augment,
-                     lpips_from_features, r1_penalty, vgg16_features)
+from critics import (FeatureCriticHeads, NLayerDiscriminator, PatchGAN3D, VGG16Discriminator, build_lpips,
+                     diff_augment, lpips_from_features, r1_penalty, vgg16_features)
 from train_state import Decoded
 from utils import (LeCam, LowpassMSE, adaptive_gan_weight, cosine_with_warmup, discriminator_accuracy,
                    discriminator_loss, gan_ramp, generator_active_fraction, generator_loss, gradnorm,
@@ -125,7 +125,7 @@ class MicroBatch:
     `mean`, `x`); `added` (downsampled image, its reconstruction in fp32) for the additive scale-equivariance term;
     `shared` the frozen trunk's features (shared_trunk_pass; --critic_trunk frozen); `teacher` a frozen decoder's
     reconstruction of the same latent, fp32 (--distill_weight); `clip_frames` the frames per clip when x and recon
-    are clips' frames (clips.frames_of)."""
+    are clips' frames (clips.frames_of), and `recon_clips` the clips recon was folded from (a clip critic's input)."""
     x: Tensor
     recon: Tensor
     mean: Tensor
@@ -142,6 +142,7 @@ class MicroBatch:
     shared: SharedTrunkPass | None = None
     teacher: Tensor | None = None
     clip_frames: int = 0  # x and recon are clips' frames, clip by clip, this many per clip (0: images)
+    recon_clips: Tensor | None = None  # recon as the (B, C, T, H, W) clips it was folded from: the 3D critic's input
 
 
 # ------------------------------------------------------------------------------------------ the VAE's objective
@@ -302,8 +303,12 @@ class VAEObjective(nn.Module):
             # --gan_ramp_steps: the weight grows linearly after disc_start (1.0 with the reference's step function)
             gan_weight = loss.gan_weight * gan_ramp(step, loss.disc_start, loss.gan_ramp_steps)
             with self.autocast():  # the objective's precision, like every loss network's pass here
-                fake = shared.recon_features if shared is not None else branch(gan_weight * active.sqrt())
-                fake_logits = self.adversary.generator_logits(fake)
+                # a clip critic reads the clips the frames were folded from: the same values and gradient, and
+                # no copy back into the (B, C, T, H, W) layout its Conv3d needs
+                clips = batch.recon_clips if self.adversary.on_clips else None
+                fake = (shared.recon_features if shared is not None else
+                        branch(gan_weight * active.sqrt(), recon if clips is None else clips))
+                fake_logits = self.adversary.generator_logits(fake, batch.clip_frames)
             g_loss = generator_loss(fake_logits, real_logits, loss.gen_loss, loss.gan_margin)
             terms.append(Term("gan_g", g_loss, gan_weight, balanced=True, adversarial=True, shared_pass=through_shared,
                               logs={"gan/active_fraction": active}))
@@ -345,7 +350,16 @@ CRITICS = {  # --discriminator -> its network, from the CriticConfig and the VGG
     "vgg16": lambda cfg, vgg_features: (FeatureCriticHeads() if cfg.critic_trunk == "frozen"
                                         else VGG16Discriminator(vgg_features)),
     "patchgan": lambda cfg, vgg_features: NLayerDiscriminator(norm=cfg.disc_norm),
+    # judges whole clips: the Adversary gives it micro_step's frames folded back into clips (clips_of)
+    "patchgan3d": lambda cfg, vgg_features: PatchGAN3D(norm=cfg.disc_norm),
 }
+CLIP_CRITICS = ("patchgan3d",)
+
+
+def clips_of(frames: Tensor, clip_frames: int) -> Tensor:
+    """(B * T, C, H, W) frames, clip by clip (clips.frames_of) -> (B, C, T, H, W) clips: its inverse, a view (no
+    copy). `clip_frames` 0 (images) reads each image as a one-frame clip."""
+    return frames.unflatten(0, (-1, max(clip_frames, 1))).transpose(1, 2)
 
 
 def build_critic(cfg: CriticConfig, vgg_features: dict[str, Tensor] | None) -> nn.Module:
@@ -363,6 +377,9 @@ class Adversary:
         self.precision = precision  # the run's (config.Precision), the objective's too
         # --critic_trunk frozen: the critic reads the shared trunk's feature lists instead of images
         self.on_features = cfg.discriminator == "vgg16" and cfg.critic_trunk == "frozen"
+        self.on_clips = cfg.discriminator in CLIP_CRITICS  # reads (B, C, T, H, W) clips, not frames
+        if self.on_clips:  # (channels_last is 4-D only; the video VAE's Conv3d is contiguous too)
+            self.memory_format = memory_format = torch.contiguous_format
         self.critic = critic.to(device, memory_format=memory_format)
         self.critic_ddp = self.critic  # the module the critic's pass runs (its DDP wrapper under torchrun)
         self.lecam = LeCam().to(device) if cfg.lecam_weight > 0 else None
@@ -391,9 +408,13 @@ class Adversary:
             images_or_features = diff_augment(images_or_features, self.cfg.diffaug)
         return images_or_features.contiguous(memory_format=self.memory_format)
 
-    def loss(self, x, recon):
+    def loss(self, x, recon, clip_frames: int = 0):
         """The critic's loss on real `x` vs the detached `recon` (LeCam and R1 included), its logits (detached, for
-        the generator term) and logs. `x`, `recon`: images, or with the frozen trunk their feature lists."""
+        the generator term) and logs. `x`, `recon`: images, or with the frozen trunk their feature lists; clips'
+        frames, `clip_frames` per clip (0: images), which a clip critic reads folded back into clips (R1 per clip), or
+        the (B, C, T, H, W) clips themselves (micro_step's, for a clip critic: no fold to copy)."""
+        if self.on_clips and x.dim() == 4:  # (micro_step hands a clip critic the clips themselves)
+            x, recon = clips_of(x, clip_frames), clips_of(recon, clip_frames)
         if self.on_features:
             real, fake = [f.detach() for f in x], [f.detach() for f in recon]
             if self.cfg.r1_weight > 0:  # R1 on the features: its double backward only crosses the heads
@@ -419,19 +440,22 @@ class Adversary:
             logs["gan/r1"] = r1.detach()
         return d_loss, real_logits.detach(), fake_logits.detach(), logs
 
-    def backward(self, x: Tensor, recon: Tensor, sync: bool, accum: int, backward: bool = True):
+    def backward(self, x: Tensor, recon: Tensor, sync: bool, accum: int, backward: bool = True,
+                 clip_frames: int = 0):
         """The critic's loss and (unless not `backward`: memory.py's estimate) its backward on one micro-batch
         (DDP's all-reduce only when `sync`): its loss, its logits for the generator term, and logs (per
-        micro-batch)."""
+        micro-batch). `clip_frames`: Adversary.loss's."""
         with no_sync_unless(self.critic_ddp, sync):
-            d_loss, real_logits, fake_logits, logs = self.loss(x, recon)
+            d_loss, real_logits, fake_logits, logs = self.loss(x, recon, clip_frames)
             if backward:
                 self.scaler.scale(d_loss / accum).backward()
         return d_loss, real_logits, fake_logits, logs
 
-    def generator_logits(self, fake) -> Tensor:
+    def generator_logits(self, fake, clip_frames: int = 0) -> Tensor:
         """The critic's logits on reconstructions (or, frozen trunk, their features) that keep their graph (the
-        generator's term), in fp32; under the caller's autocast (the objective's)."""
+        generator's term), in fp32; under the caller's autocast (the objective's). `clip_frames`: Adversary.loss's."""
+        if self.on_clips and fake.dim() == 4:
+            fake = clips_of(fake, clip_frames)
         return self.critic(self.critic_input(fake)).float()
 
     @contextlib.contextmanager
@@ -548,6 +572,7 @@ def micro_step(objective: VAEObjective, model: nn.Module, x: Tensor, step: int, 
         # clips: the losses (a loss per frame; the KL per latent element is the KL over the latent clip), the critic
         # and the latent statistics see their frames as images
         clip_frames = x.shape[2] if x.dim() == 5 else 0
+        x_clips, recon_clips = (x, recon) if clip_frames else (None, None)  # (what a clip critic reads)
         if clip_frames:
             untransformed = images is x  # (no regulariser: one fold of the clips serves both)
             x = frames_of(x)
@@ -560,14 +585,17 @@ def micro_step(objective: VAEObjective, model: nn.Module, x: Tensor, step: int, 
             shared = objective.shared_trunk_pass(x, recon, step)  # --critic_trunk frozen: one VGG16 pass
             if objective.adversary is not None:  # the critic learns real vs detached fakes, every step
                 critic_x, critic_recon = (shared.x_features, shared.recon_features) if shared else (x, recon)
+                if objective.adversary.on_clips and clip_frames:
+                    critic_x, critic_recon = x_clips, recon_clips
                 d_loss, real_logits, fake_logits, critic_logs = objective.adversary.backward(
-                    critic_x, critic_recon, sync, accum, backward)
+                    critic_x, critic_recon, sync, accum, backward, clip_frames)
                 d_loss = d_loss.detach()
         with phase("loss"), objective.critic_frozen():
             loss, logs = objective(MicroBatch(
                 x, recon, mean, logvar, step, real_logits, fake_logits, accum, loss_scale, last_layer, latent=mean,
                 images=images, added=(added[0], out.added.float()) if added else None, shared=shared,
-                teacher=out.teacher.float() if out.teacher is not None else None, clip_frames=clip_frames))
+                teacher=out.teacher.float() if out.teacher is not None else None, clip_frames=clip_frames,
+                recon_clips=recon_clips))
             if backward:
                 loss.backward()
     return MicroStep(d_loss, loss.detach(), critic_logs, logs, mean, logvar)

@@ -450,8 +450,8 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
     model, loss, critic, optim, latents, ev = cfg.model, cfg.loss, cfg.critic, cfg.optim, cfg.latents, cfg.eval
     ignored_when = [  # (flags, ignored in this config, why)
         (GAN_FLAGS, not critic.do_ganloss, "without --do_ganloss"),
-        (("disc_norm",), critic.discriminator != "patchgan", "with --discriminator vgg16 (it normalises the "
-                                                             "PatchGAN only)"),
+        (("disc_norm",), critic.discriminator == "vgg16", "with --discriminator vgg16 (it normalises the "
+                                                          "PatchGANs only)"),
         (("gan_margin",), loss.gen_loss != "thresholded", f"with --gen_loss {loss.gen_loss} (it is the margin of "
                                                             "the thresholded loss)"),
         (("adaptive_weight_max",), loss.loss_balance != "adaptive", f"with --loss_balance {loss.loss_balance} (it "

@@ -44,6 +44,11 @@ Sections
           --video_photos (decoder only, the same with --temporal_weight 1, the whole VAE; --video_finetune_steps
           each, concurrently), `evaluate.py --video_frames` of each on held-out clips: per-frame PSNR/SSIM, temporal
           PSNR.
+  video_critic (only when named in --sections) The spatio-temporal critic against the frame critic (issue 42;
+          bench/video_critic.py): a small Wan-structured VAE trained on clips of the demo's photos with
+          --discriminator patchgan (frames) and patchgan3d (clips), each with --temporal_weight 1, and without a
+          critic (--critic_variants x --critic_seeds, --critic_steps each, concurrently); `evaluate.py --video_frames`
+          on held-out clips: per-frame PSNR, temporal PSNR, tLP; and each critic's share of one micro-batch's time.
   families (only when named in --sections) Issue 39 (bench/families.py): the memory check's estimate per GPU for LTX-2's
           and HunyuanVideo 1.5's VAE at diffusers' default configs (decoder only and whole, --families_frames x
           --families_sizes), and Wan's VAE through wan_ae.py and through diffusers' own AutoencoderKLWan on the same
@@ -157,12 +162,13 @@ from bench.report import Report, finite
 from bench.resolutions import bench_resolutions
 from bench.train import bench_train
 from bench.video import bench_video
+from bench.video_critic import bench_video_critic
 from bench.families import bench_families
 from bench.sharding import bench_sharding
 
 
 SECTIONS = ("data", "train", "memory", "gpu", "quality", "finetune", "latents", "decoders", "decoder_quality",
-            "resolutions", "copies", "precision", "video", "families", "sharding")
+            "resolutions", "copies", "precision", "video", "video_critic", "families", "sharding")
 TARGETS = {  # key: (comparison, threshold)
     "pipeline_fraction_of_decode": (">=", 0.90),
     "train_step_speedup": (">=", 1.3),
@@ -286,6 +292,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--video_runs_dir", default="", help="keep the video runs here (default: a temporary folder)")
     g.add_argument("--video_skip_memory", action="store_true", help="the video section without its memory table")
     g.add_argument("--video_skip_quality", action="store_true", help="the video section without its quality runs")
+    g = p.add_argument_group("video_critic")
+    g.add_argument("--critic_variants", default="patchgan,patchgan3d,none",
+                   help="the video critic section's runs: patchgan (frames) and patchgan3d (clips), each with "
+                        "--temporal_weight 1, and none (the temporal term alone)")
+    g.add_argument("--critic_seeds", default="0,1", help="seeds of the video critic section's runs")
+    g.add_argument("--critic_steps", type=int, default=240, help="steps of each run of the video critic section")
+    g.add_argument("--critic_batch", type=int, default=2, help="clips per step of the video critic section")
+    g.add_argument("--critic_disc_start", type=int, default=40, help="the GAN's first step in the video critic runs")
+    g.add_argument("--critic_runs_dir", default="", help="keep the video critic runs here (default: a temporary "
+                                                         "folder); finished runs are not trained again")
     g = p.add_argument_group("families")
     g.add_argument("--families_frames", default="17,33", help="clip lengths of the families memory table")
     g.add_argument("--families_sizes", default="256,480", help="frame sizes of the families memory table")
@@ -490,7 +506,7 @@ def main(argv=None) -> int:
     # Trainer construction and the data tools print progress lines: keep stdout for the JSON object
     with contextlib.redirect_stdout(report.stream), tempfile.TemporaryDirectory(prefix="vae_bench_") as tmp:
         if set(args.sections) - {"quality", "decoders", "decoder_quality", "resolutions", "precision", "video",
-                                 "families", "sharding"}:
+                                 "video_critic", "families", "sharding"}:
             report.line(f"generating {args.images} photo-like {args.height}x{args.width} images as PNG and JPEG "
                         "shards ...")
             datasets = make_datasets(tmp, args.images, args.height, args.width, args.seed)
@@ -521,6 +537,8 @@ def main(argv=None) -> int:
             results["precision"] = bench_precision(args, tmp, report)
         if "video" in args.sections:
             results["video"] = bench_video(args, tmp, report)
+        if "video_critic" in args.sections:
+            results["video_critic"] = bench_video_critic(args, tmp, report)
         if "families" in args.sections:
             results["families"] = bench_families(args, report)
         if "sharding" in args.sections:

@@ -212,3 +212,20 @@ def test_the_config_is_read_once_and_one_precision_is_held_by_every_owner(shard_
                 with open(os.path.join(folder, name)) as f:
                     lines = [line for line in f if "bfloat16" in line and "bf16" in line]
                 assert not lines, (name, lines)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--discriminator patchgan3d judges clips: a 3D critic with images only needs --video_frames"),
+    (["--critic_trunk", "frozen"], "--critic_trunk frozen needs --discriminator vgg16"),
+    (["--diffaug", "color"], "--diffaug draws per image, not per clip: leave it off with --discriminator patchgan3d"),
+], ids=["images_only", "frozen_trunk", "diffaug"])
+def test_what_the_3d_critic_cannot_take_is_refused_in_one_line_before_any_worker(shard_url, tmp_path, capsys, extra,
+                                                                                message):
+    """Issue 42 item 4: the 3D critic on an image run, on the frozen trunk (it has none), with DiffAugment (its
+    draws are per image: a clip's frames would each get their own): exit 2, one line, no run directory."""
+    argv = ["--dataset_url", shard_url, "--output_dir", str(tmp_path), "--do_ganloss", "--discriminator",
+            "patchgan3d", "--vgg16_weights", "random", *extra]
+    assert vae_trainer.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert os.listdir(tmp_path) == []

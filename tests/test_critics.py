@@ -387,3 +387,44 @@ def test_lpips_backpropagates_through_the_reconstruction_only():
         todo += [next_node for next_node, _ in node.next_functions]
     assert convs == 13 + 5
     assert all(not p.requires_grad for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------------
+# the spatio-temporal critic (--discriminator patchgan3d, issue 42)
+# --------------------------------------------------------------------------------------------
+def clip_batch(n=2, frames=5, size=32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 3, frames, size, size, generator=generator) * 2 - 1
+
+
+@pytest.mark.parametrize("norm", DISC_NORMS)
+def test_patchgan3d_takes_each_norm_and_gives_a_patch_grid_in_time(norm):
+    """--disc_norm is the 2D PatchGAN's (BatchNorm3d for batch; GroupNorm and/or spectral norm), with its
+    initialisation; time is halved twice, so 17 frames give 5 temporal patches, 9 give 3, and a one-frame clip
+    (--video_image_prob's image steps) gives 1; gradients reach every frame."""
+    torch.manual_seed(0)
+    disc, flat = critics.PatchGAN3D(ndf=8, norm=norm), NLayerDiscriminator(ndf=8, norm=norm)
+    assert [type(m).__name__ for m in disc.main] == [type(m).__name__.replace("2d", "3d") for m in flat.main]
+    spectral = sum(hasattr(m, "weight_orig") for m in disc.modules())
+    assert spectral == sum(hasattr(m, "weight_orig") for m in flat.modules())
+    assert spectral == (5 if norm in ("spectral", "group_spectral") else 0)
+    for frames, grid in ((17, 5), (9, 3), (1, 1)):
+        x = clip_batch(frames=frames, size=64).requires_grad_(True)
+        out = disc(x)
+        assert out.shape == (2, 1, grid, 6, 6), frames
+        out.mean().backward()
+        assert torch.isfinite(x.grad).all() and (x.grad.abs().sum(dim=(0, 1, 3, 4)) > 0).all()
+    with pytest.raises(ValueError):
+        critics.PatchGAN3D(norm="layer")
+
+
+def test_patchgan3d_sees_the_order_of_frames():
+    """A spatio-temporal critic: reversing a clip's frames changes its logits (a frame critic's mean logit would
+    not move); its first and last temporal patches are told apart by the padding at the clip's ends."""
+    torch.manual_seed(0)
+    disc = critics.PatchGAN3D(ndf=8, norm="none")
+    x = clip_batch(frames=9)
+    assert not torch.allclose(disc(x), disc(x.flip(2)).flip(2))
+    still = x[:, :, :1].expand(-1, -1, 9, -1, -1)  # a still clip: every frame the same
+    logits = disc(still)
+    assert not torch.allclose(logits[:, :, 0], logits[:, :, 1])

@@ -214,3 +214,111 @@ def test_compose_logs_every_term_and_one_total_formula_for_every_balance(balance
             assert logs["loss/adaptive_weight"].item() == pytest.approx(float(gan_weight), rel=1e-5)
         expected = 2.0 * (2.0 * 6.0 + gan_weight * 0.5 + 0.1 * 3.0) / 2
     assert backward.item() == pytest.approx(float(expected), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ the 3D critic
+def clip_critic(**changes):
+    torch.manual_seed(0)
+    return objective_of(config(discriminator="patchgan3d", video_frames=5, **changes), with_lpips=False).adversary
+
+
+def frames_and_clips(batch=2, frames=5, size=32, seed=3):
+    from clips import frames_of
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(batch, 3, frames, size, size, generator=gen) * 2 - 1
+    recon = (x + 0.2 * torch.randn(x.shape, generator=gen)).clamp(-1, 1)
+    return frames_of(x), frames_of(recon), x, recon
+
+
+def test_the_3d_critic_judges_whole_clips_folded_back_from_the_frames():
+    """micro_step hands the critic the clips' frames, clip by clip (clips.frames_of); the Adversary folds them back
+    (objective.clips_of, a view of the same memory) so that the 3D critic's own loss, R1 (per clip: the squared
+    norm of the gradient over the whole clip, averaged over clips), LeCam and the generator's logits are those of
+    the critic run on the clips themselves."""
+    from objective import clips_of
+    from critics import r1_penalty
+    x_frames, recon_frames, x, recon = frames_and_clips()
+    assert torch.equal(clips_of(x_frames, 5), x) and clips_of(x_frames, 5).data_ptr() == x_frames.data_ptr()
+    adversary = clip_critic(r1_weight=2.0)
+    d_loss, real_logits, fake_logits, logs = adversary.loss(x_frames, recon_frames, clip_frames=5)
+    real = x.clone().requires_grad_(True)
+    logits = adversary.critic(torch.cat([real, recon])).float()
+    assert logits.shape[:3] == (4, 1, 2)  # clips of 5 frames: 2 temporal patches
+    expected_real, expected_fake = logits.chunk(2)
+    assert torch.equal(real_logits, expected_real.detach()) and torch.equal(fake_logits, expected_fake.detach())
+    r1 = r1_penalty(expected_real, real)
+    assert torch.equal(logs["gan/r1"], r1.detach())
+    per_clip = torch.autograd.grad(expected_real.sum(), real)[0].pow(2).flatten(1).sum(1)
+    assert torch.allclose(r1, per_clip.mean())
+    hinge = discriminator_loss(expected_real, expected_fake, "hinge")
+    lecam = 0.1 * adversary.lecam.penalty(expected_real, expected_fake)
+    assert torch.allclose(d_loss, hinge + lecam + 1.0 * r1)
+    assert torch.equal(adversary.generator_logits(recon_frames, 5), expected_fake.detach())
+
+
+def test_the_3d_critic_takes_the_one_frame_clips_of_image_steps():
+    """--video_image_prob's image steps: micro_step's clips of one frame (clip_frames 1), or images (0), are clips
+    of one frame to the 3D critic, with its loss, R1 and generator term."""
+    x_frames, recon_frames, _, _ = frames_and_clips(frames=1)
+    adversary = clip_critic(r1_weight=1.0)
+    for clip_frames in (1, 0):
+        d_loss, real_logits, _, _ = adversary.loss(x_frames, recon_frames, clip_frames)
+        assert real_logits.shape[:3] == (2, 1, 1) and torch.isfinite(d_loss)
+        assert adversary.generator_logits(recon_frames, clip_frames).shape == real_logits.shape
+
+
+@pytest.mark.parametrize("norm", ["batch", "group_spectral", "spectral", "none"])
+def test_an_abandoned_step_restores_what_the_3d_critics_forward_moved(norm):
+    """The out-of-memory rule (Adversary.step_began / abandon_step): the buffers a training-mode pass of the 3D
+    critic moves (BatchNorm3d's statistics, spectral norm's power iteration) are all in moved_by_forward, and an
+    abandoned step puts the critic's state back bitwise."""
+    x_frames, recon_frames, _, _ = frames_and_clips()
+    adversary = clip_critic(disc_norm=norm)
+    before = {k: v.clone() for k, v in adversary.critic.state_dict().items()}
+    adversary.step_began()
+    adversary.loss(x_frames, recon_frames, clip_frames=5)
+    adversary.generator_logits(recon_frames, 5)
+    moved = {k for k, v in adversary.critic.state_dict().items() if not torch.equal(v, before[k])}
+    tracked = {id(b) for b in adversary.moved_by_forward}
+    buffers = dict(adversary.critic.named_buffers())
+    assert moved <= set(buffers) and all(id(buffers[k]) in tracked for k in moved)
+    assert bool(moved) == (norm != "none")
+    adversary.abandon_step()
+    assert all(torch.equal(v, before[k]) for k, v in adversary.critic.state_dict().items())
+
+
+@pytest.mark.parametrize("r1", [0.0, 1.0])
+def test_the_3d_critic_copies_no_activation_the_frame_critic_does_not(r1):
+    """The copy census (bench.copies.CopyCensus, CPU kernels) of one micro-batch of clips through micro_step, the
+    critic's step and the generator's term included: the 3D critic reads the clips micro_step folded its frames
+    from, so it copies no more activation bytes than the frame critic (folding the frames back would copy the
+    reconstruction into the (B, C, T, H, W) layout); its gradient reaches the reconstruction."""
+    import latents as latents_lib
+    from bench.copies import CopyCensus, parameter_shapes
+    from objective import micro_step
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(2, 3, 5, 32, 32, generator=gen) * 2 - 1
+
+    class Clips(torch.nn.Module):  # a stand-in VAE: its reconstruction and posterior are its parameters
+        def __init__(self):
+            super().__init__()
+            self.recon = torch.nn.Parameter(x + 0.1 * torch.randn(x.shape, generator=gen))
+            self.mean = torch.nn.Parameter(torch.randn(2, 4, 2, 8, 8, generator=gen))
+
+        def forward(self, x, latent_transform=None, also_decode=None):
+            return self.recon * 1, self.mean * 1, None, None, None
+
+    copied = {}
+    for critic in ("patchgan", "patchgan3d"):
+        torch.manual_seed(0)
+        objective = objective_of(config(discriminator=critic, video_frames=5, disc_start=0, r1_weight=r1,
+                                        perceptual_weight=0, mse_pool_factor=4),
+                                 with_lpips=False, z_channels=4)
+        model = Clips()
+        census = CopyCensus(parameter_shapes(objective.adversary.critic, model), cuda_layouts=False)
+        with census:
+            out = micro_step(objective, model, x, 0, 0, 1, True, latents_lib.LatentRegularisers(0), torch.ones(()),
+                             None)
+        assert "loss/gan_g" in out.logs and model.recon.grad.abs().sum() > 0
+        copied[critic] = census.summary().get("copy/activation", {"mib": 0.0})["mib"]
+    assert copied["patchgan3d"] <= copied["patchgan"], copied

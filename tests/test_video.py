@@ -236,12 +236,15 @@ def trainer_args(folder, url, test_url, runs, name, *extra) -> list[str]:
             "--mse_pool_factor", "4", "--num_samples", "4", "--min_lr_ratio", "1", *extra]
 
 
-def test_a_run_on_clips_stopped_and_resumed_is_the_uninterrupted_run(wan_folder, clip_url, tmp_path, capsys):
-    """A full fine-tune on clips with the critic (PatchGAN on frames) and decoder checkpointing: 4 steps at once, or
-    2 and 2 more resumed from the step-2 checkpoint; every tensor of the step-4 checkpoint (VAE, EMA, critic) and
-    the stream's position are equal. Its sample grid is a clip's frames over their reconstruction."""
+@pytest.mark.parametrize("critic", [["patchgan"], ["patchgan3d", "--disc_norm", "batch", "--r1_weight", "0.5",
+                                                   "--lecam_weight", "0.1"]], ids=["frames", "clips"])
+def test_a_run_on_clips_stopped_and_resumed_is_the_uninterrupted_run(wan_folder, clip_url, tmp_path, capsys, critic):
+    """A full fine-tune on clips with the critic (PatchGAN on frames; or the 3D PatchGAN on whole clips, with
+    BatchNorm's running statistics, R1 and LeCam: all that a resume must carry) and decoder checkpointing: 4 steps
+    at once, or 2 and 2 more resumed from the step-2 checkpoint; every tensor of the step-4 checkpoint (VAE, EMA,
+    critic) and the stream's position are equal. Its sample grid is a clip's frames over their reconstruction."""
     import vae_trainer
-    flags = ["--do_ganloss", "--discriminator", "patchgan", "--disc_start", "1", "--save_every_n_steps", "2",
+    flags = ["--do_ganloss", "--discriminator", *critic, "--disc_start", "1", "--save_every_n_steps", "2",
              "--num_workers", "0", "--grad_checkpointing", "decoder"]
     train, test = clip_url
     assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "ref", *flags, "--max_steps", "4")) == 0
@@ -256,6 +259,11 @@ def test_a_run_on_clips_stopped_and_resumed_is_the_uninterrupted_run(wan_folder,
         for name, value in a["training"][part].items():
             assert torch.equal(value, b["training"][part][name]), f"{part}.{name}"
     assert all(torch.equal(v, b["adversary"]["critic"][k]) for k, v in a["adversary"]["critic"].items())
+    assert a["adversary"]["lecam"] == b["adversary"]["lecam"] or critic == ["patchgan"]
+    if critic[0] == "patchgan3d":  # it judged clips: its weights are Conv3d's, and they trained
+        assert a["adversary"]["critic"]["main.0.weight"].dim() == 5
+        # BatchNorm counts the critic's 4 steps and the generator term's 3 passes (from --disc_start 1)
+        assert int(a["adversary"]["critic"]["main.3.num_batches_tracked"]) == 4 + 3
     assert a["run"]["ranks"][0]["data"] == b["run"]["ranks"][0]["data"]
     assert a["run"]["model_params"]["video"] is True
     # a full fine-tune's export re-estimates latents_mean / latents_std over clips of the run's length: every
@@ -279,7 +287,8 @@ def test_a_run_on_clips_stopped_and_resumed_is_the_uninterrupted_run(wan_folder,
 def test_a_decoder_only_fine_tune_on_clips_under_torchrun_keeps_the_encoder_and_exports_back(
         wan_folder, clip_url, tmp_path, capsys):
     """`torchrun --nproc_per_node=2 vae_trainer.py --init_from <AutoencoderKLWan folder> --video_frames 5
-    --train_parts decoder --video_image_prob 0.5`, seeded so that a step of single frames (where the time_convs do
+    --train_parts decoder --video_image_prob 0.5` with the 3D critic (--discriminator patchgan3d, DDP-wrapped like
+    every critic, on both kinds of step), seeded so that a step of single frames (where the time_convs do
     not run: DDP must not wait for their gradients) comes before a step of clips: the encoder and quant_conv (every
     temporal kernel and time_conv) stay bitwise the source's, on both ranks; the decoder's time_convs train; the
     in-loop evaluation reports the temporal measures; the export is an AutoencoderKLWan folder that diffusers loads
@@ -297,6 +306,7 @@ def test_a_decoder_only_fine_tune_on_clips_under_torchrun_keeps_the_encoder_and_
     # tests/recording_trainer.py: vae_trainer.py that records each rank's micro-batch shapes per step
     proc = run_cli("tests/recording_trainer.py",
                    trainer_args(wan_folder, train, test, runs, "ft", "--train_parts", "decoder",
+                                "--do_ganloss", "--discriminator", "patchgan3d", "--disc_start", "0",
                                 "--video_image_prob", "0.5", "--seed", str(seed), "--num_workers", "1",
                                 "--max_steps", "2", "--evaluate_every_n_steps", "2", "--eval_max_images", "2",
                                 "--inception_weights", "none"),
@@ -309,6 +319,8 @@ def test_a_decoder_only_fine_tune_on_clips_under_torchrun_keeps_the_encoder_and_
     assert "temporal_psnr" in proc.stdout and "(2 clips, 10 frames)" in proc.stdout
     ckpt = checkpoint.load_checkpoint(str(runs / "ft" / "checkpoints" / "step_00000002.pt"))
     assert ckpt["run"]["ranks_in_sync"] is True
+    assert ckpt["run"]["critic_in_sync"] is True  # the 3D critic under DDP, on one-frame clips and on clips
+    assert ckpt["adversary"]["critic"]["main.0.weight_orig"].dim() == 5
     source = families.load_source(wan_folder, video=True)
     frozen = [k for k in source.state if k.startswith(("encoder.", "quant_conv."))]
     assert any(".time_conv." in k for k in frozen)
