@@ -5,13 +5,15 @@ offline.
 
     python data.py make-clips SRC_DIR DST_DIR [--shard_size 100]        # a folder of videos -> shards, their bytes
     python data.py make-clips SRC_DIR DST_DIR --from_photos [--frames 33] # photos -> moving-camera mp4 clips
+    python data.py make-clips SRC_DIR DST_DIR --segment_seconds 4          # long videos -> 4 s segments
 
 The decoder is PyAV: its wheels carry their own FFmpeg (with libx264, libvpx and dav1d), so `pip install av` is the
 whole install on a fresh machine, CPU-only and at any torch version. torchcodec decodes faster on a GPU but loads the
 system's FFmpeg libraries, which a fresh machine does not have, and its wheels follow torch's version.
-Decoding happens in the data workers; a clip is decoded from its first frame up to the end of the window (video
-codecs decode forward from a keyframe), so short clips (a few seconds each, as video VAE datasets are cut) keep it
-cheap.
+Decoding happens in the data workers (Video): the frame count from the container's metadata, a seek to the keyframe
+before a window, frames picked by their timestamps, rotated as the metadata says; data.Lane reads long videos in
+passes, several windows per seek (docs/data.md, "Long videos"). `make-clips --segment_seconds` cuts long videos into
+re-encoded segments (cut_video).
 """
 from __future__ import annotations
 
@@ -53,14 +55,14 @@ COUNT_CACHE_SIZE = 65536
 _count_cache: OrderedDict = OrderedDict()
 
 
-def rotated(img: Image.Image, rotation: float) -> Image.Image:
+def rotated(frame: np.ndarray, rotation: float) -> np.ndarray:
     """A decoded frame as it is meant to be seen: `rotation` is FFmpeg's display matrix angle (PyAV's frame.rotation,
     degrees counterclockwise; a portrait phone video stored landscape says 90 or -90), as images follow EXIF.
     Multiples of 90 degrees only (what cameras write); other angles are left alone."""
     quarter = round(rotation / 90) % 4
     if not quarter or abs(rotation - 90 * round(rotation / 90)) > 1:
-        return img
-    return img.transpose((Image.Transpose.ROTATE_90, Image.Transpose.ROTATE_180, Image.Transpose.ROTATE_270)[quarter - 1])
+        return frame
+    return np.ascontiguousarray(np.rot90(frame, quarter))
 
 
 class Video:
@@ -86,7 +88,7 @@ class Video:
         if stream.codec_context.width * stream.codec_context.height > max_pixels:
             self.close()
             raise SkipSample("too_large")
-        # one decoding thread (and one converting thread, to_image): a data worker is one of several processes, and
+        # one decoding thread (and one converting thread, to_ndarray): a data worker is one of several processes, and
         # threads of FFmpeg's in objects that a fork copies (a DataLoader's workers started where a stream was read
         # in-process) hang the child that frees them
         stream.thread_count = 1
@@ -143,8 +145,8 @@ class Video:
         self.container.seek(target, stream=self.stream, backward=True, any_frame=False)
         self.decoded, self.last, self.order = self.container.decode(self.stream), -1, 0
 
-    def read(self, first: int, count: int) -> list[Image.Image]:
-        """Frames first .. first + count - 1, rotated as the metadata says. The decoder goes on from where the last
+    def read(self, first: int, count: int) -> list[np.ndarray]:
+        """Frames first .. first + count - 1, uint8 (H, W, 3) RGB, rotated as the metadata says. The decoder goes on from where the last
         read stopped when the window starts a little after it, else it seeks."""
         try:
             if self.decoded is None or not self.last < first <= self.last + 1 + count:
@@ -166,7 +168,7 @@ class Video:
                 self.last = index
                 if index < first:
                     continue
-                out.append(rotated(frame.to_image(threads=1), frame.rotation))
+                out.append(rotated(frame.to_ndarray(format="rgb24", threads=1), frame.rotation))
                 if len(out) == count:
                     DECODE_COUNTS["clips"] += 1
                     return out
@@ -176,7 +178,7 @@ class Video:
             raise SkipSample("corrupt") from None
         raise SkipSample("too_short")  # the stream ended before the window did: the count promised more
 
-    def _restart(self, first: int, count: int) -> list[Image.Image]:
+    def _restart(self, first: int, count: int) -> list[np.ndarray]:
         self.decoded = None
         return self.read(first, count)
 
@@ -208,12 +210,13 @@ def decode_clip(data: bytes, frames: int, resolution: int, rng: random.Random | 
         video.close()
 
 
-def crop_clip(clip: list[Image.Image], resolution: int, rng: random.Random | None,
+def crop_clip(clip: list[np.ndarray], resolution: int, rng: random.Random | None,
               resize_prob: float = 0.0) -> np.ndarray:
-    """Frames -> uint8 (frames, resolution, resolution, 3). Training (rng given): with probability `resize_prob` the
-    shorter side resized to the resolution (videos smaller than the crop always), a random crop and a random
-    horizontal flip, the same for every frame. Evaluation (rng None): resized, the center crop."""
-    w, h = clip[0].size
+    """Frames (uint8 (H, W, 3)) -> uint8 (frames, resolution, resolution, 3). Training (rng given): with probability
+    `resize_prob` the shorter side resized to the resolution (videos smaller than the crop always), a random crop and
+    a random horizontal flip, the same for every frame. Evaluation (rng None): resized, the center crop. A crop at
+    native scale is a slice of the decoded array (no PIL round trip)."""
+    h, w = clip[0].shape[:2]
     resize = rng is None or min(w, h) < resolution or (resize_prob > 0 and rng.random() < resize_prob)
     size = (w, h)
     if resize:
@@ -223,14 +226,13 @@ def crop_clip(clip: list[Image.Image], resolution: int, rng: random.Random | Non
         x0, y0 = (size[0] - resolution) // 2, (size[1] - resolution) // 2
     else:
         x0, y0 = rng.randint(0, size[0] - resolution), rng.randint(0, size[1] - resolution)
+    flip = rng is not None and rng.random() < 0.5
     out = np.empty((len(clip), resolution, resolution, 3), dtype=np.uint8)
-    for t, img in enumerate(clip):
+    for t, frame in enumerate(clip):
         if size != (w, h):
-            img = img.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0)
-        out[t] = np.asarray(img.convert("RGB").crop((x0, y0, x0 + resolution, y0 + resolution)))
-    if rng is not None and rng.random() < 0.5:
-        out = out[:, :, ::-1]
-    return out
+            frame = np.asarray(Image.fromarray(frame).resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0))
+        out[t] = frame[y0:y0 + resolution, x0:x0 + resolution]
+    return out[:, :, ::-1] if flip else out
 
 
 def verify_video(data: bytes) -> None:
@@ -285,7 +287,7 @@ def cut_video(data: bytes, segment_seconds: float, max_pixels: int = 1 << 40, cr
     try:
         frames = []
         for frame in video.container.decode(video.stream):
-            img = np.asarray(rotated(frame.to_image(threads=1), frame.rotation).convert("RGB"))
+            img = rotated(frame.to_ndarray(format="rgb24", threads=1), frame.rotation)
             frames.append(img[: img.shape[0] // 2 * 2, : img.shape[1] // 2 * 2])
             if len(frames) == per_segment:
                 yield encode_clip(frames, fps=rate, crf=crf, keyint=max(per_segment, 250))
