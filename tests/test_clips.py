@@ -105,10 +105,7 @@ def test_frame_counts_come_from_the_container_else_are_counted_once_and_cached(t
         for packet in stream.encode():
             container.mux(packet)
     with_audio = webm.getvalue()
-    plain = clips.encode_clip(raw[:30], fps=FPS)
-    with av.open(io.BytesIO(plain)) as c:  # the same frames in webm, video alone
-        pass
-    video_only = io.BytesIO()
+    video_only = io.BytesIO()  # 30 of the frames in webm, video alone
     with av.open(video_only, "w", format="webm") as container:
         stream = container.add_stream("libvpx", rate=FPS)
         stream.width = stream.height = SIZE
@@ -178,15 +175,18 @@ def test_long_videos_cost_under_one_and_a_half_clips_of_decoding_and_give_every_
         for residue in range(17):
             starts = [s for w, s in found if w == v and s % 17 == residue]
             assert len(starts) == len(set(starts)), (v, residue, starts)
-    # drawn by windows, 35 : 17 (as one sample each it would be 26 : 26), also where a video takes several passes
-    # (--video_pass_frames 128: passes of 8 windows, 5 and 3 of them)
-    for pass_frames in (512, 128):
-        loader = stream(url, pass_frames=pass_frames)
-        try:
-            per_video = Counter(where(next(loader)[0].permute(1, 2, 3, 0).numpy(), refs)[0] for _ in range(52))
-        finally:
-            loader.close()
-        assert per_video[0] >= 1.7 * per_video[1], (pass_frames, per_video)
+    # drawn by windows, 35 : 17 (as one sample each it would be 26 : 26)
+    per_video = Counter(v for v, _ in found)
+    assert per_video[0] >= 1.7 * per_video[1], per_video
+    # also where a video takes several passes (--video_pass_frames 128: passes of 8 windows, 5 and 3 of them): a
+    # reading of a video (a residue of its window grid) gives all its windows, pass after pass, not one pass's
+    loader = stream(url, pass_frames=128)
+    try:
+        found = [where(next(loader)[0].permute(1, 2, 3, 0).numpy(), refs) for _ in range(52)]
+    finally:
+        loader.close()
+    readings = [Counter(s % 17 for w, s in found if w == v) for v in (0, 1)]
+    assert max(readings[1].values()) == 17 and max(readings[0].values()) > 2 * 8, readings
 
 
 def test_a_stream_stopped_inside_a_pass_resumes_exactly(long_url):
