@@ -117,9 +117,15 @@ class DataConfig:
                                        "instead of clips (Wan's recipe trains its VAE on images and videos): each "
                                        "sample an image of the shards (kept for these steps) or a random frame of a "
                                        "video; drawn from --seed and the step (the same on every rank and on resume)")
+    video_pass_frames: int = opt(512, "with --video_frames: a video of two windows or more is read in passes of "
+                                      "about this many consecutive frames, each clip of a pass delivered at a later "
+                                      "draw: one seek to a keyframe per pass, so a clip costs about its own frames "
+                                      "plus (keyframe interval / this) of one (<= 1.5x at x264's 250 and 512). "
+                                      "Smaller mixes videos more, at more decoding (docs/data.md, 'Long videos')")
 
     def validate(self) -> None:
-        check(self, positive=("batch_size", "vae_resolution", "max_image_pixels", "video_frame_stride"),
+        check(self, positive=("batch_size", "vae_resolution", "max_image_pixels", "video_frame_stride",
+                              "video_pass_frames"),
               non_negative=("shard_retry_minutes", "video_frames", "shuffle_buffer"),  # (0: automatic)
               unit=("resize_prob", "video_image_prob"))
         if self.num_workers < -1:  # -1: automatic (run_setup.resolve_cpu)

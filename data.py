@@ -53,18 +53,21 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import sources
-from clips import VIDEO_EXTS, decode_clip, pick_video
+from clips import VIDEO_EXTS, Video, crop_clip, decode_clip, pick_video, window_length
 from common import guard_console, redact
 from config import parse_schedule
 from sources import IMAGE_EXTS, DatasetError, SkipSample, is_remote, iter_shard, list_shards, warn, warn_once
 
 # events: each time a bad item is met (non_video and too_short: a clip stream's samples without a video, or with fewer
-# frames than --video_frames)
-SKIP_REASONS = ("corrupt", "non_image", "too_large", "shard_errors", "non_video", "too_short")
+# frames than --video_frames; variable_frame_rate: a window whose frames are not one frame apart, clips.Video)
+SKIP_REASONS = ("corrupt", "non_image", "too_large", "shard_errors", "non_video", "too_short", "variable_frame_rate")
 # TrainLoader.skipped(): the events, plus "files": the distinct bad samples and shards among them (counted up to
 # MAX_BAD_TRACKED per lane), and "outage_waits": the back-off waits while no shard could be read
 DATA_COUNTS = SKIP_REASONS + ("files", "outage_waits")
 MAX_BAD_TRACKED = 1000
+# a clip lane's videos open at once (Lane's passes: each a live decoder, its reference frames in memory); with this
+# many open, the lane draws from them alone until one is done
+OPEN_PASSES = 4
 
 
 class WaitInterrupted(Exception):
@@ -290,7 +293,8 @@ class Lane:
     def __init__(self, shards: list, lane: int, n_lanes: int, seed, resolution: int,
                  buffer_size: int, resize_prob: float, max_pixels: int, state: dict | None = None,
                  retry_s: float = 1800.0, should_stop: Callable[[], bool] | None = None, frames: int = 0,
-                 keep_images: bool = False, frame_stride: int = 1, sizes: list[int] | None = None):
+                 keep_images: bool = False, frame_stride: int = 1, sizes: list[int] | None = None,
+                 pass_frames: int = 512):
         state = state or {}
         self.frames = frames  # > 0: the lane reads videos, and a sample is a clip of that many frames
         self.frame_stride = frame_stride  # every frame_stride-th frame of the video
@@ -320,6 +324,17 @@ class Lane:
         self.buffer: list[tuple[tuple[int, int], dict]] = self._reload(state.get("buffer", []))
         # keep_images: the images, apart (a clip step draws from the videos alone), at most buffer_size of them
         self.images: list[tuple[tuple[int, int], dict]] = self._reload(state.get("images", []))
+        # clips of long videos (--video_pass_frames): a video of W >= 2 windows is read in passes of about
+        # pass_frames consecutive frames, K windows each, so that the seek to a keyframe before a pass is paid once
+        # for K clips. `videos`: the videos of the buffer met before {key: [the draw that first met it, passes
+        # done]} (their windows' offset and the order of their passes are drawn from the first); `passes`: the
+        # open ones [key, sample, next window's first frame, windows left, live clips.Video or None], drawn like
+        # buffer samples. Both are in the state (keys and ints): a resume reopens a pass with one seek.
+        self.pass_frames = max(1, pass_frames)
+        self.videos = {(s, i): [first, done] for s, i, first, done in state.get("videos", [])}
+        found = dict(self._reload([[s, i] for s, i, _, _ in state.get("passes", [])]))
+        self.passes = [[(s, i), found[(s, i)], start, left, None] for s, i, start, left in state.get("passes", [])
+                       if (s, i) in found]
         self.failures = 0
         self.raw = self._raw()
 
@@ -412,31 +427,43 @@ class Lane:
 
     def next_image(self, resolution: int | None = None, frames: int | None = None) -> np.ndarray:
         """The next training crop, `resolution` px square (default: the stream's): uint8 (R, R, 3), or a clip's
-        (frames, R, R, 3); `frames` 1 on an image step of a clip stream (an image, or a random frame of a video)."""
+        (frames, R, R, 3); `frames` 1 on an image step of a clip stream (an image, or a random frame of a video).
+        A clip step draws from the buffer and the open passes of long videos (all of them while OPEN_PASSES are
+        open)."""
         resolution = resolution or self.resolution
         frames = self.frames if frames is None else frames
+        clip_step = bool(self.frames) and frames == self.frames
         while True:
             self._fill()
             rng = _rng(self.seed, self.lane, "draw", self.drawn)
             pool = self.buffer
-            j = rng.randrange(len(self.buffer) + (len(self.images) if frames == 1 else 0))
-            if j >= len(self.buffer):  # an image step drew an image
-                pool, j = self.images, j - len(self.buffer)
-            key, sample = pool[j]
-            pool[j] = pool[-1]
-            pool.pop()
+            passes = len(self.passes) if clip_step else 0
+            if passes >= OPEN_PASSES:
+                j = len(self.buffer) + rng.randrange(passes)
+            else:
+                j = rng.randrange(len(self.buffer) + (len(self.images) if frames == 1 else 0) + passes)
             self.drawn += 1
+            if j >= len(self.buffer) and clip_step:  # the next window of an open pass
+                opened = self.passes[j - len(self.buffer)]
+                key, sample = opened[0], opened[1]
+            else:
+                if j >= len(self.buffer):  # an image step drew an image
+                    pool, j = self.images, j - len(self.buffer)
+                key, sample = pool[j]
+                pool[j] = pool[-1]
+                pool.pop()
+                opened = None
             try:
                 if self.keep_images and frames == 1 and not any(ext in sample for ext in VIDEO_EXTS):
                     image = decode_crop(_pick_image(sample), resolution, rng, self.resize_prob, self.max_pixels)[None]
                 elif self.frames:
-                    image = decode_clip(pick_video(sample), frames, resolution, rng, self.resize_prob,
-                                        self.max_pixels, self.frame_stride)
+                    image = self._next_clip(key, sample, opened, frames, resolution, rng)
                 else:
                     image = decode_crop(_pick_image(sample), resolution, rng, self.resize_prob, self.max_pixels)
                 self.failures = 0
                 return image
             except SkipSample as skip:
+                self._drop(key)
                 self.counters[skip.reason] += 1
                 self._note_bad(key)
                 self.failures += 1
@@ -446,11 +473,88 @@ class Lane:
                     raise DatasetError(f"{self.failures} samples in a row could not be decoded: is this {kind}?"
                                        ) from None
 
+    def _count_key(self, key: tuple[int, int], sample: dict) -> tuple:
+        shard = self.shards[key[0]]
+        return (shard if isinstance(shard, str) else key[0], key[1], len(pick_video(sample)))
+
+    def _next_clip(self, key: tuple[int, int], sample: dict, opened: list | None, frames: int, resolution: int,
+                   rng: random.Random) -> np.ndarray:
+        """A clip (or, on an image step, one frame) of a video sample: the next window of an open pass, or a
+        window of a video just drawn (the first of a new pass where the video holds two windows or more)."""
+        span = window_length(frames, self.frame_stride)
+        if opened is not None:
+            if opened[4] is None:  # reopened after a resume, or by another worker: one seek
+                opened[4] = Video(pick_video(sample), self.max_pixels, self._count_key(key, sample))
+            video, start = opened[4], opened[2]
+            clip = video.read(start, span)
+            opened[2], opened[3] = start + span, opened[3] - 1
+            if opened[3] == 0:
+                self.passes = [p for p in self.passes if p is not opened]
+                video.close()
+            return crop_clip(clip[::self.frame_stride], resolution, rng, self.resize_prob)
+        video = Video(pick_video(sample), self.max_pixels, self._count_key(key, sample))
+        keep = False
+        try:
+            if video.frames < span:
+                raise SkipSample("too_short")
+            windows = video.frames // (window_length(self.frames, self.frame_stride))
+            if windows < 2:  # one window anywhere (an image step: one frame)
+                start = rng.randint(0, video.frames - span)
+                return crop_clip(video.read(start, span)[::self.frame_stride], resolution, rng, self.resize_prob)
+            # a pass: K consecutive windows, the video's W windows laid end to end from a random offset and cut into
+            # passes of K, read in a random order, one pass per draw of the video: a video is drawn in proportion
+            # to its windows, and each pass costs about one seek plus its own frames (an image step that draws it
+            # spends a pass on one frame)
+            span = window_length(self.frames, self.frame_stride)
+            per_pass = min(windows, -(-self.pass_frames // span))
+            n_passes = -(-windows // per_pass)
+            first_draw, done = self.videos.get(key, [self.drawn - 1, 0])
+            plan = _rng(self.seed, self.lane, "video", first_draw)
+            offset = plan.randint(0, video.frames - windows * span)
+            order = list(range(n_passes))
+            plan.shuffle(order)
+            first_window = order[done] * per_pass
+            count = min(per_pass, windows - first_window)
+            start = offset + first_window * span
+            if done + 1 < n_passes:  # the video goes back into the buffer for its next pass
+                self.videos[key] = [first_draw, done + 1]
+                self.buffer.append((key, sample))
+            else:
+                self.videos.pop(key, None)
+            if frames != self.frames:  # an image step: one frame anywhere
+                return crop_clip(video.read(rng.randint(0, video.frames - 1), 1), resolution, rng, self.resize_prob)
+            clip = video.read(start, span)
+            if count > 1:
+                self.passes.append([key, sample, start + span, count - 1, video])
+                keep = True
+            return crop_clip(clip[::self.frame_stride], resolution, rng, self.resize_prob)
+        finally:
+            if not keep:
+                video.close()
+
+    def close(self) -> None:
+        """Close the open passes' videos (their state stays: a resume reopens them)."""
+        for opened in self.passes:
+            if opened[4] is not None:
+                opened[4].close()
+                opened[4] = None
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        """A video that failed: its passes closed, out of the buffer (it would fail again)."""
+        for opened in self.passes:
+            if opened[0] == key and opened[4] is not None:
+                opened[4].close()
+        self.passes = [p for p in self.passes if p[0] != key]
+        if self.videos.pop(key, None) is not None:
+            self.buffer = [(k, s) for k, s in self.buffer if k != key]
+
     def state_dict(self) -> dict:
         return {"seed": self.seed, "starts": "shard" if self.sizes is None else "sample", "epoch": self.epoch,
                 "pos": self.pos, "sample": self.sample, "drawn": self.drawn,
                 "counters": dict(self.counters), "buffer": [list(k) for k, _ in self.buffer],
                 **({"images": [list(k) for k, _ in self.images]} if self.keep_images else {}),
+                **({"videos": [[*k, *v] for k, v in self.videos.items()],
+                    "passes": [[*p[0], p[2], p[3]] for p in self.passes]} if self.frames else {}),
                 "bad": [list(k) for k in sorted(self.bad)]}
 
 
@@ -470,8 +574,10 @@ class TrainStream(IterableDataset):
                  num_workers: int, lane_buffer: int, resize_prob: float, max_pixels: int, lanes_per_micro: int,
                  lane_states: dict | None = None, first: tuple[int, int] = (0, 0), retry_s: float = 1800.0,
                  schedule: ResolutionSchedule | None = None, grad_accum: int = 1, frames: int = 0,
-                 image_prob: float = 0.0, frame_stride: int = 1, sizes: list[int] | None = None):
+                 image_prob: float = 0.0, frame_stride: int = 1, sizes: list[int] | None = None,
+                 pass_frames: int = 512):
         super().__init__()
+        self.pass_frames = pass_frames
         self.sizes = sizes  # every shard's sample count (None: unknown, remote shards): where each lane starts
         self.frames, self.image_prob, self.frame_stride = frames, image_prob, frame_stride
         self.retry_s = retry_s
@@ -512,8 +618,15 @@ class TrainStream(IterableDataset):
         lanes = {g: Lane(self.shards, g, self.n_lanes, self.seed, self.resolution, self.lane_buffer,
                          self.resize_prob, self.max_pixels, self.lane_states.get(g), self.retry_s,
                          self.should_stop if info is None else None, self.frames, self.image_prob > 0,
-                         self.frame_stride, self.sizes)
+                         self.frame_stride, self.sizes, self.pass_frames)
                  for g in range(first_lane + worker, first_lane + per_rank, self.num_workers)}
+        try:
+            yield from self._items(lanes, first_lane)
+        finally:  # the lanes' open videos closed here, not freed later in a process forked from this one
+            for lane in lanes.values():
+                lane.close()
+
+    def _items(self, lanes: dict, first_lane: int):
         step, micro = self.first
         while True:
             parts, pixels = [], []
@@ -627,7 +740,8 @@ class TrainLoader:
                  num_workers: int = 4, shuffle_buffer: int = 1000, resize_prob: float = 0.5,
                  max_pixels: int = 100_000_000, pin_memory: bool = False, state: dict | None = None,
                  shard_retry_minutes: float = 30.0, schedule: ResolutionSchedule | None = None, grad_accum: int = 1,
-                 step: int | None = None, frames: int = 0, image_prob: float = 0.0, frame_stride: int = 1):
+                 step: int | None = None, frames: int = 0, image_prob: float = 0.0, frame_stride: int = 1,
+                 pass_frames: int = 512):
         """`schedule`: each step's crop size and images (--train_resolutions; None: `resolution` and `batch_size`
         throughout); `grad_accum` micro-batches per step on each of `world_size` ranks; `step`: the trainer's step
         at the stream's position, a step's start (default: the state's, else 0). `state`: a position of this
@@ -677,7 +791,7 @@ class TrainLoader:
                               resize_prob, max_pixels, self.lanes_per_micro, self.lane_states, self.position,
                               retry_s=60.0 * shard_retry_minutes, schedule=schedule, grad_accum=self.grad_accum,
                               frames=frames, image_prob=image_prob, frame_stride=frame_stride,
-                              sizes=self.sizes)
+                              sizes=self.sizes, pass_frames=pass_frames)
         # with workers, the wait for a batch is cut into WAIT_POLL_S slices (DataLoader's timeout), so that a stop
         # request is seen while the workers back off through an outage (should_stop, set by the trainer)
         kwargs = (dict(prefetch_factor=4, persistent_workers=True, timeout=WAIT_POLL_S) if self.num_workers > 0
@@ -706,7 +820,7 @@ class TrainLoader:
                    data.shuffle_buffer, data.resize_prob, data.max_image_pixels, pin_memory=pin_memory, state=state,
                    shard_retry_minutes=data.shard_retry_minutes, schedule=schedule, grad_accum=grad_accum, step=step,
                    frames=data.video_frames, image_prob=data.video_image_prob,
-                   frame_stride=data.video_frame_stride)
+                   frame_stride=data.video_frame_stride, pass_frames=data.video_pass_frames)
 
     def __iter__(self):
         return self

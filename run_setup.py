@@ -482,7 +482,8 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
         (("init_family",), not cfg.finetune.init_from, "without --init_from"),
         (("decoder_init",), not (cfg.finetune.init_from and "vae_decoder_ch" in given), "without --init_from and "
                                                                                           "--vae_decoder_ch"),
-        (("video_frame_stride", "video_image_prob"), not cfg.data.video_frames, "without --video_frames"),
+        (("video_frame_stride", "video_image_prob", "video_pass_frames"), not cfg.data.video_frames,
+         "without --video_frames"),
     ]
     lines, named = [], set()
     for flags, ignored, why in ignored_when:

@@ -3,6 +3,7 @@ stream (data.py) reads.
 
     python data.py make-shards SRC_DIR DST_DIR [--shard_size 1000]     # (data.py runs this module's CLI)
     python data.py make-clips SRC_DIR DST_DIR [--shard_size 100]       # videos (or --from_photos) for --video_frames
+    python data.py make-clips SRC_DIR DST_DIR --segment_seconds 4      # long videos cut into re-encoded segments
     paths, skipped = write_shards(files, "shards/", shard_size=1000)   # the images' own bytes, decoded to check
 """
 from __future__ import annotations
@@ -163,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     mc.add_argument("dst", help="output folder for NNNNN.tar shards")
     mc.add_argument("--shard_size", type=int, default=100, help="clips per shard (default 100)")
     mc.add_argument("--no_verify", action="store_true", help="do not decode each video's first frame to check it")
+    mc.add_argument("--segment_seconds", type=float, default=0.0,
+                    help="cut each video into segments of this many seconds (the last, if shorter than half a "
+                         "segment, dropped), each its own sample, re-encoded as H.264 mp4 (--segment_crf) with a "
+                         "keyframe at its start and the frames turned as the rotation metadata says (0: each file "
+                         "packed whole, its own bytes)")
+    mc.add_argument("--segment_crf", type=int, default=18, help="--segment_seconds: x264's quality, 0-51 (default 18, "
+                                                                "visually lossless)")
     mc.add_argument("--from_photos", action="store_true",
                     help="each photo seen by a moving camera (pans, zooms, small rotations), encoded as H.264 mp4: "
                          "clips to try the video path on without videos")
@@ -195,6 +203,13 @@ def write_photo_clips(photos: list[str], dst: str, frames: int, size: int, per_p
 
 def make_clips(args) -> int:
     """`python data.py make-clips`: a folder of videos, or of photos (--from_photos), into clip shards."""
+    if args.segment_seconds < 0 or not math.isfinite(args.segment_seconds) or not 0 <= args.segment_crf <= 51:
+        print("error: --segment_seconds must be a positive number of seconds (0: whole files) and --segment_crf in "
+              "0-51", file=sys.stderr)
+        return 2
+    if args.segment_seconds and args.from_photos:
+        print("error: --segment_seconds cuts videos: --from_photos makes clips of --frames frames", file=sys.stderr)
+        return 2
     if args.from_photos:
         if args.frames < 1 or args.size < 2 or args.size % 2 or args.per_photo < 1 or args.fps < 1:
             print("error: --frames, --per_photo and --fps must be positive, --size even", file=sys.stderr)
@@ -207,6 +222,10 @@ def make_clips(args) -> int:
                                   args.shard_size)
         print(f"wrote {len(photos) * args.per_photo} clips of {args.frames} frames ({args.size} px, {args.fps} fps) "
               f"into {len(paths)} shards")
+    elif args.segment_seconds:
+        paths = write_segments(args)
+        if paths is None:
+            return 2
     else:
         paths = pack_folder(args, clips.VIDEO_EXTS, "video files", "videos", clips.verify_video)
         if paths is None:
@@ -214,6 +233,46 @@ def make_clips(args) -> int:
     url = brace_url(paths)
     print(f"--dataset_url '{url}' --video_frames N to train on clips of them (or --test_dataset_url to evaluate)")
     return 0
+
+
+def write_segments(args) -> list[str] | None:
+    """make-clips --segment_seconds: every video of args.src cut into segments (clips.cut_video), each a sample
+    `<file's key>_NNNNN` of the shards; what was written and skipped said on stdout; None (the error said on stderr)
+    when nothing could be."""
+    import webdataset as wds
+    files = image_files(args.src, clips.VIDEO_EXTS)
+    if not files:
+        print(f"error: {args.src}: no video files found", file=sys.stderr)
+        return None
+    os.makedirs(args.dst, exist_ok=True)
+    pattern = os.path.join(args.dst, "%05d.tar")
+    skipped, segments, seen = [], 0, set()
+    with wds.ShardWriter(pattern, maxcount=args.shard_size, verbose=0) as sink:
+        for path in files:
+            try:
+                with open(path, "rb") as f:
+                    parts = list(clips.cut_video(f.read(), args.segment_seconds, crf=args.segment_crf))
+            except (OSError, SkipSample):
+                skipped.append(os.path.relpath(path, args.src))
+                continue
+            key = re.sub(r"[^A-Za-z0-9_/-]", "_", os.path.splitext(os.path.relpath(path, args.src))[0])
+            while key in seen:
+                key += "_"
+            seen.add(key)
+            for i, part in enumerate(parts):
+                sink.write({"__key__": f"{key}_{i:05d}", "mp4": part})
+            segments += len(parts)
+        n = sink.shard
+    paths = [pattern % i for i in range(n) if os.path.exists(pattern % i)]
+    if len(skipped) == len(files):
+        for p in paths:
+            os.remove(p)
+        print(f"error: {args.src}: none of the {len(files)} video files could be decoded ({name_a_few(skipped)})",
+              file=sys.stderr)
+        return None
+    print(f"wrote {segments} segments of {args.segment_seconds:g} s of {len(files) - len(skipped)} videos into "
+          f"{len(paths)} shards ({len(skipped)} unreadable skipped" + (f": {name_a_few(skipped)})" if skipped else ")"))
+    return paths
 
 
 def pack_folder(args, exts: tuple[str, ...], files_noun: str, noun: str, check) -> list[str] | None:

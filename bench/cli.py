@@ -49,6 +49,10 @@ Sections
           --discriminator patchgan (frames) and patchgan3d (clips), each with --temporal_weight 1, and without a
           critic (--critic_variants x --critic_seeds, --critic_steps each, concurrently); `evaluate.py --video_frames`
           on held-out clips: per-frame PSNR, temporal PSNR, tLP; and each critic's share of one micro-batch's time.
+  video_decode (only when named in --sections) Issue 42 (bench/video_decode.py): frames decoded per delivered clip
+          and clips/s of one data worker against PyAV's raw decode rate of the same files (the limit), on 2 s and 10 s
+          H.264 videos (256x256, 30 fps, keyframes <= 250 apart): the code before issue 42 (from frame 0), a seek per
+          clip, and the passes of --video_pass_frames (under 2 minutes on 2 CPU cores).
   families (only when named in --sections) Issue 39 (bench/families.py): the memory check's estimate per GPU for LTX-2's
           and HunyuanVideo 1.5's VAE at diffusers' default configs (decoder only and whole, --families_frames x
           --families_sizes), and Wan's VAE through wan_ae.py and through diffusers' own AutoencoderKLWan on the same
@@ -163,12 +167,14 @@ from bench.resolutions import bench_resolutions
 from bench.train import bench_train
 from bench.video import bench_video
 from bench.video_critic import bench_video_critic
+from bench.video_decode import bench_video_decode
 from bench.families import bench_families
 from bench.sharding import bench_sharding
 
 
 SECTIONS = ("data", "train", "memory", "gpu", "quality", "finetune", "latents", "decoders", "decoder_quality",
-            "resolutions", "copies", "precision", "video", "video_critic", "families", "sharding")
+            "resolutions", "copies", "precision", "video", "video_critic", "video_decode", "families",
+            "sharding")
 TARGETS = {  # key: (comparison, threshold)
     "pipeline_fraction_of_decode": (">=", 0.90),
     "train_step_speedup": (">=", 1.3),
@@ -262,6 +268,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--quick); per round one timed decode on a CPU, 3 warm-up and 10 timed ones on CUDA")
     g.add_argument("--decode_precision", default="",
                    help="comma-separated fp32,bf16 (default fp32 on a CPU, fp32,bf16 on CUDA)")
+    g = p.add_argument_group("video_decode")
+    g.add_argument("--video_decode_frames", type=int, default=17, help="frames per clip of the video_decode section")
+    g.add_argument("--video_decode_clips", type=int, default=48, help="clips each reader delivers per round")
+    g.add_argument("--video_decode_short", type=int, default=8, help="2 s videos of the video_decode section")
+    g.add_argument("--video_decode_long", type=int, default=4, help="10 s videos of the video_decode section")
+    g.add_argument("--video_decode_rounds", type=int, default=3, help="interleaved rounds of the video_decode section")
     g = p.add_argument_group("decoder_quality")
     g.add_argument("--wide_steps", type=int, default=600, help="steps of the demo run that is the released wide VAE")
     g.add_argument("--decoder_steps", type=int, default=400, help="steps of each decoder run behind its encoder")
@@ -506,7 +518,7 @@ def main(argv=None) -> int:
     # Trainer construction and the data tools print progress lines: keep stdout for the JSON object
     with contextlib.redirect_stdout(report.stream), tempfile.TemporaryDirectory(prefix="vae_bench_") as tmp:
         if set(args.sections) - {"quality", "decoders", "decoder_quality", "resolutions", "precision", "video",
-                                 "video_critic", "families", "sharding"}:
+                                 "video_critic", "video_decode", "families", "sharding"}:
             report.line(f"generating {args.images} photo-like {args.height}x{args.width} images as PNG and JPEG "
                         "shards ...")
             datasets = make_datasets(tmp, args.images, args.height, args.width, args.seed)
@@ -539,6 +551,8 @@ def main(argv=None) -> int:
             results["video"] = bench_video(args, tmp, report)
         if "video_critic" in args.sections:
             results["video_critic"] = bench_video_critic(args, tmp, report)
+        if "video_decode" in args.sections:
+            results["video_decode"] = bench_video_decode(args, tmp, report)
         if "families" in args.sections:
             results["families"] = bench_families(args, report)
         if "sharding" in args.sections:
