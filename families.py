@@ -75,7 +75,7 @@ class Family:
 
     # what a chunk plan (--train_time_chunks) is refused with ("": the family takes one): a clip trained chunk by
     # chunk needs the temporal cache as an argument, which only wan_ae.py's video model has
-    time_chunks_refusal = "images only"
+    time_chunks_refusal = "it takes images"
 
     def set_memory_plan(self, vae: nn.Module, grad_checkpointing: str, time_chunks: tuple[int, int]) -> None:
         """--grad_checkpointing and --train_time_chunks on the model (the trainer at start-up, the memory check's

@@ -44,6 +44,10 @@ Sections
           --video_photos (decoder only, the same with --temporal_weight 1, the whole VAE; --video_finetune_steps
           each, concurrently), `evaluate.py --video_frames` of each on held-out clips: per-frame PSNR/SSIM, temporal
           PSNR.
+  video_chunks (only when named in --sections) Long clips trained in temporal chunks (issue 42 item 2;
+          bench/video_chunks.py): a small Wan-structured VAE's training step on one clip, whole against
+          --train_time_chunks 8,2 and 4,1 at --chunks_frames (peak RSS per fresh process, step time); the memory
+          check's estimate for Wan 2.1's VAE, decoder only, bf16, at --chunks_estimate_size px, whole and chunked.
   families (only when named in --sections) Issue 39 (bench/families.py): the memory check's estimate per GPU for LTX-2's
           and HunyuanVideo 1.5's VAE at diffusers' default configs (decoder only and whole, --families_frames x
           --families_sizes), and Wan's VAE through wan_ae.py and through diffusers' own AutoencoderKLWan on the same
@@ -157,12 +161,13 @@ from bench.report import Report, finite
 from bench.resolutions import bench_resolutions
 from bench.train import bench_train
 from bench.video import bench_video
+from bench.video_chunks import bench_video_chunks
 from bench.families import bench_families
 from bench.sharding import bench_sharding
 
 
 SECTIONS = ("data", "train", "memory", "gpu", "quality", "finetune", "latents", "decoders", "decoder_quality",
-            "resolutions", "copies", "precision", "video", "families", "sharding")
+            "resolutions", "copies", "precision", "video", "video_chunks", "families", "sharding")
 TARGETS = {  # key: (comparison, threshold)
     "pipeline_fraction_of_decode": (">=", 0.90),
     "train_step_speedup": (">=", 1.3),
@@ -286,6 +291,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--video_runs_dir", default="", help="keep the video runs here (default: a temporary folder)")
     g.add_argument("--video_skip_memory", action="store_true", help="the video section without its memory table")
     g.add_argument("--video_skip_quality", action="store_true", help="the video section without its quality runs")
+    g = p.add_argument_group("video_chunks")
+    g.add_argument("--chunks_frames", default="17,33,81", help="clip lengths of the video_chunks section")
+    g.add_argument("--chunks_size", type=int, default=64, help="frame size of the video_chunks section's steps")
+    g.add_argument("--chunks_steps", type=int, default=3, help="timed steps per case (after one warm-up)")
+    g.add_argument("--chunks_estimate_size", type=int, default=480, help="frame size of the Wan 2.1 estimate")
+    g.add_argument("--chunks_plans", default="8,2;4,1", help="the chunk plans against the whole clip, ';'-separated")
+    g.add_argument("--chunks_checkpointing", default="decoder",
+                   help="--grad_checkpointing values of the Wan 2.1 estimate, comma-separated")
+    g.add_argument("--chunks_skip_measured", action="store_true", help="video_chunks without its measured steps")
+    g.add_argument("--chunks_skip_estimate", action="store_true", help="video_chunks without the Wan 2.1 estimate")
     g = p.add_argument_group("families")
     g.add_argument("--families_frames", default="17,33", help="clip lengths of the families memory table")
     g.add_argument("--families_sizes", default="256,480", help="frame sizes of the families memory table")
@@ -490,7 +505,7 @@ def main(argv=None) -> int:
     # Trainer construction and the data tools print progress lines: keep stdout for the JSON object
     with contextlib.redirect_stdout(report.stream), tempfile.TemporaryDirectory(prefix="vae_bench_") as tmp:
         if set(args.sections) - {"quality", "decoders", "decoder_quality", "resolutions", "precision", "video",
-                                 "families", "sharding"}:
+                                 "video_chunks", "families", "sharding"}:
             report.line(f"generating {args.images} photo-like {args.height}x{args.width} images as PNG and JPEG "
                         "shards ...")
             datasets = make_datasets(tmp, args.images, args.height, args.width, args.seed)
@@ -521,6 +536,8 @@ def main(argv=None) -> int:
             results["precision"] = bench_precision(args, tmp, report)
         if "video" in args.sections:
             results["video"] = bench_video(args, tmp, report)
+        if "video_chunks" in args.sections:
+            results["video_chunks"] = bench_video_chunks(args, report)
         if "families" in args.sections:
             results["families"] = bench_families(args, report)
         if "sharding" in args.sections:
