@@ -19,10 +19,15 @@ Chunks and the temporal cache. diffusers reads a clip in chunks of 1, 4, 4, ... 
 latent frames (the decoder), each causal layer keeping the last frames of its input for the next chunk, so that a
 long clip never has to be in memory at once. Here a `Chunk` carries those frames explicitly: what each layer reads of
 the chunk before (`prev`) and leaves for the next (`next`); a whole clip is one chunk. Every chunk plan computes the
-same clip (the causal windows are the same; tests hold chunked and whole-clip outputs equal), so training runs
-whole clips by default, and `time_chunks` sets the plan for memory. Because the cache is an argument and not state
-hidden in the modules (diffusers' feat_cache list), gradient checkpointing works with it: a checkpointed block
-recomputes from the same chunk's frames, and the gradients equal the unchecked ones (a test).
+same clip (the causal windows are the same; tests hold chunked and whole-clip outputs equal). Evaluation runs
+diffusers' plan; training runs whole clips by default (one pass per layer is fastest), or `train_chunks` (the
+trainer's --train_time_chunks) for memory: each chunk then runs under a non-reentrant checkpoint with its cache as the
+checkpoint's tensor inputs and outputs (`_checkpointed_chunk`), so backward recomputes one chunk at a time, the
+gradient flows from chunk to chunk through the cache, and it equals the whole clip's to float rounding
+(tests/test_chunks.py). What stays alive for backward is each chunk's cache (two frames per causal layer) and the
+output clip: it still grows with the clip, several times slower than the whole clip's activations. Because the cache
+is an argument and not state hidden in the modules (diffusers' feat_cache list), gradient checkpointing works with it:
+a checkpointed block recomputes from the same chunk's frames, and the gradients equal the unchecked ones (a test).
 
 Numerics. Everything runs diffusers' torch ops in diffusers' order and memory layout, so a clip through the video
 model is bitwise diffusers' on the same chunk plan. In the image model a Conv2d and the single-frame Conv3d are
