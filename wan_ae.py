@@ -664,7 +664,11 @@ class WanAutoEncoder(nn.Module):
 
     def sample(self, mean: Tensor, logvar: Tensor) -> Tensor:
         mean = mean.float()  # the noise is drawn and added in fp32, as ae.AutoEncoder.sample
-        return mean + self.posterior_std(logvar) * torch.randn_like(mean)
+        # drawn in the canonical layout (as diffusers' randn_tensor(shape)): randn_like follows the mean's strides,
+        # which oneDNN picks per chunk plan (the whole clip's mean came out channels-last, a chunked one contiguous),
+        # so the same seed gave another noise per element under --train_time_chunks
+        noise = torch.randn(mean.shape, dtype=mean.dtype, device=mean.device)
+        return mean + self.posterior_std(logvar) * noise
 
     def encode(self, x: Tensor) -> Tensor:
         """Deterministic latent (the posterior mean), for evaluation and export."""

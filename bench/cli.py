@@ -296,6 +296,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--chunks_size", type=int, default=64, help="frame size of the video_chunks section's steps")
     g.add_argument("--chunks_steps", type=int, default=3, help="timed steps per case (after one warm-up)")
     g.add_argument("--chunks_estimate_size", type=int, default=480, help="frame size of the Wan 2.1 estimate")
+    g.add_argument("--chunks_probes", default="32,64", help="the probe sizes of the Wan 2.1 estimate")
     g.add_argument("--chunks_plans", default="8,2;4,1", help="the chunk plans against the whole clip, ';'-separated")
     g.add_argument("--chunks_checkpointing", default="decoder",
                    help="--grad_checkpointing values of the Wan 2.1 estimate, comma-separated")

@@ -53,8 +53,10 @@ def step_case(frames: int, plan: tuple[int, int], size: int, steps: int) -> dict
             "step_s": round(statistics.median(times[1:] if steps else times), 3)}
 
 
-def estimate_case(frames: list[int], size: int, plans: list[tuple[int, int]], checkpointing: str) -> dict:
-    """GiB of the memory check's estimate per (frames, plan) for Wan 2.1's VAE, decoder only, bf16."""
+def estimate_case(frames: list[int], size: int, plans: list[tuple[int, int]], checkpointing: str,
+                  probes: tuple[int, int] = (32, 64)) -> dict:
+    """GiB of the memory check's estimate per (frames, plan) for Wan 2.1's VAE, decoder only, bf16; a JSON line of
+    what is done so far after each clip length (a long run's partial result)."""
     import memory
     import run_setup
     import wan_ae
@@ -73,8 +75,9 @@ def estimate_case(frames: list[int], size: int, plans: list[tuple[int, int]], ch
         for plan in plans:
             shape = memory.StepShape(1, size, precision=precision, grad_checkpointing=checkpointing, frames=t,
                                      time_chunks=plan)
-            need = memory.estimate_step_memory(vae, objective, shape, model=model, probe_resolutions=(32, 64))
+            need = memory.estimate_step_memory(vae, objective, shape, model=model, probe_resolutions=probes)
             out[f"{t} {plan[0]},{plan[1]}"] = round(need.total / 1024 ** 3, 2)
+        print(json.dumps(out), flush=True)
     return out
 
 
@@ -126,13 +129,14 @@ def _estimated(args, frames, plans, out, report: Report) -> None:
     rows = []
     for checkpointing in args.chunks_checkpointing.split(","):
         gib = _in_process(f"import json, bench.video_chunks as v; print(json.dumps(v.estimate_case({frames}, "
-                          f"{args.chunks_estimate_size}, {plans}, {checkpointing!r})))")
+                          f"{args.chunks_estimate_size}, {plans}, {checkpointing!r}, ({args.chunks_probes}))))")
         out["estimated_gib"][checkpointing] = gib
         for t in frames:
             rows.append([t, checkpointing] + [f"{gib[f'{t} {p[0]},{p[1]}']:.1f}" for p in plans])
             report.line(f"  estimate {t} frames, --grad_checkpointing {checkpointing}: "
                         + ", ".join(f"{p} {gib[f'{t} {p[0]},{p[1]}']} GiB" for p in plans))
     report.table(f"The memory check's estimate for Wan 2.1's VAE, decoder only, bf16, one clip at "
-                 f"{args.chunks_estimate_size} px (GiB; LPIPS and the VGG16 critic on, EMA on; probes at 32 and 64 px)",
+                 f"{args.chunks_estimate_size} px (GiB; LPIPS and the VGG16 critic on, EMA on; probes at "
+                 f"{args.chunks_probes} px)",
                  ["frames", "--grad_checkpointing"] + ["whole clip" if not any(p) else f"chunks {p[0]},{p[1]}"
                                                        for p in plans], rows)

@@ -14,6 +14,7 @@ import torch
 import memory
 import wan_ae
 from wan_ae import WanAutoEncoder, WanParams
+from test_video import clip_url, wan_folder  # noqa: F401 (fixtures: a tiny diffusers Wan folder, clip shards)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -177,3 +178,31 @@ def test_the_memory_check_probes_the_plan_and_offers_it():
     line = memory.fit_message(whole, (whole.total // 2, "RAM available"), memory.dataclasses.replace(
         shape, chunk_factor=4), lambda s: memory.estimate_step_memory(vae, objective, s, probe_resolutions=(16, 32)))
     assert "--train_time_chunks 4,1 (~" in line, line
+
+
+def test_the_trainer_trains_a_clip_in_the_chunks_of_its_flag(wan_folder, clip_url, tmp_path, monkeypatch):
+    """--train_time_chunks reaches the model (families.Family.set_memory_plan): two steps of a full fine-tune on
+    5-frame clips (one latent frame after the first) run every clip through checkpointed chunks, and end where the
+    whole-clip run ends, to float rounding."""
+    import vae_trainer
+    from test_video import trainer_args
+    chunks = []
+    original = wan_ae._checkpointed_chunk
+
+    def counted(*args):
+        chunks.append(args[1].shape[2])
+        return original(*args)
+    monkeypatch.setattr(wan_ae, "_checkpointed_chunk", counted)
+    train, test = clip_url
+    flags = ["--num_workers", "0", "--max_steps", "2", "--save_every_n_steps", "2", "--perceptual_weight", "0",
+             "--memory_check", "false"]
+    assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "whole", *flags)) == 0
+    assert chunks == []
+    assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "chunked", *flags,
+                                         "--train_time_chunks", "4,1")) == 0
+    assert chunks and set(chunks) == {1, 4}  # the encoder's 1 + 4 frames, the decoder's 1 + 1 latent frames (1)
+    whole, chunked = (torch.load(tmp_path / run / "checkpoints" / "step_00000002.pt", weights_only=True)
+                      for run in ("whole", "chunked"))
+    for name, value in whole["training"]["vae"].items():
+        torch.testing.assert_close(chunked["training"]["vae"][name], value, rtol=1e-4,
+                                   atol=1e-5 * max(1.0, value.abs().max().item()))
