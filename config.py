@@ -926,8 +926,9 @@ def check_time_chunks(speed: SpeedConfig, frames: int, t: int) -> None:
         if chunk and latent_frames % chunk:
             divisors = [n * unit for n in range(1, latent_frames + 1) if latent_frames % n == 0]
             what = f"{chunk * unit} frames" if part == "encoder" else f"{chunk} latent frames"
-            raise ConfigError(f"{flag}: the {part}'s chunks of {what} do not divide the {latent_frames} latent frames after the first of --video_frames "
-                              f"{frames} ({latent_frames * t} frames): take one of {', '.join(map(str, divisors))}")
+            raise ConfigError(f"{flag}: the {part}'s chunks of {what} do not divide the {latent_frames} latent frames "
+                              f"after the first of --video_frames {frames} ({latent_frames * t} frames): take one of "
+                              f"{', '.join(map(str, divisors))}")
 
 
 def check_sharding(cfg: Config) -> None:
