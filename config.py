@@ -402,7 +402,8 @@ class SpeedConfig:
                                      "(e.g. 8,2; 4,1 is diffusers' inference plan), each chunk recomputed in backward "
                                      "and the gradient carried through the temporal cache: peak activation memory "
                                      "follows the chunk, not the clip, for the same gradient (to float rounding) and "
-                                     "~1.3x the step time (BENCHMARKS.md section 17). E a multiple of the temporal "
+                                     "a slower step (one more forward; BENCHMARKS.md section 17). E a multiple of the "
+                                     "temporal "
                                      "factor, both dividing the clip's latent frames after the first; 0 for a part: "
                                      "that part whole. '': the whole clip at once. The Wan family's video model")
     compile: bool = opt(False, "torch.compile the encoder, decoder and discriminator")
