@@ -406,6 +406,15 @@ class SpeedConfig:
                                        "unless false). auto: on a CPU channels_last; with CUDA the VAE stays NCHW, "
                                        "because PyTorch's CUDA GroupNorm copies a channels_last input to NCHW and "
                                        "back at every norm (docs/precision.md)")
+    train_time_chunks: str = opt("", "clips (--video_frames): train each clip in temporal chunks of E frames (after "
+                                     "its first) through the encoder and D latent frames through the decoder, 'E,D' "
+                                     "(e.g. 8,2; 4,1 is diffusers' inference plan), each chunk recomputed in backward "
+                                     "and the gradient carried through the temporal cache: peak activation memory "
+                                     "follows the chunk, not the clip, for the same gradient (to float rounding) and "
+                                     "a slower step (one more forward; BENCHMARKS.md section 17). E a multiple of the "
+                                     "temporal "
+                                     "factor, both dividing the clip's latent frames after the first; 0 for a part: "
+                                     "that part whole. '': the whole clip at once. The Wan family's video model")
     compile: bool = opt(False, "torch.compile the encoder, decoder and discriminator")
     sharding: str = opt("ddp", "how the VAE's training state is spread over the ranks: ddp, whole on every rank (about "
                                "20 bytes per parameter each); fsdp, sharded over every rank (1/N each, FSDP2, "
@@ -417,9 +426,15 @@ class SpeedConfig:
 
     def validate(self) -> None:
         check(self, non_negative=("num_threads",))
+        time_chunks_of(self)
         for name in ("allow_tf32", "channels_last"):
             if getattr(self, name) not in AUTO_BOOL:
                 raise ConfigError(f"--{name} must be one of {', '.join(AUTO_BOOL)}, got {getattr(self, name)!r}")
+
+    @property
+    def time_chunks(self) -> tuple[int, int]:
+        """--train_time_chunks as (encoder frames, decoder latent frames) per chunk; (0, 0): the whole clip."""
+        return time_chunks_of(self)
 
     def on(self, device_type: str, video_frames: int = 0) -> "DeviceSpeed":
         """This section on one kind of device, resolved once by the run's root (vae_trainer.Trainer) and handed to
@@ -719,6 +734,21 @@ def parse_ch_mult(text: str) -> tuple[int, ...]:
     return mult
 
 
+def time_chunks_of(speed: SpeedConfig) -> tuple[int, int]:
+    """--train_time_chunks as (encoder frames, decoder latent frames) per chunk; (0, 0): the whole clip."""
+    text = speed.train_time_chunks.strip()
+    if not text:
+        return (0, 0)
+    try:
+        plan = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        plan = ()
+    if len(plan) != 2 or min(plan) < 0:
+        raise ConfigError(f"--train_time_chunks must be E,D: encoder frames and decoder latent frames per chunk (0: "
+                          f"that part whole), e.g. 8,2; got {speed.train_time_chunks!r}")
+    return plan
+
+
 def downsample_factor_of(model: ModelConfig) -> int:
     """The latent grid's downsampling: --vae_spatial_factor where a source set it, else 2^(levels - 1) x the pixel
     patch."""
@@ -854,7 +884,11 @@ def last_stage_levels(cfg: Config) -> int | None:
 
 def check_video(cfg: Config) -> None:
     """One line for --video_frames without a video VAE, of a length it cannot take, or with what does not take clips
-    yet."""
+    yet; for a chunk plan (--train_time_chunks) the clip does not split into."""
+    encoder_chunk, decoder_chunk = time_chunks_of(cfg.speed)
+    if (encoder_chunk or decoder_chunk) and not cfg.data.video_frames:
+        raise ConfigError(f"--train_time_chunks {cfg.speed.train_time_chunks}: chunks are a clip's: it needs "
+                          "--video_frames")
     if not cfg.data.video_frames:
         if cfg.critic.discriminator == "patchgan3d":
             raise ConfigError("--discriminator patchgan3d judges clips: a 3D critic with images only needs "
@@ -883,6 +917,31 @@ def check_video(cfg: Config) -> None:
     if cfg.speed.compile:
         raise ConfigError(f"{flag}: --compile is not tested with the video VAEs' temporal caches (their chunks and "
                           "frame counts vary): leave it off for video")
+    if encoder_chunk or decoder_chunk:
+        check_time_chunks(cfg.speed, frames, t)
+
+
+def check_time_chunks(speed: SpeedConfig, frames: int, t: int) -> None:
+    """One line for a chunk plan a clip of `frames` frames (1 + t k) does not split into equal chunks: the encoder's
+    chunk a multiple of t frames, each part's chunk dividing the k latent frames after the first. (The model would
+    take a shorter last chunk; a plan of equal chunks is refused otherwise so that the memory a run was planned for,
+    the largest chunk's, is what every chunk takes, and a typo such as 8,3 for 33 frames is caught before a worker
+    starts.)"""
+    (encoder_chunk, decoder_chunk), latent_frames = time_chunks_of(speed), (frames - 1) // t
+    flag = f"--train_time_chunks {speed.train_time_chunks}"
+    if speed.sharding != "ddp":
+        raise ConfigError(f"{flag} is not tested with --sharding {speed.sharding} (each sharded unit would be gathered "
+                          "once per chunk and again in each chunk's recomputation): use --sharding ddp")
+    if encoder_chunk % t:
+        raise ConfigError(f"{flag}: the encoder's chunk of {encoder_chunk} frames must be a multiple of the VAE's "
+                          f"temporal factor {t} (it compresses {t} frames into one latent frame)")
+    for chunk, part, unit in ((encoder_chunk // t, "encoder", t), (decoder_chunk, "decoder", 1)):
+        if chunk and latent_frames % chunk:
+            divisors = [n * unit for n in range(1, latent_frames + 1) if latent_frames % n == 0]
+            what = f"{chunk * unit} frames" if part == "encoder" else f"{chunk} latent frames"
+            raise ConfigError(f"{flag}: the {part}'s chunks of {what} do not divide the {latent_frames} latent frames "
+                              f"after the first of --video_frames {frames} ({latent_frames * t} frames): take one of "
+                              f"{', '.join(map(str, divisors))}")
 
 
 def check_sharding(cfg: Config) -> None:

@@ -73,8 +73,30 @@ class Family:
                               f"{source.path}'s ({self.describe(source.params)})")
         return with_values(cfg, **self.arch_flags(source.params))
 
+    # what a chunk plan (--train_time_chunks) is refused with ("": the family takes one): a clip trained chunk by
+    # chunk needs the temporal cache as an argument, which only wan_ae.py's video model has
+    time_chunks_refusal = "it takes images"
+
+    def set_memory_plan(self, vae: nn.Module, grad_checkpointing: str, time_chunks: tuple[int, int]) -> None:
+        """--grad_checkpointing and --train_time_chunks on the model (the trainer at start-up, the memory check's
+        probes per remedy)."""
+        vae.set_grad_checkpointing(grad_checkpointing)
+        if any(time_chunks):
+            raise ConfigError(f"--train_time_chunks: {self.time_chunks_refusal}")
+
+    def time_chunk_factor(self, params) -> int:
+        """The temporal factor t of a model that takes a chunk plan (t frames per latent frame); 0: it takes none."""
+        return 0 if self.time_chunks_refusal else self.temporal_factor(params)
+
+    def check_time_chunks(self, cfg: Config) -> None:
+        if self.time_chunks_refusal and cfg.speed.train_time_chunks.strip() not in ("", "0,0"):
+            raise ConfigError(f"--train_time_chunks {cfg.speed.train_time_chunks}: a clip trained in chunks through "
+                              f"an explicit temporal cache is the wan family's video model (wan_ae.py); --vae_family "
+                              f"{self.name} ({cfg.model.vae_class or 'its model'}): {self.time_chunks_refusal}")
+
     def check(self, cfg: Config) -> None:
         """ConfigError (one line) for what the family cannot do with this run's flags."""
+        self.check_time_chunks(cfg)
         refused = [(cfg.finetune.last_stage_trains != "all", "--last_stage_trains", "the decoder's levels are the "
                     "LDM family's (ae.py)"),
                    (cfg.loss.distill_weight > 0, "--distill_weight", "a narrower decoder is the LDM family's"),
@@ -221,6 +243,7 @@ class LDM(Family):
         return cfg
 
     def check(self, cfg):
+        self.check_time_chunks(cfg)
         model = cfg.model
         if model.posterior not in ("constant", "learned"):
             raise ConfigError(f"--posterior {model.posterior}: the LDM family's is constant or learned")
@@ -291,6 +314,12 @@ class Wan(Family):
                     do_attn=True, posterior="learned", vae_quant_conv=True, do_clamp=False, vae_decoder_ch=decoder,
                     vae_latent_bn=False, vae_patch_size=p.patch_size, vae_spatial_factor=0,
                     vae_temporal_factor=self.temporal_factor(p))
+
+    time_chunks_refusal = ""  # the video model's; the image model has no --video_frames (config.check_video)
+
+    def set_memory_plan(self, vae, grad_checkpointing, time_chunks):
+        vae.set_grad_checkpointing(grad_checkpointing)
+        vae.train_chunks = tuple(time_chunks)
 
     def describe(self, params):
         return "the Wan family's " + ("video" if params.video else "image") + " model (wan_ae.py)"
@@ -375,6 +404,15 @@ class Diffusers(Family):
                               "has no gradient checkpointing (use none)")
         if cfg.speed.compile:
             raise ConfigError(f"--compile: not tested with diffusers' own modules ({cfg.model.vae_class}): leave it off")
+
+    # What diffusers' own modules allow instead: their per-block gradient checkpointing (--grad_checkpointing, where
+    # the class has it). Their chunked paths (use_tiling, use_framewise_encoding/decoding, AutoencoderKLWan's
+    # feat_cache) are inference plans: tiles blend overlaps (not the clip's own gradient), and the caches are module
+    # state a chunk's recomputation in backward would overwrite, so a checkpointed chunk would not get its gradient
+    time_chunks_refusal = ("its chunked paths (tiling, framewise, its feature cache) are diffusers' inference plans, "
+                           "with the cache as module state that a checkpointed chunk's recomputation would overwrite; "
+                           "use --grad_checkpointing (its own per-block checkpointing) or --vae_family wan for the "
+                           "Wan VAEs")
 
     def describe(self, params):
         return f"diffusers' {params.class_name}"

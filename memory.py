@@ -53,6 +53,8 @@ class StepShape:
     can_checkpoint: bool = True  # the model has gradient checkpointing (some diffusers classes have none)
     shards: int = 1  # the ranks the VAE's trained state is spread over (--sharding fsdp|hsdp); 1: whole (ddp)
     ranks: int = 1  # the run's processes (torchrun's world size): where --sharding fsdp could help
+    time_chunks: tuple[int, int] = (0, 0)  # --train_time_chunks: (encoder frames, decoder latent frames) per chunk
+    chunk_factor: int = 0  # the video model's temporal factor where it takes a chunk plan (a remedy); 0: none
 
     @classmethod
     def of(cls, schedule, optim, speed, precision: Precision, resolution: int | None = None, frames: int = 0,
@@ -62,7 +64,7 @@ class StepShape:
         its precision (the trainer's config.Precision)."""
         size = schedule.reference if resolution is None else resolution
         return cls(schedule.batch_for(size), size, optim.grad_accum, precision, speed.grad_checkpointing,
-                   frames, can_checkpoint, shards, ranks)
+                   frames, can_checkpoint, shards, ranks, speed.time_chunks if frames else (0, 0))
 
     @classmethod
     def to_check(cls, schedule, optim, speed, precision: Precision, frames: int = 0,
@@ -93,15 +95,16 @@ class StepMemory:
 
 @contextlib.contextmanager
 def _probe_settings(vae: nn.Module, objective, shape: StepShape):
-    """The VAE's checkpointing mode and the objective's precision as `shape` asks, restored after."""
-    old_mode, old_precision = vae.grad_checkpointing, objective.precision
-    vae.set_grad_checkpointing(shape.grad_checkpointing)
+    """The VAE's checkpointing mode and chunk plan and the objective's precision as `shape` asks, restored after."""
+    family = families.of(vae)
+    old = vae.grad_checkpointing, getattr(vae, "train_chunks", (0, 0)), objective.precision
+    family.set_memory_plan(vae, shape.grad_checkpointing, shape.time_chunks)
     objective.precision = shape.precision
     try:
         yield
     finally:
-        vae.set_grad_checkpointing(old_mode)
-        objective.precision = old_precision
+        family.set_memory_plan(vae, *old[:2])
+        objective.precision = old[2]
 
 
 def _networks(vae: nn.Module, objective) -> list[nn.Module]:
@@ -152,8 +155,16 @@ def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_si
         micro_step(objective, model or TrainingForward(vae), x, step, 0, 1, True, regularisers,
                    loss_scale=torch.ones((), device=device), last_layer=families.of(vae).last_layer(vae), phase=phase,
                    backward=False)
+        if any(shape.time_chunks):  # backward recomputes one chunk at a time: the VAE's pass on one chunk's frames
+            encoder_chunk, decoder_chunk = shape.time_chunks
+            frames = 1 + max(encoder_chunk, decoder_chunk * families.of(vae).temporal_factor(vae.params))
+            families.of(vae).set_memory_plan(vae, shape.grad_checkpointing, (0, 0))
+            with phase("chunk"):  # (an upper bound: the whole VAE on one chunk's frames, and its first frame)
+                (model or TrainingForward(vae))(x[:, :, :frames])
+            families.of(vae).set_memory_plan(vae, shape.grad_checkpointing, shape.time_chunks)
     forward, critic, loss = (phases[name] for name in ("forward", "critic", "loss"))
-    return forward[0] + max(critic[0], loss[0]), max(forward[1], critic[1], loss[1])
+    chunk = phases.get("chunk", (0, 0))
+    return forward[0] + max(critic[0], loss[0]) + chunk[0], max(forward[1], critic[1], loss[1], chunk[1])
 
 
 def model_bytes(vae: nn.Module) -> int:
@@ -177,7 +188,7 @@ def estimate_step_memory(vae: nn.Module, objective, shape: StepShape, ema: bool 
     `shape.shards` > 1: the VAE's trained state per rank under --sharding (state_memory); `vae` is whole (sharded, the
     probes run whole_for_probes' copy)."""
     r1, r2 = probe_resolutions or (min(64, shape.resolution), min(128, shape.resolution))
-    key = (shape.precision, shape.grad_checkpointing, shape.frames, r1, r2)
+    key = (shape.precision, shape.grad_checkpointing, shape.frames, shape.time_chunks, r1, r2)
     if probes is not None and key in probes:
         a1, a2, largest = probes[key]
     else:
@@ -323,6 +334,9 @@ def remedies(shape: StepShape, fits=None) -> list[tuple[str, StepShape]]:
                 and GRAD_CHECKPOINTING.index(mode) > GRAD_CHECKPOINTING.index(shape.grad_checkpointing)]
     if stronger:
         out.append((f"--grad_checkpointing {stronger[0]}", dataclasses.replace(shape, grad_checkpointing=stronger[0])))
+    plan = (shape.chunk_factor, 1)  # the smallest chunks: each part's pass of one latent frame at a time
+    if shape.chunk_factor and shape.frames > 1 + shape.chunk_factor and shape.time_chunks != plan:
+        out.append((f"--train_time_chunks {plan[0]},{plan[1]}", dataclasses.replace(shape, time_chunks=plan)))
     if shape.batch_size > 1:
         smaller = shape.batch_size // 2
         accum = shape.grad_accum * shape.batch_size // smaller
@@ -339,11 +353,15 @@ def all_remedies(shape: StepShape) -> tuple[str, StepShape] | None:
     strongest = dataclasses.replace(shape, grad_checkpointing="all" if shape.can_checkpoint else
                                     shape.grad_checkpointing, batch_size=1,
                                     grad_accum=shape.grad_accum * shape.batch_size,
+                                    time_chunks=(shape.chunk_factor, 1) if shape.chunk_factor and
+                                    shape.frames > 1 + shape.chunk_factor else shape.time_chunks,
                                     precision=Precision.of("bf16") if shape.precision.name == "fp32" else
                                     shape.precision)
     if strongest == shape:
         return None
     flags = ["--grad_checkpointing all"] if strongest.grad_checkpointing != shape.grad_checkpointing else []
+    flags += ([f"--train_time_chunks {strongest.chunk_factor},1"] if strongest.time_chunks != shape.time_chunks
+              else [])
     flags += [f"--batch_size 1 --grad_accum {strongest.grad_accum}"] if shape.batch_size > 1 else []
     flags += ["--precision bf16"] if shape.precision.name == "fp32" else []
     return " ".join(flags), strongest
@@ -430,11 +448,14 @@ def check_before_training(vae: nn.Module, objective, shape: StepShape | list[Ste
         """What a remedy would need, for the message only: probed at a quarter of the pixels (32 and 64 px), so
         that naming the flags that help costs less than judging the step (a remedy that only halves the batch
         reuses the step's probes)."""
-        if (s.precision, s.grad_checkpointing) == (judged.precision, judged.grad_checkpointing):
+        if (s.precision, s.grad_checkpointing, s.time_chunks) == (judged.precision, judged.grad_checkpointing,
+                                                                  judged.time_chunks):
             return estimate(s)
         sizes = (min(REMEDY_PROBES[0], s.resolution), min(REMEDY_PROBES[1], s.resolution))
         return estimate_step_memory(vae, objective, s, ema, probe_resolutions=sizes, probes=probes, **features)
     shapes = shape if isinstance(shape, list) else [shape]
+    chunk_factor = families.of(vae).time_chunk_factor(vae.params)  # (a remedy: --train_time_chunks)
+    shapes = [dataclasses.replace(s, chunk_factor=chunk_factor) if s.frames else s for s in shapes]
     with _training_state_untouched(vae, objective):
         needed, judged = max(((estimate(s), s) for s in shapes), key=lambda pair: pair[0].total)
         available = available_memory(device)

@@ -82,7 +82,7 @@ def build_vae(cfg: Config, device: torch.device, memory_format, resume: tuple[st
     if cfg.loss.distill_weight > 0:
         teacher = TeacherDecoder(family.teacher(source)).to(device, memory_format=memory_format)
         log(f"distilling from the decoder of {ft.init_from}")
-    vae.set_grad_checkpointing(cfg.speed.grad_checkpointing)
+    family.set_memory_plan(vae, cfg.speed.grad_checkpointing, cfg.speed.time_chunks)
     return vae.to(device, memory_format=memory_format), described, teacher
 
 

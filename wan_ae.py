@@ -19,10 +19,15 @@ Chunks and the temporal cache. diffusers reads a clip in chunks of 1, 4, 4, ... 
 latent frames (the decoder), each causal layer keeping the last frames of its input for the next chunk, so that a
 long clip never has to be in memory at once. Here a `Chunk` carries those frames explicitly: what each layer reads of
 the chunk before (`prev`) and leaves for the next (`next`); a whole clip is one chunk. Every chunk plan computes the
-same clip (the causal windows are the same; tests hold chunked and whole-clip outputs equal), so training runs
-whole clips by default, and `time_chunks` sets the plan for memory. Because the cache is an argument and not state
-hidden in the modules (diffusers' feat_cache list), gradient checkpointing works with it: a checkpointed block
-recomputes from the same chunk's frames, and the gradients equal the unchecked ones (a test).
+same clip (the causal windows are the same; tests hold chunked and whole-clip outputs equal). Evaluation runs
+diffusers' plan; training runs whole clips by default (one pass per layer is fastest), or `train_chunks` (the
+trainer's --train_time_chunks) for memory: each chunk then runs under a non-reentrant checkpoint with its cache as the
+checkpoint's tensor inputs and outputs (`_checkpointed_chunk`), so backward recomputes one chunk at a time, the
+gradient flows from chunk to chunk through the cache, and it equals the whole clip's to float rounding
+(tests/test_chunks.py). What stays alive for backward is each chunk's cache (two frames per causal layer) and the
+output clip: it still grows with the clip, several times slower than the whole clip's activations. Because the cache
+is an argument and not state hidden in the modules (diffusers' feat_cache list), gradient checkpointing works with it:
+a checkpointed block recomputes from the same chunk's frames, and the gradients equal the unchecked ones (a test).
 
 Numerics. Everything runs diffusers' torch ops in diffusers' order and memory layout, so a clip through the video
 model is bitwise diffusers' on the same chunk plan. In the image model a Conv2d and the single-frame Conv3d are
@@ -49,6 +54,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ae import LOGVAR_RANGE, AutoEncoder, _run_level
 
@@ -150,13 +156,42 @@ def _chunk_sizes(frames: int, first: int, per_chunk: int | None) -> list[int]:
 
 def run_chunks(step, x: Tensor, sizes: list[int]) -> Tensor:
     """`step(frames, chunk)` over consecutive chunks of x's frames, each reading the last's cache; the outputs
-    concatenated in time."""
+    concatenated in time. Where autograd records (training) and there are several chunks, each chunk is checkpointed
+    (`_checkpointed_chunk`): its activations are recomputed in backward, so that what a chunked pass holds for
+    backward is the cache and the outputs, not every chunk's activations (chunking without it would save as much as
+    the whole clip, and more: the cache copies)."""
     outputs, prev, start = [], None, 0
+    checkpointed = torch.is_grad_enabled() and len(sizes) > 1
     for i, size in enumerate(sizes):
-        chunk = Chunk(prev, keep=i < len(sizes) - 1)
-        outputs.append(step(x[:, :, start:start + size], chunk))
-        prev, start = chunk.next, start + size
+        frames, keep = x[:, :, start:start + size], i < len(sizes) - 1
+        if checkpointed:
+            out, prev = _checkpointed_chunk(step, frames, prev, keep)
+        else:
+            chunk = Chunk(prev, keep=keep)
+            out, prev = step(frames, chunk), chunk.next
+        outputs.append(out)
+        start += size
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def _checkpointed_chunk(step, frames: Tensor, prev: dict | None, keep: bool) -> tuple[Tensor, dict]:
+    """One chunk under torch.utils.checkpoint (non-reentrant: exact, DDP-safe, nests with the per-level
+    checkpoints): (its output, its cache for the next chunk). The cache goes in and out as the checkpointed
+    function's tensor arguments and outputs, never through a dict the chunk shares: the recomputation in backward
+    reads the tensors the forward read (the checkpoint keeps its inputs), writes into a Chunk of its own (nothing the
+    next chunk holds is overwritten, nothing counted twice), and the gradient flows from each chunk to the one before
+    through the cache tensors, as through any output. Dropout draws the same in recomputation: the checkpoint
+    restores the RNG state."""
+    keys = list(prev) if prev is not None else None
+    written: list = []  # the layers that left frames for the next chunk, in the order they wrote them
+
+    def run(frames: Tensor, *cached: Tensor) -> tuple[Tensor, ...]:
+        chunk = Chunk(None if keys is None else dict(zip(keys, cached)), keep=keep)
+        out = step(frames, chunk)
+        written[:] = list(chunk.next)
+        return (out, *chunk.next.values())
+    out, *cached = checkpoint(run, frames, *(prev.values() if prev is not None else ()), use_reentrant=False)
+    return out, dict(zip(written, cached))
 
 
 def per_frame(module: nn.Module, x: Tensor) -> Tensor:
@@ -560,16 +595,18 @@ class WanAutoEncoder(nn.Module):
 
     `time_chunks` (video model): (encoder frames, decoder latent frames) per chunk after the clip's first frame, 0
     for the whole clip in one pass; diffusers' plan is (4, 1). Every plan computes the same clip (to float
-    rounding); a chunked one holds fewer frames' activations at once when no backward follows. None (the default):
-    in eval mode without gradients (evaluation, export's statistics, sample grids) diffusers' plan, so that a long
-    or large clip fits where diffusers' does and the numbers are diffusers'; else the whole clip (training: one
-    pass per layer is faster, and the backward holds every frame's activations anyway)."""
+    rounding). None (the default): in eval mode without gradients (evaluation, export's statistics, sample grids)
+    diffusers' plan, so that a long or large clip fits where diffusers' does and the numbers are diffusers'; else
+    `train_chunks` (the trainer's --train_time_chunks; (0, 0), the whole clip, by default: one pass per layer is
+    faster). A chunked pass that records autograd checkpoints each chunk (run_chunks), so that backward holds one
+    chunk's activations at a time and the gradient is the whole clip's (to float rounding; the cache carries it)."""
 
     def __init__(self, params: WanParams):
         super().__init__()
         self.params = params
         self.grad_checkpointing = "none"
         self.time_chunks: tuple[int, int] | None = None
+        self.train_chunks: tuple[int, int] = (0, 0)
         moments, video = 2 * params.z_channels, params.video
         patch_area = params.patch_size ** 2
         self.encoder = Encoder(params.in_channels * patch_area, params.ch, params.ch_mult, params.num_res_blocks,
@@ -592,7 +629,8 @@ class WanAutoEncoder(nn.Module):
         """Frames (part 0: the encoder's) or latent frames (part 1: the decoder's) per chunk; None: the whole clip."""
         plan = self.time_chunks
         if plan is None:
-            plan = (self.params.temporal_factor, 1) if not self.training and not torch.is_grad_enabled() else (0, 0)
+            plan = ((self.params.temporal_factor, 1) if not self.training and not torch.is_grad_enabled() else
+                    self.train_chunks)
         return plan[part] or None
 
     def _as_clip(self, x: Tensor) -> tuple[Tensor, bool]:
@@ -626,7 +664,11 @@ class WanAutoEncoder(nn.Module):
 
     def sample(self, mean: Tensor, logvar: Tensor) -> Tensor:
         mean = mean.float()  # the noise is drawn and added in fp32, as ae.AutoEncoder.sample
-        return mean + self.posterior_std(logvar) * torch.randn_like(mean)
+        # drawn in the canonical layout (as diffusers' randn_tensor(shape)): randn_like follows the mean's strides,
+        # which oneDNN picks per chunk plan (the whole clip's mean came out channels-last, a chunked one contiguous),
+        # so the same seed gave another noise per element under --train_time_chunks
+        noise = torch.randn(mean.shape, dtype=mean.dtype, device=mean.device)
+        return mean + self.posterior_std(logvar) * noise
 
     def encode(self, x: Tensor) -> Tensor:
         """Deterministic latent (the posterior mean), for evaluation and export."""

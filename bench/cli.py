@@ -53,6 +53,10 @@ Sections
           and clips/s of one data worker against PyAV's raw decode rate of the same files (the limit), on 2 s and 10 s
           H.264 videos (256x256, 30 fps, keyframes <= 250 apart): the code before issue 42 (from frame 0), a seek per
           clip, and the passes of --video_pass_frames (under 2 minutes on 2 CPU cores).
+  video_chunks (only when named in --sections) Long clips trained in temporal chunks (issue 42 item 2;
+          bench/video_chunks.py): a small Wan-structured VAE's training step on one clip, whole against
+          --train_time_chunks 8,2 and 4,1 at --chunks_frames (peak RSS per fresh process, step time); the memory
+          check's estimate for Wan 2.1's VAE, decoder only, bf16, at --chunks_estimate_size px, whole and chunked.
   families (only when named in --sections) Issue 39 (bench/families.py): the memory check's estimate per GPU for LTX-2's
           and HunyuanVideo 1.5's VAE at diffusers' default configs (decoder only and whole, --families_frames x
           --families_sizes), and Wan's VAE through wan_ae.py and through diffusers' own AutoencoderKLWan on the same
@@ -168,13 +172,14 @@ from bench.train import bench_train
 from bench.video import bench_video
 from bench.video_critic import bench_video_critic
 from bench.video_decode import bench_video_decode
+from bench.video_chunks import bench_video_chunks
 from bench.families import bench_families
 from bench.sharding import bench_sharding
 
 
 SECTIONS = ("data", "train", "memory", "gpu", "quality", "finetune", "latents", "decoders", "decoder_quality",
-            "resolutions", "copies", "precision", "video", "video_critic", "video_decode", "families",
-            "sharding")
+            "resolutions", "copies", "precision", "video", "video_critic", "video_decode", "video_chunks",
+            "families", "sharding")
 TARGETS = {  # key: (comparison, threshold)
     "pipeline_fraction_of_decode": (">=", 0.90),
     "train_step_speedup": (">=", 1.3),
@@ -314,6 +319,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--critic_disc_start", type=int, default=40, help="the GAN's first step in the video critic runs")
     g.add_argument("--critic_runs_dir", default="", help="keep the video critic runs here (default: a temporary "
                                                          "folder); finished runs are not trained again")
+    g = p.add_argument_group("video_chunks")
+    g.add_argument("--chunks_frames", default="17,33,81", help="clip lengths of the video_chunks section")
+    g.add_argument("--chunks_size", type=int, default=64, help="frame size of the video_chunks section's steps")
+    g.add_argument("--chunks_steps", type=int, default=3, help="timed steps per case (after one warm-up)")
+    g.add_argument("--chunks_estimate_size", type=int, default=480, help="frame size of the Wan 2.1 estimate")
+    g.add_argument("--chunks_probes", default="32,64", help="the probe sizes of the Wan 2.1 estimate")
+    g.add_argument("--chunks_plans", default="8,2;4,1", help="the chunk plans against the whole clip, ';'-separated")
+    g.add_argument("--chunks_checkpointing", default="decoder",
+                   help="--grad_checkpointing values of the Wan 2.1 estimate, comma-separated")
+    g.add_argument("--chunks_skip_measured", action="store_true", help="video_chunks without its measured steps")
+    g.add_argument("--chunks_skip_estimate", action="store_true", help="video_chunks without the Wan 2.1 estimate")
     g = p.add_argument_group("families")
     g.add_argument("--families_frames", default="17,33", help="clip lengths of the families memory table")
     g.add_argument("--families_sizes", default="256,480", help="frame sizes of the families memory table")
@@ -518,7 +534,7 @@ def main(argv=None) -> int:
     # Trainer construction and the data tools print progress lines: keep stdout for the JSON object
     with contextlib.redirect_stdout(report.stream), tempfile.TemporaryDirectory(prefix="vae_bench_") as tmp:
         if set(args.sections) - {"quality", "decoders", "decoder_quality", "resolutions", "precision", "video",
-                                 "video_critic", "video_decode", "families", "sharding"}:
+                                 "video_critic", "video_decode", "video_chunks", "families", "sharding"}:
             report.line(f"generating {args.images} photo-like {args.height}x{args.width} images as PNG and JPEG "
                         "shards ...")
             datasets = make_datasets(tmp, args.images, args.height, args.width, args.seed)
@@ -553,6 +569,8 @@ def main(argv=None) -> int:
             results["video_critic"] = bench_video_critic(args, tmp, report)
         if "video_decode" in args.sections:
             results["video_decode"] = bench_video_decode(args, tmp, report)
+        if "video_chunks" in args.sections:
+            results["video_chunks"] = bench_video_chunks(args, report)
         if "families" in args.sections:
             results["families"] = bench_families(args, report)
         if "sharding" in args.sections:

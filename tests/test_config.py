@@ -229,3 +229,30 @@ def test_what_the_3d_critic_cannot_take_is_refused_in_one_line_before_any_worker
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert os.listdir(tmp_path) == []
+
+def test_a_chunk_plan_is_refused_in_one_line_where_a_clip_cannot_take_it():
+    """Issue 42 item 4: --train_time_chunks the clip does not split into, or on what cannot take it, is one line
+    before any worker starts (run_setup.check_config: the family's refusal, then the config's)."""
+    wan = ["--dataset_url", "x", "--vae_family", "wan", "--vae_temporal_factor", "4", "--video_frames", "17"]
+    for plan in ("8,2", "4,1", "0,2", "16,4", "", "0,0"):  # every plan of equal chunks of the 4 latent frames
+        run_setup.check_config(run_setup.parse_config(wan + ["--train_time_chunks", plan]))
+    assert run_setup.parse_config(wan + ["--train_time_chunks", "8,2"]).speed.time_chunks == (8, 2)
+    cases = ((wan + ["--train_time_chunks", "8,3"], "the decoder's chunks of 3 latent frames do not divide the 4 "
+                                                    "latent frames after the first of --video_frames 17"),
+             (wan + ["--train_time_chunks", "12,1"], "the encoder's chunks of 12 frames do not divide the 4 latent "
+                                                     "frames"),
+             (wan + ["--train_time_chunks", "6,1"], "the encoder's chunk of 6 frames must be a multiple of the VAE's "
+                                                    "temporal factor 4"),
+             (wan + ["--train_time_chunks", "8"], "--train_time_chunks must be E,D"),
+             (wan + ["--train_time_chunks", "8,2", "--sharding", "fsdp"], "is not tested with --sharding fsdp"),
+             (["--dataset_url", "x", "--vae_family", "wan", "--train_time_chunks", "8,2"],
+              "chunks are a clip's: it needs --video_frames"),
+             (["--dataset_url", "x", "--train_time_chunks", "8,2"], "--vae_family ldm (its model): it takes images"),
+             (["--dataset_url", "x", "--vae_family", "diffusers", "--vae_class", "AutoencoderKLWan",
+               "--vae_temporal_factor", "4", "--video_frames", "17", "--train_time_chunks", "8,2"],
+              "--vae_family diffusers (AutoencoderKLWan): its chunked paths"))
+    for args, message in cases:
+        with pytest.raises(common.ConfigError, match=None) as refused:
+            run_setup.check_config(run_setup.parse_config(args))
+        line = str(refused.value)
+        assert message in line and "\n" not in line, (args, line)
