@@ -229,6 +229,8 @@ def crop_clip(clip: list[np.ndarray], resolution: int, rng: random.Random | None
     flip = rng is not None and rng.random() < 0.5
     out = np.empty((len(clip), resolution, resolution, 3), dtype=np.uint8)
     for t, frame in enumerate(clip):
+        if frame.shape[:2] != (h, w):  # the frame size changes within the window: no one crop fits every frame
+            raise SkipSample("corrupt")
         if size != (w, h):
             frame = np.asarray(Image.fromarray(frame).resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0))
         out[t] = frame[y0:y0 + resolution, x0:x0 + resolution]

@@ -327,7 +327,8 @@ class CriticConfig:
     diffaug: str = opt("", "DiffAugment policy of the critic's real and fake images, e.g. "
                            "color,translation,cutout ('': off; trainable trunk only)")
     r1_weight: float = opt(0.0, "R1 gamma: gamma/2 * E|grad D(real)|^2 on the critic's inputs (the features when "
-                                "frozen; 0: off)")
+                                "frozen; per clip with patchgan3d, summed over its T frames: ~T times a frame "
+                                "critic's at the same gamma; 0: off)")
     vgg16_weights: str = opt("torchvision", "VGG16 for LPIPS and the discriminator: torchvision (its download "
                                             "cache), a local state-dict PATH, or random (tests/demo only)")
 
@@ -919,6 +920,11 @@ def check_video(cfg: Config) -> None:
                           "frame counts vary): leave it off for video")
     if encoder_chunk or decoder_chunk:
         check_time_chunks(cfg.speed, frames, t)
+        if cfg.loss.loss_balance == "adaptive":
+            raise ConfigError(f"--train_time_chunks {cfg.speed.train_time_chunks} does not compose with --loss_balance "
+                              "adaptive (LDM's weight differentiates by the decoder's last layer, inside every "
+                              "chunk's checkpoint: each of its two gradients recomputes every chunk and holds it to "
+                              "the step's end, more memory than the whole clip): use --loss_balance gradnorm")
 
 
 def check_time_chunks(speed: SpeedConfig, frames: int, t: int) -> None:

@@ -65,6 +65,8 @@ SKIP_REASONS = ("corrupt", "non_image", "too_large", "shard_errors", "non_video"
 # MAX_BAD_TRACKED per lane), and "outage_waits": the back-off waits while no shard could be read
 DATA_COUNTS = SKIP_REASONS + ("files", "outage_waits")
 MAX_BAD_TRACKED = 1000
+# what a window of a long video can fail by while its other windows still read (Lane._drop)
+WINDOW_REASONS = ("variable_frame_rate", "too_short")
 # a clip lane's videos open at once (Lane's passes: each a live decoder, its reference frames in memory); with this
 # many open, the lane draws from them alone until one is done
 OPEN_PASSES = 4
@@ -463,7 +465,10 @@ class Lane:
                 self.failures = 0
                 return image
             except SkipSample as skip:
-                self._drop(key)
+                # a window of a long video that cannot be read (a variable frame rate there, frames the count
+                # promised and the stream lacks) loses its pass; anything else, the whole video
+                window = skip.reason in WINDOW_REASONS and (opened is not None or key in self.videos)
+                self._drop(key, (opened or True) if window else None)
                 self.counters[skip.reason] += 1
                 self._note_bad(key)
                 self.failures += 1
@@ -501,6 +506,9 @@ class Lane:
             if windows < 2:  # one window anywhere (an image step: one frame)
                 start = rng.randint(0, video.frames - span)
                 return crop_clip(video.read(start, span)[::self.frame_stride], resolution, rng, self.resize_prob)
+            if frames != self.frames:  # an image step: one frame anywhere; the video's windows stay for clip steps
+                self.buffer.append((key, sample))  # (its passes untouched: it is drawn by its windows as before)
+                return crop_clip(video.read(rng.randint(0, video.frames - 1), 1), resolution, rng, self.resize_prob)
             # a pass: K consecutive windows, the video's W windows laid end to end from a random offset and cut into
             # passes of K, read in a random order, one pass per draw of the video: a video is drawn in proportion
             # to its windows, and each pass costs about one seek plus its own frames (an image step that draws it
@@ -521,8 +529,6 @@ class Lane:
                 self.buffer.append((key, sample))
             else:
                 self.videos.pop(key, None)
-            if frames != self.frames:  # an image step: one frame anywhere
-                return crop_clip(video.read(rng.randint(0, video.frames - 1), 1), resolution, rng, self.resize_prob)
             clip = video.read(start, span)
             if count > 1:
                 self.passes.append([key, sample, start + span, count - 1, video])
@@ -539,8 +545,15 @@ class Lane:
                 opened[4].close()
                 opened[4] = None
 
-    def _drop(self, key: tuple[int, int]) -> None:
-        """A video that failed: its passes closed, out of the buffer (it would fail again)."""
+    def _drop(self, key: tuple[int, int], only=None) -> None:
+        """A video that failed: its passes closed, out of the buffer (it would fail again). `only`: a pass (or
+        True: the pass being opened) whose window failed; the video's other passes go on."""
+        if only is not None:
+            if only is not True:
+                if only[4] is not None:
+                    only[4].close()
+                self.passes = [p for p in self.passes if p is not only]
+            return
         for opened in self.passes:
             if opened[0] == key and opened[4] is not None:
                 opened[4].close()

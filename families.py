@@ -89,7 +89,7 @@ class Family:
         return 0 if self.time_chunks_refusal else self.temporal_factor(params)
 
     def check_time_chunks(self, cfg: Config) -> None:
-        if self.time_chunks_refusal and cfg.speed.train_time_chunks.strip() not in ("", "0,0"):
+        if self.time_chunks_refusal and any(cfg.speed.time_chunks):
             raise ConfigError(f"--train_time_chunks {cfg.speed.train_time_chunks}: a clip trained in chunks through "
                               f"an explicit temporal cache is the wan family's video model (wan_ae.py); --vae_family "
                               f"{self.name} ({cfg.model.vae_class or 'its model'}): {self.time_chunks_refusal}")

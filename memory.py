@@ -334,8 +334,8 @@ def remedies(shape: StepShape, fits=None) -> list[tuple[str, StepShape]]:
                 and GRAD_CHECKPOINTING.index(mode) > GRAD_CHECKPOINTING.index(shape.grad_checkpointing)]
     if stronger:
         out.append((f"--grad_checkpointing {stronger[0]}", dataclasses.replace(shape, grad_checkpointing=stronger[0])))
-    plan = (shape.chunk_factor, 1)  # the smallest chunks: each part's pass of one latent frame at a time
-    if shape.chunk_factor and shape.frames > 1 + shape.chunk_factor and shape.time_chunks != plan:
+    plan = chunk_remedy(shape)
+    if plan is not None and shape.time_chunks != plan:
         out.append((f"--train_time_chunks {plan[0]},{plan[1]}", dataclasses.replace(shape, time_chunks=plan)))
     if shape.batch_size > 1:
         smaller = shape.batch_size // 2
@@ -347,14 +347,21 @@ def remedies(shape: StepShape, fits=None) -> list[tuple[str, StepShape]]:
     return out
 
 
+def chunk_remedy(shape: StepShape) -> tuple[int, int] | None:
+    """The smallest chunk plan (each part's pass of one latent frame at a time) where the model takes one, the clip
+    has more than one chunk's frames, and the run is not sharded (config refuses chunks with --sharding fsdp|hsdp)."""
+    if shape.chunk_factor and shape.shards == 1 and shape.frames > 1 + shape.chunk_factor:
+        return (shape.chunk_factor, 1)
+    return None
+
+
 def all_remedies(shape: StepShape) -> tuple[str, StepShape] | None:
     """Every remedy at once, at their strongest (every level checkpointed, one image per micro-batch, bf16);
     None if the shape has them all already."""
     strongest = dataclasses.replace(shape, grad_checkpointing="all" if shape.can_checkpoint else
                                     shape.grad_checkpointing, batch_size=1,
                                     grad_accum=shape.grad_accum * shape.batch_size,
-                                    time_chunks=(shape.chunk_factor, 1) if shape.chunk_factor and
-                                    shape.frames > 1 + shape.chunk_factor else shape.time_chunks,
+                                    time_chunks=chunk_remedy(shape) or shape.time_chunks,
                                     precision=Precision.of("bf16") if shape.precision.name == "fp32" else
                                     shape.precision)
     if strongest == shape:
@@ -454,7 +461,10 @@ def check_before_training(vae: nn.Module, objective, shape: StepShape | list[Ste
         sizes = (min(REMEDY_PROBES[0], s.resolution), min(REMEDY_PROBES[1], s.resolution))
         return estimate_step_memory(vae, objective, s, ema, probe_resolutions=sizes, probes=probes, **features)
     shapes = shape if isinstance(shape, list) else [shape]
-    chunk_factor = families.of(vae).time_chunk_factor(vae.params)  # (a remedy: --train_time_chunks)
+    # (a remedy: --train_time_chunks, which config refuses with sharding and with the adaptive weight)
+    chunk_factor = families.of(vae).time_chunk_factor(vae.params)
+    if getattr(getattr(objective, "loss_cfg", None), "loss_balance", "gradnorm") == "adaptive":
+        chunk_factor = 0
     shapes = [dataclasses.replace(s, chunk_factor=chunk_factor) if s.frames else s for s in shapes]
     with _training_state_untouched(vae, objective):
         needed, judged = max(((estimate(s), s) for s in shapes), key=lambda pair: pair[0].total)

@@ -175,6 +175,9 @@ def test_the_memory_check_probes_the_plan_and_offers_it():
     offered = memory.remedies(memory.dataclasses.replace(shape, chunk_factor=4))
     assert ("--train_time_chunks 4,1", memory.dataclasses.replace(shape, chunk_factor=4, time_chunks=(4, 1))) in offered
     assert "--train_time_chunks" not in " ".join(f for f, _ in memory.remedies(shape))  # a family without chunks
+    sharded = memory.dataclasses.replace(shape, chunk_factor=4, shards=2, ranks=2)  # config refuses chunks sharded
+    assert "--train_time_chunks" not in " ".join(f for f, _ in memory.remedies(sharded))
+    assert "--train_time_chunks" not in memory.all_remedies(sharded)[0]
     line = memory.fit_message(whole, (whole.total // 2, "RAM available"), memory.dataclasses.replace(
         shape, chunk_factor=4), lambda s: memory.estimate_step_memory(vae, objective, s, probe_resolutions=(16, 32)))
     assert "--train_time_chunks 4,1 (~" in line, line

@@ -213,6 +213,60 @@ def test_a_stream_stopped_inside_a_pass_resumes_exactly(long_url):
         resumed.close()
 
 
+def lane_of(url: str, **kw) -> data_lib.Lane:
+    return data_lib.Lane(data_lib.list_shards(url), 0, 1, 0, SIZE, 2, 0.0, 1 << 40, frames=17, **kw)
+
+
+def test_an_image_step_spends_no_pass_of_a_long_video(long_url):
+    """An image step (--video_image_prob) that draws a long video reads one frame and leaves the video's windows
+    to the clip steps: no pass begun, the video back in the buffer (a pass spent on one frame would lose its ~30
+    windows for the epoch, and long videos would weigh less than their windows)."""
+    url, refs = long_url
+    lane = lane_of(url)
+    try:
+        for _ in range(6):
+            frame = lane.next_image(frames=1)
+            assert frame.shape == (1, SIZE, SIZE, 3)
+            assert any(np.array_equal(frame[0], ref[:, ::flip]) for video in refs for ref in video for flip in (1, -1))
+        assert lane.videos == {} and lane.passes == []
+        assert len(lane.buffer) == 2
+    finally:
+        lane.close()
+
+
+def test_a_window_that_fails_loses_its_pass_not_the_video(long_url, monkeypatch):
+    """A window of an open pass that cannot be read (a variable frame rate there, a count that over-states the
+    frames) is skipped and counted, and only its pass is lost: the video's other passes are still to come."""
+    url, _ = long_url
+    lane = lane_of(url, pass_frames=128)  # passes of 8 windows: 5 and 3 of them
+    real, failed = data_lib.Lane._next_clip, []
+
+    def flaky(self, key, sample, opened, *args):
+        if opened is not None and not failed:
+            failed.append((key, opened, list(self.videos[key])))  # (the video's plan: its first draw, passes done)
+            raise sources.SkipSample("variable_frame_rate")
+        return real(self, key, sample, opened, *args)
+    monkeypatch.setattr(data_lib.Lane, "_next_clip", flaky)
+    try:
+        for _ in range(40):
+            lane.next_image()
+            if failed:
+                break
+        key, opened, plan = failed[0]
+        assert lane.counters["variable_frame_rate"] == 1
+        assert all(p is not opened for p in lane.passes)
+        # the same plan goes on (not a new one from the next epoch's copy of the sample): its next passes to come
+        assert lane.videos.get(key, [None])[0] == plan[0] and key in [k for k, _ in lane.buffer]
+    finally:
+        lane.close()
+
+
+def test_a_frame_size_change_within_a_window_is_skipped_as_corrupt():
+    """No one crop fits frames of two sizes: the window is skipped (counted as corrupt), not a crash of the worker."""
+    with pytest.raises(sources.SkipSample, match="corrupt"):
+        clips.crop_clip([np.zeros((64, 96, 3), np.uint8), np.zeros((48, 64, 3), np.uint8)], 48, random.Random(3))
+
+
 def test_portrait_videos_are_turned_as_their_metadata_says():
     """A display matrix of 90 (PyAV's frame.rotation: counterclockwise, what a phone writes for a portrait video
     stored landscape) or -90: the frames come turned, as images follow EXIF; the stored frames are wider than

@@ -245,6 +245,8 @@ def test_a_chunk_plan_is_refused_in_one_line_where_a_clip_cannot_take_it():
                                                     "temporal factor 4"),
              (wan + ["--train_time_chunks", "8"], "--train_time_chunks must be E,D"),
              (wan + ["--train_time_chunks", "8,2", "--sharding", "fsdp"], "is not tested with --sharding fsdp"),
+             (wan + ["--train_time_chunks", "8,2", "--loss_balance", "adaptive"],
+              "does not compose with --loss_balance adaptive"),
              (["--dataset_url", "x", "--vae_family", "wan", "--train_time_chunks", "8,2"],
               "chunks are a clip's: it needs --video_frames"),
              (["--dataset_url", "x", "--train_time_chunks", "8,2"], "--vae_family ldm (its model): it takes images"),
