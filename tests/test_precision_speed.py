@@ -458,9 +458,9 @@ def test_critic_gradient_is_that_of_its_own_loss(shard_url, tmp_path, fixed_batc
     critic_inputs = []
     real_backward = trainer.adversary.backward
 
-    def record_inputs(x, recon, sync, accum, backward=True):
+    def record_inputs(x, recon, sync, accum, backward=True, clip_frames=0):
         critic_inputs.append(torch.cat([x, recon.detach()]).contiguous(memory_format=trainer.memory_format))
-        return real_backward(x, recon, sync, accum, backward)
+        return real_backward(x, recon, sync, accum, backward, clip_frames)
     monkeypatch.setattr(trainer.adversary, "backward", record_inputs)
     real_step = trainer.guarded_step
     checked = []

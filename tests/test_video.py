@@ -288,7 +288,8 @@ def test_a_decoder_only_fine_tune_on_clips_under_torchrun_keeps_the_encoder_and_
         wan_folder, clip_url, tmp_path, capsys):
     """`torchrun --nproc_per_node=2 vae_trainer.py --init_from <AutoencoderKLWan folder> --video_frames 5
     --train_parts decoder --video_image_prob 0.5` with the 3D critic (--discriminator patchgan3d, DDP-wrapped like
-    every critic, on both kinds of step), seeded so that a step of single frames (where the time_convs do
+    every critic, on both kinds of step) and the decoder trained in chunks of one latent frame (--train_time_chunks
+    0,1: each chunk checkpointed under DDP, the time_convs unused on the frame step), seeded so that a step of single frames (where the time_convs do
     not run: DDP must not wait for their gradients) comes before a step of clips: the encoder and quant_conv (every
     temporal kernel and time_conv) stay bitwise the source's, on both ranks; the decoder's time_convs train; the
     in-loop evaluation reports the temporal measures; the export is an AutoencoderKLWan folder that diffusers loads
@@ -307,6 +308,7 @@ def test_a_decoder_only_fine_tune_on_clips_under_torchrun_keeps_the_encoder_and_
     proc = run_cli("tests/recording_trainer.py",
                    trainer_args(wan_folder, train, test, runs, "ft", "--train_parts", "decoder",
                                 "--do_ganloss", "--discriminator", "patchgan3d", "--disc_start", "0",
+                                "--train_time_chunks", "0,1",
                                 "--video_image_prob", "0.5", "--seed", str(seed), "--num_workers", "1",
                                 "--max_steps", "2", "--evaluate_every_n_steps", "2", "--eval_max_images", "2",
                                 "--inception_weights", "none"),
