@@ -264,15 +264,21 @@ def write_segments(args) -> list[str] | None:
             segments += len(parts)
         n = sink.shard
     paths = [pattern % i for i in range(n) if os.path.exists(pattern % i)]
-    if len(skipped) == len(files):
-        for p in paths:
-            os.remove(p)
-        print(f"error: {args.src}: none of the {len(files)} video files could be decoded ({name_a_few(skipped)})",
-              file=sys.stderr)
+    if none_read(args.src, paths, len(files), skipped, "video files"):
         return None
     print(f"wrote {segments} segments of {args.segment_seconds:g} s of {len(files) - len(skipped)} videos into "
           f"{len(paths)} shards ({len(skipped)} unreadable skipped" + (f": {name_a_few(skipped)})" if skipped else ")"))
     return paths
+
+
+def none_read(src: str, paths: list[str], n_files: int, skipped: list[str], files_noun: str) -> bool:
+    """True, the shards written removed and the error said on stderr, when none of the `n_files` could be read."""
+    if len(skipped) < n_files:
+        return False
+    for p in paths:
+        os.remove(p)
+    print(f"error: {src}: none of the {n_files} {files_noun} could be decoded ({name_a_few(skipped)})", file=sys.stderr)
+    return True
 
 
 def pack_folder(args, exts: tuple[str, ...], files_noun: str, noun: str, check) -> list[str] | None:
@@ -285,11 +291,7 @@ def pack_folder(args, exts: tuple[str, ...], files_noun: str, noun: str, check) 
     paths, skipped = write_shards(files, args.dst, args.shard_size, verify=not args.no_verify, root=args.src,
                                   check=check)
     names = [os.path.relpath(p, args.src) for p in skipped]
-    if len(skipped) == len(files):
-        for p in paths:
-            os.remove(p)
-        print(f"error: {args.src}: none of the {len(files)} {files_noun} could be decoded ({name_a_few(names)})",
-              file=sys.stderr)
+    if none_read(args.src, paths, len(files), names, files_noun):
         return None
     print(f"wrote {len(files) - len(skipped)} {noun} into {len(paths)} shards ({len(skipped)} unreadable skipped"
           + (f": {name_a_few(names)})" if skipped else ")"))

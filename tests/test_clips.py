@@ -5,7 +5,6 @@ with passes open. Real PyAV on small videos made here (64 px, 30 fps, x264's key
 from __future__ import annotations
 
 import io
-import os
 import random
 from collections import Counter
 
@@ -42,6 +41,25 @@ def reference(data: bytes) -> list[np.ndarray]:
         return [np.asarray(f.to_image()) for f in container.decode(container.streams.video[0])]
 
 
+def mp4_with_pts(frames: int, pts_of) -> bytes:
+    """`frames` camera frames as H.264 at 30 fps, frame i stamped `pts_of(i)` (in 1/30 s): a stream that starts late,
+    or one whose frames are not evenly spaced."""
+    import av
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=FPS)
+        stream.width = stream.height = SIZE
+        stream.pix_fmt = "yuv420p"
+        for i, frame in enumerate(camera_frames(frames)):
+            f = av.VideoFrame.from_ndarray(frame, format="rgb24")
+            f.pts = pts_of(i)
+            for packet in stream.encode(f):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
 @pytest.fixture(scope="module")
 def ten_seconds() -> tuple[bytes, list[np.ndarray]]:
     mp4 = long_mp4(300)
@@ -62,21 +80,7 @@ def test_windows_are_the_reference_frames_found_by_their_timestamps(ten_seconds)
 
 def test_a_stream_that_starts_late_is_read_by_its_own_clock():
     """Frames whose timestamps start at 0.5 s (start_time != 0): frame i is still the i-th frame."""
-    import av
-    raw = camera_frames(40)
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=FPS)
-        stream.width = stream.height = SIZE
-        stream.pix_fmt = "yuv420p"
-        for i, frame in enumerate(raw):
-            f = av.VideoFrame.from_ndarray(frame, format="rgb24")
-            f.pts = i + 15
-            for packet in stream.encode(f):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    mp4 = buf.getvalue()
+    mp4 = mp4_with_pts(40, lambda i: i + 15)
     ref = reference(mp4)
     video = clips.Video(mp4)
     assert video.start > 0 and video.frames == 40
@@ -285,21 +289,7 @@ def test_portrait_videos_are_turned_as_their_metadata_says():
 def vfr_mp4(frames: int = 40) -> bytes:
     """Frames 0-19 one frame apart, then two apart: a variable frame rate (the container's average is not its
     frames' spacing)."""
-    import av
-    raw = camera_frames(frames)
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=FPS)
-        stream.width = stream.height = SIZE
-        stream.pix_fmt = "yuv420p"
-        for i, frame in enumerate(raw):
-            f = av.VideoFrame.from_ndarray(frame, format="rgb24")
-            f.pts = i if i < 20 else 2 * i - 20
-            for packet in stream.encode(f):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
+    return mp4_with_pts(frames, lambda i: i if i < 20 else 2 * i - 20)
 
 
 def test_a_variable_frame_rate_is_refused_and_counted(tmp_path):
