@@ -106,8 +106,9 @@ class Family:
             if bad:
                 raise ConfigError(f"{flag}: {why}, not --vae_family {self.name}'s ({cfg.model.vae_class or 'its model'})")
 
-    def settled(self, cfg: Config) -> Config:
-        """The run's config with the flags its architecture implies made consistent (a new model from flags)."""
+    def settled(self, cfg: Config, given: set[str]) -> Config:
+        """The run's config with the flags its architecture implies made consistent (a new model from flags), but
+        for those the user gave (`given`: check() refuses what the family cannot take)."""
         return cfg
 
     def student_of(self, teacher: Source, model: ModelConfig) -> dict:
@@ -584,10 +585,13 @@ class TAE(Family):
             raise ConfigError("--train_parts decoder: a new tiny autoencoder's encoder is random, so its latents mean "
                               "nothing; give --init_from (a released TAE whose latent space the decoder learns) or "
                               "--distill_from (a teacher whose latents it learns)")
+        if cfg.speed.sharding != "ddp":
+            raise ConfigError(f"--sharding {cfg.speed.sharding}: {self.unshardable(None)}")
         self.from_flags(model)  # (an architecture it cannot build: one line)
 
-    def settled(self, cfg):
-        return with_values(cfg, **self.arch_flags(self.from_flags(cfg.model)))
+    def settled(self, cfg, given):
+        implied = self.arch_flags(self.from_flags(cfg.model))
+        return with_values(cfg, **{k: v for k, v in implied.items() if k not in given})
 
     def student_of(self, teacher, model):
         """The tiny autoencoder of the teacher's latent: its channels; f8 (flux_2 for FLUX.2's bn-normalised latent,

@@ -68,7 +68,7 @@ def prepare_run(argv: list[str] | None = None, builds_demo_data: bool = True) ->
         raise ConfigError(f"--vae_family {cfg.model.vae_family}: its architecture is read from --init_from (a "
                           "diffusers folder of the family) or the run being continued")
     derived.update(automatic_values(cfg, given))
-    cfg = families.named(cfg.model.vae_family).settled(cfg)
+    cfg = families.named(cfg.model.vae_family).settled(cfg, given)
     cfg = resolve_cpu(resolve_auto(cfg))
     check_config(cfg)
     notes = check_paths(cfg) + ([demo_summary(cfg)] if cfg.run.demo else [])

@@ -410,7 +410,7 @@ def wrap_sharded(module: torch.nn.Module, mesh, find_unused: bool = False) -> to
     vae = module.trained.vae if hasattr(module, "trained") else module.vae
     family = families.of(vae)
     if family.unshardable(vae):
-        raise ConfigError(f"--sharding: a {vae.params.class_name}: {family.unshardable(vae)}; use --sharding ddp")
+        raise ConfigError(f"--sharding: {family.describe(vae.params)}: {family.unshardable(vae)}; use --sharding ddp")
     return sharding.shard(module, family.shard_units(vae), mesh)
 
 

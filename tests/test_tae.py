@@ -250,3 +250,201 @@ def test_a_taehv_clip_in_one_pass_is_its_frames_run_one_by_one(name):
         expected = torch.stack(decoded, 2) * 2 - 1
         assert y.shape == x.shape
         assert torch.allclose(y, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+
+
+# ------------------------------------------------------------------------------------------- training
+ARCH_FLAGS = ("--vae_ch", "--vae_ch_mult", "--vae_num_res_blocks", "--vae_z_channels", "--do_attn")
+FLAGS = [a for i, a in enumerate(TINY) if a not in ARCH_FLAGS and (i == 0 or TINY[i - 1] not in ARCH_FLAGS)]
+
+
+def run_args(url, out, run, steps, *extra) -> list[str]:
+    """A tiny run at 64 px (TINY's data and runtime flags; the architecture is the tiny autoencoder's)."""
+    return ["--dataset_url", url, "--output_dir", str(out), "--run_name", run, "--max_steps", str(steps),
+            "--save_every_n_steps", "2", "--log_every_n_steps", "1", "--evaluate_every_n_steps", "0",
+            "--keep_last_k", "20", "--perceptual_weight", "0", "--num_workers", "0", "--min_lr_ratio", "1", *FLAGS,
+            *extra]
+
+
+def checkpoint_of(out, run, step) -> dict:
+    return torch.load(os.path.join(out, run, "checkpoints", f"step_{step:08d}.pt"), weights_only=True)
+
+
+def test_taef2_decoder_fine_tune_keeps_the_encoder_resumes_exactly_and_exports_the_released_layout(shard_url,
+                                                                                                    tmp_path, capsys):
+    """--init_from TAEF2 --train_parts decoder: the encoder stays the release's bitwise (weights and EMA); 2 steps
+    and 2 more continued equal 4 uninterrupted (weights, EMA, AdamW); export --format released writes files that the
+    released-layout loader reads strictly and that reconstruct as the checkpoint's model does; diffusers'
+    AutoencoderTiny cannot hold flux_2's layout: one line."""
+    release, source = the_release()
+    flags = ("--init_from", TAEF2, "--train_parts", "decoder")
+    assert vae_trainer.main(run_args(shard_url, tmp_path, "ref", 4, *flags)) == 0
+    assert vae_trainer.main(run_args(shard_url, tmp_path, "cut", 2, *flags)) == 0
+    assert vae_trainer.main(run_args(shard_url, tmp_path, "cut", 4, *flags)) == 0
+    assert "resumed from" in capsys.readouterr().out
+    a, b = checkpoint_of(tmp_path, "ref", 4), checkpoint_of(tmp_path, "cut", 4)
+    for key in ("vae", "ema"):
+        assert a["training"][key].keys() == b["training"][key].keys()
+        for name, value in a["training"][key].items():
+            assert torch.equal(value, b["training"][key][name]), (key, name)
+            if name.startswith("encoder."):
+                assert torch.equal(value, source.state[name]), (key, name)
+    assert any(not torch.equal(v, source.state[k]) for k, v in a["training"]["vae"].items() if k.startswith("decoder"))
+    for pid, state in a["training"]["optimizer"]["state"].items():
+        assert all(torch.equal(v, b["training"]["optimizer"]["state"][pid][n]) for n, v in state.items())
+    config = json.loads((tmp_path / "ref" / "config.json").read_text())
+    assert (config["vae_family"], config["tae_variant"], config["posterior"]) == ("tae", "flux_2", "none")
+
+    out = tmp_path / "released"
+    assert export.main(["--ckpt", str(tmp_path / "ref"), "--out", str(out), "--format", "released"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sorted(os.path.basename(f) for f in summary["files"]) == ["released_decoder.pth", "released_encoder.pth"]
+    theirs = load_released_pair(str(out / "released"), 32, pooled=True)
+    ours = families.build_model(source.params)
+    ours.load_state_dict(a["training"]["vae"])
+    x = photo("coffee", 64)
+    with torch.no_grad():
+        mine, other = ours.eval()(x)[0], theirs((x + 1) / 2) * 2 - 1
+    assert (mine - other).abs().max() <= 1e-5 * mine.abs().max()
+    assert export.main(["--ckpt", str(tmp_path / "ref"), "--out", str(tmp_path / "d"), "--format", "diffusers"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "AutoencoderTiny" in err and "--format released" in err and "\n" not in err
+    assert not os.path.exists(tmp_path / "d")
+    for extra in (["--scaling_factor", "0.5"], ["--format", "single_file"]):
+        assert export.main(["--ckpt", str(tmp_path / "ref"), "--out", str(tmp_path / "bad"), *extra]) == 2
+        assert "\n" not in capsys.readouterr().err.strip()
+
+
+def test_a_whole_tiny_autoencoder_trains_and_its_autoencoder_tiny_export_loads_in_diffusers(shard_url, tmp_path,
+                                                                                            capsys):
+    """A new f8 TAE from flags (--vae_family tae) trains whole (encoder included) under bf16 with checkpointing and
+    the PatchGAN critic; its diffusers export is an AutoencoderTiny that reconstructs as the checkpoint does."""
+    from diffusers import AutoencoderTiny
+    assert vae_trainer.main(run_args(shard_url, tmp_path, "new", 2, "--vae_family", "tae", "--vae_z_channels", "4",
+                                     "--precision", "bf16", "--grad_checkpointing", "all", "--do_ganloss",
+                                     "--discriminator", "patchgan", "--disc_start", "1")) == 0
+    assert "a tiny autoencoder (f8, f8 z4)" in capsys.readouterr().out
+    ckpt = checkpoint_of(tmp_path, "new", 2)
+    assert ckpt["run"]["model_params"]["variant"] == "f8"
+    assert export.main(["--ckpt", str(tmp_path / "new"), "--out", str(tmp_path / "tiny")]) == 0
+    vae = families.build_model(families.params_from_dict(ckpt["run"]["model_params"]))
+    vae.load_state_dict(ckpt["training"]["vae"])
+    theirs = AutoencoderTiny.from_pretrained(tmp_path / "tiny").eval()
+    x = photo("rocket", 64)
+    with torch.no_grad():
+        ours = vae.eval()(x)[0]
+        other = theirs.decode(theirs.encode(x).latents).sample
+    assert (ours - other).abs().max() <= 1e-5 * ours.abs().max()
+    assert theirs.config.scaling_factor == 1.0 and theirs.config.shift_factor == 0.0
+
+
+# ------------------------------------------------------------------------------------------- distillation
+def teacher_ldm(folder) -> str:
+    """A tiny SD-style AutoencoderKL of f8 (4 levels) with SD's factor: a teacher whose latents are scaled."""
+    from diffusers import AutoencoderKL
+    torch.manual_seed(3)
+    AutoencoderKL(block_out_channels=(16, 16, 16, 16), layers_per_block=1, norm_num_groups=8, latent_channels=4,
+                  down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                  scaling_factor=0.5, shift_factor=0.1).save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_student_of_a_vae_learns_its_pipeline_latents(shard_url, tmp_path, capsys):
+    """--distill_from a VAE: the student is a tiny autoencoder of the teacher's latent (f8, its channels); its
+    decoder decodes the teacher's latents as the pipelines hand them to the diffusion model ((mean - shift) * scale),
+    its encoder learns them (loss/latent), and both train."""
+    teacher_dir = teacher_ldm(tmp_path / "teacher")
+    assert vae_trainer.main(run_args(shard_url, tmp_path, "student", 2, "--distill_from", teacher_dir)) == 0
+    assert f"distilling from {teacher_dir}" in capsys.readouterr().out
+    config = json.loads((tmp_path / "student" / "config.json").read_text())
+    assert (config["vae_family"], config["tae_variant"], config["vae_z_channels"]) == ("tae", "f8", 4)
+    rows = [json.loads(line) for line in open(tmp_path / "student" / "metrics.jsonl")]
+    assert all("loss/latent" in row for row in rows if "loss/total" in row)
+
+    from run_setup import parse_config, read_teacher
+    import train_state
+    cfg = parse_config(run_args(shard_url, tmp_path, "x", 2, "--distill_from", teacher_dir, "--vae_family", "tae",
+                                "--vae_z_channels", "4"))
+    source = read_teacher(cfg)
+    teacher = families.build_model(source.params)
+    teacher.load_state_dict(source.state)
+    student = families.build_model(families.TAE_FAMILY.from_flags(cfg.model))
+    latents = train_state.TeacherLatents(teacher, families.of(teacher).diffusion_latents(teacher, source.factors))
+    x = photo("chelsea", 64)
+    out = train_state.Decoded(*train_state.TrainingForward(student, teacher_latents=latents)(x))
+    expected = (teacher.eval().encode(x) - 0.1) * 0.5
+    assert torch.allclose(out.target_latent, expected, atol=1e-6, rtol=0)
+    with torch.no_grad():
+        assert torch.equal(out.recon, student.decode(out.target_latent))
+
+
+@pytest.mark.parametrize("kind", ["flux2", "wan"])
+def test_a_student_of_flux2_or_wan_takes_their_layout_and_normalisation(kind, tmp_path):
+    """FLUX.2's latent is standardised by its bn statistics over 2x2 patches and unpatchified (TAEF2's layout: a
+    flux_2 student); Wan's video VAE per channel, on clips, for a TAEHV student (t4)."""
+    import train_state
+    from ae import unpatchify_latents
+    from run_setup import apply_teacher, parse_config
+    from test_flux2 import random_flux2
+    if kind == "flux2":
+        random_flux2().save_pretrained(tmp_path / "t")
+        frames, variant = [], "flux_2"
+    else:
+        from diffusers import AutoencoderKLWan
+        torch.manual_seed(0)
+        AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                         temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.3, -0.4],
+                         latents_std=[1.5, 2.0, 2.5, 3.0]).save_pretrained(tmp_path / "t")
+        frames, variant = ["--video_frames", "5"], "hv"
+    cfg = parse_config(["--distill_from", str(tmp_path / "t"), "--dataset_url", str(tmp_path), *frames])
+    cfg, source, _ = apply_teacher(cfg, set(), None)
+    assert (cfg.model.vae_family, cfg.model.tae_variant) == ("tae", variant)
+    teacher = families.build_model(source.params)
+    teacher.load_state_dict(source.state)
+    latents = train_state.TeacherLatents(teacher, families.of(teacher).diffusion_latents(teacher, source.factors))
+    x = torch.rand(1, 3, 5, 64, 64) * 2 - 1 if frames else photo("coffee", 64)
+    with torch.no_grad():
+        mean = teacher.eval().encode(x)
+        if kind == "flux2":
+            expected = unpatchify_latents(teacher.normalize_latents(mean))
+        else:
+            expected = (mean - torch.tensor([0.1, -0.2, 0.3, -0.4]).view(1, 4, 1, 1, 1)) / torch.tensor(
+                [1.5, 2.0, 2.5, 3.0]).view(1, 4, 1, 1, 1)
+        assert torch.allclose(latents(x), expected, atol=1e-6, rtol=0)
+    student = families.build_model(families.TAE_FAMILY.from_flags(cfg.model))
+    with torch.no_grad():
+        assert student.encode(x).shape == expected.shape  # the student's latent is the teacher's grid
+        assert student.decode(expected).shape == x.shape
+
+
+# ------------------------------------------------------------------------------------------- bad input
+def test_bad_tiny_autoencoder_input_is_one_line_and_writes_nothing(shard_url, tmp_path, capsys):
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    import shutil
+    shutil.copy(os.path.join(TAEF2, "taef2_encoder.pth"), lone / "taef2_encoder.pth")
+    lone_decoder = tmp_path / "lone_decoder"
+    lone_decoder.mkdir()
+    shutil.copy(os.path.join(TAEF2, "taef2_decoder.pth"), lone_decoder / "taef2_decoder.pth")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    torch.save({"0.weight": torch.zeros(8, 3, 5, 5), "1.bias": torch.zeros(8)}, foreign / "x_encoder.pth")
+    torch.save({"0.weight": torch.zeros(8, 3, 5, 5)}, foreign / "x_decoder.pth")
+    cases = [
+        (["--init_from", str(lone / "taef2_encoder.pth")], "taef2_decoder.pth is not beside it"),
+        (["--init_from", str(lone_decoder)], "taef2_encoder.pth is not beside it"),
+        (["--init_from", str(foreign)], "not a tiny autoencoder of a layout read here (f8: taesd"),
+        (["--init_from", TAEF2, "--video_frames", "5"], "an image model: clips (--video_frames) need a video TAE"),
+        (["--vae_family", "tae", "--train_parts", "decoder"], "a new tiny autoencoder's encoder is random"),
+        (["--vae_family", "tae", "--posterior", "learned"], "deterministic"),
+        (["--init_from", TAEF2, "--last_stage_trains", "1", "--train_resolutions", "32;2:64"], "--last_stage_trains"),
+        (["--init_from", TAEF2, "--train_time_chunks", "4,1"], "--train_time_chunks"),
+        (["--init_from", TAEF2, "--sharding", "fsdp"], "DDP"),
+        (["--distill_from", TAEF2, "--vae_family", "ldm"], "the student is a tiny autoencoder"),
+        (["--distill_from", TAEF2, "--latent_noise_prob", "0.5"], "--latent_noise_prob 0.5"),
+        (["--distill_from", str(tmp_path / "nothing")], "--distill_from"),
+    ]
+    for extra, expected in cases:
+        rc = vae_trainer.main(run_args(shard_url, tmp_path, "bad", 2, *extra))
+        err = capsys.readouterr().err.strip()
+        assert rc in (1, 2) and expected in err and "\n" not in err and "Traceback" not in err, (extra, err)
+        assert not os.path.exists(tmp_path / "bad"), extra
