@@ -349,6 +349,8 @@ class Trainer:
             cfg, self.device, self.memory_format, resume, source, self.log, distill_source)
         self.init_source = source_described or self.init_source
         self.last_layer = families.of(self.vae).last_layer(self.vae)  # (LDM's adaptive weight reads it)
+        # the constant posterior's noise variance (a deterministic encoder has none: no latent collapses into it)
+        self.posterior_var = cfg.model.posterior_var if cfg.model.posterior == "constant" else 0.0
         vgg_features, with_lpips = vgg16_for_run(cfg, info, self.eval_on, self.log)
         self.objective = VAEObjective.from_config(
             cfg.loss, cfg.latents, cfg.critic, self.precision, vgg_features, with_lpips, self.device,
@@ -531,7 +533,7 @@ class Trainer:
                 step_loss = step_loss + out.critic_loss
             step_loss = step_loss + out.loss
             self.metrics.add(**{k: v / accum for k, v in out.logs.items()})
-            run_log.latent_metrics(self.metrics, out.mean, out.logvar, accum, self.cfg.model.posterior_var)
+            run_log.latent_metrics(self.metrics, out.mean, out.logvar, accum, self.posterior_var)
         self.optimizer_steps(step_loss)
         self.metrics.end_step()
 

@@ -20,6 +20,7 @@ import families
 import tae
 import vae_trainer
 from conftest import TINY
+from test_families import clip_url  # noqa: F401  (the clips fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -414,6 +415,27 @@ def test_a_student_of_flux2_or_wan_takes_their_layout_and_normalisation(kind, tm
     with torch.no_grad():
         assert student.encode(x).shape == expected.shape  # the student's latent is the teacher's grid
         assert student.decode(expected).shape == x.shape
+
+
+def test_a_taehv_trains_on_clips_new_or_as_the_student_of_a_video_vae(clip_url, tmp_path, capsys):
+    """Clips: a new TAEHV (--tae_variant hv) with the 3D critic and the temporal term, and a TAEHV student of a Wan
+    video VAE (clips and single frames mixed), each trains; a deterministic latent is never called collapsed."""
+    from diffusers import AutoencoderKLWan
+    torch.manual_seed(0)
+    AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                     temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.3, -0.4],
+                     latents_std=[1.5, 2.0, 2.5, 3.0]).save_pretrained(tmp_path / "wan")
+    clips = ("--video_frames", "5", "--batch_size", "1")
+    assert vae_trainer.main(run_args(clip_url, tmp_path, "new", 2, "--vae_family", "tae", "--tae_variant", "hv",
+                                     "--vae_z_channels", "4", *clips, "--do_ganloss", "--discriminator",
+                                     "patchgan3d", "--disc_start", "1", "--temporal_weight", "1")) == 0
+    assert vae_trainer.main(run_args(clip_url, tmp_path, "student", 2, "--distill_from", str(tmp_path / "wan"),
+                                     *clips, "--video_image_prob", "0.5")) == 0
+    out = capsys.readouterr().out
+    assert "clips of 1 + 4k frames" in out and "posterior collapse" not in out
+    for run in ("new", "student"):
+        ckpt = checkpoint_of(tmp_path, run, 2)
+        assert ckpt["run"]["model_params"]["variant"] == "hv" and ckpt["run"]["model_params"]["z_channels"] == 4
 
 
 # ------------------------------------------------------------------------------------------- bad input
