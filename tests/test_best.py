@@ -128,6 +128,21 @@ def test_a_resumed_run_remembers_the_best_and_crowns_no_worse_step(shard_url, tm
                                                                     "step_00000008.pt"]
 
 
+def test_a_run_resumed_from_another_runs_checkpoint_saves_its_best_in_its_own_folder(shard_url, tmp_path,
+                                                                                    monkeypatch, capsys,
+                                                                                    one_torch_thread):
+    """--resume PATH of another run's step 2: the evaluation owed at step 2 is a new best, whose checkpoint this run
+    writes into its own folder (the one it resumed from is not there)."""
+    flags = ("--max_steps", "2", "--save_every_n_steps", "2", "--perceptual_weight", "0")
+    assert train(shard_url, tmp_path, monkeypatch, "eval_ema/psnr", [10.0, 11.0, 12.0], *flags)[0] == 0
+    other = tmp_path / "vae" / "checkpoints" / "step_00000002.pt"
+    code, _ = train(shard_url, tmp_path, monkeypatch, "eval_ema/psnr", [13.0], *flags, "--run_name", "continued",
+                    "--resume", str(other))
+    assert code == 0, capsys.readouterr().out
+    assert best_record(tmp_path / "continued")["checkpoint"] == "step_00000002.pt"
+    assert os.path.isfile(tmp_path / "continued" / "checkpoints" / "step_00000002.pt")
+
+
 def test_a_run_that_never_beats_its_start_has_no_best_checkpoint(shard_url, tmp_path, monkeypatch, capsys,
                                                                  one_torch_thread):
     """Step 0's evaluation (the weights a fine-tune starts from) is the first bar: evaluations below it crown nothing,
@@ -155,8 +170,8 @@ def test_a_run_that_never_beats_its_start_has_no_best_checkpoint(shard_url, tmp_
     (["--test_dataset_url", "URL", "--best_metric", "fid"], "invalid choice"),
 ])
 def test_a_best_metric_the_run_cannot_compute_is_refused_in_one_line(tmp_path, capsys, shard_url, flags, message):
-    code = vae_trainer.main(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY,
-                             *[shard_url if f == "URL" else f for f in flags]])
+    code = vae_trainer.main(["--dataset_url", shard_url, "--output_dir", str(tmp_path), *TINY, "--num_workers", "0",
+                             "--max_steps", "2", *[shard_url if f == "URL" else f for f in flags]])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert os.listdir(tmp_path) == []
@@ -170,7 +185,8 @@ def test_a_best_metric_whose_weights_are_missing_is_refused_before_anything_is_w
     monkeypatch.setattr(evaluate, "ensure_inception_weights", lambda spec, download=True: real(spec, False))
     out = tmp_path / "runs"
     code = vae_trainer.main(["--dataset_url", shard_url, "--test_dataset_url", shard_url, "--output_dir", str(out),
-                             *TINY, "--num_workers", "0", "--best_metric", "rfid", "--perceptual_weight", "0"])
+                             *TINY, "--num_workers", "0", "--best_metric", "rfid", "--perceptual_weight", "0",
+                             "--max_steps", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1, err
     assert err[0].startswith("error: --best_metric rfid: evaluation cannot compute rfid on this run"), err
