@@ -577,10 +577,11 @@ class EvalConfig:
     eval_tile_size: int = opt(0, "evaluation at sizes above this many pixels encodes and decodes in tiles of this "
                                  "size (evaluate.py's tiling), for sizes whose whole image does not fit. 0: off")
     eval_tile_overlap: int = opt(128, "with --eval_tile_size: overlap of neighbouring tiles, pixels")
-    best_metric: str = opt("auto", "keep the evaluated step with the best held-out value of this metric (higher PSNR "
-                                   "and SSIM, lower LPIPS and rFID; ema_*: the EMA weights') as checkpoints/best, "
-                                   "never rotated (evaluate.py and export.py --best). auto: ema_psnr with EMA, else "
-                                   "psnr, whenever the run evaluates; none: off", BEST_METRICS)
+    best_metric: str = opt("auto", "keep the checkpoint of the evaluated step with the best held-out value of this "
+                                   "metric (higher PSNR and SSIM, lower LPIPS and rFID; ema_*: the EMA weights'), "
+                                   "named by checkpoints/best and never rotated out (evaluate.py and export.py "
+                                   "--best read it). auto: ema_psnr with EMA, else psnr, whenever the run evaluates "
+                                   "(step 0's value is the bar); none: off", BEST_METRICS)
 
     def validate(self) -> None:
         check(self, positive=("eval_max_images",), non_negative=("evaluate_every_n_steps", "eval_tile_size"))
