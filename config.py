@@ -1024,8 +1024,8 @@ def best_metric_of(cfg: Config) -> str | None:
 
 
 def check_best_metric(cfg: Config) -> None:
-    """One line for a --best_metric this run's evaluation cannot compute (what only the machine knows, weights that
-    cannot be had, the Trainer refuses as it builds evaluation)."""
+    """One line for a --best_metric this run's evaluation cannot compute (weights this machine lacks are refused as
+    the Trainer builds evaluation: checkpoint.BestCheckpoint)."""
     metric = cfg.eval.best_metric
     if metric in ("auto", "none"):
         return
