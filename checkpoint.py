@@ -5,6 +5,9 @@ refusing another architecture's, the registry of what a checkpoint holds (one na
 run directory's lock, and loading trained VAEs. This module never imports the trainer, so evaluate.py, export.py
 and probe.py use it directly.
 
+Beside `latest`, `best` records the evaluated step with the best held-out value of --best_metric (BestCheckpoint):
+that step's checkpoint, which rotation never removes, is what evaluate.py and export.py --best read (best_checkpoint).
+
 A checkpoint (format_version 2) is {"format_version": 2, <entry>: {...}, ...}, one sub-dict per owner:
     training   VAETraining: vae, ema, optimizer, scheduler, scaler, train_parts
     adversary  Adversary (None without --do_ganloss): critic, optimizer, scheduler, scaler, lecam, kind
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -30,7 +34,7 @@ import torch.distributed as dist
 import families
 import sharding
 from common import ConfigError, DistInfo, atomic_write, first_line
-from config import ARCH_FIELDS, CriticConfig, ModelConfig, RunConfig, with_legacy_arch
+from config import ARCH_FIELDS, HIGHER_IS_BETTER, CriticConfig, ModelConfig, RunConfig, with_legacy_arch
 from pretrained import DIFFUSERS_WEIGHTS
 
 # A run directory written with other values of config.ARCH_FIELDS (the ModelConfig fields marked `arch`) cannot
@@ -118,12 +122,17 @@ def load_latest_checkpoint(ckpt_dir: str, log=print, whole: bool = True) -> tupl
     return None
 
 
+def checkpoint_name(step: int, sharded: bool) -> str:
+    """The name of the checkpoint of `step` in a run's checkpoints folder: a file, or a sharded run's directory."""
+    return f"step_{step:08d}" + ("" if sharded else ".pt")
+
+
 def write_checkpoint(ckpt_dir: str, step: int, state: dict, keep_last_k: int, info: DistInfo | None = None
                      ) -> str | None:
     """step_<step>.pt (rank 0 alone calls it), or with `info` a sharded run's directory step_<step> (every rank
     calls it: sharding.save_dcp), then the `latest` pointer, each atomic; older checkpoints beyond keep_last_k
-    removed. Returns the path on rank 0, None on the others."""
-    name = f"step_{step:08d}" + ("" if info is not None else ".pt")
+    removed, but for the one `best` names. Returns the path on rank 0, None on the others."""
+    name = checkpoint_name(step, sharded=info is not None)
     path = os.path.join(ckpt_dir, name)
     if info is not None:
         tmp = os.path.join(ckpt_dir, f".{name}.incomplete")  # a kill leaves it; the next save of the step clears it
@@ -138,7 +147,10 @@ def write_checkpoint(ckpt_dir: str, step: int, state: dict, keep_last_k: int, in
     else:
         atomic_write(path, lambda f: torch.save(state, f))
     atomic_write(os.path.join(ckpt_dir, "latest"), lambda f: f.write(name.encode()))
+    best = (read_best(ckpt_dir) or {}).get("checkpoint")
     for old in checkpoint_files(ckpt_dir)[keep_last_k:]:
+        if best and old == os.path.join(ckpt_dir, best):
+            continue
         if old != path and os.path.isdir(old):  # aside first: a kill mid-removal leaves no half checkpoint listed
             aside = os.path.join(ckpt_dir, f".{os.path.basename(old)}.deleting")
             os.replace(old, aside)
@@ -339,6 +351,116 @@ class Registry:
         ckpt = migrate(ckpt)
         return {name: entry.load_state_dict(ckpt.get(name), path=path, log=log)
                 for name, entry in self.entries.items() if entry is not None}
+
+
+# ------------------------------------------------------------------------------------- the best checkpoint
+BEST = "best"  # beside `latest`: the record of the best evaluated step (JSON)
+
+
+def read_best(ckpt_dir: str) -> dict | None:
+    """The `best` record of a run's checkpoints folder, {metric, value, step, checkpoint: that step's checkpoint's
+    name, or None for step 0, the weights the run started from}; None if there is none."""
+    record = json_file(os.path.join(ckpt_dir, BEST))
+    return record if {"metric", "value", "step", "checkpoint"} <= set(record) else None
+
+
+def in_folder(path: str | None, ckpt_dir: str) -> bool:
+    """Whether the checkpoint at `path` is one of the folder `ckpt_dir`'s (a --resume PATH may be another run's)."""
+    return path is not None and os.path.dirname(os.path.realpath(path)) == os.path.realpath(ckpt_dir)
+
+
+def best_in_words(record: dict) -> str:
+    return f"best {record['metric']} {record['value']:.4f} at step {record['step']}"
+
+
+class BestCheckpoint:
+    """--best_metric during training: after each evaluation, whether its step beats the best so far (strictly, in
+    the metric's direction: config.HIGHER_IS_BETTER); the best's record, `best` beside `latest`, names that step's
+    checkpoint, which rotation never removes. Step 0's evaluation (the weights the run starts from: the release a
+    fine-tune must beat) sets the first bar, without a checkpoint. The record is the same on every rank (rank 0 reads
+    it at the start and broadcasts it; evaluation's results are the same on every rank), so the ranks agree on
+    every save a new best needs. `metric` None: off (the record on disk is still kept and still protected)."""
+
+    def __init__(self, ckpt_dir: str, metric: str | None, info: DistInfo, validator=None):
+        """`validator`: the run's evaluation (evaluate.Validator, None without), which refuses a metric it cannot
+        compute here (its `missing`: {metric: why}) in one line."""
+        self.ckpt_dir, self.metric, self.info, self.record = ckpt_dir, metric, info, None
+        base, missing = (metric or "").removeprefix("ema_"), getattr(validator, "missing", {})
+        if metric is not None and base in missing:
+            raise ConfigError(f"--best_metric {metric}: evaluation cannot compute {base} on this run "
+                              f"({missing[base]}): pick another --best_metric")
+        self.key = ("eval_ema/" if metric and metric.startswith("ema_") else "eval/") + base
+
+    def resume(self, step: int, log=print) -> None:
+        """At the start (`step`: the one the run resumes at, 0 for a new run): the run's record, if by this metric.
+        A record past `step` (a resume from an earlier checkpoint: the later steps are trained again and their
+        checkpoints overwritten) is removed: the best is chosen again from here. Every rank calls it."""
+        record = read_best(self.ckpt_dir) if self.info.is_main else None
+        if record is not None and record["step"] > step:
+            log(f"note: the {best_in_words(record)} is past step {step}, where this run resumes: the best is "
+                "chosen again from here")
+            os.remove(os.path.join(self.ckpt_dir, BEST))
+            record = None
+        elif record is not None and self.metric is not None and record["metric"] != self.metric:
+            log(f"note: the {best_in_words(record)} was chosen by another --best_metric: the best by {self.metric}"
+                " is chosen again from here (the record is replaced at its first evaluation)")
+            record = None
+        if self.info.distributed:
+            box = [record]
+            dist.broadcast_object_list(box, src=0, group=self.info.ctrl_group)
+            record = box[0]
+        self.record = record if self.metric is not None else None
+
+    def improves(self, results: dict) -> bool:
+        """Whether these results (an evaluation's, the same on every rank) beat the best so far."""
+        value = results.get(self.key) if self.metric is not None else None
+        if value is None or not math.isfinite(value):
+            return False
+        if self.record is None:
+            return True
+        higher = HIGHER_IS_BETTER[self.key.split("/")[1]]
+        return value > self.record["value"] if higher else value < self.record["value"]
+
+    def crown(self, step: int, results: dict, sharded: bool) -> None:
+        """`step` is the best: its checkpoint (written already; none at step 0) recorded atomically by rank 0, after
+        which the previous best's checkpoint rotates out as any other."""
+        self.record = {"metric": self.metric, "value": float(results[self.key]), "step": step,
+                       "checkpoint": checkpoint_name(step, sharded) if step > 0 else None}
+        if self.info.is_main:
+            atomic_write(os.path.join(self.ckpt_dir, BEST), lambda f: f.write(json.dumps(self.record).encode()))
+
+    def done(self) -> str:
+        """What the run's last line says of the best."""
+        if self.record is None:
+            return ""
+        if self.record["checkpoint"] is None:
+            return (f"; {best_in_words(self.record)}: no evaluated step beat the weights the run started from, "
+                    "so there is no best checkpoint")
+        return f"; {best_in_words(self.record)} (evaluate.py and export.py --best)"
+
+
+def best_checkpoint(ckpt: str, ema: bool) -> tuple[str, bool]:
+    """evaluate.py's and export.py's --best: (--ckpt, --ema) made the checkpoint `best` names in a run directory (or
+    its checkpoints folder) and the weights its metric measured (the EMA's for an ema_ metric; --ema always wins),
+    said in a note on stderr; ConfigError (one line) naming why there is none."""
+    ckpt_dir = os.path.join(ckpt, "checkpoints") if os.path.isdir(os.path.join(ckpt, "checkpoints")) else ckpt
+    if not os.path.isdir(ckpt_dir) or sharding.is_dcp_dir(ckpt_dir):
+        raise ConfigError(f"--best: --ckpt {ckpt} is not a run directory (--best reads its checkpoints/{BEST})")
+    record = read_best(ckpt_dir)
+    if record is None:
+        raise ConfigError(f"--best: {ckpt} has no best checkpoint ({os.path.join(ckpt_dir, BEST)} is absent: the run "
+                          "evaluated no step, had no --test_dataset_url, or --best_metric none)")
+    if record["checkpoint"] is None:
+        raise ConfigError(f"--best: no evaluated step of {ckpt} beat the weights it started from "
+                          f"({best_in_words(record)}): there is no best checkpoint")
+    path = os.path.join(ckpt_dir, record["checkpoint"])
+    if not os.path.exists(path):
+        raise ConfigError(f"--best: {path}, the {best_in_words(record)}, is missing")
+    ema = ema or record["metric"].startswith("ema_")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: --best: {path}, the {best_in_words(record)}" + (", its EMA weights" if ema else ""),
+              file=sys.stderr)
+    return path, ema
 
 
 RUNNING_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")

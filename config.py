@@ -34,6 +34,9 @@ DIFFAUG_POLICIES = ("color", "translation", "cutout")  # critics.diff_augment
 TAE_VARIANTS = ("f8", "flux_2", "f32", "hv")  # tae.VARIANTS
 FAMILY_CHOICES = ("auto", "sd", "sdxl", "sd3", "flux", "flux2")  # pretrained.FAMILIES' latent factors, or auto
 DECODER_INITS = ("fresh", "slice")  # pretrained.narrow_decoder_model
+# evaluation's metrics a run can keep its best checkpoint by (checkpoint.BestCheckpoint), with their direction
+HIGHER_IS_BETTER = {"psnr": True, "ssim": True, "lpips": False, "rfid": False}
+BEST_METRICS = ("auto", "none", *HIGHER_IS_BETTER, *(f"ema_{m}" for m in HIGHER_IS_BETTER))
 
 
 def opt(default, help: str, choices=None, arch: bool = False):
@@ -589,6 +592,11 @@ class EvalConfig:
     eval_tile_size: int = opt(0, "evaluation at sizes above this many pixels encodes and decodes in tiles of this "
                                  "size (evaluate.py's tiling), for sizes whose whole image does not fit. 0: off")
     eval_tile_overlap: int = opt(128, "with --eval_tile_size: overlap of neighbouring tiles, pixels")
+    best_metric: str = opt("auto", "keep the checkpoint of the evaluated step with the best held-out value of this "
+                                   "metric (higher PSNR and SSIM, lower LPIPS and rFID; ema_*: the EMA weights'), "
+                                   "named by checkpoints/best and never rotated out (evaluate.py and export.py "
+                                   "--best read it). auto: ema_psnr with EMA, else psnr, whenever the run evaluates "
+                                   "(step 0's value is the bar); none: off", BEST_METRICS)
 
     def validate(self) -> None:
         check(self, positive=("eval_max_images",), non_negative=("evaluate_every_n_steps", "eval_tile_size"))
@@ -1012,6 +1020,7 @@ def validate_across_sections(cfg: Config) -> None:
     if ev.eval_tile_size and (ev.eval_tile_size % factor or ev.eval_tile_overlap % factor):
         raise ConfigError(f"--eval_tile_size {ev.eval_tile_size} and --eval_tile_overlap {ev.eval_tile_overlap} must "
                           f"be multiples of the downsample factor {factor}")
+    check_best_metric(cfg)
     if cfg.run.load_path and cfg.finetune.init_from:
         raise ConfigError("give --init_from (a released VAE) or --load_path (our weights), not both")
     if cfg.finetune.distill_from:
@@ -1035,6 +1044,35 @@ def check_distillation(cfg: Config) -> None:
         if value > 0:
             raise ConfigError(f"--{flag} {value}: a student of --distill_from learns the teacher's latents as they "
                               "are, which a latent regulariser would change: leave it at 0")
+
+
+def best_metric_of(cfg: Config) -> str | None:
+    """--best_metric made concrete: psnr, ema_psnr, ... or None (off, or no evaluation during training). auto keeps
+    the best by PSNR, which needs no pretrained network, of the weights a fine-tune exports (the EMA's when on)."""
+    metric = cfg.eval.best_metric
+    if metric == "auto":
+        evaluates = bool(cfg.data.test_dataset_url and cfg.eval.evaluate_every_n_steps)
+        return ("ema_psnr" if cfg.optim.ema_decay > 0 else "psnr") if evaluates else None
+    return None if metric == "none" else metric
+
+
+def check_best_metric(cfg: Config) -> None:
+    """One line for a --best_metric this run's evaluation cannot compute (weights this machine lacks are refused as
+    the Trainer builds evaluation: checkpoint.BestCheckpoint)."""
+    metric = cfg.eval.best_metric
+    if metric in ("auto", "none"):
+        return
+    flag, base = f"--best_metric {metric}", metric.removeprefix("ema_")
+    if not (cfg.data.test_dataset_url and cfg.eval.evaluate_every_n_steps):
+        raise ConfigError(f"{flag} needs evaluation during training: give --test_dataset_url (and "
+                          "--evaluate_every_n_steps > 0), or --best_metric none")
+    if metric.startswith("ema_") and cfg.optim.ema_decay == 0:
+        raise ConfigError(f"{flag} is the EMA's metric and --ema_decay is 0: use --best_metric {base} or an EMA")
+    if base == "rfid" and cfg.eval.inception_weights == "none":
+        raise ConfigError(f"{flag}: --inception_weights none turns rFID off")
+    if base == "lpips" and cfg.critic.vgg16_weights == "random" and not uses_vgg16(cfg):
+        raise ConfigError(f"{flag}: evaluation computes no LPIPS with --vgg16_weights random when no loss uses "
+                          "VGG16 (random features measure nothing)")
 
 
 def is_plain_local_path(url: str) -> bool:

@@ -37,7 +37,7 @@ import latents as latents_lib
 import sources
 from ae import AutoEncoder, patchify_latents
 from clips import frames_of
-from checkpoint import load_model  # noqa: F401  (evaluate.load_model: --ckpt of this command and probe.py)
+from checkpoint import best_checkpoint, load_model  # noqa: F401  (evaluate.load_model: this command's and probe.py's)
 from common import (ConfigError, DistInfo, OneLineParser, all_reduce_sum, closing_distributed, first_line,
                     guard_console, init_distributed)
 from config import DataConfig, EvalConfig, Precision, eval_size_problem, eval_sizes, parse_sizes
@@ -394,8 +394,12 @@ class Validator:
         self.rank, self.world_size = info.rank, info.world_size
         self.channels_last, self.grid_images = channels_last, grid_images
         # the FID network, or None (rFID then reported missing, never faked)
-        self.inception = metric_networks("none", ev.inception_weights, device, info.local_rank, log=log,
-                                         group=info.ctrl_group)[1]
+        _, self.inception, missing = metric_networks("none", ev.inception_weights, device, info.local_rank, log=log,
+                                                     group=info.ctrl_group)
+        # what it cannot compute on this run, {metric: why} (checkpoint.BestCheckpoint refuses those)
+        self.missing = {"rfid": missing["rfid"]} if "rfid" in missing else {}
+        if lpips_model is None:
+            self.missing["lpips"] = "no VGG16 weights for LPIPS (see the note above)"
         self.ema_model: AutoEncoder | None = None  # holds the EMA weights, built at the first evaluation
         self.sizes = eval_sizes(ev, data.vae_resolution)  # the training size first
 
@@ -629,6 +633,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "larger than the first, fewer: about the pixels of one "
                                                               "batch at the first, at least one image)")
     p.add_argument("--ema", action="store_true", help="use the checkpoint's EMA weights")
+    p.add_argument("--best", action="store_true", help="with --ckpt RUN: the run's best checkpoint by its "
+                                                       "--best_metric (checkpoints/best), and the EMA weights if "
+                                                       "that metric was the EMA's")
     p.add_argument("--out", default="", help="also write metrics.json and reconstructions.png here")
     p.add_argument("--vgg16_weights", default="torchvision",
                    help="LPIPS backbone: torchvision (its download cache), a state-dict PATH, random (tests), none")
@@ -720,6 +727,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
+        if args.best:  # the run's best checkpoint, and the weights its --best_metric measured
+            args.ckpt, args.ema = best_checkpoint(args.ckpt, args.ema)
         vae, info = load_model(args.ckpt, args.ema, video=args.video_frames > 0)
         resolutions = parse_sizes(args.resolution, "resolution") or (info["resolution"],)
         if resolutions == (None,):

@@ -46,7 +46,8 @@ import evaluate
 import families
 import pretrained
 import sources
-from checkpoint import SAFETENSORS_WEIGHTS, load_autoencoder, load_diffusers_export, load_model  # noqa: F401
+from checkpoint import (SAFETENSORS_WEIGHTS, best_checkpoint, load_autoencoder, load_diffusers_export,  # noqa: F401
+                        load_model)
 from common import ConfigError, OneLineParser, honour_umask
 from pretrained import export_single_file
 
@@ -105,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and ComfyUI read")
     p.add_argument("--name", default="", help="--format released: the files' NAME (default: --out's folder name)")
     p.add_argument("--ema", action="store_true", help="export the checkpoint's EMA weights")
+    p.add_argument("--best", action="store_true", help="with --ckpt RUN: the run's best checkpoint by its "
+                                                       "--best_metric (checkpoints/best), and the EMA weights if "
+                                                       "that metric was the EMA's")
     p.add_argument("--latent_norm", default="scalar", choices=("scalar", "per_channel"),
                    help="scalar: scaling_factor/shift_factor (FLUX, SD3, SD 1.x/2.x pipelines); per_channel: "
                         "latents_mean/latents_std from --dataset_url with scaling_factor 1 (SDXL-style pipelines)")
@@ -283,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--scaling_factor must be a positive number, got {args.scaling_factor}")
         if args.latent_stats_images <= 0 or args.batch_size <= 0:
             raise ConfigError("--latent_stats_images and --batch_size must be positive")
+        if args.best:  # the run's best checkpoint, and the weights its --best_metric measured
+            args.ckpt, args.ema = best_checkpoint(args.ckpt, args.ema)
         vae, info = load_model(args.ckpt, args.ema)
         resolution = args.resolution or info["resolution"]
         if resolution is None:

@@ -434,9 +434,11 @@ class Reporter:
             self.wandb.log({"samples": wandb.Image(path, caption="top: input, bottom: reconstruction")}, step=step)
         return path
 
-    def evaluation(self, results: dict, grids: dict[str, torch.Tensor], step: int) -> None:
+    def evaluation(self, results: dict, grids: dict[str, torch.Tensor], step: int, best: dict | None = None) -> None:
         """An evaluation's results ({prefix/metric: value}, prefixes eval and eval_ema) and its uint8 grids
-        ({prefix: grid}): the grids as PNGs, two stdout lines, a metrics.jsonl record, wandb with spectra."""
+        ({prefix: grid}): the grids as PNGs, two stdout lines, a metrics.jsonl record, wandb with spectra. `best`:
+        the best evaluated step's record so far (checkpoint.BestCheckpoint), at the end of the first line and as
+        best/step and best/<metric> in the record."""
         if not self.is_main:
             return
         for prefix, grid in grids.items():
@@ -458,10 +460,14 @@ class Reporter:
             line = f"eval{' ' + suffix if suffix else ''} step {step} | {fmt('eval', suffix)}"
             if "eval_ema" in grids:
                 line += f" | ema {fmt('eval_ema', suffix)}"
+            if best is not None and not suffix:
+                line += f" | best {best['metric']} {best['value']:.4f} at step {best['step']}"
             self.print(line)
         self.print(f"latents step {step} | high-frequency energy {results['eval/latent_hf_fraction']:.3f} "
                    f"(image at latent size {results['eval/image_hf_fraction']:.3f}) | channel std spread "
                    f"{results['eval/latent_channel_std_spread']:.2f}")
+        if best is not None:
+            results = {**results, "best/step": best["step"], f"best/{best['metric']}": best["value"]}
         append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), {"step": step, **results})
         self.plot_curves()
         if self.wandb is not None:

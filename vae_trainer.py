@@ -37,11 +37,10 @@ import probe as probe_lib
 import run_log
 import sharding
 from alignment import fetch_foundation_weights
-from checkpoint import checkpoint_files
 from common import (ConfigError, DistInfo, StopFlag, any_rank, capture_rng, closing_distributed, init_distributed,
                     redact, restore_rng)
-from config import (Config, DeviceSpeed, downsample_factor_of, last_stage_levels, min_loss_image_size, public_config,
-                    uses_vgg16, with_values)
+from config import (Config, DeviceSpeed, best_metric_of, downsample_factor_of, last_stage_levels, min_loss_image_size,
+                    public_config, uses_vgg16, with_values)
 from objective import Adversary, VAEObjective, micro_step
 from run_log import Metrics
 from run_setup import config_warnings, cpu_use_line, prepare_run, read_init_source, read_teacher
@@ -185,8 +184,6 @@ def set_cuda_backends(speed: DeviceSpeed, device: torch.device) -> None:
 # ============================================================================================
 class RunComplete(Exception):
     """The run directory's run has reached --max_steps already: the message says so, and nothing is written."""
-
-
 
 
 def micro_batches_kept(cfg: Config, resume: tuple[str, dict] | None, info: DistInfo, log) -> Config:
@@ -335,7 +332,7 @@ class Trainer:
         self.wrap_ddp = partial(wrap_ddp, info=info)  # DDP under torchrun, the module itself otherwise
         self.memory_format, self.loss_memory_format = self.speed.memory_format, self.speed.loss_memory_format
         self.channels_last = self.memory_format == torch.channels_last
-        self.step, self.eval_on = 0, start.eval_on
+        self.step, self.eval_on, self.last_saved = 0, start.eval_on, -1  # (last_saved: the step last checkpointed)
         self.created_run_dir = False  # by this run (rank 0, once every check that can refuse the run passed)
         set_cuda_backends(self.speed, self.device)
         max_steps = cfg.optim.max_steps
@@ -360,6 +357,7 @@ class Trainer:
         self.validator = (evaluate_lib.Validator(
             cfg.eval, cfg.data, self.objective.lpips, self.device, info, self.memory_format, self.log,
             channels_last=self.channels_last, grid_images=cfg.run.num_samples) if self.eval_on else None)
+        self.best = checkpoint.BestCheckpoint(self.ckpt_dir, best_metric_of(cfg), info, self.validator)
         self.schedule, self.last_stage = resolution_stages(cfg)  # --train_resolutions, --last_stage_trains
         if cfg.speed.compile and self.adversary is not None:
             self.adversary.critic.compile()
@@ -469,24 +467,25 @@ class Trainer:
             run_log.truncate_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
         for line in start_lines(cfg, self.vae, info, self.run_dir, self.schedule, self.speed):
             self.log(line)
+        self.best.resume(self.step, self.log)  # and the step saved last (a --resume PATH may be another run's)
+        self.last_saved = self.step if checkpoint.in_folder(self.resumed_from, self.ckpt_dir) else -1
         owed_evaluation, owed_probe = self.owed
         if self.eval_on and (self.step == 0 or owed_evaluation):
             self.evaluate()  # the untrained baseline, and a sanity check of the test set before hours of training
         if self.in_loop_probe and (self.step == 0 or owed_probe):
             self.probe()  # the curve's first point
         t_start, steps_since, compiled_once = time.time(), 0, False
-        last_saved = self.step if self.resumed_from else -1
         while self.step < max_steps:
             self.before_step()
             position, batches, data_error = read_step_batches(self.loader, cfg.optim.grad_accum)
             if any_rank(batches is None, info):  # agreed before the step, whose collectives a save would cross
-                return self.stop_without_batches(position, data_error, last_saved)
+                return self.stop_without_batches(position, data_error, self.last_saved)
             rng = capture_rng(self.device)  # (microseconds) what a checkpoint of an abandoned step must hold
             try:
                 self.train_step(batches)
             except torch.OutOfMemoryError as e:
                 self.data_position, self.rng_position = position, rng
-                return self.stop_out_of_memory(e, last_saved)
+                return self.stop_out_of_memory(e, self.last_saved)
             compiled_once = compiled_once or self.said_compile_time(t_start, steps_since)
             self.step += 1
             steps_since += 1
@@ -497,22 +496,23 @@ class Trainer:
                 t_start, steps_since = time.time(), 0
             streak = self.guard.checked_streak()  # every step: a streak that ends between two logs counts
             if streak >= cfg.run.max_bad_steps:
-                latest = checkpoint_files(self.ckpt_dir)
+                latest = checkpoint.checkpoint_files(self.ckpt_dir)
                 self.log(f"error: {streak} consecutive steps had non-finite losses or gradients and were "
                          f"skipped; stopping. Last good checkpoint: {latest[0] if latest else 'none'}")
                 return 1
             stopping = stop.agreed(info)
             due = self.step % cfg.run.save_every_n_steps == 0 or final or stopping
-            if due and self.step != last_saved and self.save_unless_in_bad_streak(stopping or final):
-                last_saved = self.step
+            if due and self.step != self.last_saved and self.save_unless_in_bad_streak(stopping or final):
+                self.last_saved = self.step
             if stopping:
                 self.log(f"received signal {stop.signum}: checkpoint written at step {self.step}, exiting")
                 return 0
             if self.eval_on and (self.step % cfg.eval.evaluate_every_n_steps == 0 or final):
-                self.evaluate()
+                self.evaluate()  # (a new best is saved at once)
             if self.in_loop_probe and (self.step % cfg.latents.probe_every_n_steps == 0 or final):
                 self.probe()  # every rank takes part
-        self.log(f"done: {max_steps} steps; checkpoints in {self.ckpt_dir}, samples in {self.report.sample_dir}")
+        self.log(f"done: {max_steps} steps; checkpoints in {self.ckpt_dir}, samples in {self.report.sample_dir}"
+                 f"{self.best.done()}")
         return 0
 
     def train_step(self, batches: list[torch.Tensor] | None = None) -> None:
@@ -686,7 +686,11 @@ class Trainer:
     def evaluate(self) -> dict:
         self.sync_buffers()
         results, grids = self.validator.run(self.whole_vae(), self.whole_ema_state(), self.autocast)
-        self.report.evaluation(results, grids, self.step)
+        if self.best.improves(results):  # the same on every rank: all take part in its save
+            if self.step not in (0, self.last_saved) and self.save_unless_in_bad_streak(final=True):
+                self.last_saved = self.step
+            self.best.crown(self.step, results, self.training.sharded)
+        self.report.evaluation(results, grids, self.step, self.best.record)
         return results
 
     def probe(self) -> None:

@@ -144,7 +144,7 @@ def test_the_default_logs_the_keys_and_numbers_it_logged_before(shard_url, tmp_p
     size, latent diagnostics included) and the numbers of that call with the trainer's own arguments, bitwise."""
     trainer = trained(shard_url, tmp_path, "--inception_weights", "none")
     record = eval_record(str(tmp_path / "vae"), 2)
-    expected = {"step"}
+    expected = {"step", "best/step", "best/ema_psnr"}  # (and the best evaluated step so far: --best_metric auto)
     for prefix, model in weights_and_ema(trainer):
         direct = ev.evaluate_model(model, shard_url, 64, batch_size=2, device=CPU, max_images=3,
                                    lpips_model=trainer.objective.lpips, inception=None, channels_last=True,
