@@ -1,7 +1,7 @@
 """What README.md and the pages under docs/ say is true. Every `python X.py ...` / `torchrun ... X.py ...` command
 of their code blocks parses with the current flags (torchrun's own options with torchrun's parser); the quick-start
 demo, the evaluation example and make-shards are run at tiny sizes and their output is compared, line by line with
-the numbers masked, with the output the pages print; the README stays a short path, and every relative link of
+the numbers masked, with the output the pages print; the README links every docs page, and every relative link of
 these pages reaches a file (and a heading, for a link with an anchor)."""
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ DOCS = os.path.join(ROOT, "docs")
 PARSERS = {"vae_trainer.py": flags.build_parser, "evaluate.py": evaluate.build_parser,
            "export.py": export.build_parser, "data.py": shards.build_parser,
            "probe.py": probe.build_parser, "plots.py": plots.build_parser}
-README_MAX_LINES = 260
 # shell commands the pages' bash blocks may hold besides python/torchrun/pip (a docs page's preparation steps);
 # anything else is a command this test does not understand, and fails
 SHELL_TOOLS = ("mkdir", "cp", "for", "done", "cd", "export")
@@ -232,11 +231,9 @@ def test_documented_examples_reproduce_their_output(tmp_path, photos_dir):
                  {str(tmp_path / "shards"): "/data/shards"})
 
 
-def test_the_readme_is_a_short_path():
+def test_the_readme_links_every_docs_page():
     """The README is the path a new user follows (what it is, the two commands, the demo, a recipe per kind of
     user, the tour of the code); everything else lives in a docs page it links."""
-    lines = open(README).read().splitlines()
-    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines: move the details into docs/"
     linked = {os.path.normpath(os.path.join(ROOT, target.split("#")[0])) for _, target in links(README)}
     unlinked = [name(path) for path in pages()[1:] if path not in linked]
     assert unlinked == [], f"docs pages the README does not link: {unlinked}"
@@ -304,18 +301,18 @@ def test_anchors_follow_github(tmp_path):
                                   "fine-tuning-a-released-vae-how", "flags-1"}
 
 
-def layout_table() -> dict[str, tuple[int, int | None]]:
-    """docs/extending.md's Layout table: {module (bench/ for the package) -> (layer, documented line count)}."""
+def layout_table() -> dict[str, int]:
+    """docs/extending.md's Layout table: {module (bench/ for the package) -> its layer}."""
     text = open(os.path.join(DOCS, "extending.md")).read()
     section = text[text.index("## Layout"):text.index("## Where a new piece plugs in")]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 4 or not cells[1][:1].isdigit():
+        if len(cells) < 2 or not cells[1][:1].isdigit():
             continue
-        layer, lines = int(cells[1].split()[0]), int(cells[3]) if cells[3] else None
+        assert len(cells) == 3, f"a Layout row has file | layer | its one job, no line count: {line}"
         for file in re.findall(r"`([\w/]+(?:\.py)?)`", cells[0]):
-            rows[file[:-3] if file.endswith(".py") else file] = (layer, lines)
+            rows[file[:-3] if file.endswith(".py") else file] = int(cells[1].split()[0])
     return rows
 
 
@@ -335,7 +332,7 @@ def module_imports(paths: list[str], modules: set[str]) -> set[str]:
 def test_the_layout_keeps_its_promises():
     """docs/extending.md's Layout table is the layout (issue 32 item 6): a row for every module and the bench
     package, and the README's tour names each of them; no import runs up a layer or in a circle; nothing but
-    bench imports the trainer; the documented line counts hold within 15 %; vae_trainer.py stays under 750 lines."""
+    bench imports the trainer. No line counts (issue 49): a file is as long as its one job."""
     modules = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
     package = sorted(os.path.join(ROOT, "bench", f) for f in os.listdir(os.path.join(ROOT, "bench"))
                      if f.endswith(".py"))
@@ -343,7 +340,7 @@ def test_the_layout_keeps_its_promises():
     imports["bench"] = module_imports(package, modules) - {"bench"}  # bench.py launches the package: one unit
     table = layout_table()
     assert set(table) == modules | {"bench/"}, f"rows to add or remove: {sorted(set(table) ^ (modules | {'bench/'}))}"
-    layer = {m: table[m][0] for m in modules}
+    layer = {m: table[m] for m in modules}
     upward = [(m, i, layer[i]) for m in modules for i in imports[m] if layer[i] > layer[m]]
     assert upward == [], f"imports that run up a layer (module, import, its layer): {upward}"
 
@@ -351,10 +348,6 @@ def test_the_layout_keeps_its_promises():
         return any(m == target or (m not in seen and reaches(m, target, seen + (m,))) for m in imports[start])
     assert [m for m in sorted(modules) if reaches(m, m)] == []
     assert [m for m in modules if "vae_trainer" in imports[m]] == ["bench"]
-    sizes = {m: len(open(os.path.join(ROOT, m + ".py")).read().splitlines()) for m in modules - {"bench"}}
-    sizes["bench/"] = sum(len(open(p).read().splitlines()) for p in package)
-    drifted = {m: (table[m][1], n) for m, n in sizes.items() if abs(table[m][1] - n) > 0.15 * n}
-    assert drifted == {}, f"docs/extending.md's line counts (documented, actual): {drifted}"
     readme = open(README).read()
     tour = readme[readme.index("## A tour of the code"):readme.index("Where a new piece plugs in")]
     assert [m for m in sorted(modules) if f"`{m}.py`" not in tour] == [] and "`bench/`" in tour
@@ -363,5 +356,3 @@ def test_the_layout_keeps_its_promises():
     unlisted = [os.path.basename(p)[:-3] for p in package if not p.endswith("__init__.py")
                 and not re.search(rf"\b{os.path.basename(p)[:-3]}\b", names)]
     assert unlisted == [], f"bench/__init__.py's docstring does not name {unlisted}"
-
-    assert sizes["vae_trainer"] < 750
