@@ -1031,10 +1031,8 @@ def validate_across_sections(cfg: Config) -> None:
 
 
 def check_distillation(cfg: Config) -> None:
-    """--distill_from: a tiny autoencoder student that decodes the teacher's latents as they are."""
-    if cfg.model.vae_family != "tae":
-        raise ConfigError(f"--distill_from: the student is a tiny autoencoder (--vae_family tae), not --vae_family "
-                          f"{cfg.model.vae_family}'s model")
+    """--distill_from: a student that decodes the teacher's latents as they are (the family's check refuses a model
+    that cannot be one: families.Family.check)."""
     if cfg.loss.distill_weight > 0:
         raise ConfigError("--distill_weight pulls a narrower LDM decoder toward its --init_from source's decoder; a "
                           "student of --distill_from decodes the teacher's latents: leave --distill_weight at 0")

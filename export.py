@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--format", default="diffusers", choices=("diffusers", "safetensors", "single_file", "released"),
                    help="diffusers: a diffusers folder of the model's class (the source's class for a fine-tune; a "
-                        "tiny autoencoder's: AutoencoderTiny); safetensors: the model's weights + config.json "
+                        "tiny autoencoder's: diffusers' class of TAESD's layout); safetensors: the model's weights + config.json "
                         "(load_autoencoder); single_file: OUT/ae.safetensors in the LDM/FLUX layout (FLUX's "
                         "ae.safetensors, SD's VAE files); released: a tiny autoencoder's released layout, "
                         "OUT/NAME_encoder.pth + OUT/NAME_decoder.pth (TAEHV's: OUT/NAME.pth), what madebyollin's code "

@@ -43,6 +43,7 @@ class Family:
     """A family's answers; the defaults are the common ones. Subclasses: LDM, Wan, Diffusers (below)."""
     name = ""
     needs_source = True  # the architecture comes from --init_from (or the run's checkpoints), not from flags
+    distils = False  # its model can be a --distill_from student
 
     def reads(self, class_name: str, config: dict | None = None) -> bool:
         """Whether a diffusers folder of `class_name` (and this config) loads into this family."""
@@ -98,6 +99,9 @@ class Family:
     def check(self, cfg: Config) -> None:
         """ConfigError (one line) for what the family cannot do with this run's flags."""
         self.check_time_chunks(cfg)
+        if cfg.finetune.distill_from and not self.distils:
+            raise ConfigError(f"--distill_from: the student is a tiny autoencoder (--vae_family tae), not --vae_family "
+                              f"{self.name}'s model")
         refused = [(cfg.finetune.last_stage_trains != "all", "--last_stage_trains", "the decoder's levels are the "
                     "LDM family's (ae.py)"),
                    (cfg.loss.distill_weight > 0, "--distill_weight", "a narrower decoder is the LDM family's"),
@@ -510,6 +514,7 @@ class Diffusers(Family):
 class TAE(Family):
     name = "tae"
     params_class = tae.TAEParams
+    distils = True
     needs_source = False  # a new one from flags (--tae_variant, --vae_z_channels), or a student sized by its teacher
     CLASSES = (tae.AUTOENCODER_TINY,)
 
