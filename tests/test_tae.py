@@ -338,6 +338,55 @@ def test_a_whole_tiny_autoencoder_trains_and_its_autoencoder_tiny_export_loads_i
     assert theirs.config.scaling_factor == 1.0 and theirs.config.shift_factor == 0.0
 
 
+def photo_crops(folder, names: tuple[str, ...], count: int, seed: int) -> str:
+    """64 px crops of scikit-image photos (each at 192 px on its shorter side), `count` per photo, as PNG files."""
+    import random
+    from PIL import Image
+    from skimage import data
+    os.makedirs(folder, exist_ok=True)
+    rng = random.Random(seed)
+    for name in names:
+        image = Image.fromarray(np.array(getattr(data, name)())[..., :3])
+        scale = 192 / min(image.size)
+        image = image.resize((round(image.width * scale), round(image.height * scale)), Image.Resampling.BICUBIC)
+        for i in range(count):
+            x, y = rng.randint(0, image.width - 64), rng.randint(0, image.height - 64)
+            image.crop((x, y, x + 64, y + 64)).save(os.path.join(folder, f"{name}_{i}.png"))
+    return str(folder)
+
+
+def test_a_fine_tune_of_the_release_at_the_documented_recipe_keeps_nothing_worse_than_it(tmp_path, capsys):
+    """docs/finetuning.md's recipe for a small set (decoder only, lr 1e-5, EMA, a held-out test set, the best step
+    kept) on crops of four photos: what the run keeps (export.py --best's model, or the release where no step beat it)
+    is no worse than the release on held-out crops of two other photos. At a rate that ruins the trained decoder in a
+    step (1e-3, no warm-up) nothing is kept: the run says so and --best refuses in one line."""
+    train = photo_crops(tmp_path / "train", ("astronaut", "coffee", "chelsea", "rocket"), 6, seed=0)
+    held_out = photo_crops(tmp_path / "held_out", ("immunohistochemistry", "retina"), 4, seed=1)
+
+    def psnr(*ckpt) -> float:
+        assert evaluate.main([*ckpt, "--dataset_url", held_out, "--resolution", "64", "--vgg16_weights", "none",
+                              "--inception_weights", "none"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["psnr"]
+    release = psnr("--ckpt", TAEF2)
+    recipe = ["--init_from", TAEF2, "--train_parts", "decoder", "--test_dataset_url", held_out,
+              "--evaluate_every_n_steps", "2", "--eval_max_images", "8", "--batch_size", "4"]
+    for name, rate in (("recipe", ["--learning_rate_vae", "1e-5"]), ("ruinous", ["--learning_rate_vae", "1e-3",
+                                                                                 "--warmup_steps", "0"])):
+        assert vae_trainer.main(run_args(train, tmp_path, name, 6, *recipe, *rate)) == 0
+        done = capsys.readouterr().out.strip().splitlines()[-1]
+        best = json.loads((tmp_path / name / "checkpoints" / "best").read_text())
+        if best["checkpoint"] is None:
+            assert "no evaluated step beat the weights the run started from" in done, done
+            assert export.main(["--ckpt", str(tmp_path / name), "--best", "--out", str(tmp_path / "x")]) == 2
+            assert "\n" not in capsys.readouterr().err.strip()
+            kept = release
+        else:
+            kept = psnr("--ckpt", str(tmp_path / name), "--best")
+        assert kept >= release - 1e-3, (name, kept, release)
+        if name == "ruinous":
+            assert best["checkpoint"] is None and best["step"] == 0, best
+
+
 # ------------------------------------------------------------------------------------------- distillation
 def teacher_ldm(folder) -> str:
     """A tiny SD-style AutoencoderKL of f8 (4 levels) with SD's factor: a teacher whose latents are scaled."""
