@@ -622,11 +622,12 @@ def load_autoencoder(path: str) -> tuple[torch.nn.Module, dict]:
 
 
 def load_single_file(path: str, ema: bool = False) -> tuple[torch.nn.Module, dict]:
-    """export.py --format single_file's ae.safetensors (or a released FLUX/SD VAE file): the model its weights and
-    metadata describe, with the notes of what had to be assumed on stderr; no step or resolution (--resolution)."""
+    """export.py --format single_file's ae.safetensors (or a released FLUX/SD VAE file, or a tiny autoencoder's
+    released files): the model its weights and metadata describe, with the notes of what had to be assumed on stderr;
+    no step or resolution (--resolution)."""
     from pretrained import SourceError
     if ema:
-        raise ConfigError(f"--ema: {path} is a single file, which holds one set of weights")
+        raise ConfigError(f"--ema: {path} is a released model, which holds one set of weights")
     try:
         source = families.load_source(path)
     except SourceError as e:
@@ -662,8 +663,8 @@ def load_model(ckpt: str, ema: bool = False, video: bool = False) -> tuple[torch
             reason = first_line(e) or type(e).__name__
             raise ConfigError(f"--ckpt {ckpt}: not a loadable export.py folder "
                               f"({type(e).__name__}: {reason})") from None
-    if os.path.isfile(ckpt) and ckpt.endswith(".safetensors"):
-        return load_single_file(ckpt, ema)
+    if (os.path.isfile(ckpt) and ckpt.endswith(".safetensors")) or families.released_tiny(ckpt):
+        return load_single_file(ckpt, ema)  # (a tiny autoencoder's released files: tae.py)
     if os.path.isdir(ckpt) and not sharding.is_dcp_dir(ckpt):  # a run, or its checkpoints folder
         ckpt_dir = os.path.join(ckpt, "checkpoints") if os.path.isdir(os.path.join(ckpt, "checkpoints")) else ckpt
         if not checkpoint_files(ckpt_dir):

@@ -31,6 +31,7 @@ GRAD_CHECKPOINTING = ("none", "decoder_hr", "hr", "decoder", "all")  # ae.AutoEn
 DISC_TYPES = ("hinge", "bce")  # utils.discriminator_loss
 DISC_NORMS = ("batch", "group_spectral", "spectral", "none")  # critics.NLayerDiscriminator
 DIFFAUG_POLICIES = ("color", "translation", "cutout")  # critics.diff_augment
+TAE_VARIANTS = ("f8", "flux_2", "f32", "hv")  # tae.VARIANTS
 FAMILY_CHOICES = ("auto", "sd", "sdxl", "sd3", "flux", "flux2")  # pretrained.FAMILIES' latent factors, or auto
 DECODER_INITS = ("fresh", "slice")  # pretrained.narrow_decoder_model
 # evaluation's metrics a run can keep its best checkpoint by (checkpoint.BestCheckpoint), with their direction
@@ -149,12 +150,17 @@ class ModelConfig:
 
     vae_family: str = opt("ldm", "ldm: the LDM/FLUX autoencoder of ae.py (FLUX.1, FLUX.2, SD, SDXL, SD3); wan: the "
                                  "Wan 2.1 family of wan_ae.py (Qwen-Image's VAE, Wan 2.1/2.2's); diffusers: any other "
-                                 "autoencoder diffusers ships, through its own module (docs/families.md). The "
-                                 "architecture of wan and diffusers comes from --init_from (or the run's checkpoints). "
+                                 "autoencoder diffusers ships, through its own module; tae: the tiny autoencoders "
+                                 "of tae.py (TAESD .. TAEF2, TAESANA, TAEHV; docs/families.md). The architecture of "
+                                 "wan and diffusers comes from --init_from (or the run's checkpoints). "
                                  "Set by --init_from; give diffusers with it to train a native family's folder through "
                                  "diffusers' module", arch=True)
     vae_class: str = opt("", "the diffusers class of --vae_family diffusers (docs/families.md). Set by --init_from",
                          arch=True)
+    tae_variant: str = opt("f8", "the layout of --vae_family tae (tae.py): f8 (TAESD, TAESDXL, TAESD3, TAEF1), flux_2 "
+                                 "(TAEF2: a pooled GroupNorm branch in the blocks nearest the latent), f32 (TAESANA), "
+                                 "hv (TAEHV's, for clips; --vae_temporal_factor 4 or 8). Set by --init_from, or by "
+                                 "--distill_from's teacher", TAE_VARIANTS, arch=True)
     vae_ch: int = opt(128, "base channel count", arch=True)
     vae_ch_mult: str = opt("1,2,4,4", "channel multiplier per level; downsampling = 2^(levels-1)", arch=True)
     vae_num_res_blocks: int = opt(2, "ResnetBlocks per level", arch=True)
@@ -249,6 +255,12 @@ class FinetuneConfig:
                                         "resolution levels (their up blocks) with norm_out and conv_out train (0: "
                                         "those two alone); everything else is frozen from the stage's first step "
                                         "(no gradient, its AdamW moments kept; DDP wraps what trains)")
+    distill_from: str = opt("", "distil a tiny autoencoder (--vae_family tae, the run's model) from this teacher: any "
+                                "VAE --init_from reads (FLUX.1/2, SD, SDXL, Wan, a diffusers class, a released TAE), "
+                                "frozen. The student's encoder learns the teacher's latents as its pipelines hand them "
+                                "to their diffusion model (--distill_latent_weight), its decoder reconstructs the "
+                                "images from those latents with the run's losses and critic. Without --init_from the "
+                                "student's architecture follows the teacher's latent (docs/finetuning.md)")
     decoder_init: str = opt("fresh", "with --init_from and a --vae_decoder_ch other than the source's: fresh (a new "
                                      "decoder, initialised as a new model's; with --distill_weight) or slice (the "
                                      "source decoder's leading channels of every tensor: a warm start)",
@@ -278,6 +290,9 @@ class LossConfig:
                                      "own decoder's reconstruction of the same latent (the teacher: frozen, never "
                                      "saved), for a narrower decoder (--vae_decoder_ch); what it buys: "
                                      "BENCHMARKS.md section 8. Needs --init_from and --train_parts decoder. 0: off")
+    distill_latent_weight: float = opt(1.0, "--distill_from: the weight of the student encoder's MSE to the "
+                                            "teacher's latents (outside GradNorm: the encoder gets no other loss; the "
+                                            "decoder decodes the teacher's latents)")
     temporal_weight: float = opt(0.0, "clips (--video_frames): a GradNorm branch on the frame-difference error, "
                                       "mean(((r[t+1] - r[t]) - (x[t+1] - x[t]))^2): the reconstruction should change "
                                       "from frame to frame as the input does (no flicker; evaluation's temporal_psnr "
@@ -709,7 +724,7 @@ SOURCE_FIELDS = ARCH_FIELDS + ("posterior_var", "do_clamp", "vae_latent_bn_eps")
 # no quant convs before --vae_quant_conv.
 LEGACY_ARCH = {"vae_norm_groups": 32, "vae_quant_conv": False, "vae_decoder_ch": "", "vae_latent_bn": False,
                "vae_family": "ldm", "vae_patch_size": 1, "vae_class": "", "vae_spatial_factor": 0,
-               "vae_temporal_factor": 0}
+               "vae_temporal_factor": 0, "tae_variant": "f8"}
 # Before --vae_temporal_factor, the one video VAE was the Wan family's, whose clips have 1 + 4k frames.
 LEGACY_VIDEO_TEMPORAL_FACTOR = 4
 
@@ -1008,9 +1023,25 @@ def validate_across_sections(cfg: Config) -> None:
     check_best_metric(cfg)
     if cfg.run.load_path and cfg.finetune.init_from:
         raise ConfigError("give --init_from (a released VAE) or --load_path (our weights), not both")
+    if cfg.finetune.distill_from:
+        check_distillation(cfg)
     if loss.distill_weight > 0 and not (cfg.finetune.init_from and cfg.finetune.train_parts == "decoder"):
         raise ConfigError("--distill_weight needs --init_from (the teacher is its decoder) and --train_parts decoder "
                           "(the teacher decodes the same latent as the decoder that trains)")
+
+
+def check_distillation(cfg: Config) -> None:
+    """--distill_from: a student that decodes the teacher's latents as they are (the family's check refuses a model
+    that cannot be one: families.Family.check)."""
+    if cfg.loss.distill_weight > 0:
+        raise ConfigError("--distill_weight pulls a narrower LDM decoder toward its --init_from source's decoder; a "
+                          "student of --distill_from decodes the teacher's latents: leave --distill_weight at 0")
+    latents = cfg.latents
+    for flag, value in (("scale_equivariance_prob", latents.scale_equivariance_prob),
+                        ("latent_noise_prob", latents.latent_noise_prob), ("vf_weight", latents.vf_weight)):
+        if value > 0:
+            raise ConfigError(f"--{flag} {value}: a student of --distill_from learns the teacher's latents as they "
+                              "are, which a latent regulariser would change: leave it at 0")
 
 
 def best_metric_of(cfg: Config) -> str | None:

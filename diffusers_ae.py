@@ -456,6 +456,26 @@ class DiffusersAutoEncoder(nn.Module):
             return {k: config.get(k) for k in ("scaling_factor", "shift_factor")}
         return {}
 
+    def normalise_latents(self, z: Tensor) -> Tensor:
+        """z as the class's pipelines hand it to their diffusion model (spec.norm's formula): what a tiny
+        autoencoder distilled from this VAE encodes to (train_state.TeacherLatents). ValueError for Cosmos' per-frame
+        statistics (fixed for its pipelines' 121-frame clips) and a class without a pipeline."""
+        norm, fields = self.spec.norm, self.normalisation()
+        scale = float(self.params.config.get("scaling_factor") or 1.0)
+        if norm.kind in ("channels", "buffers"):
+            if norm is CHANNELS:
+                scale = 1.0  # (z - latents_mean) / latents_std: Wan's and Qwen-Image's pipelines apply no factor
+            shape = (1, -1) + (1,) * (z.dim() - 2)
+            mean = torch.tensor(fields["latents_mean"], dtype=torch.float32, device=z.device).view(shape)
+            std = torch.tensor(fields["latents_std"], dtype=torch.float32, device=z.device).view(shape)
+            return (z - mean) * scale / std
+        if norm.kind == "scale":
+            return z * scale
+        if norm.kind == "scale_shift":
+            return (z - float(self.params.config.get("shift_factor") or 0.0)) * scale
+        raise ValueError(f"{self.params.class_name}'s latents are normalised {norm.formula}: no per-clip "
+                         "normalisation of its latents to distil from")
+
     def normalisation_from_stats(self, stats: dict) -> dict:
         """The fields that normalise latents of these statistics (evaluate.latent_stats') as the class's pipelines
         apply them."""

@@ -97,11 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "an export.py folder (either format) or single file (with "
                                                  "--resolution)")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--format", default="diffusers", choices=("diffusers", "safetensors", "single_file"),
-                   help="diffusers: a diffusers folder of the model's class (the source's class for a fine-tune); "
-                        "safetensors: the model's weights + config.json (load_autoencoder); "
-                        "single_file: OUT/ae.safetensors in the LDM/FLUX layout (FLUX's ae.safetensors, SD's VAE "
-                        "files)")
+    p.add_argument("--format", default="diffusers", choices=("diffusers", "safetensors", "single_file", "released"),
+                   help="diffusers: a diffusers folder of the model's class (the source's class for a fine-tune; a "
+                        "tiny autoencoder's: diffusers' class of TAESD's layout); safetensors: the model's weights + config.json "
+                        "(load_autoencoder); single_file: OUT/ae.safetensors in the LDM/FLUX layout (FLUX's "
+                        "ae.safetensors, SD's VAE files); released: a tiny autoencoder's released layout, "
+                        "OUT/NAME_encoder.pth + OUT/NAME_decoder.pth (TAEHV's: OUT/NAME.pth), what madebyollin's code "
+                        "and ComfyUI read")
+    p.add_argument("--name", default="", help="--format released: the files' NAME (default: --out's folder name)")
     p.add_argument("--ema", action="store_true", help="export the checkpoint's EMA weights")
     p.add_argument("--best", action="store_true", help="with --ckpt RUN: the run's best checkpoint by its "
                                                        "--best_metric (checkpoints/best), and the EMA weights if "
@@ -237,6 +240,39 @@ def export_fields(args, vae: torch.nn.Module, info: dict, resolution: int) -> in
     return 0
 
 
+def export_released(args, vae: torch.nn.Module, info: dict, resolution: int) -> int:
+    """main() for a tiny autoencoder (tae.py): its latents are already those of the diffusion model it serves, so
+    there is no normalisation to write or re-estimate. --format released writes the released layout, diffusers an
+    AutoencoderTiny folder (where the architecture is one it has), safetensors ours."""
+    family = families.of(vae)
+    try:
+        if (args.scaling_factor is not None or args.shift_factor is not None or args.latent_norm != "scalar"
+                or args.dataset_url):
+            raise ConfigError(f"{family.describe(vae.params)}: its latents are its diffusion model's already (the "
+                              "teacher's pipeline normalisation), so --scaling_factor / --shift_factor / --latent_norm "
+                              "/ --dataset_url do not apply")
+        if args.format == "single_file":
+            raise ConfigError("--format single_file is the LDM/FLUX file; a tiny autoencoder's released layout is "
+                              "--format released")
+        check_data_and_out(args)
+        summary = {**export_summary(args, info, resolution), "latent_norm": family.norm_label(vae)}
+        source = info.get("init_source") or {}  # (an AutoencoderTiny folder's factors are kept)
+        factors = {"scaling_factor": source.get("scaling_factor", 1.0), "shift_factor": source.get("shift_factor", 0.0)}
+        if args.format == "released":
+            name = args.name or os.path.basename(os.path.normpath(args.out))
+            summary["files"] = family.write_released(vae, args.out, name)
+        elif args.format == "diffusers":
+            family.write_diffusers(vae, args.out, resolution, factors, None, None)
+            summary["serves"] = family.serves(vae)
+        else:
+            export_safetensors(vae, args.out, resolution, step=info["step"], **factors)
+    except (ConfigError, data_lib.DatasetError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -259,7 +295,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--ckpt {args.ckpt} does not record the size it was trained at: give --resolution")
         if not resolution or resolution % vae.downsample_factor:
             raise ConfigError(f"--resolution must be a positive multiple of {vae.downsample_factor}, got {resolution}")
-        norm = families.of(vae).latent_norm(vae)  # factors, bn (the LDM family), or the family's own fields
+        norm = families.of(vae).latent_norm(vae)  # factors, bn (the LDM family), the family's own fields, or none
+        if norm == "released":
+            return export_released(args, vae, info, resolution)
+        if args.format == "released":
+            raise ConfigError(f"--format released is the tiny autoencoders' layout (tae.py); "
+                              f"{families.of(vae).describe(vae.params)} exports as diffusers, safetensors or "
+                              "single_file")
         if norm == "fields":
             return export_fields(args, vae, info, resolution)
         if norm == "bn":

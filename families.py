@@ -31,10 +31,11 @@ from torch import Tensor, nn
 
 import diffusers_ae
 import pretrained
+import tae
 import wan_ae
-from ae import AutoEncoder, AutoEncoderParams
+from ae import AutoEncoder, AutoEncoderParams, unpatchify_latents
 from common import ConfigError, honour_umask
-from config import LR_TIMES_WIDTH, Config, ModelConfig, with_values
+from config import LR_TIMES_WIDTH, Config, ModelConfig, downsample_factor_of, with_values
 from pretrained import Source, SourceError
 
 
@@ -42,9 +43,10 @@ class Family:
     """A family's answers; the defaults are the common ones. Subclasses: LDM, Wan, Diffusers (below)."""
     name = ""
     needs_source = True  # the architecture comes from --init_from (or the run's checkpoints), not from flags
+    distils = False  # its model can be a --distill_from student
 
-    def reads(self, class_name: str) -> bool:
-        """Whether a diffusers folder of `class_name` loads into this family."""
+    def reads(self, class_name: str, config: dict | None = None) -> bool:
+        """Whether a diffusers folder of `class_name` (and this config) loads into this family."""
         return False
 
     def load_folder(self, path: str, config: dict, weights: str, init_family: str, video: bool) -> Source:
@@ -97,6 +99,9 @@ class Family:
     def check(self, cfg: Config) -> None:
         """ConfigError (one line) for what the family cannot do with this run's flags."""
         self.check_time_chunks(cfg)
+        if cfg.finetune.distill_from and not self.distils:
+            raise ConfigError(f"--distill_from: the student is a tiny autoencoder (--vae_family tae), not --vae_family "
+                              f"{self.name}'s model")
         refused = [(cfg.finetune.last_stage_trains != "all", "--last_stage_trains", "the decoder's levels are the "
                     "LDM family's (ae.py)"),
                    (cfg.loss.distill_weight > 0, "--distill_weight", "a narrower decoder is the LDM family's"),
@@ -104,6 +109,24 @@ class Family:
         for bad, flag, why in refused:
             if bad:
                 raise ConfigError(f"{flag}: {why}, not --vae_family {self.name}'s ({cfg.model.vae_class or 'its model'})")
+
+    def settled(self, cfg: Config, given: set[str]) -> Config:
+        """The run's config with the flags its architecture implies made consistent (a new model from flags), but
+        for those the user gave (`given`: check() refuses what the family cannot take)."""
+        return cfg
+
+    def student_of(self, teacher: Source, model: ModelConfig) -> dict:
+        """--distill_from: the architecture flags of a student of this family for the teacher's latent."""
+        raise ConfigError(f"--distill_from: the student is a tiny autoencoder (--vae_family tae), not --vae_family "
+                          f"{self.name}'s model")
+
+    def check_student(self, params, arch: dict, teacher_path: str) -> None:
+        """--distill_from with --init_from: the released student must fit the teacher's latent (`arch`)."""
+
+    def take_teacher_encoder(self, vae: nn.Module, teacher: Source) -> str:
+        """A decoder-only student (--train_parts decoder) of a teacher of its own architecture starts from the
+        teacher's encoder (frozen: the latent space is the teacher's). Returns the start line's words ("": none)."""
+        return ""
 
     def describe(self, params) -> str:
         return self.name
@@ -158,6 +181,16 @@ class Family:
         """The source's own model, whose decoder a narrower one is distilled from (--distill_weight)."""
         raise ConfigError(f"--distill_weight: a narrower decoder is the LDM family's, not {self.name}'s")
 
+    def diffusion_latents(self, vae: nn.Module, factors: dict):
+        """z -> the latent as the source's pipelines hand it to their diffusion model (what a tiny autoencoder
+        distilled from this VAE encodes to and decodes from: tae.py): per channel where `factors` (Source.factors)
+        carry latents_mean/latents_std, else (z - shift_factor) * scaling_factor."""
+        mean, std = factors.get("latents_mean"), factors.get("latents_std")
+        if mean is not None and std is not None:
+            return per_channel(mean, std, float(factors.get("scaling_factor") or 1.0))
+        scale, shift = float(factors.get("scaling_factor") or 1.0), float(factors.get("shift_factor") or 0.0)
+        return lambda z: (z - shift) * scale
+
     # ----------------------------------------------------------------------------- export
     def latent_norm(self, vae: nn.Module) -> str:
         """How export.py normalises the latents: "fields" (the family's own config fields, source_fields), or the
@@ -201,7 +234,7 @@ class LDM(Family):
     needs_source = False
     CLASSES = ("AutoencoderKL", "AutoencoderKLFlux2")
 
-    def reads(self, class_name):
+    def reads(self, class_name, config=None):
         return class_name in self.CLASSES
 
     def load_folder(self, path, config, weights, init_family, video):
@@ -279,6 +312,13 @@ class LDM(Family):
         wide.load_state_dict(source.state)
         return wide
 
+    def diffusion_latents(self, vae, factors):
+        """FLUX.2: standardised by its bn statistics over 2x2 patches, unpatchified back to the latent's grid (the
+        layout of TAEF2's latents); the others by their factors."""
+        if vae.params.latent_bn:
+            return lambda z: unpatchify_latents(vae.normalize_latents(z))
+        return super().diffusion_latents(vae, factors)
+
     def latent_norm(self, vae):
         return "bn" if vae.params.latent_bn else "factors"
 
@@ -294,7 +334,7 @@ class Wan(Family):
     params_class = wan_ae.WanParams
     CLASSES = ("AutoencoderKLQwenImage", "AutoencoderKLWan")
 
-    def reads(self, class_name):
+    def reads(self, class_name, config=None):
         return class_name in self.CLASSES
 
     def load_folder(self, path, config, weights, init_family, video):
@@ -347,7 +387,7 @@ class Diffusers(Family):
     name = "diffusers"
     params_class = diffusers_ae.DiffusersParams
 
-    def reads(self, class_name):
+    def reads(self, class_name, config=None):
         return class_name in diffusers_ae.CLASSES
 
     def load_folder(self, path, config, weights, init_family, video):
@@ -439,6 +479,9 @@ class Diffusers(Family):
         return True  # which parameters a step leaves without a gradient is the class's business (Qwen-Image 2's
         # time_convs never run on its one-frame clips; a video class's temporal layers on an image step)
 
+    def diffusion_latents(self, vae, factors):
+        return vae.normalise_latents
+
     def source_fields(self, vae, source):
         return vae.normalisation()
 
@@ -465,8 +508,211 @@ class Diffusers(Family):
                 honour_umask(os.path.join(out_dir, name))
 
 
-LDM_FAMILY, WAN_FAMILY, DIFFUSERS_FAMILY = LDM(), Wan(), Diffusers()
-FAMILIES = {f.name: f for f in (LDM_FAMILY, WAN_FAMILY, DIFFUSERS_FAMILY)}
+# ============================================================================================
+# tae: tae.py's tiny autoencoders (TAESD .. TAEF2, TAESANA, TAEHV), their released layouts and AutoencoderTiny folders
+# ============================================================================================
+class TAE(Family):
+    name = "tae"
+    params_class = tae.TAEParams
+    distils = True
+    needs_source = False  # a new one from flags (--tae_variant, --vae_z_channels), or a student sized by its teacher
+    CLASSES = (tae.AUTOENCODER_TINY,)
+
+    def reads(self, class_name, config=None):
+        return class_name in self.CLASSES and not tae.tiny_differences(config or {})
+
+    def load_folder(self, path, config, weights, init_family, video):
+        return self.load_released(path, video)
+
+    def load_released(self, path: str, video: bool = False) -> Source:
+        """A tiny autoencoder in any layout tae.py reads (the released pair, a single file, an AutoencoderTiny
+        folder). SourceError: one line."""
+        try:
+            loaded = tae.load(path)
+        except tae.LayoutError as e:
+            raise SourceError(str(e)) from None
+        if video and not loaded.params.video:
+            raise SourceError(f"{path}: {loaded.params.describe()}, an image model: clips (--video_frames) need a "
+                              "video TAE (TAEHV's layout: taehv, taew2_1, taew2_2, taehv1_5, taeltx_2)")
+        notes = [f"{len(loaded.files)} file{'s' if len(loaded.files) > 1 else ''} of the {loaded.layout} layout: "
+                 + ", ".join(os.path.basename(f) for f in loaded.files)]
+        return Source(path, loaded.layout, "", loaded.params, loaded.state, loaded.factors, "", notes)
+
+    def params_from_dict(self, d):
+        return tae.TAEParams.from_dict(d)
+
+    def build(self, params):
+        return tae.TinyAutoEncoder(params)
+
+    def architecture(self, model, source, saved):
+        if saved is not None:
+            return saved
+        if source is not None:
+            return source.params
+        return self.from_flags(model)
+
+    @staticmethod
+    def from_flags(model: ModelConfig) -> tae.TAEParams:
+        """A new tiny autoencoder of the --vae_* flags (--tae_variant; hv: --vae_temporal_factor 4 or 8)."""
+        video = model.tae_variant == "hv"
+        t = model.vae_temporal_factor or (4 if video else 0)
+        down = {4: (True, True, False), 8: (True, True, True)}.get(t, ()) if video else ()
+        up = {4: (False, True, True), 8: (True, True, True)}.get(t, ()) if video else ()
+        try:
+            return tae.TAEParams(model.vae_z_channels, model.tae_variant, model.vae_patch_size, down, up)
+        except ValueError as e:
+            raise ConfigError(f"--tae_variant {model.tae_variant}: {e}") from None
+
+    def arch_flags(self, p):
+        return dict(vae_family="tae", vae_class="", tae_variant=p.variant, vae_ch=64, vae_ch_mult="1",
+                    vae_num_res_blocks=1, vae_z_channels=p.z_channels, vae_norm_groups=1, do_attn=False,
+                    posterior="none", vae_quant_conv=False, do_clamp=False, vae_decoder_ch="", vae_latent_bn=False,
+                    vae_patch_size=p.patch_size, vae_spatial_factor=p.downsample_factor,
+                    vae_temporal_factor=p.temporal_factor)
+
+    time_chunks_refusal = "a tiny autoencoder's clips run whole (its memory is a frame per block)"
+
+    def check(self, cfg):
+        super().check(cfg)
+        model, ft = cfg.model, cfg.finetune
+        if model.posterior != "none":
+            raise ConfigError(f"--posterior {model.posterior}: a tiny autoencoder's encoder is deterministic (none)")
+        if model.tae_variant == "hv" and model.vae_temporal_factor not in (0, 4, 8):
+            raise ConfigError(f"--vae_temporal_factor {model.vae_temporal_factor}: a TAEHV pools time by 4 or 8")
+        if model.vae_temporal_factor and model.tae_variant != "hv":
+            raise ConfigError(f"--vae_temporal_factor {model.vae_temporal_factor}: the tiny autoencoder for clips is "
+                              f"--tae_variant hv (TAEHV's layout), not {model.tae_variant}")
+        if cfg.data.video_frames and model.tae_variant != "hv":
+            raise ConfigError(f"--video_frames {cfg.data.video_frames}: a {model.tae_variant} tiny autoencoder takes "
+                              "images; clips need TAEHV's layout (--tae_variant hv, or --init_from a taehv/taew2_1/... "
+                              "file)")
+        if ft.train_parts == "decoder" and not (ft.init_from or ft.distill_from or cfg.run.load_path):
+            raise ConfigError("--train_parts decoder: a new tiny autoencoder's encoder is random, so its latents mean "
+                              "nothing; give --init_from (a released TAE whose latent space the decoder learns) or "
+                              "--distill_from (a teacher whose latents it learns)")
+        if cfg.speed.sharding != "ddp":
+            raise ConfigError(f"--sharding {cfg.speed.sharding}: {self.unshardable(None)}")
+        self.from_flags(model)  # (an architecture it cannot build: one line)
+
+    def settled(self, cfg, given):
+        implied = self.arch_flags(self.from_flags(cfg.model))
+        return with_values(cfg, **{k: v for k, v in implied.items() if k not in given})
+
+    def student_of(self, teacher, model):
+        """The tiny autoencoder of the teacher's latent: its channels; f8 (flux_2 for FLUX.2's bn-normalised latent,
+        as TAEF2), f32 or f8 behind 2x2 pixel patches for f16; hv for clips (patch f/8, time by 4 or 8); a released
+        TAE as teacher: its own architecture."""
+        if isinstance(teacher.params, tae.TAEParams):
+            return self.arch_flags(teacher.params)
+        family = of_params(teacher.params)
+        flags = family.arch_flags(teacher.params)
+        factor = flags["vae_spatial_factor"] or downsample_factor_of(
+            dataclasses.replace(model, vae_ch_mult=flags["vae_ch_mult"], vae_patch_size=flags["vae_patch_size"],
+                                vae_spatial_factor=0))
+        t, z = flags["vae_temporal_factor"], flags["vae_z_channels"]
+        where = f"--distill_from {teacher.path} ({family.describe(teacher.params)}: f{factor}"
+        try:
+            if t:
+                if t not in (4, 8) or factor not in (8, 16, 32):
+                    raise ValueError(f"t{t}): TAEHV's layout pools time by 4 or 8 at f8, f16 or f32")
+                params = self.from_flags(dataclasses.replace(model, tae_variant="hv", vae_z_channels=z,
+                                                             vae_patch_size=factor // 8, vae_temporal_factor=t))
+            else:
+                variant, patch = {8: ("flux_2" if flags.get("vae_latent_bn") else "f8", 1), 16: ("f8", 2),
+                                  32: ("f32", 1)}.get(factor, (None, 0))
+                if variant is None:
+                    raise ValueError("): the tiny autoencoders' layouts are f8, f16 (f8 behind 2x2 patches) and f32")
+                params = tae.TAEParams(z, variant, patch)
+        except (ValueError, ConfigError) as e:
+            raise ConfigError(f"{where}{e}") from None
+        return self.arch_flags(params)
+
+    def check_student(self, params, arch, teacher_path):
+        mine = self.arch_flags(params)
+        keys = ("vae_z_channels", "vae_spatial_factor", "vae_temporal_factor")
+        if any(mine[k] != arch[k] for k in keys):
+            raise ConfigError(f"--init_from is {params.describe()}, which does not fit --distill_from {teacher_path}'s "
+                              f"latent (z{arch['vae_z_channels']}, f{arch['vae_spatial_factor']}"
+                              + (f", t{arch['vae_temporal_factor']})" if arch['vae_temporal_factor'] else ")"))
+
+    def take_teacher_encoder(self, vae, teacher):
+        if teacher.params != vae.params:
+            return ""
+        vae.encoder.load_state_dict({k[len("encoder."):]: v for k, v in teacher.state.items()
+                                     if k.startswith("encoder.")})
+        return f"; the encoder is {teacher.path}'s (frozen)"
+
+    def describe(self, params):
+        return params.describe()
+
+    def encoder_side(self, vae):
+        return vae.encoder_side()
+
+    def last_layer(self, vae):
+        return vae.last_layer()
+
+    def unshardable(self, vae):
+        return ("a tiny autoencoder (a few million parameters) fits on any GPU whole: train it under DDP (the default "
+                "--sharding ddp)")
+
+    def temporal_factor(self, params):
+        return params.temporal_factor
+
+    def unused_parameters(self, params):
+        return False  # an image runs as a one-frame clip through every layer of a TAEHV
+
+    def diffusion_latents(self, vae, factors):
+        return lambda z: z  # its latents are the diffusion model's already
+
+    def init_weights(self, vae, source, cfg, log):
+        vae.load_state_dict(source.state)
+        return ""
+
+    def teacher(self, source):
+        raise ConfigError("--distill_weight: a narrower decoder is the LDM family's; a tiny autoencoder learns from "
+                          "a teacher's latents with --distill_from")
+
+    # ----------------------------------------------------------------------------- export
+    def latent_norm(self, vae):
+        return "released"
+
+    def norm_label(self, vae):
+        return "none (the diffusion model's latents)"
+
+    def serves(self, vae):
+        return ("a pipeline that hands its diffusion model's latents to the tiny decoder as they are (AutoencoderTiny: "
+                "scaling_factor 1, shift_factor 0)")
+
+    def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
+        try:
+            tae.write_diffusers(vae, out_dir, float(fields.get("scaling_factor") or 1.0),
+                                float(fields.get("shift_factor") or 0.0))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for name in os.listdir(out_dir):
+            if name.startswith(pretrained.DIFFUSERS_WEIGHTS.split(".")[0]):
+                honour_umask(os.path.join(out_dir, name))
+
+    def write_released(self, vae, out_dir: str, name: str) -> list[str]:
+        files = tae.write_released(vae, out_dir, name)
+        for path in files:
+            honour_umask(path)
+        return files
+
+
+def per_channel(mean, std, scale: float = 1.0):
+    """z -> (z - mean) * scale / std per channel (dim 1), for images and clips."""
+    mean_t, std_t = torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
+
+    def normalise(z: Tensor) -> Tensor:
+        shape = (1, -1) + (1,) * (z.dim() - 2)
+        return (z - mean_t.to(z.device).view(shape)) * scale / std_t.to(z.device).view(shape)
+    return normalise
+
+
+LDM_FAMILY, WAN_FAMILY, DIFFUSERS_FAMILY, TAE_FAMILY = LDM(), Wan(), Diffusers(), TAE()
+# (the order in which a diffusers folder's class is looked up: a native family before diffusers' own module)
+FAMILIES = {f.name: f for f in (LDM_FAMILY, WAN_FAMILY, TAE_FAMILY, DIFFUSERS_FAMILY)}
 VIDEO_HINT = "docs/families.md lists the video VAEs"
 
 
@@ -498,7 +744,7 @@ def build_model(params) -> nn.Module:
 
 def loadable() -> str:
     """The diffusers classes that load, in words (the end of a one-line error)."""
-    native = [name for family in (LDM_FAMILY, WAN_FAMILY) for name in family.CLASSES]
+    native = [name for family in (LDM_FAMILY, WAN_FAMILY, TAE_FAMILY) for name in family.CLASSES]
     return (f"{', '.join(native)} (native), and through diffusers' own module "
             + ", ".join(c for c in diffusers_ae.CLASSES if c not in native))
 
@@ -507,11 +753,11 @@ def folder_family(path: str, config: dict, asked: str | None = None) -> Family:
     """The family that reads a diffusers folder of this config: the native one where there is one, unless
     --vae_family `asked` names another that reads it (diffusers: any class through its own module)."""
     class_name = config.get("_class_name", "AutoencoderKL")
-    family = next((f for f in FAMILIES.values() if f.reads(class_name)), None)
+    family = next((f for f in FAMILIES.values() if f.reads(class_name, config)), None)
     if family is None:
         raise SourceError(f"{path}: a {class_name}, {diffusers_ae.refusal(class_name)}; loadable are {loadable()}")
     if asked is not None and asked != family.name:
-        if not named(asked).reads(class_name):  # a flag the user gave is never dropped
+        if not named(asked).reads(class_name, config):  # a flag the user gave is never dropped
             raise SourceError(f"{path}: a {class_name}, which --vae_family {asked} does not read (its family: "
                               f"{family.name})")
         return named(asked)
@@ -523,6 +769,8 @@ def load_source(path: str, family: str = "auto", video: bool = False, vae_family
     single file (its latent factors); `video`: the run takes clips (the Wan family loads its video model);
     `vae_family`: the family the user asked for (diffusers: a native class through diffusers' own module).
     SourceError: one line."""
+    if tae.recognises(path) and vae_family in (None, TAE_FAMILY.name):  # (a folder of .pth files, not diffusers')
+        return TAE_FAMILY.load_released(path, video)
     if os.path.isdir(path):
         config, weights = pretrained.read_diffusers_folder(path)
         return folder_family(path, config, vae_family).load_folder(path, config, weights, family, video)
@@ -535,6 +783,11 @@ def load_source(path: str, family: str = "auto", video: bool = False, vae_family
         raise SourceError(f"{path}: a single file, which only the LDM family reads: --vae_family {vae_family} "
                           "loads from a diffusers folder (config.json beside the weights)")
     return pretrained.load_single_file(path, family)
+
+
+def released_tiny(path: str) -> bool:
+    """Whether a path holds a tiny autoencoder in a released layout (tae.py), which loads as a source."""
+    return tae.recognises(path)
 
 
 def load_exported_folder(path: str, video: bool = False) -> tuple[nn.Module, dict]:

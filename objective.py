@@ -143,6 +143,7 @@ class MicroBatch:
     teacher: Tensor | None = None
     clip_frames: int = 0  # x and recon are clips' frames, clip by clip, this many per clip (0: images)
     recon_clips: Tensor | None = None  # recon as the (B, C, T, H, W) clips it was folded from: the 3D critic's input
+    target_latent: Tensor | None = None  # --distill_from: the teacher's latent, the encoder's target (as `mean`)
 
 
 # ------------------------------------------------------------------------------------------ the VAE's objective
@@ -157,10 +158,12 @@ class VAEObjective(nn.Module):
     def __init__(self, loss: LossConfig, latents: LatentsConfig, lpips: nn.Module | None = None,
                  adversary: Adversary | None = None, alignment: AlignmentLoss | None = None,
                  precision: Precision = FP32,
-                 device: torch.device | str = "cpu", memory_format=torch.contiguous_format, with_kl: bool = True):
+                 device: torch.device | str = "cpu", memory_format=torch.contiguous_format, with_kl: bool = True,
+                 encoder_trains: bool = True):
         super().__init__()
         self.loss_cfg, self.latents_cfg = loss, latents
         self.with_kl = with_kl  # False: a deterministic encoder (--posterior none), whose latent has no KL term
+        self.encoder_trains = encoder_trains  # False: --train_parts decoder (no latent term for a frozen encoder)
         self.device = torch.device(device)
         self.memory_format = memory_format
         self.precision = precision  # the run's (config.Precision, built once by the trainer)
@@ -185,7 +188,8 @@ class VAEObjective(nn.Module):
                                memory_format=memory_format) if critic.do_ganloss else None)
         alignment = (AlignmentLoss(z_channels, latents.vf_model, latents.vf_weights, latents.vf_image_size).to(device)
                      if latents.vf_weight > 0 and encoder_trains else None)
-        return cls(loss, latents, lpips, adversary, alignment, precision, device, memory_format, with_kl)
+        return cls(loss, latents, lpips, adversary, alignment, precision, device, memory_format, with_kl,
+                   encoder_trains)
 
     def autocast(self):
         return self.precision.autocast(self.device.type)
@@ -327,6 +331,12 @@ class VAEObjective(nn.Module):
             vf_weight = self.latents_cfg.vf_weight
             vf, parts = self.alignment(latent, images, scale * (vf_weight / accum))
             terms.append(Term("vf", vf, vf_weight, balanced=True, logs={f"loss/{k}": v for k, v in parts.items()}))
+
+        if batch.target_latent is not None and self.encoder_trains:
+            # --distill_from: the student encoder learns the teacher's latent (its only loss: the decoder decodes the
+            # teacher's latent, so no reconstruction gradient reaches the encoder)
+            latent_mse = (mean.float() - batch.target_latent).square().mean()
+            terms.append(Term("latent", latent_mse, loss.distill_latent_weight, balanced=False))
 
         # A GradNorm branch's gradient has norm `weight` over all the reconstruction's elements, so its per-element
         # size falls as 1/sqrt(their count); a mean KL's would fall as 1/count. Summed and divided by sqrt(count)
@@ -567,7 +577,7 @@ def micro_step(objective: VAEObjective, model: nn.Module, x: Tensor, step: int, 
         added = regularisers.draw_added(x, step, micro)  # (small image, latent transform) or None
         with phase("forward"), objective.autocast():
             out = Decoded(*model(x, latent_transform=to_decoder, also_decode=added and added[1]))
-        mean, logvar = out.mean, out.logvar
+        mean, logvar, target_latent = out.mean, out.logvar, out.target_latent
         x, recon = target, out.recon.float()  # every loss reduces in fp32
         # clips: the losses (a loss per frame; the KL per latent element is the KL over the latent clip), the critic
         # and the latent statistics see their frames as images
@@ -579,6 +589,7 @@ def micro_step(objective: VAEObjective, model: nn.Module, x: Tensor, step: int, 
             images = x if untransformed else frames_of(images)
             recon, mean = frames_of(recon), frames_of(mean)
             logvar = frames_of(logvar) if logvar is not None else None
+            target_latent = frames_of(target_latent) if target_latent is not None else None
         real_logits = fake_logits = d_loss = None
         critic_logs = {}
         with phase("critic"):
@@ -595,7 +606,7 @@ def micro_step(objective: VAEObjective, model: nn.Module, x: Tensor, step: int, 
                 x, recon, mean, logvar, step, real_logits, fake_logits, accum, loss_scale, last_layer, latent=mean,
                 images=images, added=(added[0], out.added.float()) if added else None, shared=shared,
                 teacher=out.teacher.float() if out.teacher is not None else None, clip_frames=clip_frames,
-                recon_clips=recon_clips))
+                recon_clips=recon_clips, target_latent=target_latent))
             if backward:
                 loss.backward()
     return MicroStep(d_loss, loss.detach(), critic_logs, logs, mean, logvar)

@@ -36,13 +36,15 @@ from weights import vgg16_cache_path
 @dataclass
 class RunSetup:
     """A finished run config and what was learned on the way to it: the flags the user gave, the --init_from
-    source read (None if none: its weights go into the model), notes for the user, and `derived`: {automatic
-    field: what it was derived from} (config.json's record, read back when the run continues)."""
+    source read (None if none: its weights go into the model), notes for the user, `derived`: {automatic
+    field: what it was derived from} (config.json's record, read back when the run continues), and the
+    --distill_from teacher read (None if none)."""
     cfg: Config
     given: set[str]
     source: pretrained.Source | None
     notes: list[str]
     derived: dict[str, str | None]
+    teacher: pretrained.Source | None = None
 
     def __iter__(self):  # cfg, given, source, notes = prepare_run(...)
         return iter((self.cfg, self.given, self.source, self.notes))
@@ -57,7 +59,8 @@ def prepare_run(argv: list[str] | None = None, builds_demo_data: bool = True) ->
             shards.wait_for_demo_shards(os.path.join(cfg.run.output_dir, "demo_data"))
         cfg = prepare_demo(cfg, given)
     cfg, source = apply_init_source(cfg, given)
-    saved = saved_run_config(cfg, given | (set(SOURCE_FIELDS) if source is not None else set()))
+    cfg, teacher, student = apply_teacher(cfg, given, source)
+    saved = saved_run_config(cfg, given | (set(SOURCE_FIELDS) if source is not None else student))
     derived, again = {}, []
     if saved is not None:
         cfg, derived, again = continue_run(cfg, given, saved)
@@ -65,13 +68,14 @@ def prepare_run(argv: list[str] | None = None, builds_demo_data: bool = True) ->
         raise ConfigError(f"--vae_family {cfg.model.vae_family}: its architecture is read from --init_from (a "
                           "diffusers folder of the family) or the run being continued")
     derived.update(automatic_values(cfg, given))
+    cfg = families.named(cfg.model.vae_family).settled(cfg, given)
     cfg = resolve_cpu(resolve_auto(cfg))
     check_config(cfg)
     notes = check_paths(cfg) + ([demo_summary(cfg)] if cfg.run.demo else [])
     if saved is not None:
         note = continuing_note(cfg.run.run_dir, given, saved, cfg, again)
         notes += [note] if note else []
-    return RunSetup(cfg, given, source, notes, derived)
+    return RunSetup(cfg, given, source, notes, derived, teacher)
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
@@ -169,6 +173,37 @@ def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Confi
         raise ConfigError(f"--init_from {init_from}: a VAE of {channels[0]} input / {channels[1]} output "
                           "channels; this trainer reads RGB images")
     return cfg, source
+
+
+def apply_teacher(cfg: Config, given: set[str], source: pretrained.Source | None
+                  ) -> tuple[Config, pretrained.Source | None, set[str]]:
+    """--distill_from: the teacher read (every rank, before any process group) and the student made a tiny
+    autoencoder (--vae_family tae unless given) of the teacher's latent: its channels, spatial and temporal factors
+    (families.TAE.student_of), unless --init_from gave a released one (which must fit that latent). Returns the config,
+    the teacher and the fields the teacher set."""
+    path = cfg.finetune.distill_from
+    if not path:
+        return cfg, None, set()
+    teacher = read_teacher(cfg)
+    if "vae_family" not in given and source is None:
+        cfg = with_values(cfg, vae_family=families.TAE_FAMILY.name)
+    student = families.named(cfg.model.vae_family)
+    arch = student.student_of(teacher, cfg.model)  # (ConfigError: a family that distils no student, a latent no
+    if source is not None:                          # student layout has)
+        student.check_student(source.params, arch, path)
+        return cfg, teacher, set()
+    arch = {k: v for k, v in arch.items() if k not in given}
+    return with_values(cfg, **arch), teacher, set(arch)
+
+
+def read_teacher(cfg: Config) -> pretrained.Source:
+    """The --distill_from teacher (a single file's release: --init_family, where --init_from does not take it)."""
+    try:
+        return families.load_source(cfg.finetune.distill_from,
+                                    "auto" if cfg.finetune.init_from else cfg.finetune.init_family,
+                                    cfg.data.video_frames > 0)
+    except pretrained.SourceError as e:
+        raise ConfigError(f"--distill_from {e}") from None
 
 
 def has_checkpoints(run_dir: str) -> bool:
@@ -499,7 +534,8 @@ def config_warnings(cfg: Config, given: set[str]) -> list[str]:
     if optim.warmup_steps > optim.max_steps:
         lines.append(f"warning: --warmup_steps {optim.warmup_steps} > --max_steps {optim.max_steps}: the learning "
                      f"rate peaks at {optim.max_steps / optim.warmup_steps:.0%} of its set value and never decays")
-    if cfg.finetune.train_parts == "decoder" and not (cfg.finetune.init_from or cfg.run.load_path):
+    if cfg.finetune.train_parts == "decoder" and not (cfg.finetune.init_from or cfg.run.load_path or
+                                                      cfg.finetune.distill_from):
         lines.append("warning: --train_parts decoder without --init_from or --load_path: the encoder stays random "
                      "(unless resumed)")
     stages = cfg.data.stages

@@ -61,12 +61,15 @@ class EMA:
 class Decoded:
     """What one micro-batch's training forward gave: the reconstruction, the posterior (mean, log-variance: None for
     the constant one), the decode of also_decode(latent) (the additive scale-equivariance term; None without), and
-    the teacher's decode of the latent the reconstruction was decoded from (--distill_weight; None without)."""
+    the teacher's decode of the latent the reconstruction was decoded from (--distill_weight; None without), and the
+    teacher's latent the reconstruction was decoded from (--distill_from: the student encoder's target; None
+    without)."""
     recon: torch.Tensor
     mean: torch.Tensor
     logvar: torch.Tensor | None
     added: torch.Tensor | None = None
     teacher: torch.Tensor | None = None
+    target_latent: torch.Tensor | None = None
 
 
 class TrainingForward(torch.nn.Module):
@@ -78,11 +81,13 @@ class TrainingForward(torch.nn.Module):
     `frozen_encoder` (--train_parts decoder): the encoder side (the encoder and quant_conv: what the family names)
     and the posterior are frozen (no requires_grad, eval mode) and run under no_grad; only post_quant_conv and the
     decoder train, so DDP's buckets hold the decoder's gradients only (DDP skips parameters that do not require
-    grad). `teacher`: a frozen decoder (TeacherDecoder)."""
+    grad). `teacher`: a frozen decoder (TeacherDecoder). `teacher_latents` (--distill_from): the decoder decodes the
+    teacher's latent of the images (TeacherLatents), which is also what the encoder's latent is compared with."""
 
-    def __init__(self, vae: torch.nn.Module, teacher: TeacherDecoder | None = None, frozen_encoder: bool = False):
+    def __init__(self, vae: torch.nn.Module, teacher: TeacherDecoder | None = None, frozen_encoder: bool = False,
+                 teacher_latents: TeacherLatents | None = None):
         super().__init__()
-        self.vae, self.teacher = vae, teacher
+        self.vae, self.teacher, self.teacher_latents = vae, teacher, teacher_latents
         # what computes the posterior from pixels, as the model's family names it (families.Family.encoder_side)
         self.frozen = [module for _, module in families.of(vae).encoder_side(vae)] if frozen_encoder else []
         for module in self.frozen:
@@ -93,6 +98,9 @@ class TrainingForward(torch.nn.Module):
             module.eval()  # evaluation calls vae.train() on its way out
         with torch.no_grad() if self.frozen else contextlib.nullcontext():
             mean, logvar = self.vae.encode_moments(x)
+        if self.teacher_latents is not None:  # (config: no latent regulariser, no teacher decoder with it)
+            target = self.teacher_latents(x)
+            return self.vae.decode(target), mean, logvar, None, None, target
         z = self.vae.sample(mean, logvar)
         added = self.vae.decode(also_decode(z)) if also_decode is not None else None
         if latent_transform is not None:
@@ -101,7 +109,25 @@ class TrainingForward(torch.nn.Module):
         if self.teacher is not None:
             with torch.no_grad():
                 teacher = self.teacher.decode(z)
-        return self.vae.decode(z), mean, logvar, added, teacher
+        return self.vae.decode(z), mean, logvar, added, teacher, None
+
+
+class TeacherLatents(torch.nn.Module):
+    """--distill_from: the teacher VAE, frozen and in eval mode (never saved: a resumed run reads it again), and its
+    pipelines' latent normalisation (families.Family.diffusion_latents): images -> the latent a diffusion model of the
+    teacher's latent space works in (its posterior mean, normalised, fp32), what a tiny autoencoder encodes to and
+    decodes from."""
+
+    def __init__(self, model: torch.nn.Module, normalise):
+        super().__init__()
+        self.model, self.normalise = model.requires_grad_(False).eval(), normalise
+
+    def train(self, mode: bool = True) -> "TeacherLatents":
+        return super().train(False)  # frozen: TrainingForward's train() must not switch it
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalise(self.model.encode(x).float())
 
 
 class TeacherDecoder(torch.nn.Module):
@@ -129,9 +155,11 @@ class VAETraining:
 
     def __init__(self, vae: AutoEncoder, optim: OptimConfig, make_optimizer, wrap_ddp, device: torch.device,
                  train_parts: str = "all", precision: Precision = FP32, compile: bool = False,
-                 alignment: torch.nn.Module | None = None, teacher: TeacherDecoder | None = None):
+                 alignment: torch.nn.Module | None = None, teacher: TeacherDecoder | None = None,
+                 teacher_latents: TeacherLatents | None = None):
         self.vae, self.optim, self.train_parts = vae, optim, train_parts
-        self.trained = TrainingForward(vae, teacher, frozen_encoder=train_parts == "decoder")
+        self.trained = TrainingForward(vae, teacher, frozen_encoder=train_parts == "decoder",
+                                       teacher_latents=teacher_latents)
         # --vf_weight: the alignment's projection trains beside the VAE (its own checkpoint entry)
         self.projection = ProjectionTraining(alignment.projection, optim, make_optimizer) if alignment else None
         if self.projection is not None:
@@ -382,7 +410,7 @@ def wrap_sharded(module: torch.nn.Module, mesh, find_unused: bool = False) -> to
     vae = module.trained.vae if hasattr(module, "trained") else module.vae
     family = families.of(vae)
     if family.unshardable(vae):
-        raise ConfigError(f"--sharding: a {vae.params.class_name}: {family.unshardable(vae)}; use --sharding ddp")
+        raise ConfigError(f"--sharding: {family.describe(vae.params)}: {family.unshardable(vae)}; use --sharding ddp")
     return sharding.shard(module, family.shard_units(vae), mesh)
 
 

@@ -43,9 +43,9 @@ from config import (Config, DeviceSpeed, best_metric_of, downsample_factor_of, l
                     public_config, uses_vgg16, with_values)
 from objective import Adversary, VAEObjective, micro_step
 from run_log import Metrics
-from run_setup import config_warnings, cpu_use_line, prepare_run, read_init_source
-from train_state import (NonFiniteGuard, TeacherDecoder, VAETraining, adamw, compile_for_sizes, wrap_ddp,
-                         wrap_sharded)
+from run_setup import config_warnings, cpu_use_line, prepare_run, read_init_source, read_teacher
+from train_state import (NonFiniteGuard, TeacherDecoder, TeacherLatents, VAETraining, adamw, compile_for_sizes,
+                         wrap_ddp, wrap_sharded)
 from weights import WeightsUnavailable, ensure_vgg16_weights, fetch_weights, load_vgg16_features, warn_random_vgg
 
 
@@ -53,13 +53,14 @@ from weights import WeightsUnavailable, ensure_vgg16_weights, fetch_weights, loa
 # Building the parts from the config (the only functions outside config.py that take all of it)
 # ============================================================================================
 def build_vae(cfg: Config, device: torch.device, memory_format, resume: tuple[str, dict] | None = None,
-              source: pretrained.Source | None = None, log=print
-              ) -> tuple[torch.nn.Module, dict | None, TeacherDecoder | None]:
+              source: pretrained.Source | None = None, log=print, distill_source: pretrained.Source | None = None
+              ) -> tuple[torch.nn.Module, dict | None, TeacherDecoder | None, TeacherLatents | None]:
     """The autoencoder of the run's family (families.py) on the device: its architecture the flags' (the LDM
     family's new model), the --init_from source's, or the checkpoint's a run resumes from (the source may have moved
     since); with --load_path's or --init_from's weights when not resuming. Also the description of the --init_from
-    source it was initialised from (None otherwise) and, with --distill_weight, the source's own decoder as the
-    teacher (read from the source again on resume)."""
+    source it was initialised from (None otherwise), with --distill_weight the source's own decoder as the teacher
+    (read from the source again on resume), and with --distill_from the teacher's latents (run_setup read the
+    teacher: `distill_source`; read here if not)."""
     ft, init_weights = cfg.finetune, resume is None
     family = families.named(cfg.model.vae_family)
     if ft.init_from and (init_weights or cfg.loss.distill_weight > 0) and source is None:
@@ -81,8 +82,24 @@ def build_vae(cfg: Config, device: torch.device, memory_format, resume: tuple[st
     if cfg.loss.distill_weight > 0:
         teacher = TeacherDecoder(family.teacher(source)).to(device, memory_format=memory_format)
         log(f"distilling from the decoder of {ft.init_from}")
+    teacher_latents = None
+    if ft.distill_from:
+        distill_source = distill_source or read_teacher(cfg)
+        teacher_family = families.of_params(distill_source.params)
+        teacher_model = teacher_family.build(distill_source.params)
+        teacher_model.load_state_dict(distill_source.state)
+        try:
+            normalise = teacher_family.diffusion_latents(teacher_model, distill_source.factors)
+        except ValueError as e:
+            raise ConfigError(f"--distill_from {ft.distill_from}: {e}") from None
+        teacher_latents = TeacherLatents(teacher_model, normalise).to(device, memory_format=memory_format)
+        encoder = (family.take_teacher_encoder(vae, distill_source)
+                   if init_weights and ft.train_parts == "decoder" and not ft.init_from else "")
+        log(f"distilling from {ft.distill_from} ({teacher_family.describe(distill_source.params)}): the decoder "
+            f"decodes its latents, {'the encoder learns them' if ft.train_parts != 'decoder' else 'the encoder is frozen'}"
+            f"{encoder}")
     family.set_memory_plan(vae, cfg.speed.grad_checkpointing, cfg.speed.time_chunks)
-    return vae.to(device, memory_format=memory_format), described, teacher
+    return vae.to(device, memory_format=memory_format), described, teacher, teacher_latents
 
 
 def vgg16_for_run(cfg: Config, info: DistInfo, eval_on: bool, log) -> tuple[dict | None, bool]:
@@ -293,7 +310,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, info: DistInfo, source: pretrained.Source | None = None,
                  derived: dict[str, str | None] | None = None, run_lock: checkpoint.RunLock | None = None,
-                 start: Start | None = None):
+                 start: Start | None = None, distill_source: pretrained.Source | None = None):
         """`cfg` is finished (run_setup.prepare_run); `source`: the --init_from source it read (None: read here
         if needed); `derived`: {automatic field: its basis}, recorded for a continued run; `run_lock`: main's,
         which main releases however the run ends; `start`: main's settled start (Start.settle; None:
@@ -325,10 +342,12 @@ class Trainer:
         torch.manual_seed(cfg.optim.seed)
         # --init_from: what the run started from (path, layout, factors), in config.json and every checkpoint
         self.init_source = resume[1]["run"].get("init_source") if resume is not None else None
-        self.vae, source_described, teacher = build_vae(cfg, self.device, self.memory_format, resume, source,
-                                                        self.log)
+        self.vae, source_described, teacher, teacher_latents = build_vae(
+            cfg, self.device, self.memory_format, resume, source, self.log, distill_source)
         self.init_source = source_described or self.init_source
         self.last_layer = families.of(self.vae).last_layer(self.vae)  # (LDM's adaptive weight reads it)
+        # the constant posterior's noise variance (a deterministic encoder has none: no latent collapses into it)
+        self.posterior_var = cfg.model.posterior_var if cfg.model.posterior == "constant" else 0.0
         vgg_features, with_lpips = vgg16_for_run(cfg, info, self.eval_on, self.log)
         self.objective = VAEObjective.from_config(
             cfg.loss, cfg.latents, cfg.critic, self.precision, vgg_features, with_lpips, self.device,
@@ -354,7 +373,7 @@ class Trainer:
             self.vae.to(self.device)
         self.training = VAETraining(self.vae, cfg.optim, make_optimizer, wrap_vae, self.device,
                                     cfg.finetune.train_parts, self.precision, cfg.speed.compile,
-                                    self.objective.alignment, teacher)
+                                    self.objective.alignment, teacher, teacher_latents)
         self.regularisers = build_regularisers(cfg, self.vae.downsample_factor)
         if cfg.speed.memory_check:  # before the critic's DDP wrapper (the probes run its forward without a backward)
             shapes = memory.StepShape.to_check(
@@ -514,7 +533,7 @@ class Trainer:
                 step_loss = step_loss + out.critic_loss
             step_loss = step_loss + out.loss
             self.metrics.add(**{k: v / accum for k, v in out.logs.items()})
-            run_log.latent_metrics(self.metrics, out.mean, out.logvar, accum, self.cfg.model.posterior_var)
+            run_log.latent_metrics(self.metrics, out.mean, out.logvar, accum, self.posterior_var)
         self.optimizer_steps(step_loss)
         self.metrics.end_step()
 
@@ -718,9 +737,10 @@ def main(argv: list[str] | None = None) -> int:
     with closing_distributed(info):  # however the run ends
         try:
             start = Start.settle(cfg, info, run_lock, lambda line: print(line, flush=True) if info.is_main else None)
-            trainer = Trainer(start.cfg, info, source, setup.derived, run_lock, start=start)
+            trainer = Trainer(start.cfg, info, source, setup.derived, run_lock, start=start,
+                              distill_source=setup.teacher)
             start = None  # the Trainer holds what it needs of the checkpoint
-            source = setup.source = None  # the weights are in the model now: do not hold a second copy for the run
+            source = setup.source = setup.teacher = None  # the weights are in the models now: no second copy
             return trainer.train()
         except RunComplete as e:
             if info.is_main:

@@ -95,6 +95,14 @@ Sections
           held-out photos at 64 px (PSNR, SSIM; LPIPS with pretrained VGG16 only); --decoder_grid writes their
           reconstructions as one PNG.
 
+  tae (only when named in --sections) Issue 47 (bench/tae.py): the released TAEF2 fine-tuned on 128 px crops of 8
+          photos of one kind (--tae_photos, split by photo: 8 train, 2 validate, 2 test) with real commands, each case
+          of --tae_cases --tae_steps steps concurrently (one thread each): the issue's plain-MSE loop (lr 1e-4, no
+          EMA) and the project's fine-tune defaults, decoder only and whole, with and without the PatchGAN; held-out
+          PSNR/SSIM (evaluate.py) of the test photos' crops and of scikit-image's photos, final EMA weights and the
+          best checkpoint, against the release's. And a decoder trained from scratch for TAEF2's latents
+          (--distill_from, --tae_student_steps), its validation PSNR against steps against TAEF2's own decoder.
+
   resolutions (only when named in --sections) Train at one size or several, serve at larger ones (issue 26), with
           real commands: three `vae_trainer.py --demo --max_steps N` runs (N: --res_steps), concurrently, one thread
           each, the same photos, seed and pixels per step: at 64 px alone; with --train_resolutions 64,96,128 (the
@@ -175,11 +183,12 @@ from bench.video_decode import bench_video_decode
 from bench.video_chunks import bench_video_chunks
 from bench.families import bench_families
 from bench.sharding import bench_sharding
+from bench.tae import CASES as TAE_CASES, bench_tae
 
 
 SECTIONS = ("data", "train", "memory", "gpu", "quality", "finetune", "latents", "decoders", "decoder_quality",
             "resolutions", "copies", "precision", "video", "video_critic", "video_decode", "video_chunks",
-            "families", "sharding")
+            "families", "sharding", "tae")
 TARGETS = {  # key: (comparison, threshold)
     "pipeline_fraction_of_decode": (">=", 0.90),
     "train_step_speedup": (">=", 1.3),
@@ -289,6 +298,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="write the held-out reconstructions' grid (PNG; the first seed's runs) here")
     g.add_argument("--decoder_runs_dir", default="",
                    help="keep the runs, exports, logs and evaluations here (default: a temporary folder)")
+    g = p.add_argument_group("tae")
+    g.add_argument("--tae_photos", default="/usr/share/backgrounds/mate/nature",
+                   help="12 photos of one kind (sorted by name: 8 to train on, 2 to validate, 2 to test), e.g. Debian's "
+                        "mate-backgrounds' nature photos")
+    g.add_argument("--tae_steps", type=int, default=150, help="steps of each fine-tune of TAEF2")
+    g.add_argument("--tae_cases", default=",".join(TAE_CASES), help="comma-separated fine-tune cases")
+    g.add_argument("--tae_student_steps", type=int, default=1200,
+                   help="steps of the decoder trained from scratch for TAEF2's latents (0: none)")
+    g.add_argument("--tae_runs_dir", default="", help="keep the tae section's runs here (finished runs are not "
+                                                      "trained again)")
     g = p.add_argument_group("resolutions")
     g.add_argument("--res_steps", type=int, default=600, help="steps of each run of the resolutions section")
     g.add_argument("--res_heldout_url", default="",
@@ -534,7 +553,7 @@ def main(argv=None) -> int:
     # Trainer construction and the data tools print progress lines: keep stdout for the JSON object
     with contextlib.redirect_stdout(report.stream), tempfile.TemporaryDirectory(prefix="vae_bench_") as tmp:
         if set(args.sections) - {"quality", "decoders", "decoder_quality", "resolutions", "precision", "video",
-                                 "video_critic", "video_decode", "video_chunks", "families", "sharding"}:
+                                 "video_critic", "video_decode", "video_chunks", "families", "sharding", "tae"}:
             report.line(f"generating {args.images} photo-like {args.height}x{args.width} images as PNG and JPEG "
                         "shards ...")
             datasets = make_datasets(tmp, args.images, args.height, args.width, args.seed)
@@ -575,6 +594,8 @@ def main(argv=None) -> int:
             results["families"] = bench_families(args, report)
         if "sharding" in args.sections:
             results["sharding"] = bench_sharding(args, tmp, report)
+        if "tae" in args.sections:
+            results["tae"] = bench_tae(args, tmp, report)
         if "gpu" in args.sections and device.type == "cuda":
             results["gpu"] = bench_gpu(args, train_url, tmp, device, report)
         elif "gpu" in args.sections:

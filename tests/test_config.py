@@ -38,7 +38,7 @@ def test_every_field_is_in_one_section_and_the_config_is_flat_on_disk():
     assert config.with_values(cfg, lecam_weight=0.1).critic.lecam_weight == 0.1
     with pytest.raises(TypeError, match="no_such"):
         config.with_values(cfg, no_such=1)
-    assert config.ARCH_FIELDS == ("vae_family", "vae_class", "vae_ch", "vae_ch_mult", "vae_num_res_blocks",
+    assert config.ARCH_FIELDS == ("vae_family", "vae_class", "tae_variant", "vae_ch", "vae_ch_mult", "vae_num_res_blocks",
                                   "vae_z_channels", "vae_norm_groups", "do_attn", "posterior", "vae_quant_conv",
                                   "vae_decoder_ch", "vae_latent_bn", "vae_patch_size", "vae_spatial_factor",
                                   "vae_temporal_factor")

@@ -244,8 +244,9 @@ def test_every_diffusers_autoencoder_trains_here_or_is_refused_in_one_line(tmp_p
         assert reason in message and "loadable are" in message and "\n" not in message, message
 
 
-NAMING_MODULES = ("families", "pretrained", "diffusers_ae", "ae", "wan_ae")  # the registry and the model modules
-MODEL_CLASSES = ("AutoEncoder", "WanAutoEncoder", "DiffusersAutoEncoder", "WanParams", "DiffusersParams")
+NAMING_MODULES = ("families", "pretrained", "diffusers_ae", "ae", "wan_ae", "tae")  # the registry and the model modules
+MODEL_CLASSES = ("AutoEncoder", "WanAutoEncoder", "DiffusersAutoEncoder", "WanParams", "DiffusersParams",
+                 "TinyAutoEncoder", "TAEParams")
 
 
 def test_no_module_outside_the_registry_names_a_family():

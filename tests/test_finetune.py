@@ -309,7 +309,7 @@ def test_decoder_only_with_checkpointing_and_bf16_gives_the_same_decoder_gradien
         vae.train()
         torch.manual_seed(3)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            recon, mean, logvar, _, _ = model(torch.rand(2, 3, 32, 32))
+            recon, mean, logvar, _, _, _ = model(torch.rand(2, 3, 32, 32))
         recon.float().square().mean().backward()
         assert not mean.requires_grad and not vae.encoder.training and not vae.quant_conv.training
         assert all(p.grad is None for p in list(vae.encoder.parameters()) + list(vae.quant_conv.parameters()))

@@ -54,7 +54,7 @@ def test_a_frozen_encoder_stays_frozen_and_in_eval_mode():
     trainer's train() (evaluation switches modes on its way out); the decoder trains."""
     vae = tiny(0, posterior="learned", quant_conv=True)
     forward = train_state.TrainingForward(vae, frozen_encoder=True).train()
-    recon, mean, logvar, _, _ = forward(torch.rand(2, 3, 16, 16))
+    recon, mean, logvar, _, _, _ = forward(torch.rand(2, 3, 16, 16))
     recon.square().mean().backward()
     assert not vae.encoder.training and not vae.quant_conv.training and vae.decoder.training
     assert not mean.requires_grad and not logvar.requires_grad

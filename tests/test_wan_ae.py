@@ -220,8 +220,8 @@ def test_interface_of_ae_autoencoder():
     assert vae.downsample_factor == 4 and vae.params.z_channels == 4
     assert vae.params.posterior == "learned" and vae.params.quant_conv  # frozen with the encoder by --train_parts
     x = images(2, 16)
-    recon, mean, logvar, added, _ = train_state.TrainingForward(vae)(x, latent_transform=lambda z: 0 * z,
-                                                                     also_decode=lambda z: z.flip(-1))
+    recon, mean, logvar, added, _, _ = train_state.TrainingForward(vae)(x, latent_transform=lambda z: 0 * z,
+                                                                        also_decode=lambda z: z.flip(-1))
     assert recon.shape == x.shape and mean.shape == logvar.shape == (2, 4, 4, 4)
     assert mean.dtype == logvar.dtype == torch.float32 and added.shape == x.shape
     with torch.no_grad():
