@@ -563,6 +563,15 @@ class TAE(Family):
         except ValueError as e:
             raise ConfigError(f"--tae_variant {model.tae_variant}: {e}") from None
 
+    # A trained tiny autoencoder's fine-tune rate: a fifth of the automatic one (a tenth of a new model's, 5e-5 at its
+    # width 64), which on TAEF2 and 72 crops of 8 photos left held-out crops of the same photo set 0.16 dB worse after
+    # 150 steps where 1e-5 left them 0.19 dB better (BENCHMARKS.md section 20)
+    FINETUNE_RATE = 1e-5
+
+    def apply_source(self, cfg, given, source):
+        cfg = super().apply_source(cfg, given, source)
+        return cfg if "learning_rate_vae" in given else with_values(cfg, learning_rate_vae=self.FINETUNE_RATE)
+
     def arch_flags(self, p):
         return dict(vae_family="tae", vae_class="", tae_variant=p.variant, vae_ch=64, vae_ch_mult="1",
                     vae_num_res_blocks=1, vae_z_channels=p.z_channels, vae_norm_groups=1, do_attn=False,

@@ -98,7 +98,8 @@ Sections
   tae (only when named in --sections) Issue 47 (bench/tae.py): the released TAEF2 fine-tuned on 128 px crops of 8
           photos of one kind (--tae_photos, split by photo: 8 train, 2 validate, 2 test) with real commands, each case
           of --tae_cases --tae_steps steps concurrently (one thread each): the issue's plain-MSE loop (lr 1e-4, no
-          EMA) and the project's fine-tune defaults, decoder only and whole, with and without the PatchGAN; held-out
+          EMA), lr 5e-5 and the tae family's fine-tune default 1e-5, decoder only and whole, with and without the
+          PatchGAN; held-out
           PSNR/SSIM (evaluate.py) of the test photos' crops and of scikit-image's photos, final EMA weights and the
           best checkpoint, against the release's. And a decoder trained from scratch for TAEF2's latents
           (--distill_from, --tae_student_steps), its validation PSNR against steps against TAEF2's own decoder.
@@ -304,7 +305,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "mate-backgrounds' nature photos")
     g.add_argument("--tae_steps", type=int, default=150, help="steps of each fine-tune of TAEF2")
     g.add_argument("--tae_cases", default=",".join(TAE_CASES), help="comma-separated fine-tune cases")
-    g.add_argument("--tae_student_steps", type=int, default=1200,
+    g.add_argument("--tae_student_steps", type=int, default=600,
                    help="steps of the decoder trained from scratch for TAEF2's latents (0: none)")
     g.add_argument("--tae_runs_dir", default="", help="keep the tae section's runs here (finished runs are not "
                                                       "trained again)")

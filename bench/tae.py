@@ -33,14 +33,14 @@ COMMON = dict(vae_resolution=SIZE, batch_size=4, perceptual_weight=0.0, mse_pool
               evaluate_every_n_steps=25, eval_max_images=32, save_every_n_steps=25, keep_last_k=2,
               log_every_n_steps=25, vgg16_weights="random", inception_weights="none", wandb_mode="disabled",
               num_workers=1, num_threads=1)
-# The cases: the plain PyTorch loop (plain MSE, lr 1e-4, no EMA, no warm-up, the final weights); the
-# trainer's automatic rate for a fine-tune (a tenth of a new model's: 5e-5 at the TAE's width 64); then what
-# docs/finetuning.md recommends for a small set (lr 1e-5, EMA 0.999), decoder only and whole, with and without the
-# PatchGAN critic
+# The cases: the plain PyTorch loop (plain MSE, lr 1e-4, no EMA, no warm-up, the final weights); 5e-5, the
+# general rule's rate for a fine-tune (a tenth of a new model's at the TAE's width 64); then 1e-5, the tae family's
+# default for a fine-tune (families.TAE.FINETUNE_RATE, chosen from this table), decoder only and whole, with and
+# without the PatchGAN critic (EMA 0.999 and the best checkpoint kept, as by default)
 CASES = {
     "plain_mse_lr1e-4": dict(train_parts="decoder", learning_rate_vae=1e-4, ema_decay=0.0, warmup_steps=0,
                              loss_balance="none", lowpass_mse_weight=0.0),
-    "auto_lr_decoder": dict(train_parts="decoder"),
+    "lr5e-5_decoder": dict(train_parts="decoder", learning_rate_vae=5e-5),
     "lr1e-5_decoder": dict(train_parts="decoder", learning_rate_vae=1e-5),
     "lr1e-5_decoder_gan": dict(train_parts="decoder", learning_rate_vae=1e-5, do_ganloss=True,
                                discriminator="patchgan", disc_start=0),
