@@ -385,7 +385,8 @@ class OptimConfig:
     TITLE: ClassVar[str] = "Optimisation"  # the flag table's heading
 
     learning_rate_vae: float = opt(0.0, "VAE learning rate (AdamW). 0: auto, 0.032 / --vae_ch (1e-3 at ch 32, "
-                                        "2.5e-4 at ch 128); a tenth of that with --init_from")
+                                        "2.5e-4 at ch 128); a tenth of that with --init_from (1e-5 from a "
+                                        "released tiny autoencoder: BENCHMARKS.md section 20)")
     weight_decay: float = opt(1e-3, "AdamW weight decay (both networks)")
     adam_beta1: float = opt(0.9, "AdamW beta1")
     adam_beta2: float = opt(0.95, "AdamW beta2")
