@@ -487,8 +487,11 @@ def params_of(encoder: dict[str, Tensor], decoder: dict[str, Tensor], where: str
         encoder[f"{i}.conv.0.weight"].shape[1] == 2 * encoder[f"{i}.conv.0.weight"].shape[0]
         for i, names in enc.items() if "conv.0.weight" in names)
     if mem:  # TAEHV: TPools before the strided convs, TGrows in the decoder
-        pools = [i for i, names in enc.items() if names == {"conv.weight"} and encoder[f"{i}.conv.weight"].shape[2] == 1]
-        grows = [i for i, names in dec.items() if names == {"conv.weight"} and decoder[f"{i}.conv.weight"].shape[2] == 1]
+        # (in layer order: a safetensors file lists its keys sorted as strings, "10." before "2.")
+        pools = sorted(i for i, names in enc.items()
+                       if names == {"conv.weight"} and encoder[f"{i}.conv.weight"].shape[2] == 1)
+        grows = sorted(i for i, names in dec.items()
+                       if names == {"conv.weight"} and decoder[f"{i}.conv.weight"].shape[2] == 1)
         if len(pools) != 3 or len(grows) != 3:
             raise not_tae
         down = tuple(encoder[f"{i}.conv.weight"].shape[1] // encoder[f"{i}.conv.weight"].shape[0] == 2 for i in pools)

@@ -166,6 +166,12 @@ def test_each_layout_is_written_and_read_back_bitwise(name, tmp_path):
         assert loaded.params == params, path
         assert loaded.state.keys() == vae.state_dict().keys()
         assert all(torch.equal(loaded.state[k], v) for k, v in vae.state_dict().items())
+    if params.video:  # TAEHV's other published layout: the same keys as .safetensors
+        from safetensors.torch import save_file
+        save_file({k: v.half() for k, v in vae.state_dict().items()}, str(tmp_path / "mine.safetensors"))
+        loaded = tae.load(str(tmp_path / "mine.safetensors"))
+        assert loaded.params == params and loaded.layout == "single_file"
+        assert all(torch.equal(loaded.state[k], v.half().float()) for k, v in vae.state_dict().items())
     size = 64 if params.downsample_factor <= 16 else 128
     frames = 1 + 2 * params.temporal_factor  # a clip of 1 + t k frames
     x = torch.rand(1, 3, frames, size, size) * 2 - 1 if params.video else torch.rand(2, 3, size, size) * 2 - 1
