@@ -420,11 +420,13 @@ def test_a_video_class_fine_tunes_under_torchrun_with_identical_ranks(clip_url, 
 def test_what_a_family_cannot_do_is_one_line_and_writes_nothing(shard_url, tmp_path, capsys):
     """Each refusal is one `error:` line before anything is written: a family the user names that does not read the
     folder's class (a flag given is never dropped), checkpointing a class without it, --compile through diffusers'
-    module, a single file of a family that loads from its folder."""
+    module, a single file of a family that loads from its folder, a size off a class's own spatial factor (named as
+    the class's, not as --vae_ch_mult's, a flag the class does not read: issue 48 item 12)."""
     import vae_trainer
     from safetensors.torch import save_file
     hv = tiny_folder("AutoencoderKLHunyuanVideo", tmp_path / "hv")
     qwen2 = tiny_folder("AutoencoderKLQwenImage21", tmp_path / "qwen2")
+    ltx2 = tiny_folder("AutoencoderKLLTX2Video", tmp_path / "ltx2")
     save_file({"vae.encoder.conv_in.conv.weight": torch.zeros(8, 3, 3, 3, 3)}, tmp_path / "ltx-video-2b.safetensors")
     runs = tmp_path / "runs"
     cases = [([hv, "--vae_family", "wan"], "a AutoencoderKLHunyuanVideo, which --vae_family wan does not read (its "
@@ -432,13 +434,15 @@ def test_what_a_family_cannot_do_is_one_line_and_writes_nothing(shard_url, tmp_p
              ([qwen2, "--grad_checkpointing", "decoder"], "diffusers' AutoencoderKLQwenImage21 has no gradient "
                                                           "checkpointing"),
              ([qwen2, "--compile"], "--compile: not tested with diffusers' own modules"),
-             ([str(tmp_path / "ltx-video-2b.safetensors")], "the other families load from their diffusers folder")]
+             ([str(tmp_path / "ltx-video-2b.safetensors")], "the other families load from their diffusers folder"),
+             ([ltx2, "--video_frames", "9", "--vae_resolution", "48"],
+              "--vae_resolution 48 is not divisible by the spatial factor 32 of AutoencoderKLLTX2Video")]
     for extra, message in cases:
         args = ["--init_from", extra[0], "--dataset_url", shard_url, "--output_dir", str(runs), "--run_name", "x",
                 "--vae_resolution", "32", "--wandb_mode", "disabled", *extra[1:]]
         assert vae_trainer.main(args) == 2, extra
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and message in err[0], err
+        assert len(err) == 1 and message in err[0] and "--vae_ch_mult" not in err[0], err
     assert not os.path.exists(runs)
 
 
