@@ -28,7 +28,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torchvision
+
+from common import exit_if_torch_pair_broken
+if __name__ == "__main__":  # first: a torch/torchvision mismatch is one line, not an import's traceback
+    exit_if_torch_pair_broken()
+import torchvision  # noqa: E402 (after the check above; so are the imports below)
 from torch import Tensor, nn
 
 import data as data_lib

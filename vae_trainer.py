@@ -25,7 +25,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import checkpoint
+from common import exit_if_torch_pair_broken
+if __name__ == "__main__":  # first: a torch/torchvision mismatch is one line, not an import's traceback
+    exit_if_torch_pair_broken()
+import checkpoint  # noqa: E402 (after the check above; so are the imports below)
 import common
 import data as data_lib
 import evaluate as evaluate_lib
