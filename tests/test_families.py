@@ -457,7 +457,8 @@ def test_the_memory_check_offers_only_what_a_class_can_do():
     cfg = run_setup.parse_config(["--perceptual_weight", "0", "--mse_pool_factor", "4"])
     objective = objective_of(cfg, with_lpips=False, z_channels=8)
     shape = memory.StepShape(64, 4096, can_checkpoint=families.of(vae).can_checkpoint(vae.params))
-    line, refuse = memory.check_before_training(vae, objective, shape, torch.device("cpu"), ema=True)
+    verdict = memory.check_before_training(vae, objective, shape, torch.device("cpu"), ema=True)
+    line, refuse = verdict.line, verdict.refuse
     assert refuse and "\n" not in line and "--batch_size 32 --grad_accum 2" in line and "--precision bf16" in line
     assert "--grad_checkpointing" not in line
     assert memory.all_remedies(shape)[1].grad_checkpointing == "none"
