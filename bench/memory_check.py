@@ -12,8 +12,8 @@ recorded: trainer.memory_verdict), then trains --check_steps steps on in-memory 
     count).
 The cases: CASES on a CPU (FLUX.1's ae.py layout at 256 px with the VGG16 critic; Wan 2.1's VAE decoder-only on 17
 frames of 64 px, whole and in chunks; CogVideoX's at its default 215.6M config, decoder-only, 9 frames of 64 px, the
-issue's run), CUDA_CASES on a GPU (LTX-2's and HunyuanVideo 1.5's VAE at their default configs, decoder-only, 17
-frames of 256 px, checkpointed, bf16).
+decoder checkpointed and not: the issue's run), CUDA_CASES on a GPU (LTX-2's and HunyuanVideo 1.5's VAE at their
+default configs, decoder-only, 17 frames of 256 px, checkpointed, bf16).
 """
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ CASES = {
     "wan21_17f_64_chunked": ("AutoencoderKLWan", dict(CLIPS, video_frames=17, vae_resolution=64,
                                                       train_time_chunks="4,1")),
     "cogvideox_9f_64": ("AutoencoderKLCogVideoX", dict(CLIPS, video_frames=9, vae_resolution=64)),
+    # (the issue's run had no checkpointing: the activations then hold most of the step)
+    "cogvideox_9f_64_unchecked": ("AutoencoderKLCogVideoX", dict(CLIPS, video_frames=9, vae_resolution=64,
+                                                                 grad_checkpointing="none")),
     # (tests/test_memory.py's, and --quick's: a small model whose step still holds more than the interpreter)
     "ldm_small_128": (None, dict(vae_ch=64, vae_ch_mult="1,2,2", vae_num_res_blocks=1, vae_z_channels=4,
                                  vae_resolution=128, batch_size=2)),
@@ -49,7 +52,8 @@ CUDA_CASES = {
     "hunyuanvideo15_17f_256": ("AutoencoderKLHunyuanVideo15", dict(CLIPS, video_frames=17, vae_resolution=256,
                                                                    precision="bf16")),
 }
-DEFAULT_CASES = ("ldm_flux_256", "wan21_17f_64", "wan21_17f_64_chunked", "cogvideox_9f_64")
+DEFAULT_CASES = ("ldm_flux_256", "wan21_17f_64", "wan21_17f_64_chunked", "cogvideox_9f_64",
+                 "cogvideox_9f_64_unchecked")
 
 
 def reset_peak() -> None:
