@@ -134,7 +134,7 @@ def _flags(name: str, root: str, data: dict) -> tuple[dict, str]:
 
 def _data(root: str) -> dict:
     """Images (the demo's photos) and 17-frame clips of 64 px of them, as shards."""
-    from bench.memory_check import _data as shards_of
+    from bench.memory_check import data_shards as shards_of
     return {"images": shards_of(os.path.join(root, "images"), 0, 64),
             "clips": shards_of(os.path.join(root, "clips"), CLIP_FRAMES, CLIP_SIZE)}
 

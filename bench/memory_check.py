@@ -81,7 +81,7 @@ def source_folder(class_name: str, folder: str) -> str:
     return folder
 
 
-def _data(tmp: str, frames: int, size: int) -> str:
+def data_shards(tmp: str, frames: int, size: int) -> str:
     """Shards of the demo's photos, or of moving-camera clips of them (`frames` > 0), at `size` px."""
     import skimage
     import shards
@@ -102,7 +102,7 @@ def measure_case(name: str, device: str = "cpu", steps: int = 2) -> dict:
     dev = torch.device(device)
     out: dict = {"case": name, "source": source, "device": device}
     with tempfile.TemporaryDirectory(prefix="memory_check_") as tmp:
-        url = _data(tmp, flags.get("video_frames", 0), flags["vae_resolution"])
+        url = data_shards(tmp, flags.get("video_frames", 0), flags["vae_resolution"])
         if source:
             flags = {**flags, "init_from": source_folder(source, os.path.join(tmp, "source"))}
         out["rss_before_build_gib"] = current_rss() / GIB
