@@ -238,12 +238,14 @@ def crop_clip(clip: list[np.ndarray], resolution: int, rng: random.Random | None
 
 
 def verify_video(data: bytes) -> None:
-    """Raises SkipSample unless the first frame of the video decodes (what make-clips verifies)."""
+    """Raises SkipSample unless the first two frames of the video decode one frame apart (what make-clips verifies:
+    a video whose frames are not evenly spaced from its start, variable_frame_rate, would have every window refused
+    in training)."""
     video = Video(data)
     try:
         if video.frames < 1:
             raise SkipSample("too_short")
-        video.read(0, 1)
+        video.read(0, min(2, video.frames))
     finally:
         video.close()
 

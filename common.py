@@ -53,6 +53,39 @@ def first_line(text, limit: int = 200) -> str:
     return (cut if len(cut) > limit // 2 else line[:limit]) + "..."
 
 
+def torch_pair_problem() -> str | None:
+    """None if torchvision imports; else one line: the torch and torchvision installed, what the torchvision asks
+    for, and the pip command that installs a matching pair. (A torchvision built for another torch than the one
+    installed fails inside its own import, e.g. "operator torchvision::nms does not exist": pip can leave such a
+    pair when the CPU index has no torch for this Python and it falls back to another.)"""
+    try:
+        import torchvision  # noqa: F401
+        return None
+    except Exception as error:  # (RuntimeError from its operator registrations, or ImportError/OSError of _C)
+        from importlib import metadata
+        try:
+            installed = metadata.version("torchvision")
+            wants = next((r for r in metadata.requires("torchvision") or () if r.replace(" ", "").startswith(
+                "torch") and r[5:6] in " =<>~!("), "")
+        except metadata.PackageNotFoundError:
+            installed, wants = "(not installed)", ""
+        wants = f" (it asks for {wants.translate(str.maketrans('', '', ' ()'))})" if wants else ""
+        index = " --index-url https://download.pytorch.org/whl/cpu" if torch.version.cuda is None else ""
+        return (f"torchvision {installed}{wants} does not load with torch {torch.__version__}: "
+                f"{first_line(error, 100)}; install a matching pair: "
+                f"pip install --force-reinstall torch torchvision{index}")
+
+
+def exit_if_torch_pair_broken() -> None:
+    """A command's first act (vae_trainer.py, evaluate.py, export.py, probe.py, bench.py), before the modules
+    that import torchvision: a torch/torchvision mismatch is one `error:` line and exit 2, not an import's
+    traceback."""
+    problem = torch_pair_problem()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def parse_bool(s: str) -> bool:
     if s.lower() in ("1", "true", "yes", "on"):
         return True

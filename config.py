@@ -386,7 +386,7 @@ class OptimConfig:
 
     learning_rate_vae: float = opt(0.0, "VAE learning rate (AdamW). 0: auto, 0.032 / --vae_ch (1e-3 at ch 32, "
                                         "2.5e-4 at ch 128); a tenth of that with --init_from (1e-5 from a "
-                                        "released tiny autoencoder: BENCHMARKS.md section 20)")
+                                        "released tiny autoencoder: BENCHMARKS.md section 21)")
     weight_decay: float = opt(1e-3, "AdamW weight decay (both networks)")
     adam_beta1: float = opt(0.9, "AdamW beta1")
     adam_beta2: float = opt(0.95, "AdamW beta2")
@@ -780,6 +780,17 @@ def downsample_factor_of(model: ModelConfig) -> int:
     return model.vae_spatial_factor or 2 ** (len(model.ch_mult) - 1) * model.vae_patch_size
 
 
+def downsample_factor_named(model: ModelConfig) -> str:
+    """The downsample factor with what sets it, for a refusal: a source's own spatial factor (a diffusers class,
+    whose --vae_ch_mult is a placeholder), else --vae_ch_mult's levels (and --vae_patch_size's patch)."""
+    factor = downsample_factor_of(model)
+    if model.vae_spatial_factor:
+        return (f"the spatial factor {factor} of {model.vae_class or 'the source'} (--vae_spatial_factor, set by "
+                "--init_from)")
+    patch = f" and --vae_patch_size {model.vae_patch_size}" if model.vae_patch_size > 1 else ""
+    return f"the downsample factor {factor} of --vae_ch_mult {model.vae_ch_mult}{patch}"
+
+
 def decoder_channels_of(model: ModelConfig) -> tuple[int, ...]:
     """--vae_decoder_ch as widths; () when it is empty or the encoder's own (the canonical form)."""
     if not model.vae_decoder_ch:
@@ -1001,8 +1012,8 @@ def validate_across_sections(cfg: Config) -> None:
     check_train_resolutions(cfg, factor)
     last_stage_levels(cfg)
     if data.vae_resolution % factor:
-        raise ConfigError(f"--vae_resolution {data.vae_resolution} is not divisible by the downsample factor "
-                          f"{factor} of --vae_ch_mult {model.vae_ch_mult}")
+        raise ConfigError(f"--vae_resolution {data.vae_resolution} is not divisible by "
+                          f"{downsample_factor_named(model)}: take a multiple of {factor}")
     if data.vae_resolution % loss.mse_pool_factor:
         raise ConfigError(f"--vae_resolution {data.vae_resolution} is not divisible by --mse_pool_factor "
                           f"{loss.mse_pool_factor}")

@@ -28,7 +28,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torchvision
+
+from common import exit_if_torch_pair_broken
+if __name__ == "__main__":  # first: a torch/torchvision mismatch is one line, not an import's traceback
+    exit_if_torch_pair_broken()
+import torchvision  # noqa: E402 (after the check above; so are the imports below)
 from torch import Tensor, nn
 
 import data as data_lib
@@ -652,14 +656,32 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "default: 1024 for --images, 0 for metrics: the numbers "
                                                              "of training's evaluation without --eval_tile_size)")
     p.add_argument("--tile_overlap", type=int, default=128, help="overlap of neighbouring tiles, pixels")
-    p.add_argument("--video_frames", type=int, default=0,
+    p.add_argument("--video_frames", type=int, default=None,
                    help="clips: the videos of --dataset_url as clips of their first N frames (1 + t k for the video "
                         "VAE's temporal factor t: a video run's checkpoint, or a video VAE's diffusers folder, a Wan "
                         "one loaded as the video model): per-frame metrics with temporal_psnr and tlp "
-                        "(docs/evaluation.md). 0: images")
-    p.add_argument("--video_frame_stride", type=int, default=1,
-                   help="with --video_frames: every k-th frame of the videos (the run's --video_frame_stride)")
+                        "(docs/evaluation.md). 0: images. Default: a run's checkpoint's own (its --video_frames), "
+                        "else images")
+    p.add_argument("--video_frame_stride", type=int, default=None,
+                   help="with --video_frames: every k-th frame of the videos (default: a run's checkpoint's "
+                        "--video_frame_stride, else 1)")
     return p
+
+
+def clips_of_checkpoint(args, info: dict) -> str | None:
+    """--video_frames and --video_frame_stride made concrete: as given, else a run's checkpoint's own (a clip run
+    is evaluated on clips of its length without the flag: its checkpoint records them), else images (0) and every
+    frame (1). --images reconstructs images: 0. The line that says so where the checkpoint's were taken, else None."""
+    recorded = 0 if args.images else info.get("video_frames") or 0
+    taken = args.video_frames is None and recorded > 0
+    if args.video_frames is None:
+        args.video_frames = recorded
+    if args.video_frame_stride is None:
+        args.video_frame_stride = (info.get("video_frame_stride") or 1) if args.video_frames == recorded else 1
+    if not taken:
+        return None
+    return (f"clips of {args.video_frames} frames (--video_frame_stride {args.video_frame_stride}), as the run "
+            "trained: its --video_frames (--video_frames 0 evaluates images)")
 
 
 def tile_size_of(args) -> int:
@@ -729,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.best:  # the run's best checkpoint, and the weights its --best_metric measured
             args.ckpt, args.ema = best_checkpoint(args.ckpt, args.ema)
-        vae, info = load_model(args.ckpt, args.ema, video=args.video_frames > 0)
+        vae, info = load_model(args.ckpt, args.ema, video=bool(args.video_frames))
+        clip_note = clips_of_checkpoint(args, info)
         resolutions = parse_sizes(args.resolution, "resolution") or (info["resolution"],)
         if resolutions == (None,):
             raise ConfigError(f"--ckpt {args.ckpt} does not record the size it was trained at: give --resolution")
@@ -738,6 +761,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, data_lib.DatasetError) as e:
         log(f"error: {e}")
         return 2
+    if clip_note:
+        log(clip_note)
     dist_info = init_distributed()
     vae.to(dist_info.device)
     autocast = None

@@ -41,7 +41,10 @@ import sys
 
 import torch
 
-import data as data_lib
+from common import exit_if_torch_pair_broken
+if __name__ == "__main__":  # first: a torch/torchvision mismatch is one line, not an import's traceback
+    exit_if_torch_pair_broken()
+import data as data_lib  # noqa: E402 (after the check above; so are the imports below)
 import evaluate
 import families
 import pretrained

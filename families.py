@@ -565,7 +565,7 @@ class TAE(Family):
 
     # A trained tiny autoencoder's fine-tune rate: a fifth of the automatic one (a tenth of a new model's, 5e-5 at its
     # width 64), which on TAEF2 and 72 crops of 8 photos left held-out crops of the same photo set 0.16 dB worse after
-    # 150 steps where 1e-5 left them 0.19 dB better (BENCHMARKS.md section 20)
+    # 150 steps where 1e-5 left them 0.19 dB better (BENCHMARKS.md section 21)
     FINETUNE_RATE = 1e-5
 
     def apply_source(self, cfg, given, source):

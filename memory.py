@@ -85,12 +85,23 @@ class StepMemory:
     copies: int = 0  # whole-VAE copies kept for the run: evaluation's model for the EMA weights
     between_steps: int = 0  # held only between steps, when the step's activations are freed: the probe's copy
     gathered: int = 0  # sharded: the weights (and a gradient) gathered whole during the step (state_memory)
+    # CPU: what the process holds besides these tensors (the interpreter, the libraries, the heap the allocator keeps
+    # of freed blocks: the probes' and the source's), measured by the check after its probes (process_bytes); 0 on
+    # CUDA, where torch.cuda.max_memory_allocated counts tensors only
+    process: int = 0
 
     @property
     def total(self) -> int:
+        """The tensors at the peak: what the step adds to the memory in use must fit in the free memory."""
         # (between steps nothing is gathered: the root reshards after backward, every unit after its pass)
         return (max(self.activations + self.gathered, self.between_steps) + self.weights + self.training_state
                 + self.copies)
+
+    @property
+    def peak(self) -> int:
+        """The run's peak as its device measures it: on a CPU the process's peak resident memory (the tensors and
+        the process itself), on CUDA torch.cuda.max_memory_allocated (the tensors)."""
+        return self.total + self.process
 
 
 @contextlib.contextmanager
@@ -395,6 +406,29 @@ def fit_message(needed: StepMemory, available: tuple[int, str], shape: StepShape
             f"{_gib(needed.training_state)}{sharded}) but {_gib(free)} is {where}; these help: " + ", ".join(options))
 
 
+def shape_words(shape: StepShape) -> str:
+    """'batch 2 x 256 px', with the clip length and the shards where there are."""
+    clips = f" clips of {shape.frames} frames" if shape.frames else ""
+    return f"batch {shape.batch_size}{clips} x {shape.resolution} px"
+
+
+def summary_line(verdict: "Verdict") -> str:
+    """The line the run prints at its start whether or not the step fits: what the step needs, by part, the peak the
+    device will measure (a CPU's resident memory adds the process itself), and what the device has."""
+    needed, (free, where) = verdict.needed, verdict.available
+    parts = (f"activations {_gib(needed.activations)}, weights {_gib(needed.weights)}, gradients/AdamW/EMA "
+             f"{_gib(needed.training_state)}" + (f", copies {_gib(needed.copies)}" if needed.copies else "")
+             + (f", gathered units {_gib(needed.gathered)} ({verdict.shape.shards} shards)"
+                if verdict.shape.shards > 1 else ""))
+    if verdict.device == "cpu":
+        peak = (f" + this process {_gib(needed.process)} (interpreter, libraries, allocator): a peak RSS of about "
+                f"{_gib(needed.peak)}")
+    else:
+        peak = " of tensors (torch.cuda.max_memory_allocated; the CUDA context and the allocator's cache come on top)"
+    return (f"memory check: a training step at {shape_words(verdict.shape)} needs about {_gib(needed.total)} "
+            f"({parts}){peak}; {_gib(free)} {where}")
+
+
 def out_of_memory_message(error: BaseException, shape: StepShape, step: int) -> str:
     """The one line for a CUDA out-of-memory error met at `step` (torch.cuda.OutOfMemoryError)."""
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
@@ -440,9 +474,21 @@ def _training_state_untouched(vae: nn.Module, objective):
                 torch.cuda.empty_cache()  # the probes' blocks, before the real step allocates its own
 
 
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The check on one rank: the step judged (the costliest of the shapes) and what it needs, what the device has,
+    the warning line (None: it fits) and whether the run would die (refuse)."""
+    line: str | None
+    refuse: bool
+    needed: StepMemory
+    shape: StepShape
+    available: tuple[int, str]
+    device: str = "cpu"  # the device's type
+
+
 def check_before_training(vae: nn.Module, objective, shape: StepShape | list[StepShape], device, ema: bool = True,
-                          **features) -> tuple[str | None, bool]:
-    """(line, refuse) before the first step: None if the step fits; else fit_message's line and whether the
+                          **features) -> Verdict:
+    """The Verdict before the first step: its line None if the step fits; else fit_message's line, and whether the
     estimate exceeds the available memory by more than its own error (REFUSE_ABOVE: the run would die).
     `shape`: a step's, or several (StepShape.to_check: the sizes of --train_resolutions), of which the one that
     needs the most is judged. `features`: estimate_step_memory's model, regularisers, eval_copy and probe_copy."""
@@ -470,16 +516,30 @@ def check_before_training(vae: nn.Module, objective, shape: StepShape | list[Ste
         needed, judged = max(((estimate(s), s) for s in shapes), key=lambda pair: pair[0].total)
         available = available_memory(device)
         line = fit_message(needed, available, judged, remedy_estimate)
-    return line, line is not None and needed.total > REFUSE_ABOVE * available[0]
+    if torch.device(device).type == "cpu":
+        needed = dataclasses.replace(needed, process=process_bytes(vae, needed, ema))
+    return Verdict(line, line is not None and needed.total > REFUSE_ABOVE * available[0], needed, judged, available,
+                   torch.device(device).type)
+
+
+def process_bytes(vae: nn.Module, needed: StepMemory, ema: bool) -> int:
+    """On a CPU, what this process holds now besides the tensors `needed` counts that are already built: its
+    resident memory less the networks' weights and (`ema`: the trainer builds it before the check) the EMA's fp32
+    shadow of the VAE's trained parameters. The interpreter and its libraries (0.6-0.9 GiB with torch, diffusers and
+    torchvision), and the heap that glibc keeps of freed blocks (the init source's weights read, the probes'
+    activations: the step reuses it, so it adds to the peak once). Measured after the probes."""
+    shadow = sum(p.numel() * 4 for p in vae.parameters() if p.requires_grad) if ema else 0
+    return max(0, rss_bytes() - needed.weights - shadow)
 
 
 REMEDY_PROBES = (32, 64)  # the probe sizes of a remedy's estimate (check_before_training)
 
 
 def check_every_rank(vae: nn.Module, objective, shape: StepShape | list[StepShape], device, ema: bool, group=None,
-                     template: nn.Module | None = None, **features) -> str | None:
+                     template: nn.Module | None = None, **features) -> "Checked":
     """Before the first step and before anything is written: raises WontFit if the step clearly will not fit
-    (REFUSE_ABOVE) on any rank, returns a warning line if it may not, else None. Every rank estimates for its own
+    (REFUSE_ABOVE) on any rank, else returns the lines to print (Checked): this rank's estimate (summary_line),
+    and a warning line if the step may not fit on some rank. Every rank estimates for its own
     device; under torchrun the verdicts are gathered (every rank takes part, once: the only collective here).
     `template`: sharded (--sharding fsdp|hsdp), the VAE's whole CPU copy from before sharding, which the probes run
     a copy of (whole_for_probes; the shapes say the shard count)."""
@@ -493,12 +553,20 @@ def check_every_rank(vae: nn.Module, objective, shape: StepShape | list[StepShap
     del probe_vae, probe_model
     if template is not None and torch.device(device).type == "cuda":
         torch.cuda.empty_cache()  # the whole copy's blocks
-    verdicts = [mine]
+    verdicts = [(mine.line, mine.refuse)]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         verdicts = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(verdicts, mine, group=group)
+        torch.distributed.all_gather_object(verdicts, (mine.line, mine.refuse), group=group)
     refused = [line for line, refuse in verdicts if refuse]
     if refused:
         raise WontFit(f"{refused[0]}; --memory_check false skips this check")
     warned = [line for line, _ in verdicts if line]
-    return f"warning: {warned[0]}" if warned else None
+    return Checked([summary_line(mine)] + ([f"warning: {warned[0]}"] if warned else []), mine)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What check_every_rank found: the lines the run prints (this rank's estimate, whether or not the step fits,
+    then the warning of a rank whose step may not fit) and this rank's Verdict."""
+    lines: list[str]
+    verdict: Verdict

@@ -31,7 +31,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import data as data_lib
+from common import exit_if_torch_pair_broken
+if __name__ == "__main__":  # first: a torch/torchvision mismatch is one line, not an import's traceback
+    exit_if_torch_pair_broken()
+import data as data_lib  # noqa: E402 (after the check above; so are the imports below)
 import sources
 import evaluate
 import latents as latents_lib

@@ -126,6 +126,18 @@ GAN_LABELS = {"loss/gan_g": "g", "loss/disc": "d"}
 NOT_TERMS = ("loss/total", "loss/adaptive_weight")
 
 
+def speed_text(metrics: dict) -> str:
+    """The line's speed: img/s and its average, below 1 img/s to three significant digits (never 0.0 img/s); where
+    a step takes a second or more (a large video model), the seconds per step first."""
+    def rate(value: float) -> str:
+        return f"{value:.1f}" if value >= 1 else f"{value:.3g}"
+    avg = metrics.get("img_per_s_avg")
+    step_s = metrics.get("s_per_step", 0.0)
+    if step_s >= 1:
+        return f"{step_s:.1f} s/step ({rate(metrics['img_per_s'])} img/s" + (f", avg {rate(avg)})" if avg else ")")
+    return f"{rate(metrics['img_per_s'])} img/s" + (f" (avg {rate(avg)})" if avg is not None else "")
+
+
 def log_line(metrics: dict, step: int, max_steps: int, gan: bool) -> str:
     """The stdout line of a logging step: the total, then every loss term in the metrics (known ones first)."""
     terms = [k for k in TERM_LABELS if k in metrics]
@@ -138,9 +150,7 @@ def log_line(metrics: dict, step: int, max_steps: int, gan: bool) -> str:
         line += [f"{label} {metrics.get(k, 0):.4f}" for k, label in GAN_LABELS.items()]
         line.append(f"dacc {metrics.get('gan/disc_acc', 0):.2f}")
     line += [f"z mean {metrics.get('latent/mean', 0):+.3f} std {metrics.get('latent/std', 0):.3f}",
-             f"{metrics['img_per_s']:.1f} img/s" + (f" (avg {metrics['img_per_s_avg']:.1f})"
-                                                    if "img_per_s_avg" in metrics else ""),
-             f"eta {fmt_duration(metrics['eta_s'])}"]
+             speed_text(metrics), f"eta {fmt_duration(metrics['eta_s'])}"]
     # events (each time a bad file or shard is met, again at every epoch) and the distinct files among them
     skipped = sum(metrics.get(f"data/skipped_{reason}", 0) for reason in data_lib.SKIP_REASONS)
     if skipped:
@@ -387,6 +397,7 @@ class Reporter:
         # img/s over the steps since the last line (what the run does now), img/s averaged over every step of this
         # process (steady: one slow window moves it little), and the ETA from that average
         metrics["img_per_s"] = steps_done * images_per_step / elapsed
+        metrics["s_per_step"] = elapsed / max(1, steps_done)  # (the line shows it where a step takes seconds)
         metrics["img_per_s_avg"] = self.timed_images / self.timed_seconds
         metrics["eta_s"] = (self.max_steps - step) * images_per_step / metrics["img_per_s_avg"]
         metrics["lr/vae"] = lr_vae

@@ -26,11 +26,13 @@ from sources import IMAGE_EXTS, DatasetError, brace_url, image_files
 # Writing shards
 # --------------------------------------------------------------------------------------------
 def write_shards(files: list[str], dst: str, shard_size: int = 1000, verify: bool = True,
-                 root: str | None = None, prefix: str = "", check=load_rgb) -> tuple[list[str], list[str]]:
+                 root: str | None = None, prefix: str = "", check=load_rgb,
+                 reasons: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
     """Pack image files into `dst/{prefix}{00000..}.tar` with their original bytes (no re-encode).
     With `verify` each image is decoded in full first (a truncated JPEG opens but does not decode: training
     would skip it at every epoch): `check(bytes)` raises SkipSample (videos: clips.verify_video). Returns (shard
-    paths, the files skipped as unreadable)."""
+    paths, the files skipped as unreadable); `reasons`, if given, gets each skipped file's (SkipSample's reason,
+    "unreadable" for a file that cannot be opened)."""
     import webdataset as wds
     os.makedirs(dst, exist_ok=True)
     if root is None:
@@ -44,8 +46,10 @@ def write_shards(files: list[str], dst: str, shard_size: int = 1000, verify: boo
                     data = f.read()
                 if verify:
                     check(data)
-            except (OSError, SkipSample):
+            except (OSError, SkipSample) as e:
                 skipped.append(path)
+                if reasons is not None:
+                    reasons[path] = getattr(e, "reason", "unreadable")
                 continue
             ext = path.rsplit(".", 1)[-1].lower()
             ext = {"jpeg": "jpg", "tif": "tiff"}.get(ext, ext)
@@ -271,14 +275,26 @@ def write_segments(args) -> list[str] | None:
     return paths
 
 
-def none_read(src: str, paths: list[str], n_files: int, skipped: list[str], files_noun: str) -> bool:
-    """True, the shards written removed and the error said on stderr, when none of the `n_files` could be read."""
-    if len(skipped) < n_files:
+def none_read(src: str, paths: list[str], n_files: int, skipped: list[str], files_noun: str,
+              variable: list[str] = ()) -> bool:
+    """True, the shards written removed and the error said on stderr, when none of the `n_files` could be packed:
+    `skipped` unreadable, `variable` with a variable frame rate (variable_rate_hint)."""
+    if len(skipped) + len(variable) < n_files:
         return False
     for p in paths:
         os.remove(p)
-    print(f"error: {src}: none of the {n_files} {files_noun} could be decoded ({name_a_few(skipped)})", file=sys.stderr)
+    why = ([f"{len(skipped)} unreadable: {name_a_few(skipped)}"] if skipped else []) + (
+        [variable_rate_hint(variable)] if variable else [])
+    print(f"error: {src}: none of the {n_files} {files_noun} could be packed ({'; '.join(why)})", file=sys.stderr)
     return True
+
+
+def variable_rate_hint(names: list[str]) -> str:
+    """Videos whose frames are not evenly spaced from their start (SkipSample variable_frame_rate): readable, but
+    no clip of consecutive frames can be cut from them as they are; --segment_seconds re-encodes them at a constant
+    rate, every frame kept."""
+    return (f"{len(names)} with a variable frame rate skipped: {name_a_few(names)}; clips need evenly spaced frames: "
+            "make-clips --segment_seconds S re-encodes them at a constant rate")
 
 
 def pack_folder(args, exts: tuple[str, ...], files_noun: str, noun: str, check) -> list[str] | None:
@@ -288,13 +304,16 @@ def pack_folder(args, exts: tuple[str, ...], files_noun: str, noun: str, check) 
     if not files:
         print(f"error: {args.src}: no {files_noun} found", file=sys.stderr)
         return None
+    reasons: dict[str, str] = {}
     paths, skipped = write_shards(files, args.dst, args.shard_size, verify=not args.no_verify, root=args.src,
-                                  check=check)
-    names = [os.path.relpath(p, args.src) for p in skipped]
-    if none_read(args.src, paths, len(files), names, files_noun):
+                                  check=check, reasons=reasons)
+    names = [os.path.relpath(p, args.src) for p in skipped if reasons.get(p) != "variable_frame_rate"]
+    variable = [os.path.relpath(p, args.src) for p in skipped if reasons.get(p) == "variable_frame_rate"]
+    if none_read(args.src, paths, len(files), names, files_noun, variable):
         return None
-    print(f"wrote {len(files) - len(skipped)} {noun} into {len(paths)} shards ({len(skipped)} unreadable skipped"
-          + (f": {name_a_few(names)})" if skipped else ")"))
+    print(f"wrote {len(files) - len(skipped)} {noun} into {len(paths)} shards ({len(names)} unreadable skipped"
+          + (f": {name_a_few(names)}" if names else "") + (f"; {variable_rate_hint(variable)}" if variable else "")
+          + ")")
     return paths
 
 

@@ -25,7 +25,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import checkpoint
+from common import exit_if_torch_pair_broken
+if __name__ == "__main__":  # first: a torch/torchvision mismatch is one line, not an import's traceback
+    exit_if_torch_pair_broken()
+import checkpoint  # noqa: E402 (after the check above; so are the imports below)
 import common
 import data as data_lib
 import evaluate as evaluate_lib
@@ -345,6 +348,8 @@ class Trainer:
         self.vae, source_described, teacher, teacher_latents = build_vae(
             cfg, self.device, self.memory_format, resume, source, self.log, distill_source)
         self.init_source = source_described or self.init_source
+        if source is not None:  # its weights are in the model now: a second copy would hold memory until main drops
+            source.state = {}  # the object, and the memory check would count it as the process's own
         self.last_layer = families.of(self.vae).last_layer(self.vae)  # (LDM's adaptive weight reads it)
         # the constant posterior's noise variance (a deterministic encoder has none: no latent collapses into it)
         self.posterior_var = cfg.model.posterior_var if cfg.model.posterior == "constant" else 0.0
@@ -375,17 +380,19 @@ class Trainer:
                                     cfg.finetune.train_parts, self.precision, cfg.speed.compile,
                                     self.objective.alignment, teacher, teacher_latents)
         self.regularisers = build_regularisers(cfg, self.vae.downsample_factor)
+        self.memory_verdict = None  # the memory check's (memory.Verdict), this rank's
         if cfg.speed.memory_check:  # before the critic's DDP wrapper (the probes run its forward without a backward)
             shapes = memory.StepShape.to_check(
                 self.schedule, cfg.optim, cfg.speed, self.precision, cfg.data.video_frames,
                 families.of(self.vae).can_checkpoint(self.vae.params), memory.shard_count(self.vae), info.world_size)
-            warning = memory.check_every_rank(  # sharded, the probes run a whole copy of the template
+            checked = memory.check_every_rank(  # sharded, the probes run a whole copy of the template
                 self.vae, self.objective, shapes, self.device,
                 self.training.ema is not None, info.ctrl_group, model=self.training.trained,
                 regularisers=self.regularisers, eval_copy=self.eval_on and self.training.ema is not None,
                 probe_copy=bool(cfg.latents.probe_every_n_steps), template=self.whole_template)
-            if warning:
-                self.log(warning)
+            self.memory_verdict = checked.verdict if checked else None
+            for line in checked.lines if checked else ():
+                self.log(line)
         if self.adversary is not None:
             self.adversary.prepare_training(cfg.optim, make_optimizer, self.wrap_ddp)
         self.guard = NonFiniteGuard(self.device, cfg.optim.grad_clip)

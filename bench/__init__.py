@@ -2,7 +2,7 @@
 docstring, documents the sections and the headline keys of --json). One module per section of --sections:
 
     data  train  memory  finetune  gpu  quality  latents  decoders  decoder_quality  resolutions  copies  precision
-    video  video_critic  video_decode  video_chunks  families  sharding  tae
+    video  video_critic  video_decode  video_chunks  families  sharding  memory_check  cuda  tae
 
 and the modules they share:
 

@@ -3,6 +3,7 @@
     python bench.py --quick --json     # under two minutes on 2 idle CPU cores; one JSON object on stdout
     python bench.py                    # the full run: 8-10 minutes on 2 idle CPU cores
     python bench.py --sections train --config flux --gan    # one section, another model size
+    python bench.py --sections cuda --json > cuda.json        # the first command when a GPU is lent: < 8 minutes
 
 Sections
   data    One data worker's img/s (in-process, one torch thread, as inside a DataLoader worker), on
@@ -61,6 +62,18 @@ Sections
           and HunyuanVideo 1.5's VAE at diffusers' default configs (decoder only and whole, --families_frames x
           --families_sizes), and Wan's VAE through wan_ae.py and through diffusers' own AutoencoderKLWan on the same
           clips (step time and saved bytes).
+  cuda    (only when named in --sections) The first hour on a GPU in one command (issue 48; bench/cuda.py), within
+          --cuda_budget_s: 3 bf16 training steps of every family on CUDA (ldm, Wan clips whole and chunked, the 3D
+          critic, every diffusers class at its tiny config), finite and without a host sync in the step; the memory
+          check's estimate against torch.cuda.max_memory_allocated for LTX-2's and HunyuanVideo 1.5's VAE; the gpu
+          section's GAN step at FLUX width, 256 px, eager and compiled; a 2-rank --sharding fsdp run over NCCL where
+          a second GPU exists. One table (a row per check: ok, FAILED and why, skipped and why); on a machine
+          without CUDA every row is skipped with its reason.
+  memory_check (only when named in --sections) The memory check's estimate against the measured peak, per family at
+          a real configuration (issue 48 item 6; bench/memory_check.py), each case a fresh process running the real
+          Trainer with the check on: on a CPU the peak RSS over --check_steps steps against the estimate's peak (the
+          step's tensors and the process besides them), for --check_cases; on CUDA torch.cuda.max_memory_allocated
+          against its tensors, for LTX-2's and HunyuanVideo 1.5's VAE (decoder only, 17 frames of 256 px, bf16).
   sharding (only when named in --sections) What --sharding fsdp's communication adds (bench/sharding.py; under
           5 minutes on 2 CPU cores): real `torchrun --nproc_per_node 2 vae_trainer.py --demo` runs on gloo with
           --sharding ddp and fsdp, alternated over --sharding_rounds of --sharding_steps steps, the step time fsdp/ddp
@@ -140,6 +153,10 @@ Headline keys of --json (the target each is checked against)
   small_decoder_{flop,time,peak,increase}_ratio_<device>_<precision>  decoders: BFL's small decoder / FLUX.2's,
                                FLOPs, median time, peak memory, peak - memory before the decode (no target)
   narrow_decoder_teacher_{psnr,ssim}_gain_s<seed>  decoder_quality: narrow + teacher - narrow (no target)
+  cuda_rows_ok, cuda_rows_failed, cuda_rows_skipped  cuda: the rows of its table by status (no target; on a
+                               machine without CUDA all skipped)
+  memory_check_ratio_<case>    memory_check: the memory check's estimated peak / the measured peak (docs/training.md
+                               promises 0.75-1.25 on a CPU; no target key: one per case)
   sharding_fsdp_over_ddp_step_cpu  sharding: s/step under --sharding fsdp / under ddp, 2 gloo ranks on the CPU
                                (no target)
 The peak increase is the peak minus the memory in use right before the first training step, i.e. what
@@ -163,6 +180,7 @@ import time
 import torch
 
 from bench.copies import bench_copies
+from bench.cuda import bench_cuda
 from bench.data import bench_data
 from bench.decoder_quality import bench_decoder_quality
 from bench.decoders import bench_decoders, run_decode_case
@@ -185,11 +203,12 @@ from bench.video_chunks import bench_video_chunks
 from bench.families import bench_families
 from bench.sharding import bench_sharding
 from bench.tae import CASES as TAE_CASES, bench_tae
+from bench.memory_check import DEFAULT_CASES as CHECK_CASES, bench_memory_check
 
 
 SECTIONS = ("data", "train", "memory", "gpu", "quality", "finetune", "latents", "decoders", "decoder_quality",
             "resolutions", "copies", "precision", "video", "video_critic", "video_decode", "video_chunks",
-            "families", "sharding", "tae")
+            "families", "sharding", "memory_check", "cuda", "tae")
 TARGETS = {  # key: (comparison, threshold)
     "pipeline_fraction_of_decode": (">=", 0.90),
     "train_step_speedup": (">=", 1.3),
@@ -355,6 +374,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--families_sizes", default="256,480", help="frame sizes of the families memory table")
     g.add_argument("--families_steps", type=int, default=5, help="interleaved steps of each path of Wan's VAE")
     g.add_argument("--families_skip_memory", action="store_true", help="the families section without its memory table")
+    g = p.add_argument_group("cuda")
+    g.add_argument("--cuda_budget_s", type=float, default=450.0,
+                   help="wall-clock budget of the cuda section: a row no time is left for is skipped, saying so")
+    g = p.add_argument_group("memory_check")
+    g.add_argument("--check_cases", default=",".join(CHECK_CASES),
+                   help="the CPU cases of the memory_check section (bench/memory_check.py's CASES)")
+    g.add_argument("--check_steps", type=int, default=2, help="training steps of each memory_check case")
     g = p.add_argument_group("sharding")
     g.add_argument("--sharding_steps", type=int, default=25,
                    help="steps of each measured run of the sharding section (logged every 5; the first 5 not timed)")
@@ -500,6 +526,12 @@ def summarize(results: dict) -> dict:
         for name, summary in c.items():
             if "activation_total" in summary:  # (beside the cases: the CPU's bf16 step times by GroupNorm)
                 keys[f"copies_activation_mib_{name}"] = summary["activation_total"]["mib"]
+    for name, case in results.get("memory_check", {}).items():
+        if "ratio" in case:
+            keys[f"memory_check_ratio_{name}"] = case["ratio"]
+    if results.get("cuda"):
+        for status, count in results["cuda"]["counts"].items():
+            keys[f"cuda_rows_{status.lower()}"] = count
     s = results.get("sharding")
     if s:
         keys["sharding_fsdp_over_ddp_step_cpu"] = s["measured"]["fsdp_over_ddp"]
@@ -554,7 +586,8 @@ def main(argv=None) -> int:
     # Trainer construction and the data tools print progress lines: keep stdout for the JSON object
     with contextlib.redirect_stdout(report.stream), tempfile.TemporaryDirectory(prefix="vae_bench_") as tmp:
         if set(args.sections) - {"quality", "decoders", "decoder_quality", "resolutions", "precision", "video",
-                                 "video_critic", "video_decode", "video_chunks", "families", "sharding", "tae"}:
+                                 "video_critic", "video_decode", "video_chunks", "families", "sharding",
+                                 "memory_check", "cuda", "tae"}:
             report.line(f"generating {args.images} photo-like {args.height}x{args.width} images as PNG and JPEG "
                         "shards ...")
             datasets = make_datasets(tmp, args.images, args.height, args.width, args.seed)
@@ -595,6 +628,12 @@ def main(argv=None) -> int:
             results["families"] = bench_families(args, report)
         if "sharding" in args.sections:
             results["sharding"] = bench_sharding(args, tmp, report)
+        if "memory_check" in args.sections:
+            results["memory_check"] = bench_memory_check(args, device, report)
+        if "cuda" in args.sections:
+            results["cuda"] = bench_cuda(args, tmp, report)
+            if results["cuda"]["gpu"]:
+                results.setdefault("gpu", {}).update(results["cuda"]["gpu"])  # the gpu_* keys and their targets
         if "tae" in args.sections:
             results["tae"] = bench_tae(args, tmp, report)
         if "gpu" in args.sections and device.type == "cuda":
@@ -611,9 +650,10 @@ def main(argv=None) -> int:
         met = None if value is None else (value >= threshold if op == ">=" else value <= threshold)
         targets[key] = {"value": value, "target": f"{op} {threshold}", "met": met}
     results["targets"] = targets
-    report.table("Targets", ["key", "value", "target", "met"],
-                 [[k, "not measured" if v["value"] is None else v["value"], v["target"],
-                   "-" if v["met"] is None else ("yes" if v["met"] else "NO")] for k, v in targets.items()])
+    if args.sections != ["cuda"]:  # (the cuda section prints one table, its own)
+        report.table("Targets", ["key", "value", "target", "met"],
+                     [[k, "not measured" if v["value"] is None else v["value"], v["target"],
+                       "-" if v["met"] is None else ("yes" if v["met"] else "NO")] for k, v in targets.items()])
     report.line(f"\ntotal {results['elapsed_s']:.0f} s")
     if args.json:
         print(json.dumps(finite(results), indent=1), file=json_out, flush=True)

@@ -90,9 +90,12 @@ def run_gpu_case(case: dict) -> dict:
     return out
 
 
-def spawn_gpu_case(case: dict) -> dict:
+def spawn_gpu_case(case: dict, timeout: float | None = None) -> dict:
     cmd = [sys.executable, LAUNCHER, "--_gpu_case", json.dumps(case)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         return {"error": f"exit {proc.returncode}: {tail}"}

@@ -49,10 +49,16 @@ def trainer_argv(values: dict) -> list[str]:
 def build_trainer(url: str, output_dir: str, run_name: str, device: torch.device, **overrides):
     """vae_trainer.Trainer from its own flag parser, with the benchmark flags, fed from memory."""
     values = {**BENCH_FLAGS, **overrides, "dataset_url": url, "output_dir": output_dir, "run_name": run_name}
-    cfg = run_setup.parse_config(trainer_argv(values))
-    cfg.validate()
+    source = derived = None
+    if values.get("init_from"):  # a released VAE's folder: read as the command line reads it
+        setup = run_setup.prepare_run(trainer_argv(values))
+        cfg, source, derived = setup.cfg, setup.source, setup.derived
+    else:
+        cfg = run_setup.parse_config(trainer_argv(values))
+        cfg.validate()
     with contextlib.redirect_stderr(io.StringIO()):  # the random-VGG16 banner; the report states it once
-        trainer = vae_trainer.Trainer(cfg, DistInfo(device=device))
+        trainer = vae_trainer.Trainer(cfg, DistInfo(device=device), source, derived)
+    del source
     batches = [next(trainer.loader) for _ in range(2)]
     trainer.loader.close()
     if device.type == "cuda":

@@ -3,6 +3,9 @@ No timing is asserted (the GUIDE: speed is bench.py's, never a test's); these ch
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -117,3 +120,106 @@ def test_gpu_cases_run_their_plumbing(shard_url, tmp_path, monkeypatch):
         assert result["batch_size"] == 2 and result["img_per_s"] > 0 and result["peak_gib"] > 0
     assert 0 <= results["ours_bf16_frozen"]["copy_fraction"] < 1
     assert ae.GroupNorm32.forward is torch.nn.GroupNorm.forward  # the reference's GroupNorm, in this process
+
+
+# ------------------------------------------------------------------------------------------------ the cuda section
+def test_the_cuda_section_skips_every_row_with_its_reason_without_a_gpu(capsys):
+    """`python bench.py --sections cuda --json` on a machine without CUDA (issue 48): one table with a row per check
+    it would run (every family's 3 bf16 steps, every diffusers class that trains at its tiny config, the two memory
+    estimates, the four GAN steps, the 2-rank fsdp run), each skipped with its reason, and the same rows as JSON;
+    no other table (the Targets table is left out for this section alone), in a few seconds."""
+    import json
+    from bench import cli, cuda
+    import diffusers_ae
+    assert cli.main(["--sections", "cuda", "--json"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    rows = result["cuda"]["rows"]
+    expected = cuda.planned_rows()
+    assert [(r["part"], r["case"]) for r in rows] == expected
+    trained = {case.split(":", 1)[1] for part, case in expected if case.startswith("diffusers:")}
+    assert trained == set(diffusers_ae.CLASSES) & set(cuda.tiny_classes()) and len(trained) >= 16
+    assert {part for part, _ in expected} == {"train", "memory", "gan_step", "fsdp"}
+    assert {"ldm", "wan_17f", "wan_17f_chunks", "critic3d"} <= {case for _, case in expected}
+    assert all(r["status"] == "skipped" and r["detail"] == cuda.NO_CUDA for r in rows)
+    assert result["cuda_rows_skipped"] == len(rows) and result["cuda_rows_ok"] == result["cuda_rows_failed"] == 0
+    assert err.count("\n  part ") == 1 and "Targets" not in err  # one table
+    assert f"0 ok, 0 FAILED, {len(rows)} skipped" in err
+
+
+def test_the_cuda_sections_rows_follow_the_budget_and_the_gpu_count(monkeypatch, tmp_path):
+    """The parent's control flow with CUDA faked (each row's runner stubbed): the rows run in the order train,
+    memory, gan_step, and every row no time is left for is skipped saying so; with one GPU the fsdp row says it
+    needs two; each runner's result lands in its own row."""
+    from bench import cuda
+    from bench.report import Report
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a fake GPU")
+    clock = [0.0]
+    monkeypatch.setattr(cuda.time, "monotonic", lambda: clock[0])
+    ran = []
+
+    def train_rows(names, budget):
+        ran.append("train")
+        clock[0] += 100  # the families took 100 s
+        return {n: {"status": "ok", "figure": 0.1, "detail": ""} for n in names}
+
+    def memory_row(name, budget):
+        ran.append(name)
+        clock[0] += 200
+        return {"status": "ok", "figure": 1.0, "detail": ""}
+    monkeypatch.setattr(cuda, "_train_rows", train_rows)
+    monkeypatch.setattr(cuda, "_memory_row", memory_row)
+    monkeypatch.setattr(cuda, "_gan_row", lambda *a: ran.append("gan") or {"status": "ok", "detail": ""})
+
+    class Args:
+        cuda_budget_s, seed, gpu_steps, gpu_batch = 450.0, 0, 10, 8
+    result = cuda.bench_cuda(Args(), str(tmp_path), Report(open(os.devnull, "w")))
+    rows = {(r["part"], r["case"]): r for r in result["rows"]}
+    # 100 s of families and 200 s of LTX-2's estimate leave 150 s: HunyuanVideo's runs (it needs 60), and after it
+    # (500 s in) nothing is left for the GAN steps
+    assert ran == ["train", "ltx2_17f_256", "hunyuanvideo15_17f_256"]
+    assert all(rows[("train", c)]["status"] == "ok" for p, c in cuda.planned_rows() if p == "train")
+    assert rows[("memory", "hunyuanvideo15_17f_256")]["status"] == "ok"
+    for name in cuda.GAN_CASES:
+        assert rows[("gan_step", name)] == {"part": "gan_step", "case": name, "status": "skipped",
+                                            "detail": "the section's --cuda_budget_s 450 spent"}
+    assert rows[("fsdp", "2 ranks, nccl")]["detail"] == "1 GPU: the run needs 2"
+    assert result["counts"] == {"ok": len(rows) - 5, "FAILED": 0, "skipped": 5}
+
+
+def test_a_train_row_fails_on_a_non_finite_step(monkeypatch):
+    """The train rows' check itself, on a CPU (the sync detector is CUDA's: off here): a small ldm run's 3 steps are
+    ok; with its loss made NaN from the second step, the guard skips those steps and the row FAILS saying so."""
+    from bench import cuda
+    import objective
+    monkeypatch.setitem(cuda.FAMILY_CASES, "ldm", dict(cuda.FAMILY_CASES["ldm"], vae_ch=8, vae_resolution=32,
+                                                       do_ganloss=False, perceptual_weight=0.0, precision="fp32"))
+    with tempfile.TemporaryDirectory() as root:
+        data = {"images": cuda._data(root)["images"], "clips": None}
+        ok = cuda.train_case("ldm", root, data, torch.device("cpu"))
+        assert ok["status"] == "ok" and math.isfinite(ok["loss"]), ok
+        real = objective.VAEObjective.forward
+        calls = []
+
+        def nan_after_the_first(self, *args, **kwargs):
+            loss, logs = real(self, *args, **kwargs)
+            calls.append(1)
+            return (loss * float("nan") if len(calls) > 1 else loss), logs
+        monkeypatch.setattr(objective.VAEObjective, "forward", nan_after_the_first)
+        bad = cuda.train_case("ldm", root, data, torch.device("cpu"))
+    assert bad["status"] == "FAILED" and "steps skipped by the guard" in bad["detail"], bad
+
+
+@pytest.mark.process
+def test_the_cuda_sections_train_rows_come_back_from_their_child_process_one_line_each():
+    """The train rows' protocol (a child process for them all, one JSON line per row as each ends, the parent
+    reading them back): a row that fails is its row's, the next one still runs."""
+    from bench import cuda
+    results = cuda._train_rows(["no_such_case", "diffusers:NoSuchClass"], cuda.Budget(300))
+    assert list(results) == ["no_such_case", "diffusers:NoSuchClass"]
+    assert results["no_such_case"] == {"status": "FAILED", "detail": "KeyError: 'no_such_case'"}
+    assert results["diffusers:NoSuchClass"]["status"] == "FAILED"
+    assert cuda._train_rows(["no_such_case"], cuda.Budget(10)) == {
+        "no_such_case": {"status": "skipped", "detail": "the section's --cuda_budget_s 10 spent"}}

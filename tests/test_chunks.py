@@ -69,7 +69,11 @@ def assert_same_gradients(grads: dict, reference: dict, what: str) -> None:
         assert scale > 0, (what, name)
         error = (g - reference[name]).abs().max().item() / scale
         worst = max(worst, error)
-        assert error <= 1e-4, (what, name, error)  # float32 rounding of convolutions over other frame counts
+        # float32 rounding of convolutions over other frame counts: a weight's gradient sums n ~ 1e4 products here
+        # (batch x frames x pixels), summed in another order a random walk of sqrt(n) x 2^-24 ~ 1e-5 of its
+        # magnitude (measured: at most 5e-6); a lost gradient path is of the order of the gradient (the temporal
+        # cache detached: 0.98)
+        assert error <= 1e-4, (what, name, error)
     print(f"{what}: worst gradient error {worst:.2g} of the gradient's scale")
 
 
@@ -184,9 +188,17 @@ def test_the_memory_check_probes_the_plan_and_offers_it():
 
 
 def test_the_trainer_trains_a_clip_in_the_chunks_of_its_flag(wan_folder, clip_url, tmp_path, monkeypatch):
-    """--train_time_chunks reaches the model (families.Family.set_memory_plan): two steps of a full fine-tune on
-    5-frame clips (one latent frame after the first) run every clip through checkpointed chunks, and end where the
-    whole-clip run ends, to float rounding."""
+    """--train_time_chunks reaches the model (families.Family.set_memory_plan): a step of a full fine-tune on 5-frame
+    clips (one latent frame after the first) runs every clip through checkpointed chunks, and its gradient is the
+    whole-clip step's, to float rounding.
+
+    The gradient, not the weights after AdamW: Adam divides each gradient element by its own magnitude, so an element
+    whose gradient is itself rounding noise (a sum that cancels) moves its weight by up to the learning rate in either
+    run, whatever the tolerance on the gradient. That was issue 48's one weight of 6,912 off by 1.34e-5 after two
+    steps (3% of --learning_rate_vae 4e-4) while every gradient agreed to 3e-5 of its tensor's scale. The step's
+    gradient is read back exactly from the checkpoint: after one step AdamW's first moment is (1 - beta1) x gradient
+    (a lerp from zeros, the same rounding in both runs), compared as this file compares gradients
+    (assert_same_gradients)."""
     import vae_trainer
     from test_video import trainer_args
     chunks = []
@@ -197,15 +209,22 @@ def test_the_trainer_trains_a_clip_in_the_chunks_of_its_flag(wan_folder, clip_ur
         return original(*args)
     monkeypatch.setattr(wan_ae, "_checkpointed_chunk", counted)
     train, test = clip_url
-    flags = ["--num_workers", "0", "--max_steps", "2", "--save_every_n_steps", "2", "--perceptual_weight", "0",
+    flags = ["--num_workers", "0", "--max_steps", "1", "--save_every_n_steps", "1", "--perceptual_weight", "0",
              "--memory_check", "false"]
     assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "whole", *flags)) == 0
     assert chunks == []
     assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "chunked", *flags,
                                          "--train_time_chunks", "4,1")) == 0
     assert chunks and set(chunks) == {1, 4}  # the encoder's 1 + 4 frames, the decoder's 1 + 1 latent frames (1)
-    whole, chunked = (torch.load(tmp_path / run / "checkpoints" / "step_00000002.pt", weights_only=True)
+    whole, chunked = (torch.load(tmp_path / run / "checkpoints" / "step_00000001.pt", weights_only=True)
                       for run in ("whole", "chunked"))
-    for name, value in whole["training"]["vae"].items():
-        torch.testing.assert_close(chunked["training"]["vae"][name], value, rtol=1e-4,
-                                   atol=1e-5 * max(1.0, value.abs().max().item()))
+
+    def first_gradient(ckpt) -> dict:
+        optimizer = ckpt["training"]["optimizer"]
+        assert len(optimizer["param_groups"]) == 1
+        beta1 = optimizer["param_groups"][0]["betas"][0]
+        return {str(i): state["exp_avg"] / (1 - beta1) for i, state in optimizer["state"].items()
+                if state["exp_avg"].abs().max() > 0}  # (a parameter without a gradient: 0 in both, not compared)
+    reference = first_gradient(whole)
+    assert len(reference) >= len(whole["training"]["vae"]) - 2  # (all but the posterior's unused parts, if any)
+    assert_same_gradients(first_gradient(chunked), reference, "the trainer's first step, --train_time_chunks 4,1")

@@ -315,6 +315,41 @@ def test_a_variable_frame_rate_is_refused_and_counted(tmp_path):
         loader.close()
 
 
+def test_make_clips_names_variable_frame_rate_videos_and_the_flag_that_makes_them_clips(tmp_path, capsys):
+    """make-clips checks the spacing of a video's first frames: one whose frames are not evenly spaced from its start
+    (as 3 of opencv-doc's 4 AVIs: a first frame stamped 1, B-frames without timestamps, a rate the frames do not
+    keep) is skipped for its variable frame rate, not called "unreadable", with the hint that --segment_seconds
+    re-encodes it at a constant rate (issue 48 item 8); and --segment_seconds does: every frame then reads as a
+    window of consecutive frames."""
+    src = tmp_path / "videos"
+    src.mkdir()
+    (src / "steady.mp4").write_bytes(long_mp4(20))
+    (src / "jumpy.mp4").write_bytes(mp4_with_pts(40, lambda i: 0 if i == 0 else i + 1))  # a frame missing after 0
+    (src / "broken.mkv").write_bytes(b"\x1a\x45\xdf\xa3 no")
+    with pytest.raises(sources.SkipSample, match="variable_frame_rate"):
+        clips.verify_video((src / "jumpy.mp4").read_bytes())
+    assert shards.main(["make-clips", str(src), str(tmp_path / "packed")]) == 0
+    out = capsys.readouterr().out
+    assert ("wrote 1 videos into 1 shards (1 unreadable skipped: broken.mkv; 1 with a variable frame rate skipped: "
+            "jumpy.mp4; clips need evenly spaced frames: make-clips --segment_seconds S re-encodes them at a "
+            "constant rate)") in out, out
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "jumpy.mp4").write_bytes((src / "jumpy.mp4").read_bytes())
+    assert shards.main(["make-clips", str(only), str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "none of the 1 video files could be packed (1 with a variable frame rate skipped: " \
+        "jumpy.mp4; clips need evenly spaced frames: make-clips --segment_seconds S" in err[0], err
+    assert shards.main(["make-clips", str(only), str(tmp_path / "cut"), "--segment_seconds", "1"]) == 0
+    capsys.readouterr()
+    segments = [s["mp4"] for _, s in sources.iter_shard(str(tmp_path / "cut" / "00000.tar"), Counter())]
+    assert segments
+    for mp4 in segments:
+        clips.verify_video(mp4)
+        video = clips.Video(mp4)
+        assert len(video.read(0, video.frames)) == video.frames
+
+
 def test_make_clips_cuts_long_videos_into_segments_that_start_at_a_keyframe(tmp_path, capsys):
     """make-clips --segment_seconds 2: a 10 s and a 4.7 s video at 30 fps -> 5 + 2 segments of 60 frames (the
     second one's last 20 frames dropped: shorter than half a segment), each its own sample, decodable, its first frame a

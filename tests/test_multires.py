@@ -191,8 +191,10 @@ def test_the_memory_check_judges_the_largest_size(shard_url, tmp_path, monkeypat
                                         trainer.precision)
         needed = memory.estimate_step_memory(trainer.vae, trainer.objective, reference).total
         monkeypatch.setattr(memory, "available_memory", lambda device: (2 * needed, "RAM available"))
-        assert memory.check_before_training(trainer.vae, trainer.objective, [reference], "cpu") == (None, False)
-        line, refuse = memory.check_before_training(trainer.vae, trainer.objective, shapes, "cpu")
+        verdict = memory.check_before_training(trainer.vae, trainer.objective, [reference], "cpu")
+        assert (verdict.line, verdict.refuse) == (None, False)
+        verdict = memory.check_before_training(trainer.vae, trainer.objective, shapes, "cpu")
+        line, refuse = verdict.line, verdict.refuse
     finally:
         trainer.close()
     assert refuse and "batch 1 x 512 px" in line

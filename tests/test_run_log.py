@@ -104,7 +104,8 @@ def test_the_reporter_writes_rank_0s_line_and_record_only(tmp_path, capsys, shar
     (record,) = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     # 4 steps x 2 images x 1 accum x 2 ranks in 2 s; 6 steps left at 0.5 s each
     assert record == {"step": 4, "loss/total": 0.5, "loss/kl": 0.25, "latent/mean": 0.0, "latent/std": 1.0,
-                      "img_per_s": 8.0, "img_per_s_avg": 8.0, "eta_s": 3.0, "lr/vae": 1e-3, "data/skipped_decode": 0}
+                      "img_per_s": 8.0, "img_per_s_avg": 8.0, "s_per_step": 0.5, "eta_s": 3.0, "lr/vae": 1e-3,
+                      "data/skipped_decode": 0}
 
 
 def test_rates_and_eta_mean_what_the_readme_says(tmp_path, capsys, shard_url):
@@ -119,6 +120,21 @@ def test_rates_and_eta_mean_what_the_readme_says(tmp_path, capsys, shard_url):
     assert (first["img_per_s"], first["img_per_s_avg"], first["eta_s"]) == (0.5, 0.5, 99 / 0.5)
     assert (second["img_per_s"], second["img_per_s_avg"], second["eta_s"]) == (4.5, 2.5, 90 / 2.5)
     assert "| 4.5 img/s (avg 2.5) | eta 0:00:36" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_a_step_of_seconds_is_shown_in_seconds_per_step(tmp_path, capsys, shard_url):
+    """A large video model: one clip in 45 s is 0.022 img/s, which the line's one decimal showed as 0.0 img/s
+    (issue 48 item 10). Where a step takes a second or more the line leads with the seconds per step; below, it
+    stays img/s, a rate below 1 img/s with three significant digits."""
+    cfg = run_setup.parse_config(["--dataset_url", shard_url, "--max_steps", "100", "--batch_size", "1",
+                                  "--vae_resolution", "32", "--num_samples", "1"])
+    reporter = reporter_of(cfg, DistInfo(), tmp_path)
+    reporter.metrics({"loss/total": 1.0}, step=2, elapsed=90.0, steps_done=2, lr_vae=1e-3, skipped={})
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert "| 45.0 s/step (0.0222 img/s, avg 0.0222) | eta 1:13:30" in line and "0.0 img/s" not in line, line
+    reporter.metrics({"loss/total": 1.0}, step=10, elapsed=4.0, steps_done=8, lr_vae=1e-3, skipped={})
+    assert "| 2.0 img/s (avg 0.106) |" in capsys.readouterr().out.splitlines()[-1]  # 10 images in 94 s
+    assert json.loads(open(tmp_path / "metrics.jsonl").readline())["s_per_step"] == 45.0
 
 
 def test_a_run_that_logs_rarely_says_something_at_steps_1_and_10(tmp_path, shard_url):

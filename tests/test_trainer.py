@@ -66,6 +66,28 @@ def test_bad_flags_are_one_line_errors_before_anything_starts(tmp_path, capsys, 
 
 
 @pytest.mark.process
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", [["vae_trainer.py", "--demo"], ["evaluate.py", "--help"], ["export.py", "--help"],
+                                     ["probe.py", "--help"], ["bench.py", "--help"]])
+def test_a_torchvision_built_for_another_torch_is_one_line(tmp_path, command):
+    """A torchvision built for another torch than the one installed dies inside its own import ("operator
+    torchvision::nms does not exist"; issue 48 item 11: the demo's traceback). Every command says instead, in one
+    line before anything else, which torch and torchvision are installed and the pip command that installs a
+    matching pair. (A torchvision package ahead on the path that fails as the mismatched one does.)"""
+    import importlib.metadata
+    fake = tmp_path / "site" / "torchvision"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    proc = run_cli(command[0], command[1:], env=cli_env(PYTHONPATH=str(tmp_path / "site")), timeout=100)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: torchvision {importlib.metadata.version('torchvision')} ") and (
+        f"does not load with torch {torch.__version__}: operator torchvision::nms does not exist; install a "
+        "matching pair: pip install --force-reinstall torch torchvision" in lines[0]), lines
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.process
 @pytest.mark.parametrize("url, message", [("missing/{00000..00003}.tar", "shard not found"),
                                           ("EMPTY_DIR", "holds no image files"),
                                           ("", "no dataset given")])

@@ -390,6 +390,32 @@ def test_evaluate_on_clips_reports_per_frame_and_temporal_metrics(wan_folder, cl
         assert len(err) == 1 and message in err[0], err
 
 
+def test_evaluate_takes_a_clip_runs_clip_length_from_its_checkpoint(wan_folder, clip_url, tmp_path, capsys):
+    """`python evaluate.py --ckpt RUN` of a run trained on clips, without --video_frames: the checkpoint records the
+    run's --video_frames and --video_frame_stride, and the held-out videos are evaluated as the run's clips (issue
+    48 item 7: it read them as images and found "no readable image to evaluate"); one line says so. --video_frames 0
+    asks for images."""
+    train, test = clip_url
+    assert vae_trainer_main(trainer_args(wan_folder, train, test, tmp_path, "clips", "--max_steps", "1",
+                                         "--num_workers", "0", "--perceptual_weight", "0", "--memory_check", "false",
+                                         "--video_frame_stride", "2")) == 0
+    capsys.readouterr()
+    flags = ["--ckpt", str(tmp_path / "clips"), "--dataset_url", test, "--vgg16_weights", "random",
+             "--inception_weights", "none", "--batch_size", "2"]
+    assert evaluate.main(flags) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert (result["n_clips"], result["n_images"], result["resolution"]) == (2, 10, 32), result
+    assert "clips of 5 frames (--video_frame_stride 2), as the run trained: its --video_frames" in err, err
+    assert evaluate.main(flags + ["--video_frames", "0"]) == 2  # images asked for, of a set of videos
+    assert "no readable image to evaluate" in capsys.readouterr().err
+
+
+def vae_trainer_main(argv: list[str]) -> int:
+    import vae_trainer
+    return vae_trainer.main(argv)
+
+
 # -------------------------------------------------------------------------------------------- refusals, memory
 def test_what_clips_cannot_do_is_refused_in_one_line(wan_folder, clip_url, shard_url, tmp_path, capsys):
     import vae_trainer
