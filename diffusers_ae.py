@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from ae import LOGVAR_RANGE
+from latents import per_channel
 
 
 class Unfit(ValueError):
@@ -465,10 +466,7 @@ class DiffusersAutoEncoder(nn.Module):
         if norm.kind in ("channels", "buffers"):
             if norm is CHANNELS:
                 scale = 1.0  # (z - latents_mean) / latents_std: Wan's and Qwen-Image's pipelines apply no factor
-            shape = (1, -1) + (1,) * (z.dim() - 2)
-            mean = torch.tensor(fields["latents_mean"], dtype=torch.float32, device=z.device).view(shape)
-            std = torch.tensor(fields["latents_std"], dtype=torch.float32, device=z.device).view(shape)
-            return (z - mean) * scale / std
+            return per_channel(z, fields["latents_mean"], fields["latents_std"], scale)
         if norm.kind == "scale":
             return z * scale
         if norm.kind == "scale_shift":

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 import diffusers_ae
+import latents as latents_lib
 import pretrained
 import tae
 import wan_ae
@@ -187,7 +188,8 @@ class Family:
         carry latents_mean/latents_std, else (z - shift_factor) * scaling_factor."""
         mean, std = factors.get("latents_mean"), factors.get("latents_std")
         if mean is not None and std is not None:
-            return per_channel(mean, std, float(factors.get("scaling_factor") or 1.0))
+            scaling = float(factors.get("scaling_factor") or 1.0)
+            return lambda z: latents_lib.per_channel(z, mean, std, scaling)
         scale, shift = float(factors.get("scaling_factor") or 1.0), float(factors.get("shift_factor") or 0.0)
         return lambda z: (z - shift) * scale
 
@@ -707,16 +709,6 @@ class TAE(Family):
         for path in files:
             honour_umask(path)
         return files
-
-
-def per_channel(mean, std, scale: float = 1.0):
-    """z -> (z - mean) * scale / std per channel (dim 1), for images and clips."""
-    mean_t, std_t = torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
-
-    def normalise(z: Tensor) -> Tensor:
-        shape = (1, -1) + (1,) * (z.dim() - 2)
-        return (z - mean_t.to(z.device).view(shape)) * scale / std_t.to(z.device).view(shape)
-    return normalise
 
 
 LDM_FAMILY, WAN_FAMILY, DIFFUSERS_FAMILY, TAE_FAMILY = LDM(), Wan(), Diffusers(), TAE()

@@ -64,6 +64,15 @@ class ChannelStats:
                 "channel_std": channel_std.tolist(), "channel_std_spread": spread}
 
 
+def per_channel(z: Tensor, mean, std, scale: float = 1.0) -> Tensor:
+    """(z - mean) * scale / std with a value per channel (dim 1), for images and clips: how a pipeline that keeps
+    latents_mean / latents_std normalises the latents its diffusion model sees."""
+    shape = (1, -1) + (1,) * (z.dim() - 2)
+    mean = torch.as_tensor(mean, dtype=torch.float32, device=z.device).view(shape)
+    std = torch.as_tensor(std, dtype=torch.float32, device=z.device).view(shape)
+    return (z - mean) * scale / std
+
+
 def _radius(height: int, width: int, device) -> Tensor:
     """|frequency| of each FFT bin as a fraction of the Nyquist frequency (1 on the axes' Nyquist)."""
     fy = torch.fft.fftfreq(height, device=device, dtype=torch.float64).abs() * 2
