@@ -316,6 +316,9 @@ def describe(sharding: str, world_size: int, trained: int, ema: bool) -> list[st
     lines = [f"sharding: {sharding}, the trained state in {over} shards ({state / over:.2f} GiB per rank of "
              f"{state:.2f} GiB; ddp would hold all of it on each)" +
              (", replicated across nodes" if sharding == "hsdp" else "")]
+    if sharding == "hsdp" and over == world_size:
+        lines.append(f"note: --sharding hsdp on one node of {world_size} ranks replicates nothing: it trains as "
+                     "--sharding fsdp would")
     if trained < USEFUL_PARAMS:
         lines.append(f"note: --sharding {sharding} of {trained / 1e6:.1f}M trained parameters saves under "
                      f"{USEFUL_PARAMS * STATE_BYTES / 2**30:.0f} GiB per rank and adds its all-gathers: ddp is faster")

@@ -237,7 +237,7 @@ def test_a_flag_that_does_not_compose_with_sharding_is_refused_in_one_line(flags
     assert "--sharding fsdp does not compose with " + named in str(e.value) and "\n" not in str(e.value)
 
 
-def test_the_start_says_which_sharding_and_what_it_holds_per_rank():
+def test_the_start_says_which_sharding_and_what_it_holds_per_rank(monkeypatch):
     ddp = sharding.describe("ddp", 8, 1_220_000_000, ema=True)
     assert ddp == ["sharding: ddp, the trained state whole on each of 8 ranks (22.72 GiB each: weights, gradients, "
                    "AdamW, EMA); --sharding fsdp would hold 2.84 GiB per rank"]
@@ -247,6 +247,14 @@ def test_the_start_says_which_sharding_and_what_it_holds_per_rank():
     assert sharding.describe("fsdp", 1, 10, ema=True)[0].startswith("note: --sharding fsdp on one process")
     assert sharding.describe("fsdp", 2, 1_000_000, ema=True)[1].startswith("note: --sharding fsdp of 1.0M trained")
     assert sharding.describe("ddp", 1, 10, ema=True) == []
+    # hsdp where it can replicate nothing: one process, or every rank on one node (torchrun's LOCAL_WORLD_SIZE)
+    assert sharding.describe("hsdp", 1, 10, ema=True) == [
+        "note: --sharding hsdp on one process shards nothing: it trains as ddp would"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    one_node = sharding.describe("hsdp", 2, 10**10, ema=True)
+    assert one_node[1] == "note: --sharding hsdp on one node of 2 ranks replicates nothing: it trains as --sharding fsdp would"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert len(sharding.describe("hsdp", 2, 10**10, ema=True)) == 1  # two nodes: replicas, no note
 
 
 def test_the_units_are_the_blocks_the_encoder_and_decoder_call():
