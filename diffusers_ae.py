@@ -320,6 +320,21 @@ def _measure(class_name: str, config: dict) -> dict:
                 posterior="learned" if logvar is not None else "none", width=width, takes_images=takes_images)
 
 
+def last_run_layer(params: DiffusersParams) -> str:
+    """The name (in the diffusers module) of the last module with a weight matrix or kernel that the decoder runs, read
+    by forward hooks on a decode of the class's latent on the meta device, in training mode as the trainer decodes."""
+    with torch.device("meta"), torch.no_grad():
+        model = DiffusersAutoEncoder(params).to("meta")
+        ran = []
+        for name, module in model.model.decoder.named_modules(prefix="decoder"):
+            if isinstance(getattr(module, "weight", None), nn.Parameter) and module.weight.dim() > 1:
+                module.register_forward_hook(lambda *_, name=name: ran.append(name))
+        frames = 1 + params.temporal_factor if params.temporal_factor and not params.takes_images else 0
+        size = 2 * params.spatial_factor
+        model.decode(model.encode(torch.empty(1, 3, *((frames,) if frames else ()), size, size)))
+    return ran[-1]
+
+
 def _posterior(out) -> tuple[Tensor, Tensor | None]:
     """(mean, log-variance or None: deterministic) of what a class's encode returned."""
     dist = getattr(out, "latent_dist", None)
@@ -346,6 +361,7 @@ class DiffusersAutoEncoder(nn.Module):
         for name, value in self.spec.fixed.items():
             setattr(self.model, name, value)
         self.grad_checkpointing = "none"
+        self._last_layer = ""  # (last_layer's module, found on first use)
         # the class's inference plan as constructed (eval mode); the training plan in training mode
         self.inference_plan = {k: getattr(self.model, k) for k in self.spec.training_plan if hasattr(self.model, k)}
         self.train()
@@ -381,9 +397,13 @@ class DiffusersAutoEncoder(nn.Module):
                 if isinstance(getattr(self.model, name, None), nn.Module)]
 
     def last_layer(self) -> Tensor:
-        """The decoder's last convolution's weight (LDM's adaptive GAN weight)."""
-        return next(m.weight for m in reversed(list(self.model.decoder.modules()))
-                    if isinstance(m, (nn.Conv2d, nn.Conv3d)))
+        """The weight of the last layer the decoder runs (LDM's adaptive GAN weight: each loss's gradient there).
+        The last one *registered* is not always it (Mochi's decoder ends in a Linear, proj_out, after the
+        convolutions of its last block), so hooks on a decode find it, once, on the meta device (no memory, no
+        arithmetic)."""
+        if not self._last_layer:
+            self._last_layer = last_run_layer(self.params)
+        return self.model.get_submodule(self._last_layer).weight
 
     # ------------------------------------------------------------------------- images, clips and pixels
     def _in(self, x: Tensor) -> tuple[Tensor, int]:

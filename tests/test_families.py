@@ -244,6 +244,29 @@ def test_every_diffusers_autoencoder_trains_here_or_is_refused_in_one_line(tmp_p
         assert reason in message and "loadable are" in message and "\n" not in message, message
 
 
+def test_the_adaptive_weights_last_layer_is_the_last_layer_the_decoder_runs():
+    """LDM's adaptive GAN weight reads each loss's gradient at the decoder's last layer: the last one it *runs* (hooks
+    on a real decode of every class here record it), which for Mochi is a Linear registered after convolutions it runs
+    earlier. Every other class's is its last registered convolution, as before."""
+    for class_name, config in TINY.items():
+        params = diffusers_ae.DiffusersParams.of(class_name, config)
+        with diffusers_ae.quiet_diffusers():
+            model = diffusers_ae.DiffusersAutoEncoder(params)
+        ran = []
+        for module in model.modules():
+            if isinstance(getattr(module, "weight", None), torch.nn.Parameter) and module.weight.dim() > 1:
+                module.register_forward_hook(lambda m, *_: ran.append(m))
+        z = torch.randn(1, params.z_channels, *((2,) if not params.takes_images else ()), 2, 2)
+        with torch.no_grad():
+            model.decode(z)
+        assert model.last_layer() is ran[-1].weight, class_name
+        convs = [m for m in model.model.decoder.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))]
+        if class_name == "AutoencoderKLMochi":
+            assert isinstance(ran[-1], torch.nn.Linear) and ran[-1] is model.model.decoder.proj_out
+        else:
+            assert ran[-1] is convs[-1], class_name
+
+
 NAMING_MODULES = ("families", "pretrained", "diffusers_ae", "ae", "wan_ae", "tae")  # the registry and the model modules
 MODEL_CLASSES = ("AutoEncoder", "WanAutoEncoder", "DiffusersAutoEncoder", "WanParams", "DiffusersParams",
                  "TinyAutoEncoder", "TAEParams")
