@@ -466,8 +466,10 @@ class Lane:
                 return image
             except SkipSample as skip:
                 # a window of a long video that cannot be read (a variable frame rate there, frames the count
-                # promised and the stream lacks) loses its pass; anything else, the whole video
-                window = skip.reason in WINDOW_REASONS and (opened is not None or key in self.videos)
+                # promised and the stream lacks) loses its pass, not the video's next passes (it is in the plan) nor
+                # its open ones (its last pass opening); anything else, the whole video
+                window = skip.reason in WINDOW_REASONS and (opened is not None or key in self.videos
+                                                            or any(p[0] == key for p in self.passes))
                 self._drop(key, (opened or True) if window else None)
                 self.counters[skip.reason] += 1
                 self._note_bad(key)

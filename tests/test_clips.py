@@ -265,6 +265,60 @@ def test_a_window_that_fails_loses_its_pass_not_the_video(long_url, monkeypatch)
         lane.close()
 
 
+def test_the_last_pass_of_a_video_failing_to_open_keeps_its_other_open_passes(long_url, monkeypatch):
+    """The last pass of a video opens (the video leaves the plan) while another of its passes is open, and its
+    first window cannot be read: that pass is lost, counted; the open ones go on to their unread windows."""
+    url, _ = long_url
+    lane = lane_of(url, pass_frames=128)  # passes of 8 windows: 5 and 3 of them
+    real_read, kept = clips.Video.read, []
+
+    def flaky(video, first, count):  # a pass being opened reads its video's first window before it is in lane.passes
+        opening = [p for p in lane.passes if p[4] is video] == []
+        others = [p for p in lane.passes if p[4] is not None and p[4] is not video and p[0] == video_key[0]]
+        if not kept and opening and video_key[0] not in lane.videos and others:
+            kept.extend((p, p[3]) for p in others)
+            raise sources.SkipSample("variable_frame_rate")
+        return real_read(video, first, count)
+    real_next, video_key = data_lib.Lane._next_clip, [None]
+
+    def next_clip(self, key, *args):
+        video_key[0] = key
+        return real_next(self, key, *args)
+    monkeypatch.setattr(clips.Video, "read", flaky)
+    monkeypatch.setattr(data_lib.Lane, "_next_clip", next_clip)
+    try:
+        for _ in range(200):
+            lane.next_image()
+            if kept:
+                break
+        assert kept and lane.counters["variable_frame_rate"] == 1
+        assert all(any(p is opened for p in lane.passes) for opened, _ in kept), "its open passes were closed"
+        for _ in range(60):  # their unread windows are still delivered
+            lane.next_image()
+        assert all(opened[3] < left for opened, left in kept)
+    finally:
+        lane.close()
+
+
+def test_a_long_videos_passes_are_read_in_a_random_order(long_url):
+    """A video's passes are opened in a shuffled order (seeded by the lane), not from its start: a run stopped every
+    epoch at the same place would otherwise never see its videos' ends."""
+    url, _ = long_url
+    lane = lane_of(url, pass_frames=128)  # passes of 8 windows: 5 and 3 of them
+    seen, starts = set(), {}
+    try:
+        for _ in range(52):  # one epoch: every window once
+            lane.next_image()
+            for p in lane.passes:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    starts.setdefault(p[0], []).append(p[2])
+    finally:
+        lane.close()
+    first = max(starts.values(), key=len)[:5]  # the long video's 5 passes of its first epoch (then the next's)
+    assert len(first) == 5 and first != sorted(first), starts
+
+
 def test_a_frame_size_change_within_a_window_is_skipped_as_corrupt():
     """No one crop fits frames of two sizes: the window is skipped (counted as corrupt), not a crash of the worker."""
     with pytest.raises(sources.SkipSample, match="corrupt"):
