@@ -412,7 +412,8 @@ class AutoEncoder(nn.Module):
     def sample(self, mean: Tensor, logvar: Tensor | None) -> Tensor:
         # the noise is drawn and added in fp32; the decoder casts under autocast as it needs
         mean = mean.float()
-        return mean + self.posterior_std(logvar) * torch.randn_like(mean)
+        noise = torch.randn(mean.shape, dtype=mean.dtype, device=mean.device)  # in NCHW order whatever the layout (wan_ae.sample)
+        return mean + self.posterior_std(logvar) * noise
 
     def encode(self, x: Tensor) -> Tensor:
         """Deterministic latent (the posterior mean), for evaluation and export."""

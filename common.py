@@ -374,6 +374,28 @@ def atomic_write(path: str, write) -> None:
         os.close(dir_fd)
 
 
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """optimizer.load_state_dict(state), its moments then laid out as their parameters (moments_as_parameters)."""
+    optimizer.load_state_dict(state)
+    moments_as_parameters(optimizer)
+
+
+def moments_as_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Each tensor of the optimizer's per-parameter state (AdamW's moments) laid out as its parameter, with the
+    same strides (a DTensor: its local shard's). torch's load_state_dict keeps the strides a moment was saved with,
+    and fused AdamW walks a parameter, its gradient and its moments in memory order: a moment saved from a parameter
+    of another memory format (the VAE channels_last on a CPU under ddp, NCHW under --sharding fsdp or on CUDA;
+    another --channels_last) would update the wrong elements."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731 (DTensor: no import here)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            per_param = optimizer.state.get(param, {})
+            for key, value in per_param.items():
+                if (torch.is_tensor(value) and value.shape == param.shape
+                        and local(value).stride() != local(param).stride()):
+                    per_param[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+
+
 def capture_rng(device: torch.device) -> dict:
     np_state = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),

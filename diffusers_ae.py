@@ -442,7 +442,8 @@ class DiffusersAutoEncoder(nn.Module):
         mean = mean.float()  # the noise is drawn and added in fp32, as ae.AutoEncoder.sample
         if logvar is None:
             return mean
-        return mean + self.posterior_std(logvar) * torch.randn_like(mean)
+        noise = torch.randn(mean.shape, dtype=mean.dtype, device=mean.device)  # in NCHW order whatever the layout (wan_ae.sample)
+        return mean + self.posterior_std(logvar) * noise
 
     def encode(self, x: Tensor) -> Tensor:
         return self.encode_moments(x)[0]

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from ae import kl_divergence
 from alignment import AlignmentLoss
 from clips import frames_of
+from common import load_optimizer_state
 from config import FP32, CriticConfig, LatentsConfig, LossConfig, OptimConfig, Precision
 from critics import (FeatureCriticHeads, NLayerDiscriminator, PatchGAN3D, VGG16Discriminator, build_lpips,
                      diff_augment, lpips_from_features, r1_penalty, vgg16_features)
@@ -399,6 +400,8 @@ class Adversary:
         # values at the start of the step (step_began), for a step abandoned before its end (abandon_step)
         self.moved_by_forward = moved_by_forward(self.critic)
         self.at_step_start = [b.clone() for b in self.moved_by_forward]
+        # spectral norm's modules: their power iteration runs in the step's first forward only (one_iteration_done)
+        self.spectral = [m for m in self.critic.modules() if hasattr(m, "weight_u") or is_spectral_parametrization(m)]
 
     def prepare_training(self, optim: OptimConfig, make_optimizer, wrap_ddp=lambda m: m) -> None:
         """The DDP wrapper, the optimizer (`make_optimizer(params, lr)`) and the schedule, for training."""
@@ -437,6 +440,7 @@ class Adversary:
             both = torch.cat([real, fake])
         with self.autocast():
             logits = self.critic_ddp(self.critic_input(both))
+        self.one_iteration_done()
         real_logits, fake_logits = logits.float().chunk(2)
         d_loss = discriminator_loss(real_logits, fake_logits, self.cfg.disc_type)
         if self.lecam is not None:
@@ -466,7 +470,17 @@ class Adversary:
         generator's term), in fp32; under the caller's autocast (the objective's). `clip_frames`: Adversary.loss's."""
         if self.on_clips and fake.dim() == 4:
             fake = clips_of(fake, clip_frames)
-        return self.critic(self.critic_input(fake)).float()
+        logits = self.critic(self.critic_input(fake)).float()
+        self.one_iteration_done()
+        return logits
+
+    def one_iteration_done(self) -> None:
+        """Spectral norm's power iteration runs once per step, in its first forward, whatever the micro-batches:
+        the later forwards normalise by the same u and v (its modules out of training mode, which only the
+        iteration reads). A step of 2 micro-batches on one rank then moves the critic as 2 ranks of one do: a run
+        resumed on fewer GPUs continues exactly (step_began arms the next step's iteration)."""
+        for module in self.spectral:
+            module.training = False
 
     @contextlib.contextmanager
     def frozen(self):
@@ -483,6 +497,8 @@ class Adversary:
         has no such buffers, as the trainable VGG16 critic)."""
         if self.moved_by_forward:
             torch._foreach_copy_(self.at_step_start, self.moved_by_forward)
+        for module in self.spectral:
+            module.training = self.critic.training
 
     def abandon_step(self) -> None:
         """Undo what an abandoned step (an out-of-memory error in its middle) moved: the checkpoint of the last
@@ -519,12 +535,17 @@ class Adversary:
             log("warning: the checkpoint's discriminator is of another kind; the critic starts from scratch")
         else:
             self.critic.load_state_dict(state["critic"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_optimizer_state(self.optimizer, state["optimizer"])  # (its moments as the critic's layout)
             self.scheduler.load_state_dict(state["scheduler"])
             if self.scaler.is_enabled() and state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
         if self.lecam is not None and state.get("lecam") is not None:
             self.lecam.load_state_dict(state["lecam"])
+
+
+def is_spectral_parametrization(module: nn.Module) -> bool:
+    """torch.nn.utils.parametrizations.spectral_norm's module (the newer API; critics.py uses the hook's)."""
+    return type(module).__name__ == "_SpectralNorm"
 
 
 def moved_by_forward(module: nn.Module) -> list[Tensor]:

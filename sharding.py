@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import ConfigError, DistInfo
+from common import ConfigError, DistInfo, load_optimizer_state, moments_as_parameters
 
 SHARDINGS = ("ddp", "fsdp", "hsdp")
 # below this many trained parameters sharding saves under 1 GiB per rank and mostly adds communication: a note
@@ -157,7 +157,7 @@ def load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, state: d
     tensors: a DDP run's .pt checkpoint) or by parameter name (optimizer_state's, from a sharded checkpoint, whole
     or laid out as this run's), into this run's optimizer, sharded or not."""
     if not is_sharded(module) and all(isinstance(k, int) for k in state["state"]):
-        optimizer.load_state_dict(state)
+        load_optimizer_state(optimizer, state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     names = {id(p): n for n, p in module.named_parameters()}
@@ -173,6 +173,7 @@ def load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, state: d
     # not strict: a parameter that never had a gradient has no moments (as in the run that wrote them)
     set_optimizer_state_dict(module, optimizer, {"state": moments, "param_groups": groups},
                              options=StateDictOptions(strict=False))
+    moments_as_parameters(optimizer)  # (a DCP checkpoint's moments are NCHW, a ddp run's VAE on a CPU is not)
 
 
 def copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

@@ -16,7 +16,7 @@ import checkpoint
 import families
 import sharding
 from ae import AutoEncoder
-from common import ConfigError, DistInfo
+from common import ConfigError, DistInfo, load_optimizer_state
 from config import FP32, OptimConfig, Precision
 from run_log import Metrics
 from utils import cosine_with_warmup
@@ -308,7 +308,7 @@ class ProjectionTraining:
             self.projection.load_state_dict({k: v for k, v in saved.items() if k != "bias"})
         else:
             self.projection.load_state_dict(saved)
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
 

@@ -191,7 +191,7 @@ def test_encode_is_deterministic_and_forward_without_sample_uses_mean(posterior)
         torch.manual_seed(7)
         recon_s, _, _ = model(x, sample=True)
         torch.manual_seed(7)
-        z = mean + model.posterior_std(logvar) * torch.randn_like(mean)
+        z = mean + model.posterior_std(logvar) * torch.randn(mean.shape)  # (drawn in NCHW order)
         assert torch.allclose(recon_s, model.decode(z), atol=1e-6)
         assert not torch.allclose(recon_s, recon, atol=1e-4)
 

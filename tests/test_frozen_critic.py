@@ -215,7 +215,7 @@ def reference_gan_step(vae, critic, lecam, lpips, x, noise_state, *, perceptual_
     from utils import LowpassMSE, pooled_mse
     torch.set_rng_state(noise_state)  # the posterior noise the trainer's step drew
     mean = vae.encoder(x)
-    recon = vae.decoder(mean.float() + math.sqrt(posterior_var) * torch.randn_like(mean.float())).float()
+    recon = vae.decoder(mean.float() + math.sqrt(posterior_var) * torch.randn(mean.shape)).float()
     real, fake = critic(torch.cat([x, recon.detach()])).float().chunk(2)
     lecam.update(real, fake)
     d_loss = F.relu(1 - real).mean() + F.relu(1 + fake).mean() + lecam_weight * lecam.penalty(real, fake)

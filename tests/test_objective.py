@@ -322,3 +322,34 @@ def test_the_3d_critic_copies_no_activation_the_frame_critic_does_not(r1):
         assert "loss/gan_g" in out.logs and model.recon.grad.abs().sum() > 0
         copied[critic] = census.summary().get("copy/activation", {"mib": 0.0})["mib"]
     assert copied["patchgan3d"] <= copied["patchgan"], copied
+
+
+@pytest.mark.parametrize("discriminator", ["patchgan", "patchgan3d"])
+def test_spectral_norm_iterates_once_per_step_whatever_the_micro_batches(discriminator):
+    """One rank carrying two ranks' share (two micro-batches: a run resumed on fewer GPUs) runs the step's critic as
+    each of the two ranks does: one power iteration of spectral norm per step (not one per forward: the critic's
+    pass and the generator's of every micro-batch), so the second micro-batch's logits and the u, v the step leaves
+    equal those of the rank that held that micro-batch alone, bitwise."""
+    import copy
+    from config import CriticConfig
+    from objective import Adversary, build_critic
+    torch.manual_seed(0)
+    cfg = CriticConfig(discriminator=discriminator, disc_norm="group_spectral")
+    one_rank = Adversary(cfg, build_critic(cfg, None))
+    second_rank = Adversary(cfg, copy.deepcopy(one_rank.critic))
+    assert one_rank.spectral and len(one_rank.spectral) == len(second_rank.spectral)
+    shape = (2, 3, 5, 32, 32) if discriminator == "patchgan3d" else (2, 3, 32, 32)
+    x1, r1, x2, r2 = (torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in range(4))
+    for step in range(2):  # (the second step: the iteration armed again)
+        one_rank.step_began()
+        one_rank.backward(x1, r1, sync=False, accum=2)
+        one_rank.generator_logits(r1)
+        _, real_logits, fake_logits, _ = one_rank.backward(x2, r2, sync=True, accum=2)
+        one_rank.generator_logits(r2)
+        second_rank.step_began()
+        _, real_alone, fake_alone, _ = second_rank.backward(x2, r2, sync=True, accum=1)
+        second_rank.generator_logits(r2)
+        assert torch.equal(real_logits, real_alone) and torch.equal(fake_logits, fake_alone), step
+        for a, b in zip(one_rank.moved_by_forward, second_rank.moved_by_forward):
+            assert torch.equal(a, b), step
+        assert not torch.equal(one_rank.moved_by_forward[0], one_rank.at_step_start[0])  # it did iterate

@@ -1,6 +1,7 @@
 """--sharding fsdp|hsdp (sharding.py): the same math as DDP, state that falls as 1/N, checkpoints that reshard onto
 any world size and either sharding, written atomically, and the one-line refusals. Real torchrun (gloo) on the CPU
 where only processes show it; the plumbing in-process."""
+import copy
 import json
 import os
 import signal
@@ -126,6 +127,27 @@ def test_a_sharded_run_resumes_on_4_ranks_then_on_1_with_the_same_steps(runs, tm
 
 @pytest.mark.process
 @pytest.mark.timeout(300)
+def test_a_sharded_run_continues_under_ddp_on_one_process_with_the_same_steps(runs, tmp_path, shard_url):
+    """The fsdp run stopped after step 3 continues on 1 process under --sharding ddp, its VAE channels_last there
+    (a CPU's auto; the sharded run's was NCHW): steps 4 and 5 compute what the uninterrupted run computed up to
+    rounding (1e-4: channels_last convolutions are other kernels, 1.6e-5 off in the gradient norm). Issue 48: AdamW's moments came back in the sharded run's layout, which fused
+    AdamW walks in the parameter's memory order (step 5 7.4e-2 off), and the posterior noise followed the layout."""
+    import shutil
+    cut = tmp_path / "cut"
+    shutil.copytree(runs / "fsdp", cut)
+    for k in (4, 5):
+        shutil.rmtree(cut / "checkpoints" / f"step_{k:08d}")
+    (cut / "checkpoints" / "latest").write_text("step_00000003")
+    result = run_cli("vae_trainer.py", sharded_args(shard_url, tmp_path, "cut", 5, "--grad_accum", "2",
+                                                    "--sharding", "ddp", "--channels_last", "auto"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--sharding fsdp -> ddp" in result.stdout, result.stdout[-2000:]
+    for step in (4, 5):
+        assert worst_relative(logged(cut)[step], logged(runs / "fsdp")[step]) <= 1e-4, step
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
 def test_a_single_file_checkpoint_of_a_ddp_run_resumes_sharded(runs, tmp_path, shard_url):
     """The ddp run's step_3.pt (whole tensors, AdamW's state by integer id) continues under --sharding fsdp on 2
     ranks: each rank takes its shards of the weights, moments and EMA, and step 4 computes what the ddp run's
@@ -235,6 +257,60 @@ def test_a_flag_that_does_not_compose_with_sharding_is_refused_in_one_line(flags
         prepare_run(["--dataset_url", str(tmp_path / "x.tar"), "--output_dir", str(tmp_path), *TINY,
                      "--sharding", "fsdp", *flags])
     assert "--sharding fsdp does not compose with " + named in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("layout", ["by_name", "by_id"])
+def test_moments_saved_in_another_memory_format_continue_the_same_adamw(layout):
+    """A run continued in another memory format (a sharded run's NCHW VAE under ddp on a CPU, channels_last; a ddp
+    run's .pt with another --channels_last) gets moments laid out as they were saved. Fused AdamW walks a parameter,
+    its gradient and its moments in memory order, so each moment must be laid out as its parameter or the update
+    lands on other elements (issue 48: 7.4e-2 off in the loss one step later). The continued step equals, bitwise,
+    the step from the same moments laid out as the parameters (converted here, by value)."""
+    def conv():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 4, 3))
+
+    def step(model, optimizer, seed):
+        model.zero_grad()
+        x = torch.randn(2, 3, 9, 9, generator=torch.Generator().manual_seed(seed))
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    saved = conv()  # the run that wrote the checkpoint: NCHW, 2 steps
+    saved_opt = torch.optim.AdamW(saved.parameters(), lr=1e-2, fused=True)
+    for seed in (1, 2):
+        step(saved, saved_opt, seed)
+    state = sharding.optimizer_state(saved, saved_opt) if layout == "by_name" else saved_opt.state_dict()
+    continued = []
+    for convert in (False, True):
+        model = conv().to(memory_format=torch.channels_last)  # the continuation: channels_last
+        model.load_state_dict(saved.state_dict())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        sharding.load_optimizer(model, optimizer, copy.deepcopy(state))  # (torch's load keeps the tensors it is given)
+        if convert:  # the reference: each moment's values, laid out as its parameter
+            for p in model.parameters():
+                for k, v in optimizer.state[p].items():
+                    if v.dim() == 4:
+                        optimizer.state[p][k] = v.contiguous(memory_format=torch.channels_last)
+        step(model, optimizer, 3)
+        continued.append(model)
+    for (name, p), q in zip(continued[0].named_parameters(), continued[1].parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_the_posterior_noise_is_the_same_in_either_memory_format():
+    """The same seed draws the same noise per latent element whether the VAE runs channels_last (ddp on a CPU) or
+    NCHW (fsdp, CUDA): a sharded run continued under ddp on a CPU trains on its numbers (randn_like follows the
+    mean's strides, and drew another noise per element)."""
+    import ae
+    vae = ae.AutoEncoder(ae.AutoEncoderParams(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4, posterior="learned"))
+    mean = torch.randn(2, 4, 8, 8)
+    logvar = torch.randn(2, 4, 8, 8)
+    draws = []
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        torch.manual_seed(5)
+        draws.append(vae.sample(mean.contiguous(memory_format=fmt), logvar.contiguous(memory_format=fmt)))
+    assert torch.equal(*draws)
 
 
 def test_the_start_says_which_sharding_and_what_it_holds_per_rank(monkeypatch):
