@@ -227,6 +227,33 @@ def test_each_class_fine_tunes_resumes_and_exports_through_its_own_module(class_
             prepare_run(base + ["--video_frames", "5"])
 
 
+def test_training_runs_the_training_plan_and_evaluation_the_inference_plan():
+    """HunyuanVideo's inference encodes and decodes clips of more than 16 frames frame-wise in tiles (a different
+    result); training runs the whole clip (its training plan). A clip of 21 frames reaches the tiles: in training
+    mode encode and decode equal the class's own module with frame-wise coding off, in evaluation mode they differ
+    (a swap of the two plans is red here; the tiny runs above never reach a tile)."""
+    class_name = "AutoencoderKLHunyuanVideo"
+    params = diffusers_ae.DiffusersParams.of(class_name, TINY[class_name])
+    torch.manual_seed(0)
+    model = diffusers_ae.DiffusersAutoEncoder(params)
+    reference = diffusers_ae._module(class_name, TINY[class_name])
+    reference.load_state_dict(model.model.state_dict())
+    reference.use_framewise_encoding = reference.use_framewise_decoding = False
+    x = torch.rand(1, 3, 1 + 5 * params.temporal_factor, 16, 16, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    assert x.shape[2] > model.model.tile_sample_min_num_frames
+    with torch.no_grad():
+        mean = model.encode(x)
+        decoded = model.decode(mean)
+        # (the same ops on the same weights, but for the rounding of CPU kernels that oneDNN may pick by the weights'
+        # memory alignment: see the fine-tune test; the tiles move the result by ~0.4)
+        def close(a, b):
+            return (a - b).abs().max() <= 1e-5 * max(1.0, b.abs().max().item())
+        assert close(mean, reference.encode(x).latent_dist.mean)
+        assert close(decoded, reference.decode(mean).sample)
+        model.eval()
+        assert not close(model.encode(x), mean) and not close(model.decode(mean), decoded)
+
+
 # ------------------------------------------------------------------------------------------ the registry
 def test_every_diffusers_autoencoder_trains_here_or_is_refused_in_one_line(tmp_path):
     """Every autoencoder class the installed diffusers exports is read by a family (natively, or through its own
