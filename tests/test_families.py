@@ -254,6 +254,21 @@ def test_training_runs_the_training_plan_and_evaluation_the_inference_plan():
         assert not close(model.encode(x), mean) and not close(model.decode(mean), decoded)
 
 
+def test_a_scale_class_reestimates_its_factor_from_latents_with_a_mean():
+    """A class whose pipelines scale latents without a shift (scaling_factor only) re-estimates the factor that gives
+    the scaled latents a unit RMS: latents with a mean of 1.5 and a std of 0.5 get 1 / sqrt(1.5^2 + 0.5^2), not
+    1 / 0.5 (a factor from the std alone survived before); a scale-and-shift class gets unit std about zero."""
+    z = torch.randn(4, 8, 16, 16, generator=torch.Generator().manual_seed(0)) * 0.5 + 1.5
+    stats = {"latent_mean": z.mean().item(), "latent_std": z.std().item()}
+    for class_name, pipeline in (("AutoencoderKLHunyuanImage", lambda z, f: z * f["scaling_factor"]),
+                                 ("AutoencoderTiny", lambda z, f: (z - f["shift_factor"]) * f["scaling_factor"])):
+        with torch.device("meta"):
+            model = diffusers_ae.DiffusersAutoEncoder(diffusers_ae.DiffusersParams.of(class_name, TINY[class_name]))
+        seen = pipeline(z, model.normalisation_from_stats(stats))
+        assert abs(seen.square().mean().sqrt().item() - 1) < 1e-3, class_name
+        assert class_name == "AutoencoderKLHunyuanImage" or abs(seen.mean().item()) < 1e-4
+
+
 # ------------------------------------------------------------------------------------------ the registry
 def test_every_diffusers_autoencoder_trains_here_or_is_refused_in_one_line(tmp_path):
     """Every autoencoder class the installed diffusers exports is read by a family (natively, or through its own
