@@ -190,6 +190,42 @@ def test_each_rank_holds_a_1_over_n_share_of_the_trained_state(tmp_path, train_p
         assert (frozen.pop() > 0) == (train_parts == "decoder")
 
 
+def test_frozen_parameters_stay_whole_plain_tensors_outside_the_groups(tmp_path):
+    """sharding.shard on a 1-rank gloo group, in this process: a frozen unit, a unit that mixes frozen and trained
+    parameters, and a trained one: every frozen parameter stays the same plain tensor, whole, in no FSDP group (the
+    groups' ignored_params; without them FSDP2 makes frozen parameters DTensors too), every trained one is a
+    DTensor. (tests/sharded_state.py checks the same on 2 and 4 ranks in a process; this is its cheap guard.)"""
+    import torch.distributed as dist
+    import sharding
+    from common import DistInfo
+    from torch import nn
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.mixed, self.dec = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), \
+                nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.dec(self.mixed(self.enc(x)))
+    torch.manual_seed(0)
+    model = Model()
+    model.enc.requires_grad_(False)
+    model.mixed[0].requires_grad_(False)
+    frozen = {name: (p, p.detach().clone()) for name, p in model.named_parameters() if not p.requires_grad}
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = sharding.mesh_for("fsdp", DistInfo(rank=0, world_size=1))
+        sharding.shard(model, [model.enc, model.mixed, model.dec], mesh)
+        params = dict(model.named_parameters())
+        for name, (before, value) in frozen.items():
+            assert not sharding.is_dtensor(params[name]) and params[name] is before, name
+            assert torch.equal(params[name], value)
+        assert all(sharding.is_dtensor(p) for name, p in params.items() if name not in frozen)
+        assert set(params) - set(frozen) == {"mixed.1.weight", "mixed.1.bias", "dec.weight", "dec.bias"}
+    finally:
+        dist.destroy_process_group()
+
+
 # --------------------------------------------------------------------------------------------
 # checkpoints: atomic, listed, read whole on one process
 # --------------------------------------------------------------------------------------------
