@@ -1155,7 +1155,7 @@ def test_a_stream_saved_by_an_earlier_release_resumes_exactly_with_its_whole_sha
 
 def test_shard_size_counts_what_the_stream_reads(zoo, tmp_path, monkeypatch):
     """The lanes' starts are counted from the tar headers alone: the count is the samples iter_shard yields, for
-    bad members, metadata, a member without an extension and a truncated tar alike."""
+    bad members, metadata, a member without an extension, a directory member and a truncated tar alike."""
     import webdataset as wds
     extra = write_tar(tmp_path / "meta.tar", [("__meta__.json", b"{}"), ("a.png", solid_png(1)), ("a.json", b"{}"),
                                               ("noext", b"x"), ("b.png", solid_png(2)), ("b.png", solid_png(3))])
@@ -1164,6 +1164,9 @@ def test_shard_size_counts_what_the_stream_reads(zoo, tmp_path, monkeypatch):
             sink.write({"__key__": f"dir/{'long' * 40 * (i % 2)}é{i}", "png": solid_png(i), "json": b"{}"})
     for fmt, name in ((tarfile.GNU_FORMAT, "gnu.tar"), (tarfile.PAX_FORMAT, "pax.tar"), (tarfile.GNU_FORMAT, "z.tgz")):
         with tarfile.open(tmp_path / name, "w:gz" if name.endswith("tgz") else "w", format=fmt) as tf:
+            folder = tarfile.TarInfo("photos.d")  # a directory member whose name looks like a sample's: no sample
+            folder.type = tarfile.DIRTYPE
+            tf.addfile(folder)
             for i in range(5):
                 for ext in ("png", "txt"):
                     info = tarfile.TarInfo(f"{'x' * 120}{i}.{ext}")
@@ -1176,7 +1179,9 @@ def test_shard_size_counts_what_the_stream_reads(zoo, tmp_path, monkeypatch):
     # the header reader's names are tarfile's (it reads webdataset's, GNU and pax tars itself)
     for name in ("written.tar", "gnu.tar", "pax.tar"):
         with tarfile.open(tmp_path / name) as tf:
-            assert sources._tar_members(str(tmp_path / name)) == [(m.name, m.isreg()) for m in tf]
+            # (a directory's name as stored: tarfile drops its trailing slash)
+            assert [(n.rstrip("/"), regular) for n, regular in sources._tar_members(str(tmp_path / name))] == [
+                (m.name, m.isreg()) for m in tf]
     assert sources.shard_sizes(["https://host/a.tar"] + shards) is None  # remote: lanes start at whole shards
     assert sources.shard_sizes(shards, budget_s=0) is None  # counting past its budget: whole-shard starts, said
     with monkeypatch.context() as m:
