@@ -35,7 +35,8 @@ import tae
 import wan_ae
 from ae import AutoEncoder, AutoEncoderParams, Trainable
 from common import ConfigError, honour_umask
-from config import LR_TIMES_WIDTH, Config, ModelConfig, downsample_factor_of, with_values
+from config import (LR_TIMES_WIDTH, DataConfig, FinetuneConfig, LossConfig, ModelConfig, OptimConfig, RunConfig,
+                    SpeedConfig, downsample_factor_of)
 from pretrained import Source, SourceError
 
 
@@ -69,43 +70,44 @@ class Family:
         """The --vae_* values that show the architecture (config.json, the resume checks)."""
         raise NotImplementedError
 
-    def apply_source(self, cfg: Config, given: set[str], source: Source) -> Config:
-        """The run's config once --init_from's source is read: its architecture's flags."""
+    def apply_source(self, model: ModelConfig, finetune: FinetuneConfig, given: set[str], source: Source) -> dict:
+        """The flags --init_from's source sets once read (run_setup applies them): its architecture's."""
         flag = "--vae_decoder_ch"
         if flag[2:] in given:
             raise ConfigError(f"{flag}: a decoder of other widths is for the LDM family's latent spaces, not "
                               f"{source.path}'s ({self.describe(source.params)})")
-        return with_values(cfg, **self.arch_flags(source.params))
+        return self.arch_flags(source.params)
 
     @property
     def time_chunks_refusal(self) -> str:
         """What a chunk plan (--train_time_chunks) is refused with ("": the family's model takes one)."""
         return self.model_class.time_chunks_refusal
 
-    def check_time_chunks(self, cfg: Config) -> None:
-        if self.time_chunks_refusal and any(cfg.speed.time_chunks):
-            raise ConfigError(f"--train_time_chunks {cfg.speed.train_time_chunks}: a clip trained in chunks through "
+    def check_time_chunks(self, speed: SpeedConfig, model: ModelConfig) -> None:
+        if self.time_chunks_refusal and any(speed.time_chunks):
+            raise ConfigError(f"--train_time_chunks {speed.train_time_chunks}: a clip trained in chunks through "
                               f"an explicit temporal cache is the wan family's video model (wan_ae.py); --vae_family "
-                              f"{self.name} ({cfg.model.vae_class or 'its model'}): {self.time_chunks_refusal}")
+                              f"{self.name} ({model.vae_class or 'its model'}): {self.time_chunks_refusal}")
 
-    def check(self, cfg: Config) -> None:
-        """ConfigError (one line) for what the family cannot do with this run's flags."""
-        self.check_time_chunks(cfg)
-        if cfg.finetune.distill_from and not self.distils:
+    def check(self, model: ModelConfig, finetune: FinetuneConfig, loss: LossConfig, speed: SpeedConfig,
+              data: DataConfig, run: RunConfig) -> None:
+        """ConfigError (one line) for what the family cannot do with this run's flags (the sections it reads)."""
+        self.check_time_chunks(speed, model)
+        if finetune.distill_from and not self.distils:
             raise ConfigError(f"--distill_from: the student is a tiny autoencoder (--vae_family tae), not --vae_family "
                               f"{self.name}'s model")
-        refused = [(cfg.finetune.last_stage_trains != "all", "--last_stage_trains", "the decoder's levels are the "
+        refused = [(finetune.last_stage_trains != "all", "--last_stage_trains", "the decoder's levels are the "
                     "LDM family's (ae.py)"),
-                   (cfg.loss.distill_weight > 0, "--distill_weight", "a narrower decoder is the LDM family's"),
-                   (cfg.finetune.decoder_init != "fresh", "--decoder_init", "a narrower decoder is the LDM family's")]
+                   (loss.distill_weight > 0, "--distill_weight", "a narrower decoder is the LDM family's"),
+                   (finetune.decoder_init != "fresh", "--decoder_init", "a narrower decoder is the LDM family's")]
         for bad, flag, why in refused:
             if bad:
-                raise ConfigError(f"{flag}: {why}, not --vae_family {self.name}'s ({cfg.model.vae_class or 'its model'})")
+                raise ConfigError(f"{flag}: {why}, not --vae_family {self.name}'s ({model.vae_class or 'its model'})")
 
-    def settled(self, cfg: Config, given: set[str]) -> Config:
-        """The run's config with the flags its architecture implies made consistent (a new model from flags), but
+    def settled(self, model: ModelConfig, given: set[str]) -> dict:
+        """The flags its architecture implies, made consistent (a new model from flags; run_setup applies them), but
         for those the user gave (`given`: check() refuses what the family cannot take)."""
-        return cfg
+        return {}
 
     def student_of(self, teacher: Source, model: ModelConfig) -> dict:
         """--distill_from: the architecture flags of a student of this family for the teacher's latent."""
@@ -132,7 +134,7 @@ class Family:
         its temporal_factor)."""
         return 0
 
-    def init_weights(self, vae: nn.Module, source: Source, cfg: Config, log) -> str:
+    def init_weights(self, vae: nn.Module, source: Source, finetune: FinetuneConfig, optim: OptimConfig) -> str:
         """Load the source's weights; returns what the start line says of them beyond the source."""
         vae.load_state_dict(source.state)
         return ""
@@ -182,23 +184,21 @@ class LDM(Family):
                     vae_decoder_ch=",".join(str(c) for c in p.decoder_channels), vae_latent_bn=p.latent_bn,
                     vae_latent_bn_eps=p.latent_bn_eps)
 
-    def apply_source(self, cfg, given, source):
+    def apply_source(self, model, finetune, given, source):
         """The source's architecture, but for a --vae_decoder_ch the user gave: a decoder of its own widths for the
         source's latent space, which then trains from the rate of a new decoder of its width when it starts fresh
         (--decoder_init) and no --learning_rate_vae is given (a tenth of that for a fine-tune)."""
         arch = self.arch_flags(source.params)
         if "vae_decoder_ch" in given:
             arch.pop("vae_decoder_ch")
-        cfg = with_values(cfg, **arch)
-        widths = AutoEncoderParams.from_config(cfg.model).decoder_widths
-        if (widths != source.params.decoder_widths and cfg.finetune.decoder_init == "fresh"
+        widths = AutoEncoderParams.from_config(dataclasses.replace(model, **arch)).decoder_widths
+        if (widths != source.params.decoder_widths and finetune.decoder_init == "fresh"
                 and "learning_rate_vae" not in given):
-            cfg = with_values(cfg, learning_rate_vae=LR_TIMES_WIDTH / widths[0])  # a new decoder, not a fine-tune
-        return cfg
+            arch["learning_rate_vae"] = LR_TIMES_WIDTH / widths[0]  # a new decoder, not a fine-tune
+        return arch
 
-    def check(self, cfg):
-        self.check_time_chunks(cfg)
-        model = cfg.model
+    def check(self, model, finetune, loss, speed, data, run):
+        self.check_time_chunks(speed, model)
         if model.posterior not in ("constant", "learned"):
             raise ConfigError(f"--posterior {model.posterior}: the LDM family's is constant or learned")
         if model.vae_patch_size != 1:
@@ -208,15 +208,15 @@ class LDM(Family):
             raise ConfigError("--vae_spatial_factor / --vae_temporal_factor / --vae_class: the LDM family's "
                               "compression is --vae_ch_mult's, and it takes images")
 
-    def init_weights(self, vae, source, cfg, log):
+    def init_weights(self, vae, source, finetune, optim):
         """The source's weights; a decoder of other widths than the source's starts as --decoder_init says."""
         widths = vae.params.decoder_widths
         if widths == source.params.decoder_widths:
             vae.load_state_dict(source.state)
             return ""
-        vae.load_state_dict(pretrained.narrow_decoder_model(source, widths, cfg.finetune.decoder_init,
-                                                            cfg.optim.seed).state_dict())
-        return f"; a decoder of widths {','.join(map(str, widths))} ({cfg.finetune.decoder_init})"
+        vae.load_state_dict(pretrained.narrow_decoder_model(source, widths, finetune.decoder_init,
+                                                            optim.seed).state_dict())
+        return f"; a decoder of widths {','.join(map(str, widths))} ({finetune.decoder_init})"
 
     def teacher(self, source):
         wide = AutoEncoder(source.params)
@@ -323,14 +323,14 @@ class Diffusers(Family):
                     vae_latent_bn=False, vae_patch_size=1, vae_spatial_factor=p.spatial_factor,
                     vae_temporal_factor=p.temporal_factor)
 
-    def check(self, cfg):
-        super().check(cfg)
-        spec = diffusers_ae.CLASSES[cfg.model.vae_class]
-        if cfg.speed.grad_checkpointing != "none" and not spec.supports_checkpointing(cfg.model.vae_class):
-            raise ConfigError(f"--grad_checkpointing {cfg.speed.grad_checkpointing}: diffusers' {cfg.model.vae_class} "
+    def check(self, model, finetune, loss, speed, data, run):
+        super().check(model, finetune, loss, speed, data, run)
+        spec = diffusers_ae.CLASSES[model.vae_class]
+        if speed.grad_checkpointing != "none" and not spec.supports_checkpointing(model.vae_class):
+            raise ConfigError(f"--grad_checkpointing {speed.grad_checkpointing}: diffusers' {model.vae_class} "
                               "has no gradient checkpointing (use none)")
-        if cfg.speed.compile:
-            raise ConfigError(f"--compile: not tested with diffusers' own modules ({cfg.model.vae_class}): leave it off")
+        if speed.compile:
+            raise ConfigError(f"--compile: not tested with diffusers' own modules ({model.vae_class}): leave it off")
 
     def temporal_factor(self, params):
         return params.temporal_factor
@@ -402,9 +402,9 @@ class TAE(Family):
     # 150 steps where 1e-5 left them 0.19 dB better (BENCHMARKS.md section 21)
     FINETUNE_RATE = 1e-5
 
-    def apply_source(self, cfg, given, source):
-        cfg = super().apply_source(cfg, given, source)
-        return cfg if "learning_rate_vae" in given else with_values(cfg, learning_rate_vae=self.FINETUNE_RATE)
+    def apply_source(self, model, finetune, given, source):
+        arch = super().apply_source(model, finetune, given, source)
+        return arch if "learning_rate_vae" in given else {**arch, "learning_rate_vae": self.FINETUNE_RATE}
 
     def arch_flags(self, p):
         return dict(vae_family="tae", vae_class="", tae_variant=p.variant, vae_ch=64, vae_ch_mult="1",
@@ -413,9 +413,9 @@ class TAE(Family):
                     vae_patch_size=p.patch_size, vae_spatial_factor=p.downsample_factor,
                     vae_temporal_factor=p.temporal_factor)
 
-    def check(self, cfg):
-        super().check(cfg)
-        model, ft = cfg.model, cfg.finetune
+    def check(self, model, finetune, loss, speed, data, run):
+        super().check(model, finetune, loss, speed, data, run)
+        ft = finetune
         if model.posterior != "none":
             raise ConfigError(f"--posterior {model.posterior}: a tiny autoencoder's encoder is deterministic (none)")
         if model.tae_variant == "hv" and model.vae_temporal_factor not in (0, 4, 8):
@@ -423,21 +423,21 @@ class TAE(Family):
         if model.vae_temporal_factor and model.tae_variant != "hv":
             raise ConfigError(f"--vae_temporal_factor {model.vae_temporal_factor}: the tiny autoencoder for clips is "
                               f"--tae_variant hv (TAEHV's layout), not {model.tae_variant}")
-        if cfg.data.video_frames and model.tae_variant != "hv":
-            raise ConfigError(f"--video_frames {cfg.data.video_frames}: a {model.tae_variant} tiny autoencoder takes "
+        if data.video_frames and model.tae_variant != "hv":
+            raise ConfigError(f"--video_frames {data.video_frames}: a {model.tae_variant} tiny autoencoder takes "
                               "images; clips need TAEHV's layout (--tae_variant hv, or --init_from a taehv/taew2_1/... "
                               "file)")
-        if ft.train_parts == "decoder" and not (ft.init_from or ft.distill_from or cfg.run.load_path):
+        if ft.train_parts == "decoder" and not (ft.init_from or ft.distill_from or run.load_path):
             raise ConfigError("--train_parts decoder: a new tiny autoencoder's encoder is random, so its latents mean "
                               "nothing; give --init_from (a released TAE whose latent space the decoder learns) or "
                               "--distill_from (a teacher whose latents it learns)")
-        if cfg.speed.sharding != "ddp":
-            raise ConfigError(f"--sharding {cfg.speed.sharding}: {tae.TinyAutoEncoder.UNSHARDABLE}")
+        if speed.sharding != "ddp":
+            raise ConfigError(f"--sharding {speed.sharding}: {tae.TinyAutoEncoder.UNSHARDABLE}")
         self.from_flags(model)  # (an architecture it cannot build: one line)
 
-    def settled(self, cfg, given):
-        implied = self.arch_flags(self.from_flags(cfg.model))
-        return with_values(cfg, **{k: v for k, v in implied.items() if k not in given})
+    def settled(self, model, given):
+        implied = self.arch_flags(self.from_flags(model))
+        return {k: v for k, v in implied.items() if k not in given}
 
     def student_of(self, teacher, model):
         """The tiny autoencoder of the teacher's latent: its channels; f8 (flux_2 for FLUX.2's bn-normalised latent,
@@ -485,10 +485,6 @@ class TAE(Family):
 
     def temporal_factor(self, params):
         return params.temporal_factor
-
-    def init_weights(self, vae, source, cfg, log):
-        vae.load_state_dict(source.state)
-        return ""
 
     def teacher(self, source):
         raise ConfigError("--distill_weight: a narrower decoder is the LDM family's; a tiny autoencoder learns from "

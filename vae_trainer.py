@@ -75,7 +75,7 @@ def build_vae(cfg: Config, device: torch.device, memory_format, resume: tuple[st
         checkpoint.load_vae_weights_into(vae, cfg.run.load_path)
         log(f"initialised VAE weights from {cfg.run.load_path}")
     if ft.init_from and init_weights:
-        decoder = family.init_weights(vae, source, cfg, log)
+        decoder = family.init_weights(vae, source, ft, cfg.optim)
         described = source.describe()
         for note in source.notes:
             log(f"note: {note}")
