@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from common import ConfigError
 from config import GRAD_CHECKPOINTING, decoder_channels_of
+from latents import per_channel
 
 LOGVAR_RANGE = (-30.0, 20.0)  # LDM's clamp of the learned log-variance
 
@@ -65,6 +67,9 @@ class AutoEncoderParams:
     @property
     def downsample_factor(self) -> int:
         return 2 ** (len(self.ch_mult) - 1)
+
+    def describe(self) -> str:
+        return "ae.py's LDM/FLUX autoencoder"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -350,7 +355,126 @@ def check_widths(params: AutoEncoderParams) -> None:
                              f"GroupNorm groups (norm_groups): {bad} are not")
 
 
-class AutoEncoder(nn.Module):
+class Trainable:
+    """What the trainer, the memory check, evaluation and export ask of a trainable autoencoder, which answers for
+    itself (as a diffusers class is its own spec): every model class (AutoEncoder here, wan_ae.WanAutoEncoder,
+    tae.TinyAutoEncoder, diffusers_ae.DiffusersAutoEncoder) derives from it, beside nn.Module, and overrides what is
+    its own; the defaults are the common answers. families.py keeps what is about sources (recognising, reading and
+    writing a layout, building the model). tests/test_families.py checks that every family's model class is one."""
+    params: object  # its architecture (to_dict, family, describe)
+    grad_checkpointing: str  # its --grad_checkpointing mode (set_grad_checkpointing)
+    # why --train_time_chunks is refused ("": the model takes a chunk plan): a clip trained chunk by chunk needs the
+    # temporal cache as an argument, which only wan_ae.py's video model has
+    time_chunks_refusal = "it takes images"
+
+    def describe(self) -> str:
+        return self.params.describe()
+
+    # ------------------------------------------------------------------------- what training touches
+    def encoder_side(self) -> list[tuple[str, nn.Module]]:
+        """(name, module) of what computes the posterior from pixels: what --train_parts decoder freezes."""
+        return [("encoder", self.encoder), ("quant_conv", self.quant_conv)]
+
+    def last_layer(self) -> Tensor:
+        """The decoder's last weight (LDM's adaptive GAN weight is computed on it)."""
+        return self.decoder.conv_out.weight
+
+    def last_stage_modules(self, levels: int) -> list[nn.Module]:
+        """What --last_stage_trains trains: the decoder's `levels` highest-resolution levels and its output."""
+        raise ConfigError(f"--last_stage_trains: the decoder's levels are the LDM family's, not {self.params.family}'s")
+
+    @property
+    def temporal_factor(self) -> int:
+        """t of the clips of 1 + t k frames the model takes; 0: it takes images only (the spatial factor is
+        downsample_factor)."""
+        return 0
+
+    def takes_images(self) -> bool:
+        return True
+
+    def unused_parameters(self) -> bool:
+        """Whether a step may leave parameters without a gradient (DDP's find_unused_parameters): a video model's
+        temporal layers on a step of single frames."""
+        return self.temporal_factor > 0
+
+    # ------------------------------------------------------------------------- memory plan and sharding
+    def can_checkpoint(self) -> bool:
+        """Whether --grad_checkpointing has something to checkpoint (the memory check's remedies offer it)."""
+        return True
+
+    def time_chunk_factor(self) -> int:
+        """The temporal factor t of a model that takes a chunk plan (t frames per latent frame); 0: it takes none."""
+        return 0 if self.time_chunks_refusal else self.temporal_factor
+
+    def memory_plan(self) -> tuple[str, tuple[int, int]]:
+        """(--grad_checkpointing, --train_time_chunks) as set on the model now."""
+        return self.grad_checkpointing, (0, 0)
+
+    def set_memory_plan(self, grad_checkpointing: str, time_chunks: tuple[int, int]) -> None:
+        """--grad_checkpointing and --train_time_chunks on the model (the trainer at start-up, the memory check's
+        probes per remedy)."""
+        self.set_grad_checkpointing(grad_checkpointing)
+        if any(time_chunks):
+            raise ConfigError(f"--train_time_chunks: {self.time_chunks_refusal}")
+
+    @property
+    def norm_groups(self) -> int | None:
+        """Its GroupNorm groups where the architecture chooses them (a checkpoint of others does not load); None."""
+        return None
+
+    def unshardable(self) -> str:
+        """Why --sharding fsdp|hsdp cannot train this model ("": it can)."""
+        return ""
+
+    def shard_units(self) -> list[nn.Module]:
+        """The modules --sharding fsdp|hsdp gathers one at a time (sharding.shard_units: the blocks the encoder and
+        decoder call, each at most 1/8 of the model where it allows, found the same way in every model here)."""
+        import sharding
+        return sharding.shard_units(self)
+
+    # ------------------------------------------------------------------------- latent normalisation and export
+    def diffusion_latents(self, factors: dict):
+        """z -> the latent as the source's pipelines hand it to their diffusion model (what a tiny autoencoder
+        distilled from this VAE encodes to and decodes from: tae.py): per channel where `factors` (Source.factors)
+        carry latents_mean/latents_std, else (z - shift_factor) * scaling_factor."""
+        mean, std = factors.get("latents_mean"), factors.get("latents_std")
+        if mean is not None and std is not None:
+            scaling = float(factors.get("scaling_factor") or 1.0)
+            return lambda z: per_channel(z, mean, std, scaling)
+        scale, shift = float(factors.get("scaling_factor") or 1.0), float(factors.get("shift_factor") or 0.0)
+        return lambda z: (z - shift) * scale
+
+    def latent_norm(self) -> str:
+        """How export.py normalises the latents: "fields" (the model's own config fields, source_fields), the LDM
+        family's "factors" (scaling/shift, or per channel) and "bn" (FLUX.2's statistics), or "released" (none)."""
+        return "fields"
+
+    def norm_label(self) -> str:
+        """The export summary's latent_norm."""
+        return "per_channel"
+
+    def cannot_reestimate(self) -> str | None:
+        """Why --dataset_url cannot re-estimate the normalisation (one line), or None."""
+        return None
+
+    def set_normalisation(self, fields: dict) -> None:
+        """Make `fields` (source_fields' or fields_from_stats' form) the model's own where it holds them."""
+
+    def source_fields(self, source: dict) -> dict:
+        """The latent normalisation the source's config carries (`source`: Source.describe()), kept by an export
+        of a run whose encoder did not train."""
+        return {k: source.get(k) for k in ("latents_mean", "latents_std")}
+
+    def fields_from_stats(self, stats: dict) -> dict:
+        """The config fields re-estimated latent statistics give (evaluate.latent_stats' result)."""
+        return {"latents_mean": stats["channel_mean"], "latents_std": stats["channel_std"]}
+
+    def serves(self) -> str:
+        """Whose pipelines the export serves (the export summary)."""
+        return "the source's pipelines (the source's latent normalisation, re-estimated or kept)"
+
+
+class AutoEncoder(Trainable, nn.Module):
     def __init__(self, params: AutoEncoderParams):
         super().__init__()
         if params.posterior not in ("constant", "learned"):  # (config.POSTERIORS' none: diffusers classes')
@@ -377,6 +501,27 @@ class AutoEncoder(nn.Module):
     @property
     def downsample_factor(self) -> int:
         return self.params.downsample_factor
+
+    # ------------------------------------------------------------------------- its answers (Trainable)
+    def encoder_side(self):
+        return [("encoder", self.encoder)] + ([("quant_conv", self.quant_conv)] if self.params.quant_conv else [])
+
+    def last_stage_modules(self, levels):
+        return [self.decoder.up[i] for i in range(levels)] + [self.decoder.norm_out, self.decoder.conv_out]
+
+    @property
+    def norm_groups(self):
+        return self.params.norm_groups
+
+    def diffusion_latents(self, factors):
+        """FLUX.2: standardised by its bn statistics over 2x2 patches, unpatchified back to the latent's grid (the
+        layout of TAEF2's latents); the others by their factors."""
+        if self.params.latent_bn:
+            return lambda z: unpatchify_latents(self.normalize_latents(z))
+        return super().diffusion_latents(factors)
+
+    def latent_norm(self):
+        return "bn" if self.params.latent_bn else "factors"
 
     def set_grad_checkpointing(self, mode: str) -> None:
         """none | decoder_hr (the two highest-resolution decoder levels) | hr (those and the encoder's two

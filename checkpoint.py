@@ -209,7 +209,7 @@ def load_vae_weights_into(vae: torch.nn.Module, path: str) -> None:
         raise ConfigError(f"--load_path {path} does not fit this architecture: {len(shapes)} tensors differ in "
                           f"shape, e.g. {name} {list(theirs)} in the file vs {list(ours)} here (--vae_ch, "
                           "--vae_ch_mult, --vae_z_channels, ... must match the weights)")
-    theirs, ours = recorded_norm_groups(path, file), getattr(vae.params, "norm_groups", None)  # (none: Wan's RMS)
+    theirs, ours = recorded_norm_groups(path, file), vae.norm_groups  # (None: Wan's RMS norms, ...)
     if theirs is not None and theirs != ours:
         raise ConfigError(f"--load_path {path} was trained with {theirs} GroupNorm groups, this model has {ours}: "
                           f"add --vae_norm_groups {theirs}")

@@ -40,7 +40,7 @@ from typing import Callable, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ae import LOGVAR_RANGE
+from ae import LOGVAR_RANGE, Trainable
 from latents import per_channel
 
 
@@ -206,6 +206,9 @@ class DiffusersParams:
     def spec(self) -> ClassSpec:
         return CLASSES[self.class_name]
 
+    def describe(self) -> str:
+        return f"diffusers' {self.class_name}"
+
     def to_dict(self) -> dict:
         return {"family": self.family, **dataclasses.asdict(self)}
 
@@ -348,10 +351,10 @@ def _posterior(out) -> tuple[Tensor, Tensor | None]:
 # ============================================================================================
 # The model
 # ============================================================================================
-class DiffusersAutoEncoder(nn.Module):
+class DiffusersAutoEncoder(Trainable, nn.Module):
     """A diffusers autoencoder with ae.AutoEncoder's interface (params, downsample_factor, encode_moments, sample,
     posterior_std, encode, decode, forward(x, sample) -> (reconstruction, mean, logvar), set_grad_checkpointing),
-    and what families.py asks of it (encoder_side, last_layer, normalisation, save_pretrained)."""
+    its own answers (ae.Trainable: encoder_side, last_layer, its normalisation, ...) and save_pretrained."""
 
     def __init__(self, params: DiffusersParams):
         super().__init__()
@@ -404,6 +407,48 @@ class DiffusersAutoEncoder(nn.Module):
         if not self._last_layer:
             self._last_layer = last_run_layer(self.params)
         return self.model.get_submodule(self._last_layer).weight
+
+    # Its other answers (ae.Trainable). What diffusers' own modules allow instead of a chunk plan: their per-block
+    # gradient checkpointing (--grad_checkpointing, where the class has it). Their chunked paths (use_tiling,
+    # use_framewise_encoding/decoding, AutoencoderKLWan's feat_cache) are inference plans: tiles blend overlaps (not
+    # the clip's own gradient), and the caches are module state a chunk's recomputation in backward would overwrite,
+    # so a checkpointed chunk would not get its gradient
+    time_chunks_refusal = ("its chunked paths (tiling, framewise, its feature cache) are diffusers' inference plans, "
+                           "with the cache as module state that a checkpointed chunk's recomputation would overwrite; "
+                           "use --grad_checkpointing (its own per-block checkpointing) or --vae_family wan for the "
+                           "Wan VAEs")
+
+    @property
+    def temporal_factor(self) -> int:
+        return self.params.temporal_factor
+
+    def takes_images(self) -> bool:
+        return self.params.takes_images
+
+    def unused_parameters(self) -> bool:
+        return True  # which parameters a step leaves without a gradient is the class's business (Qwen-Image 2's
+        # time_convs never run on its one-frame clips; a video class's temporal layers on an image step)
+
+    def can_checkpoint(self) -> bool:
+        return self.spec.supports_checkpointing(self.params.class_name)
+
+    def unshardable(self) -> str:
+        return self.spec.unshardable
+
+    def diffusion_latents(self, factors):
+        return self.normalise_latents
+
+    def source_fields(self, source):
+        return self.normalisation()
+
+    def fields_from_stats(self, stats):
+        return self.normalisation_from_stats(stats)
+
+    def norm_label(self):
+        return self.spec.norm.kind
+
+    def serves(self):
+        return f"{self.params.class_name}'s pipelines ({self.spec.norm.formula})"
 
     # ------------------------------------------------------------------------- images, clips and pixels
     def _in(self, x: Tensor) -> tuple[Tensor, int]:

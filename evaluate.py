@@ -36,7 +36,6 @@ import torchvision  # noqa: E402 (after the check above; so are the imports belo
 from torch import Tensor, nn
 
 import data as data_lib
-import families
 import latents as latents_lib
 import sources
 from ae import AutoEncoder, patchify_latents
@@ -695,9 +694,8 @@ def validate(args, vae: nn.Module, resolutions: tuple[int, ...]) -> None:
         raise ConfigError("--images and --reconstruct_to go together")
     if args.images and args.latent_stats:
         raise ConfigError("--latent_stats works on --dataset_url, not on --images")
-    family = families.of(vae)
     if args.video_frames:
-        temporal = family.temporal_factor(vae.params)
+        temporal = vae.temporal_factor
         if not temporal:
             raise ConfigError(f"--video_frames {args.video_frames}: {args.ckpt} holds an image VAE; clips take a video "
                               "VAE (a run trained with --video_frames, or a video VAE's diffusers folder)")
@@ -708,9 +706,9 @@ def validate(args, vae: nn.Module, resolutions: tuple[int, ...]) -> None:
             raise ConfigError(f"--video_frames {args.video_frames}: --images and --tile_size take images, not clips")
         if args.video_frame_stride < 1:
             raise ConfigError(f"--video_frame_stride must be positive, got {args.video_frame_stride}")
-    elif not family.takes_images(vae.params):
-        raise ConfigError(f"{args.ckpt} holds {family.describe(vae.params)}, which takes clips: give --video_frames "
-                          f"(1 + {family.temporal_factor(vae.params)}k)")
+    elif not vae.takes_images():
+        raise ConfigError(f"{args.ckpt} holds {vae.describe()}, which takes clips: give --video_frames "
+                          f"(1 + {vae.temporal_factor}k)")
     if tile_size < 0 or (tile_size and (tile_size % f or args.tile_overlap % f)):
         raise ConfigError(f"--tile_size and --tile_overlap must be multiples of the downsample factor {f}")
     if tile_size and not 0 <= args.tile_overlap < tile_size:

@@ -78,7 +78,7 @@ def pipelines_served(latent_norm: str, channels: int, shift_factor: float) -> st
 def export_safetensors(vae: torch.nn.Module, out_dir: str, resolution: int | None, scaling_factor: float = 1.0,
                        shift_factor: float = 0.0, step: int | None = None, latents_mean: list[float] | None = None,
                        latents_std: list[float] | None = None, **fields) -> None:
-    """`fields`: a family's own latent normalisation (families.Family.source_fields), recorded with the factors."""
+    """`fields`: a model's own latent normalisation (ae.Trainable.source_fields), recorded with the factors."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     state = {k: pretrained.as_stored(v) for k, v in vae.state_dict().items()}
@@ -184,7 +184,7 @@ def export_latent_bn(args, vae: torch.nn.Module, info: dict, resolution: int) ->
                   "they describe the latents of the encoder it started from: give --dataset_url to re-estimate them",
                   file=sys.stderr)
         if args.format == "diffusers":
-            families.of(vae).write_diffusers(vae, args.out, resolution, {}, source_config(args, info), None)
+            families.write_diffusers(vae, args.out, resolution, {}, source_config(args, info), None)
         elif args.format == "single_file":
             summary["file"] = export_single_file(vae, args.out)
         else:
@@ -198,42 +198,41 @@ def export_latent_bn(args, vae: torch.nn.Module, info: dict, resolution: int) ->
 
 def export_fields(args, vae: torch.nn.Module, info: dict, resolution: int) -> int:
     """main() for a family whose pipelines normalise latents by fields of its own config (the Wan family's and many
-    diffusers classes' latents_mean/latents_std per channel, others' scaling_factor; families.Family.source_fields):
+    diffusers classes' latents_mean/latents_std per channel, others' scaling_factor; ae.Trainable.source_fields):
     after a decoder-only fine-tune the source's values are kept; --dataset_url re-estimates them (after a run that
     trained the encoder), over clips of the run's length for a video run. The diffusers layout is the source's own
     (its class and config, every field kept, with the trained weights)."""
-    family = families.of(vae)
     try:
         if args.scaling_factor is not None or args.shift_factor is not None or args.latent_norm != "scalar":
-            raise ConfigError(f"{family.describe(vae.params)} is normalised by its own config's fields "
-                              f"({family.serves(vae)}), not by --scaling_factor / --shift_factor / --latent_norm "
+            raise ConfigError(f"{vae.describe()} is normalised by its own config's fields "
+                              f"({vae.serves()}), not by --scaling_factor / --shift_factor / --latent_norm "
                               "(--dataset_url re-estimates them)")
         if args.format == "single_file":
-            raise ConfigError(f"{family.describe(vae.params)} exports as its diffusers folder (--format diffusers) or "
+            raise ConfigError(f"{vae.describe()} exports as its diffusers folder (--format diffusers) or "
                               "ours (--format safetensors): this trainer writes no single file of it")
-        if args.dataset_url and family.cannot_reestimate(vae):
-            raise ConfigError(family.cannot_reestimate(vae))
+        if args.dataset_url and vae.cannot_reestimate():
+            raise ConfigError(vae.cannot_reestimate())
         check_data_and_out(args)
         source = info.get("init_source") or {}
-        summary = {**export_summary(args, info, resolution), "latent_norm": family.norm_label(vae)}
-        fields = family.source_fields(vae, source)
+        summary = {**export_summary(args, info, resolution), "latent_norm": vae.norm_label()}
+        fields = vae.source_fields(source)
         if args.dataset_url:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             # a video run's statistics over clips of its training length (every latent frame counted)
-            frames = info.get("video_frames", 0) if family.temporal_factor(vae.params) else 0
+            frames = info.get("video_frames", 0) if vae.temporal_factor else 0
             stats = evaluate.latent_stats(vae.to(device), args.dataset_url, resolution, batch_size=args.batch_size,
                                           device=device, max_images=args.latent_stats_images, frames=frames,
                                           frame_stride=info.get("video_frame_stride", 1))
             vae.cpu()
-            fields = family.fields_from_stats(vae, stats)
+            fields = vae.fields_from_stats(stats)
             summary["latent_stats"] = stats
         elif info.get("train_parts") != "decoder":
             print("note: the latent normalisation is the source's; if this run trained the encoder it describes the "
                   "latents of the encoder it started from: give --dataset_url to re-estimate it", file=sys.stderr)
-        family.set_normalisation(vae, fields)  # (where the model holds it: a diffusers class's config or buffers)
+        vae.set_normalisation(fields)  # (where the model holds it: a diffusers class's config or buffers)
         if args.format == "diffusers":
-            family.write_diffusers(vae, args.out, resolution, fields, source_config(args, info), source.get("path"))
-            summary["serves"] = family.serves(vae)
+            families.write_diffusers(vae, args.out, resolution, fields, source_config(args, info), source.get("path"))
+            summary["serves"] = vae.serves()
         else:
             export_safetensors(vae, args.out, resolution, step=info["step"], **fields)
     except (ConfigError, data_lib.DatasetError) as e:
@@ -247,26 +246,25 @@ def export_released(args, vae: torch.nn.Module, info: dict, resolution: int) -> 
     """main() for a tiny autoencoder (tae.py): its latents are already those of the diffusion model it serves, so
     there is no normalisation to write or re-estimate. --format released writes the released layout, diffusers an
     AutoencoderTiny folder (where the architecture is one it has), safetensors ours."""
-    family = families.of(vae)
     try:
         if (args.scaling_factor is not None or args.shift_factor is not None or args.latent_norm != "scalar"
                 or args.dataset_url):
-            raise ConfigError(f"{family.describe(vae.params)}: its latents are its diffusion model's already (the "
+            raise ConfigError(f"{vae.describe()}: its latents are its diffusion model's already (the "
                               "teacher's pipeline normalisation), so --scaling_factor / --shift_factor / --latent_norm "
                               "/ --dataset_url do not apply")
         if args.format == "single_file":
             raise ConfigError("--format single_file is the LDM/FLUX file; a tiny autoencoder's released layout is "
                               "--format released")
         check_data_and_out(args)
-        summary = {**export_summary(args, info, resolution), "latent_norm": family.norm_label(vae)}
+        summary = {**export_summary(args, info, resolution), "latent_norm": vae.norm_label()}
         source = info.get("init_source") or {}  # (an AutoencoderTiny folder's factors are kept)
         factors = {"scaling_factor": source.get("scaling_factor", 1.0), "shift_factor": source.get("shift_factor", 0.0)}
         if args.format == "released":
             name = args.name or os.path.basename(os.path.normpath(args.out))
-            summary["files"] = family.write_released(vae, args.out, name)
+            summary["files"] = families.write_released(vae, args.out, name)
         elif args.format == "diffusers":
-            family.write_diffusers(vae, args.out, resolution, factors, None, None)
-            summary["serves"] = family.serves(vae)
+            families.write_diffusers(vae, args.out, resolution, factors, None, None)
+            summary["serves"] = vae.serves()
         else:
             export_safetensors(vae, args.out, resolution, step=info["step"], **factors)
     except (ConfigError, data_lib.DatasetError) as e:
@@ -298,12 +296,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--ckpt {args.ckpt} does not record the size it was trained at: give --resolution")
         if not resolution or resolution % vae.downsample_factor:
             raise ConfigError(f"--resolution must be a positive multiple of {vae.downsample_factor}, got {resolution}")
-        norm = families.of(vae).latent_norm(vae)  # factors, bn (the LDM family), the family's own fields, or none
+        norm = vae.latent_norm()  # factors, bn (the LDM family), the model's own fields, or none
         if norm == "released":
             return export_released(args, vae, info, resolution)
         if args.format == "released":
             raise ConfigError(f"--format released is the tiny autoencoders' layout (tae.py); "
-                              f"{families.of(vae).describe(vae.params)} exports as diffusers, safetensors or "
+                              f"{vae.describe()} exports as diffusers, safetensors or "
                               "single_file")
         if norm == "fields":
             return export_fields(args, vae, info, resolution)
@@ -343,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("note: no --scaling_factor/--shift_factor or --dataset_url: writing scaling_factor 1.0 and "
                       "shift_factor 0.0 (compute them with evaluate.py --latent_stats)", file=sys.stderr)
         if args.format == "diffusers":
-            families.of(vae).write_diffusers(vae, args.out, resolution, dict(
+            families.write_diffusers(vae, args.out, resolution, dict(
                 scaling_factor=scale, shift_factor=shift, latents_mean=latents_mean, latents_std=latents_std),
                 source_config(args, info), None)
         elif args.format == "single_file":

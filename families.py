@@ -1,8 +1,8 @@
 """The families of autoencoders this trainer builds, loads, trains and exports: the one place that knows them.
 
     source = families.load_source("Lightricks/LTX-Video/vae")   # which family reads a folder or file, and how
-    family = families.of(vae)                                    # or families.named(cfg.model.vae_family)
-    family.encoder_side(vae), family.temporal_factor(vae.params), family.write_diffusers(...)
+    vae = families.build_model(source.params)                    # or families.named(cfg.model.vae_family).build
+    vae.encoder_side(), vae.temporal_factor, families.write_diffusers(vae, ...)   # the model answers for itself
 
 Three families:
 - `ldm`: ae.py's LDM/FLUX autoencoder (FLUX.1, FLUX.2, SD 1.x/2.x, SDXL, SD3), from flags (a new model) or a source:
@@ -14,11 +14,11 @@ Three families:
 The native families are reimplementations, bitwise against diffusers, where that buys something measured (an explicit
 cache, checkpointing per level, a narrower decoder); every other class trains through the module diffusers keeps.
 
-What the rest of the program asks a family, instead of branching on its name: how a source is read and the model
-built; the --vae_* flags that show its architecture (config.json, resume checks); what --train_parts decoder freezes
-(`encoder_side`); its posterior; its spatial and temporal compression and the clips it takes (1 + t k frames); how
-its latents are normalised and written back (`latent_norm`, `write_diffusers`); and what it refuses, in one line
-(`check`). tests/test_families.py parses the other modules: no family name or diffusers class is named outside this
+What the rest of the program asks a family, instead of branching on its name, is about sources: how a source is
+read and the model built; the --vae_* flags that show its architecture (config.json, resume checks); how a model is
+written back in its layout (`write_diffusers`); and what a run's flags ask that it refuses, in one line (`check`).
+What is about a built model (its encoder side, last layer, compression and clip rule, memory plan, shard units,
+latent normalisation) the model answers itself (ae.Trainable). tests/test_families.py parses the other modules: no family name or diffusers class is named outside this
 file, pretrained.py (the native families' layouts) and the model modules.
 """
 from __future__ import annotations
@@ -27,16 +27,16 @@ import dataclasses
 import os
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 import diffusers_ae
-import latents as latents_lib
 import pretrained
 import tae
 import wan_ae
-from ae import AutoEncoder, AutoEncoderParams, unpatchify_latents
+from ae import AutoEncoder, AutoEncoderParams, Trainable
 from common import ConfigError, honour_umask
-from config import LR_TIMES_WIDTH, Config, ModelConfig, downsample_factor_of, with_values
+from config import (LR_TIMES_WIDTH, DataConfig, FinetuneConfig, LossConfig, ModelConfig, OptimConfig, RunConfig,
+                    SpeedConfig, downsample_factor_of)
 from pretrained import Source, SourceError
 
 
@@ -56,8 +56,10 @@ class Family:
     def params_from_dict(self, d: dict):
         raise NotImplementedError
 
+    model_class: type[Trainable]  # the family's model (ae.Trainable: it answers for itself once built)
+
     def build(self, params) -> nn.Module:
-        raise NotImplementedError
+        return self.model_class(params)
 
     def architecture(self, model: ModelConfig, source: Source | None, saved):
         """The run's architecture: the checkpoint's (`saved`, a resumed run: what its weights were trained as, even if
@@ -68,53 +70,44 @@ class Family:
         """The --vae_* values that show the architecture (config.json, the resume checks)."""
         raise NotImplementedError
 
-    def apply_source(self, cfg: Config, given: set[str], source: Source) -> Config:
-        """The run's config once --init_from's source is read: its architecture's flags."""
+    def apply_source(self, model: ModelConfig, finetune: FinetuneConfig, given: set[str], source: Source) -> dict:
+        """The flags --init_from's source sets once read (run_setup applies them): its architecture's."""
         flag = "--vae_decoder_ch"
         if flag[2:] in given:
             raise ConfigError(f"{flag}: a decoder of other widths is for the LDM family's latent spaces, not "
                               f"{source.path}'s ({self.describe(source.params)})")
-        return with_values(cfg, **self.arch_flags(source.params))
+        return self.arch_flags(source.params)
 
-    # what a chunk plan (--train_time_chunks) is refused with ("": the family takes one): a clip trained chunk by
-    # chunk needs the temporal cache as an argument, which only wan_ae.py's video model has
-    time_chunks_refusal = "it takes images"
+    @property
+    def time_chunks_refusal(self) -> str:
+        """What a chunk plan (--train_time_chunks) is refused with ("": the family's model takes one)."""
+        return self.model_class.time_chunks_refusal
 
-    def set_memory_plan(self, vae: nn.Module, grad_checkpointing: str, time_chunks: tuple[int, int]) -> None:
-        """--grad_checkpointing and --train_time_chunks on the model (the trainer at start-up, the memory check's
-        probes per remedy)."""
-        vae.set_grad_checkpointing(grad_checkpointing)
-        if any(time_chunks):
-            raise ConfigError(f"--train_time_chunks: {self.time_chunks_refusal}")
-
-    def time_chunk_factor(self, params) -> int:
-        """The temporal factor t of a model that takes a chunk plan (t frames per latent frame); 0: it takes none."""
-        return 0 if self.time_chunks_refusal else self.temporal_factor(params)
-
-    def check_time_chunks(self, cfg: Config) -> None:
-        if self.time_chunks_refusal and any(cfg.speed.time_chunks):
-            raise ConfigError(f"--train_time_chunks {cfg.speed.train_time_chunks}: a clip trained in chunks through "
+    def check_time_chunks(self, speed: SpeedConfig, model: ModelConfig) -> None:
+        if self.time_chunks_refusal and any(speed.time_chunks):
+            raise ConfigError(f"--train_time_chunks {speed.train_time_chunks}: a clip trained in chunks through "
                               f"an explicit temporal cache is the wan family's video model (wan_ae.py); --vae_family "
-                              f"{self.name} ({cfg.model.vae_class or 'its model'}): {self.time_chunks_refusal}")
+                              f"{self.name} ({model.vae_class or 'its model'}): {self.time_chunks_refusal}")
 
-    def check(self, cfg: Config) -> None:
-        """ConfigError (one line) for what the family cannot do with this run's flags."""
-        self.check_time_chunks(cfg)
-        if cfg.finetune.distill_from and not self.distils:
+    def check(self, model: ModelConfig, finetune: FinetuneConfig, loss: LossConfig, speed: SpeedConfig,
+              data: DataConfig, run: RunConfig) -> None:
+        """ConfigError (one line) for what the family cannot do with this run's flags (the sections it reads)."""
+        self.check_time_chunks(speed, model)
+        if finetune.distill_from and not self.distils:
             raise ConfigError(f"--distill_from: the student is a tiny autoencoder (--vae_family tae), not --vae_family "
                               f"{self.name}'s model")
-        refused = [(cfg.finetune.last_stage_trains != "all", "--last_stage_trains", "the decoder's levels are the "
+        refused = [(finetune.last_stage_trains != "all", "--last_stage_trains", "the decoder's levels are the "
                     "LDM family's (ae.py)"),
-                   (cfg.loss.distill_weight > 0, "--distill_weight", "a narrower decoder is the LDM family's"),
-                   (cfg.finetune.decoder_init != "fresh", "--decoder_init", "a narrower decoder is the LDM family's")]
+                   (loss.distill_weight > 0, "--distill_weight", "a narrower decoder is the LDM family's"),
+                   (finetune.decoder_init != "fresh", "--decoder_init", "a narrower decoder is the LDM family's")]
         for bad, flag, why in refused:
             if bad:
-                raise ConfigError(f"{flag}: {why}, not --vae_family {self.name}'s ({cfg.model.vae_class or 'its model'})")
+                raise ConfigError(f"{flag}: {why}, not --vae_family {self.name}'s ({model.vae_class or 'its model'})")
 
-    def settled(self, cfg: Config, given: set[str]) -> Config:
-        """The run's config with the flags its architecture implies made consistent (a new model from flags), but
+    def settled(self, model: ModelConfig, given: set[str]) -> dict:
+        """The flags its architecture implies, made consistent (a new model from flags; run_setup applies them), but
         for those the user gave (`given`: check() refuses what the family cannot take)."""
-        return cfg
+        return {}
 
     def student_of(self, teacher: Source, model: ModelConfig) -> dict:
         """--distill_from: the architecture flags of a student of this family for the teacher's latent."""
@@ -130,50 +123,18 @@ class Family:
         return ""
 
     def describe(self, params) -> str:
-        return self.name
+        return params.describe()
 
     def image_channels(self, params) -> tuple[int, int]:
         """(input, output) channels of the images the model reads and writes."""
         return params.in_channels, params.out_ch
 
-    def encoder_side(self, vae: nn.Module) -> list[tuple[str, nn.Module]]:
-        """(name, module) of what computes the posterior from pixels: what --train_parts decoder freezes."""
-        return [("encoder", vae.encoder), ("quant_conv", vae.quant_conv)]
-
-    def last_layer(self, vae: nn.Module) -> Tensor:
-        """The decoder's last weight (LDM's adaptive GAN weight is computed on it)."""
-        return vae.decoder.conv_out.weight
-
-    def unshardable(self, vae: nn.Module) -> str:
-        """Why --sharding fsdp|hsdp cannot train this model ("": it can)."""
-        return ""
-
-    def shard_units(self, vae: nn.Module) -> list[nn.Module]:
-        """The modules --sharding fsdp|hsdp gathers one at a time (sharding.shard_units: the blocks the encoder and
-        decoder call, each at most 1/8 of the model where it allows, found the same way in every family here)."""
-        import sharding
-        return sharding.shard_units(vae)
-
-    def last_stage_modules(self, vae: nn.Module, levels: int) -> list[nn.Module]:
-        raise ConfigError(f"--last_stage_trains: the decoder's levels are the LDM family's, not {self.name}'s")
-
     def temporal_factor(self, params) -> int:
-        """t of the clips of 1 + t k frames the model takes; 0: it takes images only."""
+        """t of the clips of 1 + t k frames a source's model takes; 0: it takes images only (a built model's own:
+        its temporal_factor)."""
         return 0
 
-    def takes_images(self, params) -> bool:
-        return True
-
-    def can_checkpoint(self, params) -> bool:
-        """Whether --grad_checkpointing has something to checkpoint (the memory check's remedies offer it)."""
-        return True
-
-    def unused_parameters(self, params) -> bool:
-        """Whether a step may leave parameters without a gradient (DDP's find_unused_parameters): a video model's
-        temporal layers on a step of single frames."""
-        return self.temporal_factor(params) > 0
-
-    def init_weights(self, vae: nn.Module, source: Source, cfg: Config, log) -> str:
+    def init_weights(self, vae: nn.Module, source: Source, finetune: FinetuneConfig, optim: OptimConfig) -> str:
         """Load the source's weights; returns what the start line says of them beyond the source."""
         vae.load_state_dict(source.state)
         return ""
@@ -182,46 +143,7 @@ class Family:
         """The source's own model, whose decoder a narrower one is distilled from (--distill_weight)."""
         raise ConfigError(f"--distill_weight: a narrower decoder is the LDM family's, not {self.name}'s")
 
-    def diffusion_latents(self, vae: nn.Module, factors: dict):
-        """z -> the latent as the source's pipelines hand it to their diffusion model (what a tiny autoencoder
-        distilled from this VAE encodes to and decodes from: tae.py): per channel where `factors` (Source.factors)
-        carry latents_mean/latents_std, else (z - shift_factor) * scaling_factor."""
-        mean, std = factors.get("latents_mean"), factors.get("latents_std")
-        if mean is not None and std is not None:
-            scaling = float(factors.get("scaling_factor") or 1.0)
-            return lambda z: latents_lib.per_channel(z, mean, std, scaling)
-        scale, shift = float(factors.get("scaling_factor") or 1.0), float(factors.get("shift_factor") or 0.0)
-        return lambda z: (z - shift) * scale
-
-    # ----------------------------------------------------------------------------- export
-    def latent_norm(self, vae: nn.Module) -> str:
-        """How export.py normalises the latents: "fields" (the family's own config fields, source_fields), or the
-        LDM family's "factors" (scaling/shift, or per channel) and "bn" (FLUX.2's statistics)."""
-        return "fields"
-
-    def norm_label(self, vae: nn.Module) -> str:
-        """The export summary's latent_norm."""
-        return "per_channel"
-
-    def cannot_reestimate(self, vae: nn.Module) -> str | None:
-        """Why --dataset_url cannot re-estimate the normalisation (one line), or None."""
-        return None
-
-    def set_normalisation(self, vae: nn.Module, fields: dict) -> None:
-        """Make `fields` (source_fields' or fields_from_stats' form) the model's own where it holds them."""
-
-    def source_fields(self, vae: nn.Module, source: dict) -> dict:
-        """The latent normalisation the source's config carries (`source`: Source.describe()), kept by an export
-        of a run whose encoder did not train."""
-        return {k: source.get(k) for k in ("latents_mean", "latents_std")}
-
-    def fields_from_stats(self, vae: nn.Module, stats: dict) -> dict:
-        """The config fields re-estimated latent statistics give (evaluate.latent_stats' result)."""
-        return {"latents_mean": stats["channel_mean"], "latents_std": stats["channel_std"]}
-
-    def serves(self, vae: nn.Module) -> str:
-        return "the source's pipelines (the source's latent normalisation, re-estimated or kept)"
-
+    # ----------------------------------------------------------------------------- export (the layouts written)
     def write_diffusers(self, vae: nn.Module, out_dir: str, resolution: int, fields: dict,
                         source_config: dict | None, source_path: str | None) -> None:
         raise NotImplementedError
@@ -248,8 +170,7 @@ class LDM(Family):
     def params_from_dict(self, d):
         return AutoEncoderParams.from_dict({k: v for k, v in d.items() if k != "family"})
 
-    def build(self, params):
-        return AutoEncoder(params)
+    model_class = AutoEncoder
 
     def architecture(self, model, source, saved):
         return AutoEncoderParams.from_config(model)  # the flags', which --init_from set from the source
@@ -263,23 +184,21 @@ class LDM(Family):
                     vae_decoder_ch=",".join(str(c) for c in p.decoder_channels), vae_latent_bn=p.latent_bn,
                     vae_latent_bn_eps=p.latent_bn_eps)
 
-    def apply_source(self, cfg, given, source):
+    def apply_source(self, model, finetune, given, source):
         """The source's architecture, but for a --vae_decoder_ch the user gave: a decoder of its own widths for the
         source's latent space, which then trains from the rate of a new decoder of its width when it starts fresh
         (--decoder_init) and no --learning_rate_vae is given (a tenth of that for a fine-tune)."""
         arch = self.arch_flags(source.params)
         if "vae_decoder_ch" in given:
             arch.pop("vae_decoder_ch")
-        cfg = with_values(cfg, **arch)
-        widths = AutoEncoderParams.from_config(cfg.model).decoder_widths
-        if (widths != source.params.decoder_widths and cfg.finetune.decoder_init == "fresh"
+        widths = AutoEncoderParams.from_config(dataclasses.replace(model, **arch)).decoder_widths
+        if (widths != source.params.decoder_widths and finetune.decoder_init == "fresh"
                 and "learning_rate_vae" not in given):
-            cfg = with_values(cfg, learning_rate_vae=LR_TIMES_WIDTH / widths[0])  # a new decoder, not a fine-tune
-        return cfg
+            arch["learning_rate_vae"] = LR_TIMES_WIDTH / widths[0]  # a new decoder, not a fine-tune
+        return arch
 
-    def check(self, cfg):
-        self.check_time_chunks(cfg)
-        model = cfg.model
+    def check(self, model, finetune, loss, speed, data, run):
+        self.check_time_chunks(speed, model)
         if model.posterior not in ("constant", "learned"):
             raise ConfigError(f"--posterior {model.posterior}: the LDM family's is constant or learned")
         if model.vae_patch_size != 1:
@@ -289,40 +208,20 @@ class LDM(Family):
             raise ConfigError("--vae_spatial_factor / --vae_temporal_factor / --vae_class: the LDM family's "
                               "compression is --vae_ch_mult's, and it takes images")
 
-    def describe(self, params):
-        return "ae.py's LDM/FLUX autoencoder"
-
-    def encoder_side(self, vae):
-        return [("encoder", vae.encoder)] + ([("quant_conv", vae.quant_conv)] if vae.params.quant_conv else [])
-
-    def last_stage_modules(self, vae, levels):
-        decoder = vae.decoder
-        return [decoder.up[i] for i in range(levels)] + [decoder.norm_out, decoder.conv_out]
-
-    def init_weights(self, vae, source, cfg, log):
+    def init_weights(self, vae, source, finetune, optim):
         """The source's weights; a decoder of other widths than the source's starts as --decoder_init says."""
         widths = vae.params.decoder_widths
         if widths == source.params.decoder_widths:
             vae.load_state_dict(source.state)
             return ""
-        vae.load_state_dict(pretrained.narrow_decoder_model(source, widths, cfg.finetune.decoder_init,
-                                                            cfg.optim.seed).state_dict())
-        return f"; a decoder of widths {','.join(map(str, widths))} ({cfg.finetune.decoder_init})"
+        vae.load_state_dict(pretrained.narrow_decoder_model(source, widths, finetune.decoder_init,
+                                                            optim.seed).state_dict())
+        return f"; a decoder of widths {','.join(map(str, widths))} ({finetune.decoder_init})"
 
     def teacher(self, source):
         wide = AutoEncoder(source.params)
         wide.load_state_dict(source.state)
         return wide
-
-    def diffusion_latents(self, vae, factors):
-        """FLUX.2: standardised by its bn statistics over 2x2 patches, unpatchified back to the latent's grid (the
-        layout of TAEF2's latents); the others by their factors."""
-        if vae.params.latent_bn:
-            return lambda z: unpatchify_latents(vae.normalize_latents(z))
-        return super().diffusion_latents(vae, factors)
-
-    def latent_norm(self, vae):
-        return "bn" if vae.params.latent_bn else "factors"
 
     def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
         pretrained.export_diffusers(vae, out_dir, resolution, source_config=source_config, **fields)
@@ -345,8 +244,7 @@ class Wan(Family):
     def params_from_dict(self, d):
         return wan_ae.WanParams.from_dict(d)
 
-    def build(self, params):
-        return wan_ae.WanAutoEncoder(params)
+    model_class = wan_ae.WanAutoEncoder
 
     def arch_flags(self, p):
         # no GroupNorm (RMS norms: 1 group); the posterior always learned, quant convs always there
@@ -357,20 +255,8 @@ class Wan(Family):
                     vae_latent_bn=False, vae_patch_size=p.patch_size, vae_spatial_factor=0,
                     vae_temporal_factor=self.temporal_factor(p))
 
-    time_chunks_refusal = ""  # the video model's; the image model has no --video_frames (config.check_video)
-
-    def set_memory_plan(self, vae, grad_checkpointing, time_chunks):
-        vae.set_grad_checkpointing(grad_checkpointing)
-        vae.train_chunks = tuple(time_chunks)
-
-    def describe(self, params):
-        return "the Wan family's " + ("video" if params.video else "image") + " model (wan_ae.py)"
-
     def temporal_factor(self, params):
         return params.temporal_factor if params.video else 0
-
-    def serves(self, vae):
-        return "Qwen-Image and Wan pipelines ((z - latents_mean) / latents_std per channel)"
 
     def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
         if not os.path.isdir(source_path or ""):
@@ -427,8 +313,7 @@ class Diffusers(Family):
     def params_from_dict(self, d):
         return diffusers_ae.DiffusersParams.from_dict(d)
 
-    def build(self, params):
-        return diffusers_ae.DiffusersAutoEncoder(params)
+    model_class = diffusers_ae.DiffusersAutoEncoder
 
     def arch_flags(self, p):
         # the LDM flags that do not apply keep neutral values (one level, one group, no quant conv)
@@ -438,69 +323,17 @@ class Diffusers(Family):
                     vae_latent_bn=False, vae_patch_size=1, vae_spatial_factor=p.spatial_factor,
                     vae_temporal_factor=p.temporal_factor)
 
-    def check(self, cfg):
-        super().check(cfg)
-        spec = diffusers_ae.CLASSES[cfg.model.vae_class]
-        if cfg.speed.grad_checkpointing != "none" and not spec.supports_checkpointing(cfg.model.vae_class):
-            raise ConfigError(f"--grad_checkpointing {cfg.speed.grad_checkpointing}: diffusers' {cfg.model.vae_class} "
+    def check(self, model, finetune, loss, speed, data, run):
+        super().check(model, finetune, loss, speed, data, run)
+        spec = diffusers_ae.CLASSES[model.vae_class]
+        if speed.grad_checkpointing != "none" and not spec.supports_checkpointing(model.vae_class):
+            raise ConfigError(f"--grad_checkpointing {speed.grad_checkpointing}: diffusers' {model.vae_class} "
                               "has no gradient checkpointing (use none)")
-        if cfg.speed.compile:
-            raise ConfigError(f"--compile: not tested with diffusers' own modules ({cfg.model.vae_class}): leave it off")
-
-    # What diffusers' own modules allow instead: their per-block gradient checkpointing (--grad_checkpointing, where
-    # the class has it). Their chunked paths (use_tiling, use_framewise_encoding/decoding, AutoencoderKLWan's
-    # feat_cache) are inference plans: tiles blend overlaps (not the clip's own gradient), and the caches are module
-    # state a chunk's recomputation in backward would overwrite, so a checkpointed chunk would not get its gradient
-    time_chunks_refusal = ("its chunked paths (tiling, framewise, its feature cache) are diffusers' inference plans, "
-                           "with the cache as module state that a checkpointed chunk's recomputation would overwrite; "
-                           "use --grad_checkpointing (its own per-block checkpointing) or --vae_family wan for the "
-                           "Wan VAEs")
-
-    def describe(self, params):
-        return f"diffusers' {params.class_name}"
-
-    def encoder_side(self, vae):
-        return vae.encoder_side()
-
-    def last_layer(self, vae):
-        return vae.last_layer()
+        if speed.compile:
+            raise ConfigError(f"--compile: not tested with diffusers' own modules ({model.vae_class}): leave it off")
 
     def temporal_factor(self, params):
         return params.temporal_factor
-
-    def takes_images(self, params):
-        return params.takes_images
-
-    def can_checkpoint(self, params):
-        return diffusers_ae.CLASSES[params.class_name].supports_checkpointing(params.class_name)
-
-    def unshardable(self, vae):
-        return diffusers_ae.CLASSES[vae.params.class_name].unshardable
-
-    def unused_parameters(self, params):
-        return True  # which parameters a step leaves without a gradient is the class's business (Qwen-Image 2's
-        # time_convs never run on its one-frame clips; a video class's temporal layers on an image step)
-
-    def diffusion_latents(self, vae, factors):
-        return vae.normalise_latents
-
-    def source_fields(self, vae, source):
-        return vae.normalisation()
-
-    def fields_from_stats(self, vae, stats):
-        return vae.normalisation_from_stats(stats)
-
-    def norm_label(self, vae):
-        return vae.spec.norm.kind
-
-    def cannot_reestimate(self, vae):
-        return vae.cannot_reestimate()
-
-    def set_normalisation(self, vae, fields):
-        vae.set_normalisation(fields)
-
-    def serves(self, vae):
-        return f"{vae.params.class_name}'s pipelines ({diffusers_ae.CLASSES[vae.params.class_name].norm.formula})"
 
     def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
         vae.set_normalisation(fields)
@@ -543,8 +376,7 @@ class TAE(Family):
     def params_from_dict(self, d):
         return tae.TAEParams.from_dict(d)
 
-    def build(self, params):
-        return tae.TinyAutoEncoder(params)
+    model_class = tae.TinyAutoEncoder
 
     def architecture(self, model, source, saved):
         if saved is not None:
@@ -570,9 +402,9 @@ class TAE(Family):
     # 150 steps where 1e-5 left them 0.19 dB better (BENCHMARKS.md section 21)
     FINETUNE_RATE = 1e-5
 
-    def apply_source(self, cfg, given, source):
-        cfg = super().apply_source(cfg, given, source)
-        return cfg if "learning_rate_vae" in given else with_values(cfg, learning_rate_vae=self.FINETUNE_RATE)
+    def apply_source(self, model, finetune, given, source):
+        arch = super().apply_source(model, finetune, given, source)
+        return arch if "learning_rate_vae" in given else {**arch, "learning_rate_vae": self.FINETUNE_RATE}
 
     def arch_flags(self, p):
         return dict(vae_family="tae", vae_class="", tae_variant=p.variant, vae_ch=64, vae_ch_mult="1",
@@ -581,11 +413,9 @@ class TAE(Family):
                     vae_patch_size=p.patch_size, vae_spatial_factor=p.downsample_factor,
                     vae_temporal_factor=p.temporal_factor)
 
-    time_chunks_refusal = "a tiny autoencoder's clips run whole (its memory is a frame per block)"
-
-    def check(self, cfg):
-        super().check(cfg)
-        model, ft = cfg.model, cfg.finetune
+    def check(self, model, finetune, loss, speed, data, run):
+        super().check(model, finetune, loss, speed, data, run)
+        ft = finetune
         if model.posterior != "none":
             raise ConfigError(f"--posterior {model.posterior}: a tiny autoencoder's encoder is deterministic (none)")
         if model.tae_variant == "hv" and model.vae_temporal_factor not in (0, 4, 8):
@@ -593,21 +423,21 @@ class TAE(Family):
         if model.vae_temporal_factor and model.tae_variant != "hv":
             raise ConfigError(f"--vae_temporal_factor {model.vae_temporal_factor}: the tiny autoencoder for clips is "
                               f"--tae_variant hv (TAEHV's layout), not {model.tae_variant}")
-        if cfg.data.video_frames and model.tae_variant != "hv":
-            raise ConfigError(f"--video_frames {cfg.data.video_frames}: a {model.tae_variant} tiny autoencoder takes "
+        if data.video_frames and model.tae_variant != "hv":
+            raise ConfigError(f"--video_frames {data.video_frames}: a {model.tae_variant} tiny autoencoder takes "
                               "images; clips need TAEHV's layout (--tae_variant hv, or --init_from a taehv/taew2_1/... "
                               "file)")
-        if ft.train_parts == "decoder" and not (ft.init_from or ft.distill_from or cfg.run.load_path):
+        if ft.train_parts == "decoder" and not (ft.init_from or ft.distill_from or run.load_path):
             raise ConfigError("--train_parts decoder: a new tiny autoencoder's encoder is random, so its latents mean "
                               "nothing; give --init_from (a released TAE whose latent space the decoder learns) or "
                               "--distill_from (a teacher whose latents it learns)")
-        if cfg.speed.sharding != "ddp":
-            raise ConfigError(f"--sharding {cfg.speed.sharding}: {self.unshardable(None)}")
+        if speed.sharding != "ddp":
+            raise ConfigError(f"--sharding {speed.sharding}: {tae.TinyAutoEncoder.UNSHARDABLE}")
         self.from_flags(model)  # (an architecture it cannot build: one line)
 
-    def settled(self, cfg, given):
-        implied = self.arch_flags(self.from_flags(cfg.model))
-        return with_values(cfg, **{k: v for k, v in implied.items() if k not in given})
+    def settled(self, model, given):
+        implied = self.arch_flags(self.from_flags(model))
+        return {k: v for k, v in implied.items() if k not in given}
 
     def student_of(self, teacher, model):
         """The tiny autoencoder of the teacher's latent: its channels; f8 (flux_2 for FLUX.2's bn-normalised latent,
@@ -653,47 +483,14 @@ class TAE(Family):
                                      if k.startswith("encoder.")})
         return f"; the encoder is {teacher.path}'s (frozen)"
 
-    def describe(self, params):
-        return params.describe()
-
-    def encoder_side(self, vae):
-        return vae.encoder_side()
-
-    def last_layer(self, vae):
-        return vae.last_layer()
-
-    def unshardable(self, vae):
-        return ("a tiny autoencoder (a few million parameters) fits on any GPU whole: train it under DDP (the default "
-                "--sharding ddp)")
-
     def temporal_factor(self, params):
         return params.temporal_factor
-
-    def unused_parameters(self, params):
-        return False  # an image runs as a one-frame clip through every layer of a TAEHV
-
-    def diffusion_latents(self, vae, factors):
-        return lambda z: z  # its latents are the diffusion model's already
-
-    def init_weights(self, vae, source, cfg, log):
-        vae.load_state_dict(source.state)
-        return ""
 
     def teacher(self, source):
         raise ConfigError("--distill_weight: a narrower decoder is the LDM family's; a tiny autoencoder learns from "
                           "a teacher's latents with --distill_from")
 
     # ----------------------------------------------------------------------------- export
-    def latent_norm(self, vae):
-        return "released"
-
-    def norm_label(self, vae):
-        return "none (the diffusion model's latents)"
-
-    def serves(self, vae):
-        return ("a pipeline that hands its diffusion model's latents to the tiny decoder as they are (AutoencoderTiny: "
-                "scaling_factor 1, shift_factor 0)")
-
     def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
         try:
             tae.write_diffusers(vae, out_dir, float(fields.get("scaling_factor") or 1.0),
@@ -729,7 +526,20 @@ def of_params(params) -> Family:
 
 
 def of(vae: nn.Module) -> Family:
+    """The family of a built model: for its layout (the writers below); what the model itself is asked is its own
+    (ae.Trainable)."""
     return of_params(vae.params)
+
+
+def write_diffusers(vae: nn.Module, out_dir: str, resolution: int, fields: dict, source_config: dict | None,
+                    source_path: str | None) -> None:
+    """export.py --format diffusers: the model written in its family's diffusers layout, normalised by `fields`."""
+    of(vae).write_diffusers(vae, out_dir, resolution, fields, source_config, source_path)
+
+
+def write_released(vae: nn.Module, out_dir: str, name: str) -> list[str]:
+    """export.py --format released: the tiny autoencoder's released files (the paths written)."""
+    return of(vae).write_released(vae, out_dir, name)
 
 
 def params_from_dict(d: dict):
@@ -810,5 +620,5 @@ def our_format_params(config: dict):
 
 def frozen_in_words(vae: nn.Module) -> str:
     """What --train_parts decoder freezes, in words (the start line)."""
-    names = [name for name, _ in of(vae).encoder_side(vae)]
+    names = [name for name, _ in vae.encoder_side()]
     return "the " + " and ".join(names) + (" are" if len(names) > 1 else " is")

@@ -31,7 +31,6 @@ import os
 import torch
 from torch import nn
 
-import families
 from config import FP32, GRAD_CHECKPOINTING, Precision
 from train_state import TrainingForward
 from common import first_line
@@ -107,15 +106,14 @@ class StepMemory:
 @contextlib.contextmanager
 def _probe_settings(vae: nn.Module, objective, shape: StepShape):
     """The VAE's checkpointing mode and chunk plan and the objective's precision as `shape` asks, restored after."""
-    family = families.of(vae)
-    old = vae.grad_checkpointing, getattr(vae, "train_chunks", (0, 0)), objective.precision
-    family.set_memory_plan(vae, shape.grad_checkpointing, shape.time_chunks)
+    old, precision = vae.memory_plan(), objective.precision
+    vae.set_memory_plan(shape.grad_checkpointing, shape.time_chunks)
     objective.precision = shape.precision
     try:
         yield
     finally:
-        family.set_memory_plan(vae, *old[:2])
-        objective.precision = old[2]
+        vae.set_memory_plan(*old)
+        objective.precision = precision
 
 
 def _networks(vae: nn.Module, objective) -> list[nn.Module]:
@@ -164,15 +162,15 @@ def probe_activation_bytes(vae: nn.Module, objective, shape: StepShape, batch_si
 
     with _probe_settings(vae, objective, shape):
         micro_step(objective, model or TrainingForward(vae), x, step, 0, 1, True, regularisers,
-                   loss_scale=torch.ones((), device=device), last_layer=families.of(vae).last_layer(vae), phase=phase,
+                   loss_scale=torch.ones((), device=device), last_layer=vae.last_layer(), phase=phase,
                    backward=False)
         if any(shape.time_chunks):  # backward recomputes one chunk at a time: the VAE's pass on one chunk's frames
             encoder_chunk, decoder_chunk = shape.time_chunks
-            frames = 1 + max(encoder_chunk, decoder_chunk * families.of(vae).temporal_factor(vae.params))
-            families.of(vae).set_memory_plan(vae, shape.grad_checkpointing, (0, 0))
+            frames = 1 + max(encoder_chunk, decoder_chunk * vae.temporal_factor)
+            vae.set_memory_plan(shape.grad_checkpointing, (0, 0))
             with phase("chunk"):  # (an upper bound: the whole VAE on one chunk's frames, and its first frame)
                 (model or TrainingForward(vae))(x[:, :, :frames])
-            families.of(vae).set_memory_plan(vae, shape.grad_checkpointing, shape.time_chunks)
+            vae.set_memory_plan(shape.grad_checkpointing, shape.time_chunks)
     forward, critic, loss = (phases[name] for name in ("forward", "critic", "loss"))
     chunk = phases.get("chunk", (0, 0))
     return forward[0] + max(critic[0], loss[0]) + chunk[0], max(forward[1], critic[1], loss[1], chunk[1])
@@ -242,7 +240,7 @@ def state_memory(vae: nn.Module, others: list[nn.Module], shards: int = 1, ema: 
     parameters of `model` and their state are 1/shards per rank, and `gathered` is what the step holds whole besides:
     the root group's trained weights (reshard_after_forward False: whole from forward to backward), the two largest
     units' (the one computing and the next one, prefetched) and the largest unit's gradient before its
-    reduce-scatter (`units`: default families.Family.shard_units, as the trainer shards them)."""
+    reduce-scatter (`units`: default the VAE's shard_units, as the trainer shards them)."""
     networks = [vae, *others] + ([model] if model is not None else [])
     params = list({id(p): p for m in networks for p in m.parameters()}.values())
     sharded = ({id(p) for p in (model or vae).parameters() if p.requires_grad} if shards > 1 else set())
@@ -259,10 +257,9 @@ def state_memory(vae: nn.Module, others: list[nn.Module], shards: int = 1, ema: 
                       + (sum(local(p, 4) for p in vae_trained) if ema else 0))  # the EMA's fp32 shadow
     gathered = 0
     if sharded:
-        import families
         whole = {id(p): p.numel() * p.element_size() for p in params if id(p) in sharded}
         units = sorted((sum(whole.get(id(p), 0) for p in unit.parameters())
-                        for unit in (families.of(vae).shard_units(vae) if units is None else units)), reverse=True)
+                        for unit in (vae.shard_units() if units is None else units)), reverse=True)
         root = sum(whole.values()) - sum(units)
         gathered = root + sum(units[:2]) + (units[0] if units else 0)
     return weights, training_state, gathered
@@ -508,7 +505,7 @@ def check_before_training(vae: nn.Module, objective, shape: StepShape | list[Ste
         return estimate_step_memory(vae, objective, s, ema, probe_resolutions=sizes, probes=probes, **features)
     shapes = shape if isinstance(shape, list) else [shape]
     # (a remedy: --train_time_chunks, which config refuses with sharding and with the adaptive weight)
-    chunk_factor = families.of(vae).time_chunk_factor(vae.params)
+    chunk_factor = vae.time_chunk_factor()
     if getattr(getattr(objective, "loss_cfg", None), "loss_balance", "gradnorm") == "adaptive":
         chunk_factor = 0
     shapes = [dataclasses.replace(s, chunk_factor=chunk_factor) if s.frames else s for s in shapes]

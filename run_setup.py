@@ -68,7 +68,7 @@ def prepare_run(argv: list[str] | None = None, builds_demo_data: bool = True) ->
         raise ConfigError(f"--vae_family {cfg.model.vae_family}: its architecture is read from --init_from (a "
                           "diffusers folder of the family) or the run being continued")
     derived.update(automatic_values(cfg, given))
-    cfg = families.named(cfg.model.vae_family).settled(cfg, given)
+    cfg = with_values(cfg, **families.named(cfg.model.vae_family).settled(cfg.model, given))
     cfg = resolve_cpu(resolve_auto(cfg))
     check_config(cfg)
     notes = check_paths(cfg) + ([demo_summary(cfg)] if cfg.run.demo else [])
@@ -88,7 +88,8 @@ def check_config(cfg: Config) -> None:
     """Config.validate (each section's values and the checks across sections), then the checks that need an owner's
     rule: one line for the first value the run cannot use."""
     family = families.named(cfg.model.vae_family)
-    family.check(cfg)  # first: a family's refusal says why in its own words
+    # first: a family's refusal says why in its own words
+    family.check(cfg.model, cfg.finetune, cfg.loss, cfg.speed, cfg.data, cfg.run)
     cfg.validate()
     data, loss, latents = cfg.data, cfg.loss, cfg.latents
     factor = downsample_factor_of(cfg.model)
@@ -167,7 +168,7 @@ def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Confi
     source = read_init_source(init_from, cfg.finetune.init_family, cfg.data.video_frames > 0,
                               cfg.model.vae_family if "vae_family" in given else None)
     family = families.of_params(source.params)
-    cfg = family.apply_source(cfg, given, source)
+    cfg = with_values(cfg, **family.apply_source(cfg.model, cfg.finetune, given, source))
     channels = family.image_channels(source.params)
     if channels != (3, 3):
         raise ConfigError(f"--init_from {init_from}: a VAE of {channels[0]} input / {channels[1]} output "

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ae import GroupNorm32
+from ae import GroupNorm32, Trainable
 from config import GRAD_CHECKPOINTING
 
 VARIANTS = ("f8", "flux_2", "f32", "hv")
@@ -241,10 +241,10 @@ def video_decoder(p: TAEParams) -> nn.Sequential:
 # ============================================================================================
 # The model
 # ============================================================================================
-class TinyAutoEncoder(nn.Module):
+class TinyAutoEncoder(Trainable, nn.Module):
     """A tiny autoencoder with ae.AutoEncoder's interface (params, downsample_factor, encode_moments, sample,
     posterior_std, encode, decode, forward(x, sample) -> (reconstruction, latent, None), set_grad_checkpointing) and
-    its own answers (encoder_side, last_layer). Images are (B, 3, H, W) in [-1, 1]; an hv model takes clips
+    its own answers (ae.Trainable). Images are (B, 3, H, W) in [-1, 1]; an hv model takes clips
     (B, 3, T, H, W) of 1 + t k frames, an image being a one-frame clip."""
 
     def __init__(self, params: TAEParams):
@@ -275,6 +275,33 @@ class TinyAutoEncoder(nn.Module):
     def last_layer(self) -> Tensor:
         """The decoder's last conv's weight (LDM's adaptive GAN weight)."""
         return self.decoder[-1].weight
+
+    time_chunks_refusal = "a tiny autoencoder's clips run whole (its memory is a frame per block)"
+    UNSHARDABLE = ("a tiny autoencoder (a few million parameters) fits on any GPU whole: train it under DDP (the "
+                   "default --sharding ddp)")
+
+    def unshardable(self) -> str:
+        return self.UNSHARDABLE
+
+    @property
+    def temporal_factor(self) -> int:
+        return self.params.temporal_factor
+
+    def unused_parameters(self) -> bool:
+        return False  # an image runs as a one-frame clip through every layer of a TAEHV
+
+    def diffusion_latents(self, factors):
+        return lambda z: z  # its latents are the diffusion model's already
+
+    def latent_norm(self):
+        return "released"
+
+    def norm_label(self):
+        return "none (the diffusion model's latents)"
+
+    def serves(self):
+        return ("a pipeline that hands its diffusion model's latents to the tiny decoder as they are (AutoencoderTiny: "
+                "scaling_factor 1, shift_factor 0)")
 
     # ------------------------------------------------------------------------- running the stacks
     def _run(self, stack: nn.Sequential, x: Tensor, frames: int) -> Tensor:

@@ -13,7 +13,6 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
-import families
 import sharding
 from ae import AutoEncoder
 from common import ConfigError, DistInfo, load_optimizer_state
@@ -88,8 +87,8 @@ class TrainingForward(torch.nn.Module):
                  teacher_latents: TeacherLatents | None = None):
         super().__init__()
         self.vae, self.teacher, self.teacher_latents = vae, teacher, teacher_latents
-        # what computes the posterior from pixels, as the model's family names it (families.Family.encoder_side)
-        self.frozen = [module for _, module in families.of(vae).encoder_side(vae)] if frozen_encoder else []
+        # what computes the posterior from pixels, as the model names it (ae.Trainable.encoder_side)
+        self.frozen = [module for _, module in vae.encoder_side()] if frozen_encoder else []
         for module in self.frozen:
             module.requires_grad_(False).eval()
 
@@ -114,7 +113,7 @@ class TrainingForward(torch.nn.Module):
 
 class TeacherLatents(torch.nn.Module):
     """--distill_from: the teacher VAE, frozen and in eval mode (never saved: a resumed run reads it again), and its
-    pipelines' latent normalisation (families.Family.diffusion_latents): images -> the latent a diffusion model of the
+    pipelines' latent normalisation (ae.Trainable.diffusion_latents): images -> the latent a diffusion model of the
     teacher's latent space works in (its posterior mean, normalised, fp32), what a tiny autoencoder encodes to and
     decodes from."""
 
@@ -168,7 +167,7 @@ class VAETraining:
             vae.encoder.compile()  # the inner modules, never the DDP wrapper
             vae.decoder.compile()
         # a video VAE's temporal layers do not run on one-frame clips (--video_image_prob's steps)
-        self.wrap_ddp = partial(wrap_ddp, find_unused=families.of(vae).unused_parameters(vae.params))
+        self.wrap_ddp = partial(wrap_ddp, find_unused=vae.unused_parameters())
         self.ddp = self.wrap_ddp(self.trained)  # (--sharding fsdp|hsdp: sharded in place, its parameters DTensors)
         self.sharded = sharding.is_sharded(vae)
         self.ema = EMA(vae, optim.ema_decay) if optim.ema_decay > 0 else None  # laid out as the parameters
@@ -408,10 +407,9 @@ def wrap_sharded(module: torch.nn.Module, mesh, find_unused: bool = False) -> to
     family names (sharding.py); `find_unused` needs nothing here: FSDP reduces the gradients a step produced, and
     every rank of a step takes the same kind of batch."""
     vae = module.trained.vae if hasattr(module, "trained") else module.vae
-    family = families.of(vae)
-    if family.unshardable(vae):
-        raise ConfigError(f"--sharding: {family.describe(vae.params)}: {family.unshardable(vae)}; use --sharding ddp")
-    return sharding.shard(module, family.shard_units(vae), mesh)
+    if vae.unshardable():
+        raise ConfigError(f"--sharding: {vae.describe()}: {vae.unshardable()}; use --sharding ddp")
+    return sharding.shard(module, vae.shard_units(), mesh)
 
 
 def adamw(optim: OptimConfig, params, lr: float) -> torch.optim.AdamW:

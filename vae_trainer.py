@@ -75,7 +75,7 @@ def build_vae(cfg: Config, device: torch.device, memory_format, resume: tuple[st
         checkpoint.load_vae_weights_into(vae, cfg.run.load_path)
         log(f"initialised VAE weights from {cfg.run.load_path}")
     if ft.init_from and init_weights:
-        decoder = family.init_weights(vae, source, cfg, log)
+        decoder = family.init_weights(vae, source, ft, cfg.optim)
         described = source.describe()
         for note in source.notes:
             log(f"note: {note}")
@@ -88,20 +88,19 @@ def build_vae(cfg: Config, device: torch.device, memory_format, resume: tuple[st
     teacher_latents = None
     if ft.distill_from:
         distill_source = distill_source or read_teacher(cfg)
-        teacher_family = families.of_params(distill_source.params)
-        teacher_model = teacher_family.build(distill_source.params)
+        teacher_model = families.build_model(distill_source.params)
         teacher_model.load_state_dict(distill_source.state)
         try:
-            normalise = teacher_family.diffusion_latents(teacher_model, distill_source.factors)
+            normalise = teacher_model.diffusion_latents(distill_source.factors)
         except ValueError as e:
             raise ConfigError(f"--distill_from {ft.distill_from}: {e}") from None
         teacher_latents = TeacherLatents(teacher_model, normalise).to(device, memory_format=memory_format)
         encoder = (family.take_teacher_encoder(vae, distill_source)
                    if init_weights and ft.train_parts == "decoder" and not ft.init_from else "")
-        log(f"distilling from {ft.distill_from} ({teacher_family.describe(distill_source.params)}): the decoder "
+        log(f"distilling from {ft.distill_from} ({teacher_model.describe()}): the decoder "
             f"decodes its latents, {'the encoder learns them' if ft.train_parts != 'decoder' else 'the encoder is frozen'}"
             f"{encoder}")
-    family.set_memory_plan(vae, cfg.speed.grad_checkpointing, cfg.speed.time_chunks)
+    vae.set_memory_plan(cfg.speed.grad_checkpointing, cfg.speed.time_chunks)
     return vae.to(device, memory_format=memory_format), described, teacher, teacher_latents
 
 
@@ -163,7 +162,7 @@ def start_lines(cfg: Config, vae: torch.nn.Module, info: DistInfo, run_dir: str,
         lines.append(f"multi-resolution training (--train_resolutions {cfg.data.train_resolutions}), size x images "
                      f"per micro-batch: {stages}")
     lines.append(f"run dir {run_dir} | {info.world_size} x {info.device.type} | VAE {n_params / 1e6:.1f}M params | "
-                 f"{families.of(vae).describe(vae.params)} | f{vae.downsample_factor} z{cfg.model.vae_z_channels} "
+                 f"{vae.describe()} | f{vae.downsample_factor} z{cfg.model.vae_z_channels} "
                  f"{cfg.model.posterior} posterior | "
                  f"{speed.describe()} | batch {cfg.data.batch_size}"
                  f"{f' clips of {cfg.data.video_frames} frames' if cfg.data.video_frames else ''} x "
@@ -350,7 +349,7 @@ class Trainer:
         self.init_source = source_described or self.init_source
         if source is not None:  # its weights are in the model now: a second copy would hold memory until main drops
             source.state = {}  # the object, and the memory check would count it as the process's own
-        self.last_layer = families.of(self.vae).last_layer(self.vae)  # (LDM's adaptive weight reads it)
+        self.last_layer = self.vae.last_layer()  # (LDM's adaptive weight reads it)
         # the constant posterior's noise variance (a deterministic encoder has none: no latent collapses into it)
         self.posterior_var = cfg.model.posterior_var if cfg.model.posterior == "constant" else 0.0
         vgg_features, with_lpips = vgg16_for_run(cfg, info, self.eval_on, self.log)
@@ -384,7 +383,7 @@ class Trainer:
         if cfg.speed.memory_check:  # before the critic's DDP wrapper (the probes run its forward without a backward)
             shapes = memory.StepShape.to_check(
                 self.schedule, cfg.optim, cfg.speed, self.precision, cfg.data.video_frames,
-                families.of(self.vae).can_checkpoint(self.vae.params), memory.shard_count(self.vae), info.world_size)
+                self.vae.can_checkpoint(), memory.shard_count(self.vae), info.world_size)
             checked = memory.check_every_rank(  # sharded, the probes run a whole copy of the template
                 self.vae, self.objective, shapes, self.device,
                 self.training.ema is not None, info.ctrl_group, model=self.training.trained,
@@ -590,7 +589,7 @@ class Trainer:
         """--last_stage_trains N: from the last stage's first step, only the decoder's N highest-resolution levels,
         norm_out and conv_out train (DC-AE's high-resolution adaptation); every rank reaches it at the same step."""
         levels = self.last_stage[1]
-        trained = self.training.train_only(families.of(self.vae).last_stage_modules(self.vae, levels))
+        trained = self.training.train_only(self.vae.last_stage_modules(levels))
         self.last_stage = None
         self.log(f"step {self.step}: the last stage trains the decoder's {levels} highest levels, norm_out and "
                  f"conv_out ({trained / 1e6:.2f}M parameters); the rest is frozen (--last_stage_trains)")
@@ -622,7 +621,7 @@ class Trainer:
         torch.cuda.empty_cache()  # a no-op without CUDA
         shape = memory.StepShape.of(self.schedule, cfg.optim, cfg.speed, self.precision,
                                     self.schedule.size_at(self.step), cfg.data.video_frames,
-                                    families.of(self.vae).can_checkpoint(self.vae.params),
+                                    self.vae.can_checkpoint(),
                                     memory.shard_count(self.vae), self.info.world_size)
         line = memory.out_of_memory_message(error, shape, self.step + 1)
         self.report.print(f"error: {line}", file=sys.stderr)

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ae import LOGVAR_RANGE, AutoEncoder, _run_level
+from ae import LOGVAR_RANGE, AutoEncoder, Trainable, _run_level
 
 
 @dataclass
@@ -110,6 +110,9 @@ class WanParams:
     def temporal_factor(self) -> int:
         """Frames per latent frame after the first (4 for every release): clips have 1 + temporal_factor * k frames."""
         return 2 ** sum(self.temporal_downsample) if self.video else 1
+
+    def describe(self) -> str:
+        return "the Wan family's " + ("video" if self.video else "image") + " model (wan_ae.py)"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -587,7 +590,7 @@ class Decoder(nn.Module):
         return self.conv_out(F.silu(self.norm_out(h)), chunk)
 
 
-class WanAutoEncoder(nn.Module):
+class WanAutoEncoder(Trainable, nn.Module):
     """The Qwen-Image / Wan 2.1 (or Wan 2.2) VAE with ae.AutoEncoder's interface (params, downsample_factor,
     encode_moments, sample, posterior_std, encode, decode, forward, set_grad_checkpointing, encoder/decoder with their
     checkpoint_levels, decoder.conv_out as the last layer, quant_conv). The image model takes (B, C, H, W); the video
@@ -624,6 +627,23 @@ class WanAutoEncoder(nn.Module):
     # the same levels per mode as ae.AutoEncoder (it reads only encoder/decoder.num_resolutions and sets their
     # checkpoint_levels; the blocks run through ae._run_level, one checkpoint segment each)
     set_grad_checkpointing = AutoEncoder.set_grad_checkpointing
+
+    # ------------------------------------------------------------------------- its answers (ae.Trainable)
+    time_chunks_refusal = ""  # the video model's; the image model has no --video_frames (config.check_video)
+
+    @property
+    def temporal_factor(self) -> int:
+        return self.params.temporal_factor if self.params.video else 0
+
+    def memory_plan(self):
+        return self.grad_checkpointing, self.train_chunks
+
+    def set_memory_plan(self, grad_checkpointing, time_chunks):
+        self.set_grad_checkpointing(grad_checkpointing)
+        self.train_chunks = tuple(time_chunks)
+
+    def serves(self):
+        return "Qwen-Image and Wan pipelines ((z - latents_mean) / latents_std per channel)"
 
     def _frames_per_chunk(self, part: int) -> int | None:
         """Frames (part 0: the encoder's) or latent frames (part 1: the decoder's) per chunk; None: the whole clip."""

@@ -65,8 +65,7 @@ def seconds_per_step(run_dir: str) -> list[float]:
 
 def unit_split(vae: torch.nn.Module) -> tuple[int, int]:
     """(U, R): the trained parameters in FSDP's units (gathered twice a step) and in the root's group (once)."""
-    import families
-    units = families.of(vae).shard_units(vae)
+    units = vae.shard_units()
     in_units = {id(p) for u in units for p in u.parameters() if p.requires_grad}
     trained = [p for p in vae.parameters() if p.requires_grad]
     u = sum(p.numel() for p in trained if id(p) in in_units)

@@ -41,7 +41,7 @@ def main() -> None:
             params = diffusers_ae.DiffusersParams.of(class_name, TINY[class_name])
             vae = diffusers_ae.DiffusersAutoEncoder(params)
         reference = TrainingForward(copy.deepcopy(vae))
-        t = families.of_params(params).temporal_factor(params)
+        t = vae.temporal_factor
         shape = (1, 3, 1 + t, 64, 64) if t else (2, 3, 64, 64)
         x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
         try:
@@ -61,7 +61,7 @@ def main() -> None:
         worst = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[1] if n in grads[0])
         if dist.get_rank() == 0:
             verdict = "ok" if not lost and grads[0].keys() == grads[1].keys() and worst <= 1e-5 * scale else "wrong"
-            print(f"{verdict} {class_name} {len(families.of(vae).shard_units(vae))} lost={len(lost)} "
+            print(f"{verdict} {class_name} {len(vae.shard_units())} lost={len(lost)} "
                   f"worst={worst / scale:.1e} {lost[:2]}", flush=True)
     dist.destroy_process_group()
 

@@ -354,6 +354,70 @@ def test_no_module_outside_the_registry_names_a_family():
     assert found == []
 
 
+def test_every_family_s_model_answers_for_itself():
+    """Each family's model class is an ae.Trainable (issue 49): built tiny, it answers what the trainer, the memory
+    check, evaluation and export ask of it (its encoder side, last layer, compression, memory plan, shard units,
+    latent normalisation), as the registry's entries no longer do."""
+    from ae import AutoEncoderParams, Trainable
+    from tae import TAEParams
+    from wan_ae import WanParams
+    tiny = {"ldm": AutoEncoderParams(ch=8, ch_mult=(1, 2), num_res_blocks=1, z_channels=4, norm_groups=4),
+            "wan": WanParams(ch=8, ch_mult=(1, 2), num_res_blocks=1, z_channels=4, video=True,
+                             temporal_downsample=(True,)),
+            "tae": TAEParams(4, "f8", 1),
+            "diffusers": diffusers_ae.DiffusersParams.of("AutoencoderKLCogVideoX", TINY["AutoencoderKLCogVideoX"])}
+    assert set(tiny) == set(families.FAMILIES)
+    for name, family in families.FAMILIES.items():
+        assert issubclass(family.model_class, Trainable) and issubclass(family.model_class, torch.nn.Module), name
+        vae = family.build(tiny[name])
+        assert isinstance(vae, family.model_class)
+        names = {n for n, p in vae.named_parameters()}
+        side = {p for _, module in vae.encoder_side() for p in module.parameters()}
+        assert side and all(p.requires_grad for p in side), name
+        assert isinstance(vae.last_layer(), torch.nn.Parameter) and vae.last_layer() not in side, name
+        assert isinstance(vae.temporal_factor, int) and isinstance(vae.takes_images(), bool), name
+        assert vae.time_chunk_factor() in (0, vae.temporal_factor), name
+        assert family.time_chunks_refusal == vae.time_chunks_refusal and bool(vae.time_chunk_factor()) == (
+            name == "wan"), name
+        plan = (1, 1) if vae.time_chunk_factor() else (0, 0)  # (the memory check sets and restores a plan)
+        vae.set_memory_plan("none", plan)
+        assert vae.memory_plan() == ("none", plan), name
+        if not vae.time_chunk_factor():
+            with pytest.raises(ConfigError, match="--train_time_chunks"):
+                vae.set_memory_plan("none", (1, 1))
+        assert (vae.norm_groups is not None) == (name == "ldm") and isinstance(vae.unshardable(), str), name
+        assert vae.unshardable() or all(isinstance(u, torch.nn.Module) for u in vae.shard_units()), name
+        assert vae.latent_norm() in ("fields", "factors", "bn", "released") and vae.norm_label() and vae.serves()
+        assert vae.describe() == family.describe(vae.params) and names, name
+
+
+def test_callers_ask_the_model_not_the_registry():
+    """Issue 49: a caller holding a model asks it (ae.Trainable); `families.of(` stays for at most two callers that hold
+    a source, and no capability is probed with getattr (norm_groups, train_chunks)."""
+    import re
+    files = [os.path.join(ROOT, f) for f in os.listdir(ROOT) if f.endswith(".py") and f != "families.py"]
+    files += [os.path.join(ROOT, "bench", f) for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py")]
+    text = {f: open(f).read() for f in files}
+    assert sum(t.count("families.of(") for t in text.values()) <= 2
+    probes = [f for f, t in text.items() if re.search(r"getattr\([^)]*[\"'](norm_groups|train_chunks)[\"']", t)]
+    assert probes == []
+
+
+def test_the_registry_reads_sections_not_the_whole_config():
+    """Issue 49: only the composition roots (run_setup.py, vae_trainer.py) hold the whole config; the registry's
+    entries and the model modules take the sections they read (apply_source, check, settled, init_weights)."""
+    readers = []
+    for module in NAMING_MODULES:
+        tree = ast.parse(open(os.path.join(ROOT, f"{module}.py")).read())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                if any(a.arg == "cfg" or (a.annotation is not None and ast.unparse(a.annotation) == "Config")
+                       for a in args):
+                    readers.append(f"{module}.{node.name}")
+    assert readers == []
+
+
 def test_the_compression_is_measured_from_what_the_class_computes():
     """LTX-2's module reports spatial/temporal compression 64/16 at diffusers' default config while it computes 32/8
     (the survey's finding); the measurement reads what it computes, and for an image class finds no clips."""
@@ -527,7 +591,7 @@ def test_the_memory_check_offers_only_what_a_class_can_do():
                                                                             TINY["AutoencoderKLQwenImage21"]))
     cfg = run_setup.parse_config(["--perceptual_weight", "0", "--mse_pool_factor", "4"])
     objective = objective_of(cfg, with_lpips=False, z_channels=8)
-    shape = memory.StepShape(64, 4096, can_checkpoint=families.of(vae).can_checkpoint(vae.params))
+    shape = memory.StepShape(64, 4096, can_checkpoint=vae.can_checkpoint())
     verdict = memory.check_before_training(vae, objective, shape, torch.device("cpu"), ema=True)
     line, refuse = verdict.line, verdict.refuse
     assert refuse and "\n" not in line and "--batch_size 32 --grad_accum 2" in line and "--precision bf16" in line

@@ -425,7 +425,7 @@ def test_a_student_of_a_vae_learns_its_pipeline_latents(shard_url, tmp_path, cap
     teacher = families.build_model(source.params)
     teacher.load_state_dict(source.state)
     student = families.build_model(families.TAE_FAMILY.from_flags(cfg.model))
-    latents = train_state.TeacherLatents(teacher, families.of(teacher).diffusion_latents(teacher, source.factors))
+    latents = train_state.TeacherLatents(teacher, teacher.diffusion_latents(source.factors))
     x = photo("chelsea", 64)
     out = train_state.Decoded(*train_state.TrainingForward(student, teacher_latents=latents)(x))
     expected = (teacher.eval().encode(x) - 0.1) * 0.5
@@ -457,7 +457,7 @@ def test_a_student_of_flux2_or_wan_takes_their_layout_and_normalisation(kind, tm
     assert (cfg.model.vae_family, cfg.model.tae_variant) == ("tae", variant)
     teacher = families.build_model(source.params)
     teacher.load_state_dict(source.state)
-    latents = train_state.TeacherLatents(teacher, families.of(teacher).diffusion_latents(teacher, source.factors))
+    latents = train_state.TeacherLatents(teacher, teacher.diffusion_latents(source.factors))
     x = torch.rand(1, 3, 5, 64, 64) * 2 - 1 if frames else photo("coffee", 64)
     with torch.no_grad():
         mean = teacher.eval().encode(x)
