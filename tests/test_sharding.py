@@ -470,3 +470,42 @@ def test_a_parameter_that_never_had_a_gradient_resumes_without_moments(tmp_path)
             assert torch.equal(sharding.whole(moments), first.state[written.used.weight]["exp_avg"].full_tensor())
     finally:
         dist.destroy_process_group()
+
+
+def test_a_channels_last_ddp_checkpoint_continues_exactly_under_fsdp(tmp_path):
+    """The real --sharding fsdp path of a ddp run's .pt (channels_last on a CPU): set_optimizer_state_dict shards
+    each whole moment as it was saved, so its local shard keeps channels_last strides under an NCHW shard; loaded
+    by sharding.load_optimizer, the next step equals the saving optimizer's (one rank's mesh, in-process; issue 48)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3))
+
+    grads = [[torch.randn(p.shape) for p in build().parameters()] for _ in range(2)]
+
+    def step(module, optimizer, k):
+        for p, g in zip(module.parameters(), grads[k]):
+            p.grad = (distribute_tensor(g, p.device_mesh, p.placements) if hasattr(p, "device_mesh")
+                      else torch.empty_like(p).copy_(g))
+        optimizer.step()
+
+    saving = build().to(memory_format=torch.channels_last)
+    first = torch.optim.AdamW(saving.parameters(), lr=1e-2, fused=True)
+    step(saving, first, 0)
+    saved = copy.deepcopy(first.state_dict())  # integer ids, as a DDP run's .pt holds it
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        continuing = build()
+        continuing.load_state_dict(saving.state_dict())
+        sharding.shard(continuing, list(continuing), init_device_mesh("cpu", (1,), mesh_dim_names=("shard",)))
+        second = torch.optim.AdamW(continuing.parameters(), lr=1e-2, fused=True)
+        sharding.load_optimizer(continuing, second, saved)
+        step(saving, first, 1)
+        step(continuing, second, 1)
+        for (name, a), b in zip(saving.named_parameters(), continuing.parameters()):
+            assert torch.equal(a.detach(), b.full_tensor().detach()), name
+    finally:
+        dist.destroy_process_group()
