@@ -260,20 +260,55 @@ def check_compatible(model: ModelConfig, force: bool, saved: dict, where: str) -
     return not diff
 
 
-def decide_resume(run: RunConfig, model: ModelConfig, log=print) -> tuple[tuple[str, dict] | None, bool]:
-    """Rank 0: (the checkpoint to resume from or None, whether to set the run's checkpoints aside)."""
-    run_dir = run.run_dir
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
-    existing = checkpoint_files(ckpt_dir)
-    config_path = os.path.join(run_dir, "config.json")
-    set_aside = False
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """What a start reads of the run it may continue, read once (read_run) and handed to every decision after it
+    (run_setup's recipe, decide_resume): the run directory's config.json (None: none there), and --resume PATH's
+    checkpoint ((path, checkpoint) or None). An unreadable file is kept as its one-line error, raised by the
+    decision that needs it (run_setup starts a new recipe without it; the trainer refuses)."""
+    config: dict | None = None
+    config_error: str | None = None
+    resume: tuple[str, dict] | None = None
+    resume_error: str | None = None
+
+
+def read_run(run: RunConfig) -> RunRecord:
+    """The run directory's config.json, parsed once, and with --resume PATH that checkpoint, opened once (without
+    its DCP tensors: the training entry names them and every rank reads them). Each rank reads it before any
+    process group exists; rank 0 decides from it under the run's lock (decide_resume)."""
+    config_path = os.path.join(run.run_dir, "config.json")
+    config = config_error = resume = resume_error = None
     if os.path.isfile(config_path):
         try:
             with open(config_path) as f:
-                saved = json.load(f)
+                config = json.load(f)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"{config_path} is unreadable ({type(e).__name__}): fix or remove it") from None
-        if not check_compatible(model, run.force, saved, config_path) and existing:
+            config_error = f"{config_path} is unreadable ({type(e).__name__}): fix or remove it"
+        if config is not None and not isinstance(config, dict):
+            config, config_error = None, f"{config_path} is unreadable (not a JSON object): fix or remove it"
+    if run.resume not in ("auto", "never"):
+        try:
+            resume = (run.resume, load_checkpoint(run.resume, whole=False))
+        except Exception as e:
+            resume_error = (f"--resume {run.resume}: unreadable checkpoint ({type(e).__name__}: "
+                            f"{first_line(e)})")
+    return RunRecord(config, config_error, resume, resume_error)
+
+
+def decide_resume(run: RunConfig, model: ModelConfig, log=print, record: RunRecord | None = None
+                  ) -> tuple[tuple[str, dict] | None, bool]:
+    """Rank 0: (the checkpoint to resume from or None, whether to set the run's checkpoints aside), decided from
+    `record` (read_run: read here when None) and, for --resume auto, the newest readable checkpoint."""
+    record = record if record is not None else read_run(run)
+    run_dir = run.run_dir
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    existing = checkpoint_files(ckpt_dir)
+    set_aside = False
+    if record.config_error:
+        raise ConfigError(record.config_error)
+    if record.config is not None:
+        config_path = os.path.join(run_dir, "config.json")
+        if not check_compatible(model, run.force, record.config, config_path) and existing:
             set_aside, existing = True, []
     if run.resume == "never":
         if existing:
@@ -284,33 +319,33 @@ def decide_resume(run: RunConfig, model: ModelConfig, log=print) -> tuple[tuple[
         found = load_latest_checkpoint(ckpt_dir, log, whole=False) if existing else None
         if existing and found is None:
             raise ConfigError(f"no readable checkpoint in {ckpt_dir}")
+    elif record.resume_error:
+        raise ConfigError(record.resume_error)
     else:
-        try:
-            found = (run.resume, load_checkpoint(run.resume, whole=False))
-        except Exception as e:
-            raise ConfigError(f"--resume {run.resume}: unreadable checkpoint ({type(e).__name__}: "
-                              f"{first_line(e)})") from None
+        found = record.resume
     if found is not None and not check_compatible(model, run.force, found[1]["run"]["config"], found[0]):
         # --force with a checkpoint of another architecture: start from scratch (keeping the run's own aside)
         return None, set_aside or run.resume == "auto"
     return found, set_aside
 
 
-def find_resume(run: RunConfig, model: ModelConfig, info: DistInfo, log=print, lock: RunLock | None = None
-                ) -> tuple[tuple[str, dict] | None, bool]:
+def find_resume(run: RunConfig, model: ModelConfig, info: DistInfo, log=print, lock: RunLock | None = None,
+                record: RunRecord | None = None) -> tuple[tuple[str, dict] | None, bool]:
     """Rank 0 alone reads the run directory and decides (decide_resume): resume from which checkpoint, start
     anew, set the checkpoints of another architecture aside, or refuse. The decision is broadcast over the
     control group; the other ranks read the chosen checkpoint only after it. (When every rank listed the
     directory itself, a rank listing it after rank 0's set-aside skipped a barrier, the collectives paired up
     wrongly and the run hung.) `lock`: rank 0 takes it first (a second job is refused on every rank). Returns
-    ((path, checkpoint) or None, set_aside)."""
+    ((path, checkpoint) or None, set_aside). `record`: what this rank read of the run (read_run; None: read here);
+    a rank whose record holds the chosen checkpoint does not open it again."""
+    record = record if record is not None else read_run(run)
     decision, found = {"error": "rank 0 could not read the run directory"}, None
     try:
         if info.is_main:
             try:
                 if lock is not None:
                     lock.acquire()
-                found, set_aside = decide_resume(run, model, log)
+                found, set_aside = decide_resume(run, model, log, record)
                 decision = {"path": found[0] if found else None, "set_aside": set_aside}
             except ConfigError as e:
                 decision = {"error": str(e)}
@@ -321,6 +356,9 @@ def find_resume(run: RunConfig, model: ModelConfig, info: DistInfo, log=print, l
             decision = box[0]
     if "error" in decision:
         raise ConfigError(decision["error"])  # printed by rank 0 only
+    if decision["path"] is not None and found is None and record.resume is not None \
+            and record.resume[0] == decision["path"]:
+        found = record.resume
     if decision["path"] is not None and found is None:
         try:
             found = (decision["path"], load_checkpoint(decision["path"], whole=False))

@@ -9,7 +9,6 @@ values derived again where their basis changed), the remaining automatic values,
 from __future__ import annotations
 
 import io
-import json
 import os
 import tarfile
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import pretrained
 import shards
 import sharding
 import sources
-from checkpoint import checkpoint_files
+from checkpoint import RunRecord, checkpoint_files, read_run
 from clips import VIDEO_EXTS
 from common import ConfigError, redact
 from sources import IMAGE_EXTS
@@ -38,13 +37,16 @@ class RunSetup:
     """A finished run config and what was learned on the way to it: the flags the user gave, the --init_from
     source read (None if none: its weights go into the model), notes for the user, `derived`: {automatic
     field: what it was derived from} (config.json's record, read back when the run continues), and the
-    --distill_from teacher read (None if none)."""
+    --distill_from teacher read (None if none), and `record`: what was read of the run this one may continue
+    (checkpoint.read_run: config.json and --resume's checkpoint, each read once), which the trainer's start
+    (vae_trainer.Start.settle) decides from instead of reading them again."""
     cfg: Config
     given: set[str]
     source: pretrained.Source | None
     notes: list[str]
     derived: dict[str, str | None]
     teacher: pretrained.Source | None = None
+    record: RunRecord | None = None
 
     def __iter__(self):  # cfg, given, source, notes = prepare_run(...)
         return iter((self.cfg, self.given, self.source, self.notes))
@@ -58,9 +60,10 @@ def prepare_run(argv: list[str] | None = None, builds_demo_data: bool = True) ->
         if not builds_demo_data:
             shards.wait_for_demo_shards(os.path.join(cfg.run.output_dir, "demo_data"))
         cfg = prepare_demo(cfg, given)
-    cfg, source = apply_init_source(cfg, given)
+    record = read_run(cfg.run)  # (the demo may have named the run: read after it)
+    cfg, source = apply_init_source(cfg, given, record)
     cfg, teacher, student = apply_teacher(cfg, given, source)
-    saved = saved_run_config(cfg, given | (set(SOURCE_FIELDS) if source is not None else student))
+    saved = saved_run_config(cfg, given | (set(SOURCE_FIELDS) if source is not None else student), record)
     derived, again = {}, []
     if saved is not None:
         cfg, derived, again = continue_run(cfg, given, saved)
@@ -75,7 +78,7 @@ def prepare_run(argv: list[str] | None = None, builds_demo_data: bool = True) ->
     if saved is not None:
         note = continuing_note(cfg.run.run_dir, given, saved, cfg, again)
         notes += [note] if note else []
-    return RunSetup(cfg, given, source, notes, derived, teacher)
+    return RunSetup(cfg, given, source, notes, derived, teacher, record)
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
@@ -145,23 +148,20 @@ def read_init_source(init_from: str, init_family: str, video: bool = False,
         raise ConfigError(f"--init_from {e}") from None
 
 
-def apply_init_source(cfg: Config, given: set[str] = frozenset()) -> tuple[Config, pretrained.Source | None]:
+def apply_init_source(cfg: Config, given: set[str] = frozenset(), record: RunRecord | None = None
+                      ) -> tuple[Config, pretrained.Source | None]:
     """--init_from: load the source and take the run's architecture from it (one ConfigError line if it does not
     load; its family may change more, families.Family.apply_source). Runs before the checks, on every rank, before
-    any process group exists."""
+    any process group exists. `record`: the run's config.json as read_run read it (None: read here)."""
     init_from = cfg.finetune.init_from
     if not init_from:
         return cfg, None
-    run_config = os.path.join(cfg.run.run_dir, "config.json")
-    if cfg.run.resume != "never" and os.path.isfile(run_config) and has_checkpoints(cfg.run.run_dir):
+    record = record if record is not None else read_run(cfg.run)
+    if cfg.run.resume != "never" and record.config is not None and has_checkpoints(cfg.run.run_dir):
         # a run being resumed needs its architecture, not the source's weights (which may be GBs, or have moved):
         # its config.json has it, and its checkpoint the weights and the model's params
-        try:
-            with open(run_config) as f:
-                saved = json.load(f)
-        except (OSError, ValueError):
-            saved = {}
-        same_kind = isinstance(saved, dict) and bool(saved.get("video_frames")) == bool(cfg.data.video_frames)
+        saved = record.config
+        same_kind = bool(saved.get("video_frames")) == bool(cfg.data.video_frames)
         if same_kind and saved.get("init_from") == init_from:  # (clips for images: the source says which model)
             then = as_released(saved)  # (an architecture flag given again is the user's: the checks compare it)
             return with_values(cfg, **{k: then[k] for k in SOURCE_FIELDS if k not in given}), None
@@ -211,28 +211,26 @@ def has_checkpoints(run_dir: str) -> bool:
     return bool(checkpoint_files(os.path.join(run_dir, "checkpoints")))
 
 
-def saved_run_config(cfg: Config, explicit: set[str]) -> dict | None:
+def saved_run_config(cfg: Config, explicit: set[str], record: RunRecord | None = None) -> dict | None:
     """The flat finished config of the run this one continues (config.json of a run directory holding checkpoints,
-    or --resume's checkpoint), or None: a new run, --resume never, or another architecture given (`explicit`: the
-    fields the user or the --init_from source set; the trainer refuses it or, with --force, starts from scratch)."""
+    or --resume's checkpoint, as `record` holds them: read_run, read here when None), or None: a new run, --resume
+    never, or another architecture given (`explicit`: the fields the user or the --init_from source set; the
+    trainer refuses it or, with --force, starts from scratch)."""
     run = cfg.run
     if run.resume == "never":
         return None
+    record = record if record is not None else read_run(run)
     try:
         if run.resume != "auto":
-            import torch
-
-            from checkpoint import migrate
-            # mapped, not read: only its config is wanted here (the trainer reads the checkpoint, once)
-            ckpt = (sharding.load_rest(run.resume) if os.path.isdir(run.resume) else
-                    migrate(torch.load(run.resume, map_location="cpu", weights_only=True, mmap=True)))["run"]
+            if record.resume is None:
+                return None  # unreadable: the trainer's resume logic says why
+            ckpt = record.resume[1]["run"]
             saved = {**ckpt.get("config", {}), **({"derived": ckpt["derived"]} if "derived" in ckpt else {})}
-        elif has_checkpoints(run.run_dir):
-            with open(os.path.join(run.run_dir, "config.json")) as f:
-                saved = json.load(f)
+        elif record.config is not None and has_checkpoints(run.run_dir):
+            saved = record.config
         else:
             return None
-    except Exception:  # no run directory, or an unreadable file: the trainer's resume logic says which
+    except Exception:  # not a trainer's checkpoint: the trainer's resume logic says which
         return None
     if not isinstance(saved, dict):
         return None

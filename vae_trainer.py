@@ -260,12 +260,12 @@ def work_left(resume: tuple[str, dict] | None, cfg: Config, eval_on: bool, info:
     return owed
 
 
-@dataclass
+@dataclass(frozen=True)
 class Start:
-    """Where a run starts, settled before its Trainer is built: the config final for this world size (--grad_accum
-    kept from the checkpoint's micro-batches), the checkpoint it resumes from, read once ((path, checkpoint) or
-    None), whether the run's checkpoints of another architecture are set aside, and what the resumed step still owes
-    (work_left), and whether it evaluates during training (a test set and an interval)."""
+    """Where a run starts, settled once before its Trainer is built: the config final for this world size
+    (--grad_accum kept from the checkpoint's micro-batches), the checkpoint it resumes from, read once ((path,
+    checkpoint) or None), whether the run's checkpoints of another architecture are set aside, and what the resumed
+    step still owes (work_left), and whether it evaluates during training (a test set and an interval)."""
     cfg: Config
     resume: tuple[str, dict] | None
     set_aside: bool
@@ -273,10 +273,12 @@ class Start:
     eval_on: bool
 
     @classmethod
-    def settle(cls, cfg: Config, info: DistInfo, run_lock: checkpoint.RunLock | None, log) -> "Start":
-        """Rank 0 decides the resume (checkpoint.find_resume; every rank reads the chosen checkpoint), then the
-        micro-batches and the owed work follow from it. RunComplete when nothing is left to do."""
-        resume, set_aside = checkpoint.find_resume(cfg.run, cfg.model, info, log, run_lock)
+    def settle(cls, cfg: Config, info: DistInfo, run_lock: checkpoint.RunLock | None, log,
+               record: checkpoint.RunRecord | None = None) -> "Start":
+        """Rank 0 decides the resume (checkpoint.find_resume) from `record`, what prepare_run read of the run
+        (config.json, --resume's checkpoint; None: read here), then the micro-batches and the owed work follow from
+        it. RunComplete when nothing is left to do."""
+        resume, set_aside = checkpoint.find_resume(cfg.run, cfg.model, info, log, run_lock, record)
         cfg = micro_batches_kept(cfg, resume, info, log)  # on another number of ranks
         # an evaluation or probe due at the resumed step that a stop interrupted (its record missing) is redone
         eval_on = bool(cfg.data.test_dataset_url and cfg.eval.evaluate_every_n_steps)
@@ -742,7 +744,9 @@ def main(argv: list[str] | None = None) -> int:
     run_lock = checkpoint.RunLock(cfg.run.run_dir) if info.is_main else None
     with closing_distributed(info):  # however the run ends
         try:
-            start = Start.settle(cfg, info, run_lock, lambda line: print(line, flush=True) if info.is_main else None)
+            start = Start.settle(cfg, info, run_lock, lambda line: print(line, flush=True) if info.is_main else None,
+                                 setup.record)
+            setup.record = None  # (its checkpoint is the start's now)
             trainer = Trainer(start.cfg, info, source, setup.derived, run_lock, start=start,
                               distill_source=setup.teacher)
             start = None  # the Trainer holds what it needs of the checkpoint

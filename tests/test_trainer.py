@@ -705,8 +705,38 @@ def test_a_resume_reads_its_checkpoint_once_and_the_trainer_gets_a_settled_confi
     monkeypatch.setattr(vae_trainer.Start, "settle", classmethod(lambda cls, *a, _settle=vae_trainer.Start.settle:
                                                                  settled.append("settle") or _settle(*a)))
     assert vae_trainer.main([*base, "--run_name", "b", "--resume", path, "--max_steps", "3"]) == 0
-    assert [mapped for f, mapped in reads if f == path] == [True, False]  # mapped for the config, read once
+    assert [mapped for f, mapped in reads if f == path] == [False]  # read once, for its config and its state
     assert settled == ["settle", True]
+
+
+def test_a_run_is_decided_from_one_read_of_its_config_and_its_checkpoint(shard_url, tmp_path, monkeypatch,
+                                                                         one_torch_thread):
+    """Issue 49 item 3: a continued run directory's config.json was read by run_setup and again by checkpoint's
+    decide_resume, and `--resume PATH`'s checkpoint opened by both. checkpoint.read_run reads them once; run_setup's
+    recipe and the trainer's start (Start.settle) decide from its record."""
+    import builtins
+    base = ["--output_dir", str(tmp_path), "--dataset_url", shard_url, *TINY, "--perceptual_weight", "0",
+            "--evaluate_every_n_steps", "0", "--save_every_n_steps", "1", "--run_name", "a"]
+    assert vae_trainer.main([*base, "--max_steps", "1"]) == 0
+    run_config = str(tmp_path / "a" / "config.json")
+    opened, real_open, real_load = [], builtins.open, torch.load
+
+    def open_spy(file, mode="r", *args, **kwargs):
+        if str(file) == run_config and "r" in mode:
+            opened.append("config.json")
+        return real_open(file, mode, *args, **kwargs)
+
+    def load_spy(f, *args, **kwargs):
+        opened.append(os.path.basename(str(f)))
+        return real_load(f, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", open_spy)
+    monkeypatch.setattr(torch, "load", load_spy)
+    assert vae_trainer.main([*base, "--max_steps", "2"]) == 0  # the run directory continued (--resume auto)
+    assert opened == ["config.json", "step_00000001.pt"]
+    opened.clear()
+    path = checkpoint.checkpoint_files(str(tmp_path / "a" / "checkpoints"))[0]
+    assert vae_trainer.main([*base, "--resume", path, "--max_steps", "3"]) == 0
+    assert opened == ["config.json", "step_00000002.pt"]
 
 
 @pytest.mark.process
