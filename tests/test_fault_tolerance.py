@@ -93,6 +93,7 @@ def two_rank_reference(shard_url, tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("two_rank_reference")  # shares the two_rank_reference fixture: built once
 @pytest.mark.process
 def test_sigkill_of_one_rank_restarts_and_matches_uninterrupted(shard_url, tmp_path, two_rank_reference):
     """kill -9 of rank 1 at step 5 under torchrun --max-restarts=1: the group restarts, resumes from the
@@ -105,6 +106,7 @@ def test_sigkill_of_one_rank_restarts_and_matches_uninterrupted(shard_url, tmp_p
     _assert_same_state(_ckpt(two_rank_reference, "ref", 8), _ckpt(tmp_path, "killed", 8))
 
 
+@pytest.mark.xdist_group("two_rank_reference")  # shares the two_rank_reference fixture: built once
 @pytest.mark.process
 @pytest.mark.timeout(300)
 def test_two_nodes_one_killed_worker_re_form_resume_and_match_uninterrupted(shard_url, tmp_path, two_rank_reference):
@@ -240,6 +242,7 @@ def test_the_trainer_ends_its_process_groups_before_it_returns(shard_url, tmp_pa
     assert gloo_threads() == before
 
 
+@pytest.mark.xdist_group("two_rank_reference")  # shares the two_rank_reference fixture: built once
 @pytest.mark.process
 def test_sigterm_on_one_rank_stops_all_and_resumes_exactly(shard_url, tmp_path, two_rank_reference):
     """Preemption seen by rank 1 only: the ranks agree to stop after the same step, save, exit 0."""
