@@ -130,12 +130,16 @@ def cli_env(**extra) -> dict:
     return env
 
 
+# Every command runs through tests/no_curves.py: as `python SCRIPT`, without the trainer's curves.png at its end
+NO_CURVES = os.path.join(ROOT, "tests", "no_curves.py")
+
+
 def cli_command(script: str, args: list[str], nproc: int = 0, extra_torchrun: list[str] | None = None) -> list[str]:
     path = os.path.join(ROOT, script)
     if nproc:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                *(extra_torchrun or []), path, *args]
-    return [sys.executable, path, *args]
+                *(extra_torchrun or []), NO_CURVES, path, *args]
+    return [sys.executable, NO_CURVES, path, *args]
 
 
 def free_port() -> int:
@@ -153,7 +157,7 @@ def agent_command(port: int, rdzv_id: str, script: str, args: list[str], nnodes:
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=1",
             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={rdzv_id}", "--max-restarts=3",
             *([f"--rdzv_conf={rdzv_conf}"] if rdzv_conf else []), "--local-addr=127.0.0.1",
-            os.path.join(ROOT, script), *args]
+            NO_CURVES, os.path.join(ROOT, script), *args]
 
 
 def agent_logs(folder, count: int = 2) -> list[tuple]:
