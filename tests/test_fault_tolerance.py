@@ -398,7 +398,7 @@ def test_injected_nan_skips_the_step_on_every_rank(shard_url, tmp_path):
     """A NaN loss on rank 1 only at step index 3: both ranks skip that update (weights, EMA, critic and
     optimizer state unchanged) and count it. A stop request right after it still saves (the weights are
     the last good ones), and the resumed run trains on."""
-    args = _args(shard_url, tmp_path, "nan", 6, 1, *GAN_2)
+    args = _args(shard_url, tmp_path, "nan", 6, 1, *GAN)
     proc = run_cli(FAULTY, args, nproc=2, env=cli_env(VAE_TRAINER_INJECT_NAN="3@1",
                                                                VAE_TRAINER_SIGTERM_AT="3@0"))
     assert proc.returncode == 0, proc.stderr[-3000:]
