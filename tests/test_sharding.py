@@ -62,6 +62,7 @@ def runs(shard_url, tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("sharded_runs")  # shares the runs fixture: built once
 @pytest.mark.process
 @pytest.mark.timeout(600)
 def test_fsdp_trains_as_ddp_does_to_float_rounding(runs):
@@ -87,6 +88,7 @@ def test_fsdp_trains_as_ddp_does_to_float_rounding(runs):
             assert torch.allclose(ema, expected, rtol=1e-5, atol=1e-7), name
 
 
+@pytest.mark.xdist_group("sharded_runs")  # shares the runs fixture: built once
 @pytest.mark.process
 @pytest.mark.timeout(600)
 def test_a_sharded_run_resumes_on_4_ranks_then_on_1_with_the_same_steps(runs, tmp_path, shard_url):
@@ -125,6 +127,7 @@ def test_a_sharded_run_resumes_on_4_ranks_then_on_1_with_the_same_steps(runs, tm
     assert "warning" not in four.stderr + one.stderr, four.stderr + one.stderr
 
 
+@pytest.mark.xdist_group("sharded_runs")  # shares the runs fixture: built once
 @pytest.mark.process
 @pytest.mark.timeout(300)
 def test_a_sharded_run_continues_under_ddp_on_one_process_with_the_same_steps(runs, tmp_path, shard_url):

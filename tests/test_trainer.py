@@ -267,23 +267,24 @@ def test_torchrun_two_ranks_writes_everything(shard_url, tmp_path):
 
 
 @pytest.mark.process
-@pytest.mark.timeout(600)  # 80 CPU steps with 9 evaluations: 1-3 minutes
+@pytest.mark.timeout(300)  # 40 CPU steps with 3 evaluations: 20-30 s
 def test_it_learns_on_real_photos(shard_url, tmp_path):
-    """The held-out reconstruction (fixed center crops, posterior mean) improves clearly in 80 CPU steps. Pixel
-    losses only: LPIPS on random VGG16 features (all this machine has) is not the recipe, and doubles the time."""
+    """The held-out reconstruction (fixed center crops, posterior mean) improves clearly in 40 CPU steps (+4.6 dB;
+    80 steps gave +6 dB at twice the time). Pixel losses only: LPIPS on random VGG16 features (all this machine
+    has) is not the recipe, and doubles the time."""
     args = ["--dataset_url", shard_url, "--test_dataset_url", shard_url, "--output_dir", str(tmp_path),
-            "--run_name", "learn", "--max_steps", "80", "--log_every_n_steps", "10", "--save_every_n_steps", "80",
+            "--run_name", "learn", "--max_steps", "40", "--log_every_n_steps", "10", "--save_every_n_steps", "40",
             "--evaluate_every_n_steps", "20", "--eval_max_images", "8", "--inception_weights", "none",
             "--learning_rate_vae", "1e-3", "--ema_decay", "0", *TINY, "--batch_size", "4", "--perceptual_weight", "0"]
     proc = run_cli("vae_trainer.py", args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = [r for r in _metrics(str(tmp_path / "learn")) if "eval/psnr" in r]
-    assert [r["step"] for r in evals] == list(range(0, 81, 20))  # step 0: the untrained baseline
+    assert [r["step"] for r in evals] == [0, 20, 40]  # step 0: the untrained baseline
     assert all(r["eval/n_images"] == 8 for r in evals)
     psnr = [r["eval/psnr"] for r in evals]
     assert psnr[-1] > psnr[0] + 3.0, psnr  # dB
-    assert "eval step 80 | psnr" in proc.stdout
-    assert (tmp_path / "learn" / "samples" / "eval_step_00000080.png").exists()
+    assert "eval step 40 | psnr" in proc.stdout
+    assert (tmp_path / "learn" / "samples" / "eval_step_00000040.png").exists()
 
 
 @pytest.mark.process
