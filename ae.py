@@ -355,6 +355,14 @@ def check_widths(params: AutoEncoderParams) -> None:
                              f"GroupNorm groups (norm_groups): {bad} are not")
 
 
+def posterior_noise(mean: Tensor) -> Tensor:
+    """The posterior's Gaussian noise for `mean`, drawn in NCHW order whatever its memory format (as diffusers'
+    randn_tensor(shape)): randn_like follows the mean's strides, so the same seed would give another noise per
+    element in another layout (channels_last under ddp on a CPU and NCHW under --sharding fsdp, a clip's mean that
+    oneDNN lays out per chunk plan), and a run continued in another layout would train on other numbers."""
+    return torch.randn(mean.shape, dtype=mean.dtype, device=mean.device)
+
+
 class Trainable:
     """What the trainer, the memory check, evaluation and export ask of a trainable autoencoder, which answers for
     itself (as a diffusers class is its own spec): every model class (AutoEncoder here, wan_ae.WanAutoEncoder,
@@ -557,8 +565,7 @@ class AutoEncoder(Trainable, nn.Module):
     def sample(self, mean: Tensor, logvar: Tensor | None) -> Tensor:
         # the noise is drawn and added in fp32; the decoder casts under autocast as it needs
         mean = mean.float()
-        noise = torch.randn(mean.shape, dtype=mean.dtype, device=mean.device)  # in NCHW order whatever the layout (wan_ae.sample)
-        return mean + self.posterior_std(logvar) * noise
+        return mean + self.posterior_std(logvar) * posterior_noise(mean)
 
     def encode(self, x: Tensor) -> Tensor:
         """Deterministic latent (the posterior mean), for evaluation and export."""

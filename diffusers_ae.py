@@ -40,7 +40,7 @@ from typing import Callable, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ae import LOGVAR_RANGE, Trainable
+from ae import LOGVAR_RANGE, Trainable, posterior_noise
 from latents import per_channel
 
 
@@ -487,8 +487,7 @@ class DiffusersAutoEncoder(Trainable, nn.Module):
         mean = mean.float()  # the noise is drawn and added in fp32, as ae.AutoEncoder.sample
         if logvar is None:
             return mean
-        noise = torch.randn(mean.shape, dtype=mean.dtype, device=mean.device)  # in NCHW order whatever the layout (wan_ae.sample)
-        return mean + self.posterior_std(logvar) * noise
+        return mean + self.posterior_std(logvar) * posterior_noise(mean)
 
     def encode(self, x: Tensor) -> Tensor:
         return self.encode_moments(x)[0]

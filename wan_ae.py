@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ae import LOGVAR_RANGE, AutoEncoder, Trainable, _run_level
+from ae import LOGVAR_RANGE, AutoEncoder, Trainable, _run_level, posterior_noise
 
 
 @dataclass
@@ -684,11 +684,9 @@ class WanAutoEncoder(Trainable, nn.Module):
 
     def sample(self, mean: Tensor, logvar: Tensor) -> Tensor:
         mean = mean.float()  # the noise is drawn and added in fp32, as ae.AutoEncoder.sample
-        # drawn in the canonical layout (as diffusers' randn_tensor(shape)): randn_like follows the mean's strides,
-        # which oneDNN picks per chunk plan (the whole clip's mean came out channels-last, a chunked one contiguous),
-        # so the same seed gave another noise per element under --train_time_chunks
-        noise = torch.randn(mean.shape, dtype=mean.dtype, device=mean.device)
-        return mean + self.posterior_std(logvar) * noise
+        # (in NCHW order: the whole clip's mean came out channels-last, a chunked one contiguous, and randn_like
+        # gave another noise per element under --train_time_chunks)
+        return mean + self.posterior_std(logvar) * posterior_noise(mean)
 
     def encode(self, x: Tensor) -> Tensor:
         """Deterministic latent (the posterior mean), for evaluation and export."""
