@@ -4,6 +4,7 @@ where only processes show it; the plumbing in-process."""
 import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +40,17 @@ def logged(run_dir) -> dict[int, dict]:
 def worst_relative(a: dict, b: dict) -> float:
     """The largest relative difference of the values two logs share."""
     return max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-6) for k in a if k in b)
+
+
+def cut_after(run, dst, step: int) -> None:
+    """A copy of `run` at `dst` as if stopped after `step`: its later checkpoints (a sharded run's directories, a
+    ddp run's .pt files) gone and `latest` naming the checkpoint of `step`."""
+    shutil.copytree(run, dst)
+    ckpts = dst / "checkpoints"
+    for name in os.listdir(ckpts):
+        if name.startswith("step_") and int(name[5:13]) > step:
+            (shutil.rmtree if (ckpts / name).is_dir() else os.remove)(ckpts / name)
+    (ckpts / "latest").write_text(next(n for n in os.listdir(ckpts) if n.startswith(f"step_{step:08d}")))
 
 
 @pytest.fixture(scope="module")
@@ -97,12 +109,8 @@ def test_a_sharded_run_resumes_on_4_ranks_then_on_1_with_the_same_steps(runs, tm
     writes a single file) for step 5. Every step trains on the uninterrupted run's images, bitwise; step 4 computes
     what the uninterrupted run computed from the same checkpoint up to the order of the fp32 sums (1e-5, the bound
     of the elastic tests), and so does step 5 against a 2-rank fsdp run resumed from the same step-4 checkpoint."""
-    import shutil
     cut = tmp_path / "cut"
-    shutil.copytree(runs / "fsdp", cut)
-    for k in (4, 5):
-        shutil.rmtree(cut / "checkpoints" / f"step_{k:08d}")
-    (cut / "checkpoints" / "latest").write_text("step_00000003")
+    cut_after(runs / "fsdp", cut, 3)
     record = tmp_path / "record"
     record.mkdir()
     env = cli_env(VAE_TRAINER_RECORD=str(record))
@@ -133,14 +141,11 @@ def test_a_sharded_run_resumes_on_4_ranks_then_on_1_with_the_same_steps(runs, tm
 def test_a_sharded_run_continues_under_ddp_on_one_process_with_the_same_steps(runs, tmp_path, shard_url):
     """The fsdp run stopped after step 3 continues on 1 process under --sharding ddp, its VAE channels_last there
     (a CPU's auto; the sharded run's was NCHW): steps 4 and 5 compute what the uninterrupted run computed up to
-    rounding (1e-4: channels_last convolutions are other kernels, 1.6e-5 off in the gradient norm). Issue 48: AdamW's moments came back in the sharded run's layout, which fused
-    AdamW walks in the parameter's memory order (step 5 7.4e-2 off), and the posterior noise followed the layout."""
-    import shutil
+    rounding (1e-4: channels_last convolutions are other kernels, 1.6e-5 off in the gradient norm). Issue 48:
+    AdamW's moments came back in the sharded run's layout, which fused AdamW walks in the parameter's memory order
+    (step 5 7.4e-2 off), and the posterior noise followed the layout."""
     cut = tmp_path / "cut"
-    shutil.copytree(runs / "fsdp", cut)
-    for k in (4, 5):
-        shutil.rmtree(cut / "checkpoints" / f"step_{k:08d}")
-    (cut / "checkpoints" / "latest").write_text("step_00000003")
+    cut_after(runs / "fsdp", cut, 3)
     result = run_cli("vae_trainer.py", sharded_args(shard_url, tmp_path, "cut", 5, "--grad_accum", "2",
                                                     "--sharding", "ddp", "--channels_last", "auto"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -155,12 +160,8 @@ def test_a_single_file_checkpoint_of_a_ddp_run_resumes_sharded(runs, tmp_path, s
     """The ddp run's step_3.pt (whole tensors, AdamW's state by integer id) continues under --sharding fsdp on 2
     ranks: each rank takes its shards of the weights, moments and EMA, and step 4 computes what the ddp run's
     step 4 computed from that file (losses and gradient norm to 1e-5)."""
-    import shutil
     cut = tmp_path / "ddp"
-    shutil.copytree(runs / "ddp", cut)
-    for k in (4, 5):
-        os.remove(cut / "checkpoints" / f"step_{k:08d}.pt")
-    (cut / "checkpoints" / "latest").write_text("step_00000003.pt")
+    cut_after(runs / "ddp", cut, 3)
     result = run_cli("vae_trainer.py", sharded_args(shard_url, tmp_path, "ddp", 4, "--grad_accum", "2",
                                                     "--sharding", "fsdp"), nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
