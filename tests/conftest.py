@@ -33,6 +33,12 @@ TINY = ["--vae_ch", "32", "--vae_ch_mult", "1,2,2", "--vae_num_res_blocks", "1",
         "--shuffle_buffer", "8", "--mse_pool_factor", "4", "--vgg16_weights", "random", "--wandb_mode", "disabled",
         "--warmup_steps", "2"]
 
+# TINY without LPIPS, for the process tests whose point is plumbing (an exact resume, signals, ranks that agree,
+# elastic jobs, outages): LPIPS on random VGG16 features is half of a CLI step's time on this CPU (a 10-step run:
+# 11.5 s, 6.4 s without) and holds no state to resume or keep in sync. The recipe's LPIPS still runs under torchrun
+# (test_trainer's two-rank run, the sharded runs) and through an exact resume (test_fault_tolerance's single process).
+PLUMBING = [*TINY, "--perceptual_weight", "0"]
+
 
 # The timeout marks exist to catch hangs, not to time: each is about twice its test's time on an idle 2-core
 # machine, and every mark is stretched by this factor, so that a machine under a load of 3 (which made the suite
@@ -78,17 +84,32 @@ def programs_only_where_marked(request, monkeypatch):
                          f"it in-process")
 
 
-@pytest.hookimpl(trylast=True)  # after pytest's own grouping of the tests that share a fixture
-def pytest_collection_modifyitems(items):
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping of the tests that share a fixture, and xdist's hook
+def pytest_collection_modifyitems(config, items):
     """Stretches the timeout marks; then the tests that start programs go first (stably, each file's in its order).
     They are the long ones (seconds to minutes each, 15% of the tests and 3/4 of the suite's time): under xdist the
     many short in-process tests then fill the gaps at the end, instead of one worker starting a 2-minute torchrun
-    test while the other has nothing left to do."""
+    test while the other has nothing left to do. On an xdist worker, the tests of one xdist_group are named so
+    that they run on one worker (xdist_groups)."""
     for item in items:
         mark = item.get_closest_marker("timeout")
         if mark is not None and mark.args:
             item.add_marker(pytest.mark.timeout(mark.args[0] * TIMEOUT_SCALE), append=False)
+    if getattr(config.option, "loadgroup", False):
+        xdist_groups(items)
     items.sort(key=lambda item: item.get_closest_marker("process") is None)
+
+
+def xdist_groups(items) -> None:
+    """--dist loadgroup sends the tests whose ids end in `@GROUP` to one worker, where the expensive fixture they
+    share (a reference torchrun job) is built once. xdist 3.8 appends the suffix by assigning `item._nodeid`, which
+    pytest 9 no longer reads (its id is `item._id`): every group was split over both workers and its fixture built
+    twice (the sharded runs: 2 x 100 s). Here the suffix is appended where this pytest keeps the id."""
+    from _pytest.nodeid import NodeId
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        if mark is not None and "@" not in item.nodeid and isinstance(getattr(item, "_id", None), NodeId):
+            item._id = NodeId.parse(f"{item.nodeid}@{mark.args[0] if mark.args else mark.kwargs['name']}")
 
 
 @pytest.fixture(scope="session")

@@ -665,12 +665,12 @@ def trainer_through_an_outage(solid_shards, tmp_path, retry_minutes: float, num_
     torchrun) reading 3 shards over HTTP, logging every step, no periodic checkpoint; the server goes away once 2
     steps are logged. Yields (process, run directory, paths of its stdout and stderr)."""
     import subprocess
-    from conftest import TINY, cli_command, cli_env, kill_tree
+    from conftest import PLUMBING, cli_command, cli_env, kill_tree
     port, run_dir = free_port(), tmp_path / "runs" / "outage"
     args = ["--dataset_url", f"http://127.0.0.1:{port}/{{00000..00002}}.tar", "--output_dir", str(tmp_path / "runs"),
             "--run_name", "outage", "--max_steps", "100000", "--save_every_n_steps", "100000",
             "--log_every_n_steps", "1", "--evaluate_every_n_steps", "0", "--shard_retry_minutes", str(retry_minutes),
-            *TINY, "--num_workers", str(num_workers)]
+            *PLUMBING, "--num_workers", str(num_workers)]
     # stdout and stderr to files: a pipe nobody reads while the run goes on could fill up and stall it
     out_path, err_path = tmp_path / "out", tmp_path / "err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
@@ -925,10 +925,10 @@ def test_data_workers_die_with_a_killed_trainer(solid_shards, tmp_path, start_me
     method. Without the parent-death signal a worker waits out curl's 30 s stall timeout, and one blocked writing
     to a full pipe stays for good."""
     import subprocess
-    from conftest import TINY, cli_env
+    from conftest import PLUMBING, cli_env
     port = free_port()
     url = f"http://127.0.0.1:{port}/{{00000..00002}}.tar"
-    args = ["--dataset_url", url, "--output_dir", str(tmp_path / "runs"), "--max_steps", "100000", *TINY,
+    args = ["--dataset_url", url, "--output_dir", str(tmp_path / "runs"), "--max_steps", "100000", *PLUMBING,
             "--num_workers", "2"]
     leftovers: list[int] = []
     with shard_server_process(os.path.dirname(solid_shards), port) as server, \

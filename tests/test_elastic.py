@@ -23,7 +23,7 @@ import shards
 import sources
 import utils
 import vae_trainer
-from conftest import (ROOT, TINY, agent_command, agent_logs, cli_env, free_port, kill_tree, read_agent_logs,
+from conftest import (PLUMBING, ROOT, agent_command, agent_logs, cli_env, free_port, kill_tree, read_agent_logs,
                       run_cli)
 
 SLOTS = 4  # micro-batches per step
@@ -176,11 +176,13 @@ def test_lecams_anchors_move_once_per_step_by_the_mean_of_its_micro_batches():
 # the trainer under torchrun: 2 ranks -> 1 -> 4
 # --------------------------------------------------------------------------------------------
 def elastic_args(url, out, run, steps, *extra, gan: bool = True):
-    """Checkpoints every step, the last 2 kept (a checkpoint with the VGG16 critic is 200 MB)."""
-    critic = ["--do_ganloss", "--disc_start", "1", "--lecam_weight", "0.1"] if gan else []
+    """Checkpoints every step, the last 2 kept; pixel losses (conftest.PLUMBING) and the PatchGAN critic: what
+    resumes and what the ranks agree on is the same with LPIPS and the VGG16 critic, at half the time."""
+    critic = ["--do_ganloss", "--disc_start", "1", "--lecam_weight", "0.1", "--discriminator", "patchgan"]
+    critic = critic if gan else []
     return ["--dataset_url", url, "--output_dir", str(out), "--run_name", run, "--max_steps", str(steps),
             "--save_every_n_steps", "1", "--log_every_n_steps", "1", "--evaluate_every_n_steps", "0",
-            "--keep_last_k", "2", *TINY, *critic, "--latent_noise_prob", "0.5", "--latent_noise_max", "0.2",
+            "--keep_last_k", "2", *PLUMBING, *critic, "--latent_noise_prob", "0.5", "--latent_noise_max", "0.2",
             "--num_threads", "1", *extra]
             # one torch thread everywhere: the automatic count follows the ranks per node, and with it the sums' order
 

@@ -21,7 +21,7 @@ from PIL import Image
 
 import run_log
 import vae_trainer
-from conftest import (FAULTY, ROOT, TINY, agent_command, agent_logs, cli_command, cli_env, free_port,
+from conftest import (FAULTY, PLUMBING, ROOT, agent_command, agent_logs, cli_command, cli_env, free_port,
                       kill_tree, read_agent_logs, run_cli)
 import ae
 import common
@@ -34,16 +34,18 @@ from ae import AutoEncoderParams
 pytestmark = pytest.mark.timeout(480)
 
 GAN = ["--do_ganloss", "--disc_start", "1", "--lecam_weight", "0.1"]
-# the two-rank fault tests: the GAN with the small PatchGAN critic. Their point is the ranks' agreement and an
-# exact resume of whatever the state holds; the VGG16 critic (the default: 4.5 s a step here instead of 2.7, and a
-# 190 MB checkpoint instead of 46) keeps its exact resume in test_sigterm_then_resume_equals_uninterrupted_single_process
+# the fault tests' GAN: the small PatchGAN critic. Their point is the ranks' agreement and an exact resume of whatever
+# the state holds; the VGG16 critic (the default: 4.5 s a step here instead of 2.7, and a 190 MB checkpoint instead of
+# 46) keeps its exact resume in test_sigterm_then_resume_equals_uninterrupted_single_process (RECIPE)
 GAN_2 = [*GAN, "--discriminator", "patchgan"]
+# the whole recipe (LPIPS, the VGG16 critic): _args trains pixel losses only (conftest.PLUMBING)
+RECIPE = [*GAN, "--perceptual_weight", "1"]
 
 
 def _args(url, out, run="r", steps=8, save=2, *extra):
     return ["--dataset_url", url, "--output_dir", str(out), "--run_name", run, "--max_steps", str(steps),
             "--save_every_n_steps", str(save), "--log_every_n_steps", "2", "--evaluate_every_n_steps", "0",
-            "--keep_last_k", "20", *TINY, *extra]
+            "--keep_last_k", "20", *PLUMBING, *extra]
 
 
 def _ckpt(out, run, step):
@@ -71,17 +73,17 @@ def _metrics(out, run) -> list[dict]:
 # ------------------------------------------------------------------------------------------ exact resume
 @pytest.mark.process
 def test_sigterm_then_resume_equals_uninterrupted_single_process(shard_url, tmp_path):
-    ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 6, 6, *GAN))
+    ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 6, 6, *RECIPE))
     assert ref.returncode == 0, ref.stderr[-2000:]
 
     # SIGTERM arrives during step 3: the step finishes, a checkpoint is written, exit 0
-    first = run_cli(FAULTY, _args(shard_url, tmp_path, "cut", 6, 100, *GAN),
+    first = run_cli(FAULTY, _args(shard_url, tmp_path, "cut", 6, 100, *RECIPE),
                     env=cli_env(VAE_TRAINER_SIGTERM_AT="3"))
     assert first.returncode == 0, first.stderr[-2000:]
     assert "received signal 15: checkpoint written at step 4" in first.stdout
     assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["latest", "step_00000004.pt"]
 
-    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 6, 2, *GAN))  # same command: auto-resume
+    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 6, 2, *RECIPE))  # same command: auto-resume
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed from" in again.stdout and "at step 4" in again.stdout
     _assert_same_state(_ckpt(tmp_path, "ref", 6), _ckpt(tmp_path, "cut", 6))
@@ -235,14 +237,14 @@ def test_the_trainer_ends_its_process_groups_before_it_returns(shard_url, tmp_pa
     monkeypatch.setattr(common.DistInfo, "distributed", property(lambda self: True))
     before = gloo_threads()
     if ending == "finished":
-        assert vae_trainer.main(_args(shard_url, tmp_path, "r", 1, 1, *GAN)) == 0
+        assert vae_trainer.main(_args(shard_url, tmp_path, "r", 1, 1, *GAN_2)) == 0
         assert (tmp_path / "r" / "checkpoints" / "step_00000001.pt").exists()
     else:
         def a_bug(self):
             raise RuntimeError("a bug")
         monkeypatch.setattr(vae_trainer.Trainer, "train", a_bug)
         with pytest.raises(RuntimeError, match="a bug"):
-            vae_trainer.main(_args(shard_url, tmp_path, "r", 1, 1, *GAN))
+            vae_trainer.main(_args(shard_url, tmp_path, "r", 1, 1, *GAN_2))
     assert gloo_threads() == before
 
 
@@ -398,7 +400,7 @@ def test_injected_nan_skips_the_step_on_every_rank(shard_url, tmp_path):
     """A NaN loss on rank 1 only at step index 3: both ranks skip that update (weights, EMA, critic and
     optimizer state unchanged) and count it. A stop request right after it still saves (the weights are
     the last good ones), and the resumed run trains on."""
-    args = _args(shard_url, tmp_path, "nan", 6, 1, *GAN)
+    args = _args(shard_url, tmp_path, "nan", 6, 1, *GAN)  # (PatchGAN: its spectral vectors move on a skipped step)
     proc = run_cli(FAULTY, args, nproc=2, env=cli_env(VAE_TRAINER_INJECT_NAN="3@1",
                                                                VAE_TRAINER_SIGTERM_AT="3@0"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -429,7 +431,7 @@ def test_nan_reconstruction_reaching_the_critic_is_skipped_and_training_recovers
     were: a stop request right then saves finite anchors, and the resumed run has finite losses and
     finishes. Before the fix the anchors turned NaN for good: every later step was skipped and the run
     stopped at --max_bad_steps."""
-    args = _args(shard_url, tmp_path, "nanrec", 7, 1, *GAN, "--discriminator", "patchgan", "--max_bad_steps", "2")
+    args = _args(shard_url, tmp_path, "nanrec", 7, 1, *GAN_2, "--max_bad_steps", "2")
     args[args.index("--log_every_n_steps") + 1] = "1"
     first = run_cli(FAULTY, args, env=cli_env(VAE_TRAINER_INJECT_NAN_RECON="3", VAE_TRAINER_SIGTERM_AT="3"))
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
@@ -596,7 +598,7 @@ def test_run_dir_of_another_architecture_is_refused_unless_forced(shard_url, tmp
     assert _ckpt(tmp_path, "arch", 2)["run"]["config"]["vae_z_channels"] == 8
     # switching the GAN on later is not an architecture change: it resumes
     capsys.readouterr()
-    assert vae_trainer.main(_args(shard_url, tmp_path, "arch", 4, 2, "--vae_z_channels", "8", *GAN)) == 0
+    assert vae_trainer.main(_args(shard_url, tmp_path, "arch", 4, 2, "--vae_z_channels", "8", *GAN_2)) == 0
     assert "at step 2" in capsys.readouterr().out
 
 
@@ -640,7 +642,7 @@ def test_precision_can_change_on_resume(shard_url, tmp_path):
     fp32 goes back. GAN on: the critic's scaler too. fp16 convolutions are slow on CPUs: a small model. The
     first fp16 steps overflow and are skipped (the scaler backs off), so the fp16 leg saves on a stop
     request, which is honoured inside a streak of skipped steps."""
-    small = [*GAN, "--vae_ch", "16", "--vae_ch_mult", "1,2", "--vae_resolution", "32", "--batch_size", "1"]
+    small = [*GAN_2, "--vae_ch", "16", "--vae_ch_mult", "1,2", "--vae_resolution", "32", "--batch_size", "1"]
     legs = [(1, "fp32", {}), (3, "fp16", {"VAE_TRAINER_SIGTERM_AT": "1"}), (3, "fp32", {})]
     for steps, precision, env in legs:
         proc = run_cli(FAULTY, _args(shard_url, tmp_path, "prec", steps, 1, *small, "--precision", precision),

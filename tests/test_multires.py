@@ -15,7 +15,7 @@ import config
 import data
 import memory
 import vae_trainer
-from conftest import TINY, cli_env, run_cli
+from conftest import PLUMBING, TINY, cli_env, run_cli
 import run_setup
 from ae import AutoEncoderParams
 
@@ -204,7 +204,7 @@ def test_the_memory_check_judges_the_largest_size(shard_url, tmp_path, monkeypat
 def _args(url, out, run, steps, save, *extra):
     return ["--dataset_url", url, "--output_dir", str(out), "--run_name", run, "--max_steps", str(steps),
             "--save_every_n_steps", str(save), "--log_every_n_steps", "2", "--evaluate_every_n_steps", "0",
-            "--keep_last_k", "20", *TINY, "--train_resolutions", SCHEDULE, *extra]
+            "--keep_last_k", "20", *PLUMBING, "--train_resolutions", SCHEDULE, *extra]
 
 
 def _records(folder, rank):

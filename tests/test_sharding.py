@@ -22,12 +22,14 @@ from common import ConfigError, DistInfo
 
 
 def sharded_args(url, out, run, steps, *extra):
-    """Checkpoints every step, all kept; the GAN with LeCam from step 1, EMA, 2 micro-batches per step; NCHW (the
-    sharded VAE's layout: on a CPU the DDP run would otherwise be channels_last, whose noise draws differ)."""
+    """Checkpoints every step, all kept; LPIPS, the GAN (the PatchGAN critic: the critic is not sharded, and the
+    VGG16 one doubles a step's time) with LeCam from step 1, EMA, 2 micro-batches per step; NCHW (the sharded VAE's
+    layout: on a CPU the DDP run would otherwise be channels_last, whose noise draws differ)."""
     return ["--dataset_url", url, "--output_dir", str(out), "--run_name", run, "--max_steps", str(steps),
             "--save_every_n_steps", "1", "--log_every_n_steps", "1", "--evaluate_every_n_steps", "0",
             "--keep_last_k", "20", *TINY, "--do_ganloss", "--disc_start", "1", "--lecam_weight", "0.1",
-            "--ema_decay", "0.9", "--num_threads", "1", "--channels_last", "false", "--memory_check", "false", *extra]
+            "--discriminator", "patchgan", "--ema_decay", "0.9", "--num_threads", "1", "--channels_last", "false",
+            "--memory_check", "false", *extra]
 
 
 def logged(run_dir) -> dict[int, dict]:
@@ -53,7 +55,7 @@ def cut_after(run, dst, step: int) -> None:
     (ckpts / "latest").write_text(next(n for n in os.listdir(ckpts) if n.startswith(f"step_{step:08d}")))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not per module: xdist interleaves modules, which built it twice (2 x 2 minutes)
 def runs(shard_url, tmp_path_factory):
     """5 steps of 2 ranks x --grad_accum 2 three ways: ddp, fsdp (recorded: tests/recording_trainer.py), and ddp on
     1 rank x --grad_accum 4 (the same micro-batches, issue 34: it differs from the 2-rank run only in the order of
@@ -154,6 +156,7 @@ def test_a_sharded_run_continues_under_ddp_on_one_process_with_the_same_steps(ru
         assert worst_relative(logged(cut)[step], logged(runs / "fsdp")[step]) <= 1e-4, step
 
 
+@pytest.mark.xdist_group("sharded_runs")  # shares the runs fixture: built once
 @pytest.mark.process
 @pytest.mark.timeout(300)
 def test_a_single_file_checkpoint_of_a_ddp_run_resumes_sharded(runs, tmp_path, shard_url):
@@ -171,27 +174,23 @@ def test_a_single_file_checkpoint_of_a_ddp_run_resumes_sharded(runs, tmp_path, s
 
 @pytest.mark.process
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("train_parts", ["all", "decoder"])
-def test_each_rank_holds_a_1_over_n_share_of_the_trained_state(tmp_path, train_parts):
-    """tests/sharded_state.py on 2 and 4 ranks, after a real step: each rank's local parameters, gradients, AdamW
-    moments and EMA are its share of the whole (they add up to it exactly, and none exceeds 1/N of it by more than
-    FSDP's padding of each tensor's first dimension: one row per tensor); the decoder-only fine-tune's frozen encoder
-    stays whole on every rank and is no DTensor."""
-    whole = None
-    for n in (2, 4):
-        out = tmp_path / str(n)
-        out.mkdir()
-        result = run_cli("tests/sharded_state.py", [str(out), "fsdp", train_parts], nproc=n)
-        assert result.returncode == 0, result.stderr[-3000:]
-        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
-        whole = ranks[0]["whole_trained"]
-        for part, factor in (("params", 1), ("grads", 1), ("optimizer", 2), ("ema", 1)):
-            assert sum(r[part] for r in ranks) == factor * whole, (n, part)
-            # the padding: at most one row of each of the model's tensors (a bias: one element), well under 2 %
-            assert all(r[part] <= factor * whole / n * 1.02 for r in ranks), (n, part, [r[part] for r in ranks])
-        frozen = {r["frozen"] for r in ranks}
-        assert len(frozen) == 1 and all(r["frozen_dtensors"] == 0 for r in ranks)
-        assert (frozen.pop() > 0) == (train_parts == "decoder")
+@pytest.mark.parametrize("train_parts,n", [("all", 4), ("decoder", 2)])
+def test_each_rank_holds_a_1_over_n_share_of_the_trained_state(tmp_path, train_parts, n):
+    """tests/sharded_state.py on 4 ranks (the whole VAE trained) and on 2 (a decoder-only fine-tune), after a real
+    step: each rank's local parameters, gradients, AdamW moments and EMA are its share of the whole (they add up to
+    it exactly, and none exceeds 1/N of it by more than FSDP's padding of each tensor's first dimension: one row per
+    tensor); the decoder-only fine-tune's frozen encoder stays whole on every rank and is no DTensor."""
+    result = run_cli("tests/sharded_state.py", [str(tmp_path), "fsdp", train_parts], nproc=n)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
+    whole = ranks[0]["whole_trained"]
+    for part, factor in (("params", 1), ("grads", 1), ("optimizer", 2), ("ema", 1)):
+        assert sum(r[part] for r in ranks) == factor * whole, (n, part)
+        # the padding: at most one row of each of the model's tensors (a bias: one element), well under 2 %
+        assert all(r[part] <= factor * whole / n * 1.02 for r in ranks), (n, part, [r[part] for r in ranks])
+    frozen = {r["frozen"] for r in ranks}
+    assert len(frozen) == 1 and all(r["frozen_dtensors"] == 0 for r in ranks)
+    assert (frozen.pop() > 0) == (train_parts == "decoder")
 
 
 def test_frozen_parameters_stay_whole_plain_tensors_outside_the_groups(tmp_path):
