@@ -99,6 +99,7 @@ def multi_size_run(shard_url, tmp_path_factory):
     return trainer, str(out / "vae")
 
 
+@pytest.mark.xdist_group("multi_size_run")  # shares the multi_size_run fixture: built once
 def test_each_size_is_logged_with_its_suffix_and_its_own_numbers(multi_size_run, shard_url):
     """metrics.jsonl's @SIZE keys hold an evaluation at that size: equal (to rounding: these run one image per
     batch, the trainer fewer images per batch above its size: fp32 convolutions of other batch shapes round apart by
@@ -124,6 +125,7 @@ def test_each_size_is_logged_with_its_suffix_and_its_own_numbers(multi_size_run,
     assert {k for k in eval_record(run_dir, 0) if "@" in k} == {k for k in record if "@" in k}
 
 
+@pytest.mark.xdist_group("multi_size_run")  # shares the multi_size_run fixture: built once
 def test_reporter_prints_a_line_per_size_and_curves_draw_one(multi_size_run):
     trainer, run_dir = multi_size_run
     results = {k: v for k, v in eval_record(run_dir, 2).items() if k != "step"}
@@ -211,6 +213,7 @@ def test_a_size_that_cannot_be_evaluated_is_refused_in_one_line_before_anything_
     assert captured.out == "" and not os.path.exists(tmp_path / "vae")
 
 
+@pytest.mark.xdist_group("multi_size_run")  # shares the multi_size_run fixture: built once
 def test_evaluate_py_refuses_a_bad_size_among_several_in_one_line(multi_size_run, shard_url, capsys):
     _, run_dir = multi_size_run
     for sizes, message in (("64,66", "multiple of the downsample factor 4"), ("64,8", "smaller than 16 px")):

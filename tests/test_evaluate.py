@@ -149,6 +149,7 @@ class MeanAbsError(nn.Module):
         return (a - b).abs().mean(dim=(1, 2, 3), keepdim=True)
 
 
+@pytest.mark.xdist_group("eval_run_dir")  # shares the run_dir fixture: built once
 def test_evaluate_model_matches_direct_computation(run_dir, shard_url):
     vae, info = ev.load_model(run_dir)
     assert info["step"] == 2 and info["resolution"] == 64
@@ -277,6 +278,7 @@ def test_tiled_decode_with_groupnorm_is_close_and_seamless():
 EVAL_ARGS = ["--max_images", "3", "--batch_size", "1", "--vgg16_weights", "random", "--inception_weights", "random"]
 
 
+@pytest.mark.xdist_group("eval_run_dir")  # shares the run_dir fixture: built once
 @pytest.mark.process
 def test_cli_metrics_out_and_torchrun_agree(run_dir, shard_url, tmp_path):
     """3 images on 2 ranks (2 + 1): the same numbers as one process. batch_size 1 makes every image's
@@ -301,6 +303,7 @@ def test_cli_metrics_out_and_torchrun_agree(run_dir, shard_url, tmp_path):
         assert multi[key] == pytest.approx(single[key], rel=1e-9), key
 
 
+@pytest.mark.xdist_group("eval_run_dir")  # shares the run_dir fixture: built once
 @pytest.mark.process
 def test_cli_missing_weights_give_null_not_fake(run_dir, shard_url, tmp_path):
     """Default weights that cannot be downloaded (an empty cache, a dead proxy): lpips and rfid are null with
@@ -315,6 +318,7 @@ def test_cli_missing_weights_give_null_not_fake(run_dir, shard_url, tmp_path):
     assert result["psnr"] > 0 and result["n_images"] == 2
 
 
+@pytest.mark.xdist_group("eval_run_dir")  # shares the run_dir fixture: built once
 @pytest.mark.process
 def test_cli_latent_stats_with_ema(run_dir, shard_url):
     r = run_cli("evaluate.py", ["--ckpt", run_dir, "--dataset_url", shard_url, "--latent_stats", "--ema",
@@ -328,6 +332,7 @@ def test_cli_latent_stats_with_ema(run_dir, shard_url):
     assert stats["scaling_factor"] == pytest.approx(ref["scaling_factor"], rel=1e-5)
 
 
+@pytest.mark.xdist_group("eval_run_dir")  # shares the run_dir fixture: built once
 @pytest.mark.process
 def test_cli_reconstructs_any_size(run_dir, photos_dir, tmp_path):
     """Sizes that are not multiples of the downsample factor (4) come back at their size and name, tiled
@@ -348,6 +353,7 @@ def test_cli_reconstructs_any_size(run_dir, photos_dir, tmp_path):
             assert (a.size, a.mode, b.size, b.mode) == ((37, 50), "RGB", (45, 31), "RGB")
 
 
+@pytest.mark.xdist_group("eval_run_dir")  # shares the run_dir fixture: built once
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
 def test_cli_reconstructs_under_torchrun_on_two_gpus(run_dir, photos_dir, tmp_path):
     """The reconstructed-image count was all-reduced as a CPU tensor, which NCCL refuses (gloo, as on the
@@ -378,6 +384,7 @@ def test_reconstructions_keep_the_full_source_name(photos_dir, tmp_path):
             assert np.array_equal(np.asarray(out), expected), name
 
 
+@pytest.mark.xdist_group("eval_run_dir")  # shares the run_dir fixture: built once
 @pytest.mark.process
 def test_cli_user_errors_are_one_line(run_dir, shard_url, tmp_path):
     r = run_cli("evaluate.py", ["--ckpt", str(tmp_path / "nope"), "--dataset_url", shard_url])
@@ -394,6 +401,7 @@ def test_cli_user_errors_are_one_line(run_dir, shard_url, tmp_path):
     (["--vgg16_weights", "/no/such/vgg.pth"], "no such file"),
     (["--images", "/no/such/dir", "--reconstruct_to", "/tmp/x"], "not a directory"),
 ])
+@pytest.mark.xdist_group("eval_run_dir")  # shares the run_dir fixture: built once
 def test_user_errors_in_process(run_dir, shard_url, tmp_path, capsys, args, message):
     ckpt = os.path.join(run_dir, "checkpoints", "step_00000002.pt")
     if "--ema" in args:  # a checkpoint trained without EMA
