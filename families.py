@@ -33,6 +33,7 @@ import diffusers_ae
 import pretrained
 import tae
 import wan_ae
+import wan_layouts
 from ae import AutoEncoder, AutoEncoderParams, Trainable
 from common import ConfigError, honour_umask
 from config import (LR_TIMES_WIDTH, DataConfig, FinetuneConfig, LossConfig, ModelConfig, OptimConfig, RunConfig,
@@ -239,7 +240,7 @@ class Wan(Family):
         return class_name in self.CLASSES
 
     def load_folder(self, path, config, weights, init_family, video):
-        return pretrained.load_wan_folder(path, config, weights, init_family, video)
+        return wan_layouts.load_wan_folder(path, config, weights, init_family, video)
 
     def params_from_dict(self, d):
         return wan_ae.WanParams.from_dict(d)
@@ -263,7 +264,7 @@ class Wan(Family):
             raise ConfigError(f"--format diffusers writes the source's layout back and keeps its earlier temporal "
                               f"slices: the run's --init_from folder {source_path} is needed and is not there")
         try:
-            pretrained.export_wan_diffusers(vae, source_path, out_dir, **fields)
+            wan_layouts.export_wan_diffusers(vae, source_path, out_dir, **fields)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -314,7 +314,7 @@ def test_the_adaptive_weights_last_layer_is_the_last_layer_the_decoder_runs():
             assert ran[-1] is convs[-1], class_name
 
 
-NAMING_MODULES = ("families", "pretrained", "diffusers_ae", "ae", "wan_ae", "tae")  # the registry and the model modules
+NAMING_MODULES = ("families", "pretrained", "wan_layouts", "diffusers_ae", "ae", "wan_ae", "tae")  # the registry and the model modules
 MODEL_CLASSES = ("AutoEncoder", "WanAutoEncoder", "DiffusersAutoEncoder", "WanParams", "DiffusersParams",
                  "TinyAutoEncoder", "TAEParams")
 

@@ -86,7 +86,7 @@ def diffusers_from_ldm_file(path: str, config: dict):
     """The reference for a single file: diffusers' own LDM -> AutoencoderKL conversion (single_file_utils)."""
     from diffusers import AutoencoderKL
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-    state = pretrained._read_file(path)
+    state = pretrained.read_weights(path)
     model = AutoencoderKL(**config).eval()
     model.load_state_dict(convert_ldm_vae_checkpoint(state, model.config), strict=True)
     return model
@@ -179,7 +179,7 @@ def test_bad_sources_are_one_line(tmp_path, capsys):
     with open(path, "rb") as f:
         data = f.read()
     (tmp_path / "truncated.safetensors").write_bytes(data[:len(data) // 2])
-    state = pretrained._read_file(path)
+    state = pretrained.read_weights(path)
     del state["decoder.up.1.block.0.conv2.weight"]
     save_file(state, tmp_path / "missing_key.safetensors")
     state["decoder.up.0.block.3.conv1.weight"] = torch.zeros(1)  # a 4th block the encoder does not have

@@ -193,7 +193,7 @@ def diffusers_from_bfl_file(path: str, decoder: tuple[int, ...] | None):
     single_file_utils, and its FLUX.2 mapping for the quant convs and bn), loaded strictly."""
     from diffusers import AutoencoderKLFlux2
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-    state = pretrained._read_file(path)
+    state = pretrained.read_weights(path)
     model = AutoencoderKLFlux2(**FLUX2, decoder_block_out_channels=decoder).eval()
     converted = convert_ldm_vae_checkpoint({k: v for k, v in state.items() if not k.startswith("bn.")},
                                            model.config)
@@ -217,7 +217,7 @@ def test_bfl_single_file_loads_as_diffusers_converts_it(tmp_path, decoder):
     assert_computes_like(vae, reference)
     # a file without num_batches_tracked (diffusers' conversion does not carry it) loads, the count at 0
     from safetensors.torch import save_file
-    state = pretrained._read_file(path)
+    state = pretrained.read_weights(path)
     del state["bn.num_batches_tracked"]
     save_file(state, tmp_path / "no_count.safetensors")
     assert families.load_source(str(tmp_path / "no_count.safetensors")).state["bn.num_batches_tracked"] == 0
