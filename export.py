@@ -47,12 +47,12 @@ if __name__ == "__main__":  # first: a torch/torchvision mismatch is one line, n
 import data as data_lib  # noqa: E402 (after the check above; so are the imports below)
 import evaluate
 import families
-import pretrained
+import layouts
 import sources
 from checkpoint import (SAFETENSORS_WEIGHTS, best_checkpoint, load_autoencoder, load_diffusers_export,  # noqa: F401
                         load_model)
 from common import ConfigError, OneLineParser, honour_umask
-from pretrained import export_single_file
+from ldm_layouts import export_single_file
 
 
 
@@ -81,7 +81,7 @@ def export_safetensors(vae: torch.nn.Module, out_dir: str, resolution: int | Non
     """`fields`: a model's own latent normalisation (ae.Trainable.source_fields), recorded with the factors."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
-    state = {k: pretrained.as_stored(v) for k, v in vae.state_dict().items()}
+    state = {k: layouts.as_stored(v) for k, v in vae.state_dict().items()}
     save_file(state, os.path.join(out_dir, SAFETENSORS_WEIGHTS), metadata={"format": "pt"})  # bn.* included
     honour_umask(os.path.join(out_dir, SAFETENSORS_WEIGHTS))
     config = {**vae.params.to_dict(), "scaling_factor": scaling_factor, "shift_factor": shift_factor,

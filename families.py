@@ -6,9 +6,9 @@
 
 Three families:
 - `ldm`: ae.py's LDM/FLUX autoencoder (FLUX.1, FLUX.2, SD 1.x/2.x, SDXL, SD3), from flags (a new model) or a source:
-  a diffusers AutoencoderKL / AutoencoderKLFlux2 folder, a FLUX/SD single file or a full SD checkpoint (pretrained.py).
+  a diffusers AutoencoderKL / AutoencoderKLFlux2 folder, a FLUX/SD single file or a full SD checkpoint (ldm_layouts.py).
 - `wan`: wan_ae.py's Wan 2.1 family (Qwen-Image's VAE, Wan 2.1/2.2's): its image model, or with clips its causal video
-  model with the explicit temporal cache (pretrained.py converts the diffusers folders both ways).
+  model with the explicit temporal cache (wan_layouts.py converts the diffusers folders both ways).
 - `diffusers`: any other KL autoencoder diffusers ships, trained through diffusers' own module (diffusers_ae.py: the
   wrapper and the table of classes, each with what it takes and what it refuses).
 The native families are reimplementations, bitwise against diffusers, where that buys something measured (an explicit
@@ -19,7 +19,7 @@ read and the model built; the --vae_* flags that show its architecture (config.j
 written back in its layout (`write_diffusers`); and what a run's flags ask that it refuses, in one line (`check`).
 What is about a built model (its encoder side, last layer, compression and clip rule, memory plan, shard units,
 latent normalisation) the model answers itself (ae.Trainable). tests/test_families.py parses the other modules: no family name or diffusers class is named outside this
-file, pretrained.py (the native families' layouts) and the model modules.
+file, the native families' layouts (ldm_layouts.py, wan_layouts.py) and the model modules.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 import diffusers_ae
-import pretrained
+import layouts
+import ldm_layouts
 import tae
 import wan_ae
 import wan_layouts
@@ -38,7 +39,7 @@ from ae import AutoEncoder, AutoEncoderParams, Trainable
 from common import ConfigError, honour_umask
 from config import (LR_TIMES_WIDTH, DataConfig, FinetuneConfig, LossConfig, ModelConfig, OptimConfig, RunConfig,
                     SpeedConfig, downsample_factor_of)
-from pretrained import Source, SourceError
+from layouts import Source, SourceError
 
 
 class Family:
@@ -166,7 +167,7 @@ class LDM(Family):
         if video:
             raise SourceError(f"{path}: a {config.get('_class_name', 'AutoencoderKL')}, an image VAE: clips "
                               f"(--video_frames) need a video VAE ({VIDEO_HINT})")
-        return pretrained.load_ldm_folder(path, config, weights, init_family)
+        return ldm_layouts.load_ldm_folder(path, config, weights, init_family)
 
     def params_from_dict(self, d):
         return AutoEncoderParams.from_dict({k: v for k, v in d.items() if k != "family"})
@@ -215,7 +216,7 @@ class LDM(Family):
         if widths == source.params.decoder_widths:
             vae.load_state_dict(source.state)
             return ""
-        vae.load_state_dict(pretrained.narrow_decoder_model(source, widths, finetune.decoder_init,
+        vae.load_state_dict(ldm_layouts.narrow_decoder_model(source, widths, finetune.decoder_init,
                                                             optim.seed).state_dict())
         return f"; a decoder of widths {','.join(map(str, widths))} ({finetune.decoder_init})"
 
@@ -225,7 +226,7 @@ class LDM(Family):
         return wide
 
     def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
-        pretrained.export_diffusers(vae, out_dir, resolution, source_config=source_config, **fields)
+        ldm_layouts.export_diffusers(vae, out_dir, resolution, source_config=source_config, **fields)
 
 
 # ============================================================================================
@@ -309,7 +310,7 @@ class Diffusers(Family):
                    "latents_mean": config.get("latents_mean"), "latents_std": config.get("latents_std")}
         notes = [params.spec.note] if params.spec.note else []
         return Source(path, "diffusers", "", params, state, factors, "", notes,
-                      pretrained.kept_config(config, class_name))
+                      layouts.kept_config(config, class_name))
 
     def params_from_dict(self, d):
         return diffusers_ae.DiffusersParams.from_dict(d)
@@ -340,7 +341,7 @@ class Diffusers(Family):
         vae.set_normalisation(fields)
         vae.save_pretrained(out_dir)
         for name in os.listdir(out_dir):
-            if name.startswith(pretrained.DIFFUSERS_WEIGHTS.split(".")[0]):
+            if name.startswith(layouts.DIFFUSERS_WEIGHTS.split(".")[0]):
                 honour_umask(os.path.join(out_dir, name))
 
 
@@ -499,7 +500,7 @@ class TAE(Family):
         except ValueError as e:
             raise ConfigError(str(e)) from None
         for name in os.listdir(out_dir):
-            if name.startswith(pretrained.DIFFUSERS_WEIGHTS.split(".")[0]):
+            if name.startswith(layouts.DIFFUSERS_WEIGHTS.split(".")[0]):
                 honour_umask(os.path.join(out_dir, name))
 
     def write_released(self, vae, out_dir: str, name: str) -> list[str]:
@@ -584,7 +585,7 @@ def load_source(path: str, family: str = "auto", video: bool = False, vae_family
     if tae.recognises(path) and vae_family in (None, TAE_FAMILY.name):  # (a folder of .pth files, not diffusers')
         return TAE_FAMILY.load_released(path, video)
     if os.path.isdir(path):
-        config, weights = pretrained.read_diffusers_folder(path)
+        config, weights = layouts.read_diffusers_folder(path)
         return folder_family(path, config, vae_family).load_folder(path, config, weights, family, video)
     if not os.path.isfile(path):
         raise SourceError(f"{path}: no such file or folder")
@@ -594,7 +595,7 @@ def load_source(path: str, family: str = "auto", video: bool = False, vae_family
     if vae_family not in (None, LDM_FAMILY.name):  # a flag the user gave is never dropped
         raise SourceError(f"{path}: a single file, which only the LDM family reads: --vae_family {vae_family} "
                           "loads from a diffusers folder (config.json beside the weights)")
-    return pretrained.load_single_file(path, family)
+    return ldm_layouts.load_single_file(path, family)
 
 
 def released_tiny(path: str) -> bool:
@@ -604,7 +605,7 @@ def released_tiny(path: str) -> bool:
 
 def load_exported_folder(path: str, video: bool = False) -> tuple[nn.Module, dict]:
     """(model in eval mode, its diffusers config) from a diffusers folder written by export.py (any family)."""
-    config, _ = pretrained.read_diffusers_folder(path)
+    config, _ = layouts.read_diffusers_folder(path)
     source = load_source(path, video=video)
     vae = build_model(source.params)
     vae.load_state_dict(source.state)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 import wan_ae
 from common import honour_umask
-from pretrained import DIFFUSERS_WEIGHTS, DIFFUSERS_WEIGHTS_BIN, Source, SourceError, kept_config, read_weights
+from layouts import DIFFUSERS_WEIGHTS, DIFFUSERS_WEIGHTS_BIN, Source, SourceError, kept_config, read_weights
 
 
 def load_wan_folder(path: str, config: dict, weights: str, init_family: str = "auto", video: bool = False) -> Source:

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import ae
 import export
 import families
-import pretrained
+import layouts
 import train_state
 import wan_ae
 import wan_layouts
@@ -61,7 +61,7 @@ def saved(model, folder) -> str:
     return str(folder)
 
 
-def as_model(source: pretrained.Source) -> WanAutoEncoder:
+def as_model(source: layouts.Source) -> WanAutoEncoder:
     vae = WanAutoEncoder(source.params)
     vae.load_state_dict(source.state)
     return vae.eval()
@@ -331,7 +331,7 @@ def test_export_writes_the_source_layout_back(kind, tmp_path):
     assert exported.config.latents_mean == TINY["latents_mean"] and exported.config.latents_std == TINY["latents_std"]
     compare_with_diffusers(vae, exported, images(), f"{kind} export")
 
-    source_state = pretrained.read_weights(os.path.join(source_dir, pretrained.DIFFUSERS_WEIGHTS))
+    source_state = layouts.read_weights(os.path.join(source_dir, layouts.DIFFUSERS_WEIGHTS))
     exported_state = exported.state_dict()
     assert set(exported_state) == set(source_state)
     assert any(".time_conv." in k for k in source_state)
@@ -378,10 +378,10 @@ def test_bad_sources_are_one_line(tmp_path):
     original = {"decoder.middle.0.residual.0.gamma": torch.ones(4, 1, 1, 1), "encoder.conv1.weight": torch.zeros(1)}
     save_file(original, tmp_path / "qwen_image_vae.safetensors")
     extra = _edited(good, tmp_path, "extra")  # a weight no block of this config has
-    weights = pretrained.read_weights(os.path.join(extra, pretrained.DIFFUSERS_WEIGHTS))
+    weights = layouts.read_weights(os.path.join(extra, layouts.DIFFUSERS_WEIGHTS))
     save_file({**weights, "decoder.up_blocks.2.upsamplers.0.resample.1.weight": torch.zeros(8, 16, 3, 3)},
-              os.path.join(extra, pretrained.DIFFUSERS_WEIGHTS))
-    weights_alone = os.path.join(good, pretrained.DIFFUSERS_WEIGHTS)  # the weights file given for the folder
+              os.path.join(extra, layouts.DIFFUSERS_WEIGHTS))
+    weights_alone = os.path.join(good, layouts.DIFFUSERS_WEIGHTS)  # the weights file given for the folder
     os.makedirs(tmp_path / "pipeline")
     os.symlink(good, tmp_path / "pipeline" / "vae")
     cases = {
@@ -402,7 +402,7 @@ def test_bad_sources_are_one_line(tmp_path):
         str(tmp_path / "pipeline"): f"give its VAE, {tmp_path / 'pipeline' / 'vae'}",
     }
     for path, expected in cases.items():
-        with pytest.raises(pretrained.SourceError) as error:
+        with pytest.raises(layouts.SourceError) as error:
             families.load_source(path)
         message = str(error.value)
         assert expected in message and "\n" not in message and message.startswith(path), (path, message)

@@ -3,9 +3,9 @@ AutoencoderKLFlux2 folder and the LDM/FLUX single file for ae.py's model; the Wa
 
     source = families.load_source("black-forest-labs/FLUX.1-dev/ae.safetensors")    # or a diffusers folder,
     source.params, source.state, source.factors                                       # an SD VAE / SD checkpoint
-    vae = pretrained.narrow_decoder_model(source, (96, 192, 384, 384))                # the same latent space,
+    vae = ldm_layouts.narrow_decoder_model(source, (96, 192, 384, 384))                # the same latent space,
                                                                                       # a narrower decoder
-    pretrained.export_diffusers(vae, "out", 512, scaling_factor=0.3611, shift_factor=0.1159)   # and back
+    ldm_layouts.export_diffusers(vae, "out", 512, scaling_factor=0.3611, shift_factor=0.1159)   # and back
 
 `load_ldm_folder` and `load_single_file` read a diffusers folder (config.json + weights), FLUX.1's or FLUX.2's
 `ae.safetensors`, an SD/LDM VAE file (with `quant_conv`), or a full SD checkpoint whose VAE keys carry
@@ -25,29 +25,24 @@ flux2/src/flux2/autoencoder.py defines the single file):
       (`encoder.quant_conv.*`, `decoder.post_quant_conv.*`), and `bn.running_mean`, `bn.running_var` (and
       `bn.num_batches_tracked`, which BFL's strict load_state_dict expects); eps 1e-4 and momentum 0.1 are BFL's
       constants, not in the file.
-Imports only the model modules and common.py: families.py, the trainer, export.py and bench.py use it without an
-import cycle.
+What every family's layouts share (`Source`, reading a folder or a weights file) is layouts.py's.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-import wan_ae
 from ae import AutoEncoder, AutoEncoderParams, check_widths
-from common import ConfigError, first_line, honour_umask
+from common import ConfigError, honour_umask
 from config import DECODER_INITS, FAMILY_CHOICES
+from layouts import DIFFUSERS_WEIGHTS, Source, SourceError, as_stored, kept_config, read_weights
 
-DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
-DIFFUSERS_WEIGHTS_BIN = "diffusion_pytorch_model.bin"
-DIFFUSERS_WEIGHTS_INDEX = "diffusion_pytorch_model.safetensors.index.json"  # weights sharded over several files
 SINGLE_FILE_WEIGHTS = "ae.safetensors"  # export.py --format single_file
 
 # Released latent factors of each family (the diffusers configs of the released VAEs). FLUX.2's are the identity:
@@ -71,29 +66,6 @@ FAMILY_MARKERS = (("sd3", "model.diffusion_model.joint_blocks.0."), ("flux", "mo
                   ("sdxl", "conditioner.embedders.1."))
 
 
-class SourceError(ValueError):
-    """A source the user gave cannot be loaded: the message is one line."""
-
-
-@dataclass
-class Source:
-    path: str
-    layout: str  # "diffusers" (a folder) or "single_file"
-    family: str  # sd | sdxl | sd3 | flux | flux2, or "" (a diffusers folder: its config carries the factors)
-    params: AutoEncoderParams | wan_ae.WanParams
-    state: dict[str, Tensor]  # in ae.py's (LDM/FLUX) names; a Wan-family source's in wan_ae.py's (diffusers') names
-    factors: dict  # scaling_factor, shift_factor, latents_mean, latents_std (None where the source has none);
-    # FLUX.2's bn statistics are not factors: they are in `state` (bn.running_mean / bn.running_var) and `params`
-    prefix: str = ""  # the VAE keys' prefix in a full checkpoint
-    notes: list[str] = field(default_factory=list)
-    config: dict | None = None  # a diffusers folder's config.json: an export of the run starts from it
-
-    def describe(self) -> dict:
-        """What a run records about where its weights came from (config.json, checkpoints, export)."""
-        return {"path": self.path, "layout": self.layout, "family": self.family, "prefix": self.prefix,
-                **self.factors, **({"config": self.config} if self.config is not None else {})}
-
-
 # ============================================================================================
 # diffusers AutoencoderKL: config and state-dict conversion
 # ============================================================================================
@@ -103,7 +75,7 @@ def diffusers_class(params: AutoEncoderParams) -> str:
     Encoder and Decoder (AsymmetricAutoencoderKL's decoder is a MaskConditionDecoder with an inpainting branch and
     always quant convs; AutoencoderTiny and ConsistencyDecoderVAE are other networks). So a narrower decoder of any
     family is exported as an AutoencoderKLFlux2, whose unused bn keeps BatchNorm's defaults where the family has
-    factors (export.export_diffusers writes them into its config)."""
+    factors (export_diffusers writes them into its config)."""
     narrow = params.decoder_widths != params.encoder_channels
     return "AutoencoderKLFlux2" if params.latent_bn or narrow else "AutoencoderKL"
 
@@ -121,7 +93,6 @@ def flux2_config(params: AutoEncoderParams, resolution: int) -> dict:
         norm_num_groups=params.norm_groups, sample_size=resolution, use_quant_conv=params.quant_conv,
         use_post_quant_conv=params.quant_conv, mid_block_add_attention=params.use_attn,
         batch_norm_eps=params.latent_bn_eps, batch_norm_momentum=params.latent_bn_momentum, patch_size=[2, 2])
-
 
 
 def diffusers_config(params: AutoEncoderParams, resolution: int, scaling_factor: float, shift_factor: float,
@@ -187,12 +158,6 @@ def to_diffusers_state_dict(state: dict[str, Tensor], params: AutoEncoderParams)
     return out
 
 
-def as_stored(value: Tensor) -> Tensor:
-    """fp32 weights on the CPU; an integer buffer (bn.num_batches_tracked) keeps its dtype."""
-    value = value.detach().cpu()
-    return (value.float() if value.is_floating_point() else value).contiguous()
-
-
 def _constant_logvar(state: dict[str, Tensor], z: int, quant_conv: bool) -> float | None:
     """The constant posterior's variance if the encoder's log-variance half has zero weights and one bias (how
     this trainer writes it), else None (a learned posterior). With quant convs the posterior is learned."""
@@ -246,7 +211,7 @@ def from_diffusers_state_dict(state: dict[str, Tensor], config: dict,
     comes back as it went out: a log-variance half of `conv_out` with zero weights and one constant bias is the
     constant posterior (variance exp(bias)); anything else (every released VAE) is a learned one. An
     AutoencoderKLFlux2 is FLUX.2's (latent_bn) unless its config carries a scaling_factor (a narrower decoder of
-    another family, as export.export_diffusers writes it; FLUX.2's own configs have none), whose bn is then unused
+    another family, as export_diffusers writes it; FLUX.2's own configs have none), whose bn is then unused
     and not loaded. SourceError (one line) for a config or weights ae.py cannot hold."""
     kind = config.get("_class_name", "AutoencoderKL")
     if kind not in ("AutoencoderKL", "AutoencoderKLFlux2"):
@@ -409,7 +374,6 @@ def export_single_file(vae: AutoEncoder, out_dir: str, scaling_factor: float | N
     return path
 
 
-
 # ============================================================================================
 # The LDM/FLUX single file: our names, with the log-variance channels of the released layout
 # ============================================================================================
@@ -476,31 +440,6 @@ def single_file_state_dict(vae: AutoEncoder) -> dict[str, Tensor]:
     BFL's FLUX.2 layout (quant convs inside encoder and decoder, bn.*), which BFL's AutoEncoder loads strictly."""
     state = _with_constant_logvar({k: as_stored(v) for k, v in vae.state_dict().items()}, vae.params)
     return to_bfl_names(state) if vae.params.latent_bn else state
-
-
-def read_weights(path: str) -> dict[str, Tensor]:
-    if path.endswith(".index.json"):  # a sharded safetensors: the index names each tensor's file
-        try:
-            with open(path) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as e:
-            raise SourceError(f"{path}: unreadable index of sharded weights ({type(e).__name__})") from None
-        return {k: v for name in files for k, v in read_weights(os.path.join(os.path.dirname(path), name)).items()}
-    try:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-            state = load_file(path)
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)  # never runs code from the file
-    except Exception as e:
-        reason = first_line(e)
-        raise SourceError(f"{path}: unreadable ({type(e).__name__}{': ' + reason if reason else ''}): truncated, "
-                          "or not a .safetensors / PyTorch file") from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]  # LDM/SD .ckpt files
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise SourceError(f"{path}: holds no state dict of tensors")
-    return state
 
 
 def _single_file_family(state: dict[str, Tensor], prefix: str, z: int, notes: list[str], latent_bn: bool) -> str:
@@ -620,33 +559,6 @@ def load_single_file(path: str, family: str = "auto") -> Source:
     return Source(path, "single_file", family, params, ours, factors, prefix, notes)
 
 
-def read_diffusers_folder(path: str) -> tuple[dict, str]:
-    """A diffusers model folder's config.json and the path of its weights; SourceError (one line) for a pipeline's
-    root (its VAE is vae/), a folder without config.json or weights, an unreadable config."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        if os.path.isfile(os.path.join(path, "vae", "config.json")):  # a whole pipeline (model_index.json)
-            raise SourceError(f"{path}: a pipeline folder: give its VAE, {os.path.join(path, 'vae')}")
-        if os.path.isfile(os.path.join(path, "model_index.json")):  # a pipeline whose vae/ is not (all) here
-            raise SourceError(f"{path}: a diffusers pipeline folder (model_index.json): its VAE is the vae/ subfolder, "
-                              f"{os.path.join(path, 'vae')}, which holds no config.json here (download the VAE too: "
-                              "huggingface-cli download REPO --include 'vae/*')")
-        raise SourceError(f"{path}: a folder without config.json: not a diffusers model folder (a pipeline's VAE is "
-                          "its vae/ subfolder)")
-    try:
-        with open(config_path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise SourceError(f"{config_path}: unreadable ({type(e).__name__})") from None
-    if not isinstance(config, dict):
-        raise SourceError(f"{config_path}: not a diffusers config (a JSON object)")
-    weights = [os.path.join(path, n) for n in (DIFFUSERS_WEIGHTS, DIFFUSERS_WEIGHTS_BIN, DIFFUSERS_WEIGHTS_INDEX)
-               if os.path.isfile(os.path.join(path, n))]
-    if not weights:
-        raise SourceError(f"{path}: config.json but no weights ({DIFFUSERS_WEIGHTS} or {DIFFUSERS_WEIGHTS_BIN})")
-    return config, weights[0]
-
-
 def _folder_factors(config: dict, notes: list[str], init_family: str, latent_bn: bool = False) -> dict:
     """The latent factors a diffusers config carries (FLUX.2's none: its bn statistics are in the weights)."""
     if init_family != "auto":
@@ -655,12 +567,6 @@ def _folder_factors(config: dict, notes: list[str], init_family: str, latent_bn:
     return {"scaling_factor": float(config.get("scaling_factor", 1.0)),
             "shift_factor": float(config.get("shift_factor") or 0.0),
             "latents_mean": config.get("latents_mean"), "latents_std": config.get("latents_std")}
-
-
-def kept_config(config: dict, class_name: str) -> dict:
-    """What a Source records of a folder's config: every field, with its class (not _diffusers_version or
-    _name_or_path)."""
-    return {"_class_name": class_name, **{k: v for k, v in config.items() if not k.startswith("_")}}
 
 
 def load_ldm_folder(path: str, config: dict, weights: str, init_family: str = "auto") -> Source:
