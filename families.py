@@ -39,7 +39,7 @@ from ae import AutoEncoder, AutoEncoderParams, Trainable
 from common import ConfigError, honour_umask
 from config import (LR_TIMES_WIDTH, DataConfig, FinetuneConfig, LossConfig, ModelConfig, OptimConfig, RunConfig,
                     SpeedConfig, downsample_factor_of)
-from layouts import Source, SourceError
+from layouts import ExportRequest, Source, SourceError, check_fields_export, export_by_fields, export_safetensors
 
 
 class Family:
@@ -146,6 +146,19 @@ class Family:
         raise ConfigError(f"--distill_weight: a narrower decoder is the LDM family's, not {self.name}'s")
 
     # ----------------------------------------------------------------------------- export (the layouts written)
+    def check_export(self, vae: nn.Module, request: ExportRequest) -> None:
+        """ConfigError (one line) for what export.py's flags ask that this family's writer cannot do, before anything
+        is measured or written."""
+        if request.format == "released":
+            raise ConfigError(f"--format released is the tiny autoencoders' layout (tae.py); "
+                              f"{vae.describe()} exports as diffusers, safetensors or "
+                              "single_file")
+
+    def export(self, vae: nn.Module, request: ExportRequest) -> dict:
+        """export.py's writer: the model written as --format asks, normalised as its pipelines read latents; returns
+        the JSON line's fields. The default: the model's own config fields (layouts.export_by_fields)."""
+        return export_by_fields(vae, request, self.write_diffusers)
+
     def write_diffusers(self, vae: nn.Module, out_dir: str, resolution: int, fields: dict,
                         source_config: dict | None, source_path: str | None) -> None:
         raise NotImplementedError
@@ -225,6 +238,13 @@ class LDM(Family):
         wide.load_state_dict(source.state)
         return wide
 
+    def check_export(self, vae, request):
+        super().check_export(vae, request)
+        ldm_layouts.check_export(vae, request)
+
+    def export(self, vae, request):
+        return ldm_layouts.export(vae, request)
+
     def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
         ldm_layouts.export_diffusers(vae, out_dir, resolution, source_config=source_config, **fields)
 
@@ -259,6 +279,10 @@ class Wan(Family):
 
     def temporal_factor(self, params):
         return params.temporal_factor if params.video else 0
+
+    def check_export(self, vae, request):
+        super().check_export(vae, request)
+        check_fields_export(vae, request)
 
     def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
         if not os.path.isdir(source_path or ""):
@@ -336,6 +360,10 @@ class Diffusers(Family):
 
     def temporal_factor(self, params):
         return params.temporal_factor
+
+    def check_export(self, vae, request):
+        super().check_export(vae, request)
+        check_fields_export(vae, request)
 
     def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
         vae.set_normalisation(fields)
@@ -493,6 +521,32 @@ class TAE(Family):
                           "a teacher's latents with --distill_from")
 
     # ----------------------------------------------------------------------------- export
+    def check_export(self, vae, request):
+        if request.factor_flags or request.statistics:
+            raise ConfigError(f"{vae.describe()}: its latents are its diffusion model's already (the "
+                              "teacher's pipeline normalisation), so --scaling_factor / --shift_factor / --latent_norm "
+                              "/ --dataset_url do not apply")
+        if request.format == "single_file":
+            raise ConfigError("--format single_file is the LDM/FLUX file; a tiny autoencoder's released layout is "
+                              "--format released")
+
+    def export(self, vae, request):
+        """Its latents are already those of the diffusion model it serves, so there is no normalisation to write or
+        re-estimate. --format released writes the released layout, diffusers an AutoencoderTiny folder (where the
+        architecture is one it has), safetensors ours."""
+        summary = {**request.summary, "latent_norm": vae.norm_label()}
+        source = request.source  # (an AutoencoderTiny folder's factors are kept)
+        factors = {"scaling_factor": source.get("scaling_factor", 1.0), "shift_factor": source.get("shift_factor", 0.0)}
+        if request.format == "released":
+            name = request.name or os.path.basename(os.path.normpath(request.out))
+            summary["files"] = self.write_released(vae, request.out, name)
+        elif request.format == "diffusers":
+            self.write_diffusers(vae, request.out, request.resolution, factors, None, None)
+            summary["serves"] = vae.serves()
+        else:
+            export_safetensors(vae, request.out, request.resolution, step=request.info["step"], **factors)
+        return summary
+
     def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
         try:
             tae.write_diffusers(vae, out_dir, float(fields.get("scaling_factor") or 1.0),
@@ -533,15 +587,15 @@ def of(vae: nn.Module) -> Family:
     return of_params(vae.params)
 
 
-def write_diffusers(vae: nn.Module, out_dir: str, resolution: int, fields: dict, source_config: dict | None,
-                    source_path: str | None) -> None:
-    """export.py --format diffusers: the model written in its family's diffusers layout, normalised by `fields`."""
-    of(vae).write_diffusers(vae, out_dir, resolution, fields, source_config, source_path)
+def check_export(vae: nn.Module, request: ExportRequest) -> None:
+    """export.py: ConfigError (one line) for what the flags ask that the model's family does not write."""
+    of(vae).check_export(vae, request)
 
 
-def write_released(vae: nn.Module, out_dir: str, name: str) -> list[str]:
-    """export.py --format released: the tiny autoencoder's released files (the paths written)."""
-    return of(vae).write_released(vae, out_dir, name)
+def export(vae: nn.Module, request: ExportRequest) -> dict:
+    """export.py: the model written by its family's writer (the normalisation its pipelines read, the layout --format
+    names); returns the JSON line's fields."""
+    return of(vae).export(vae, request)
 
 
 def params_from_dict(d: dict):

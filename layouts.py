@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from common import first_line
+from common import ConfigError, first_line, honour_umask
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_WEIGHTS_BIN = "diffusion_pytorch_model.bin"
 DIFFUSERS_WEIGHTS_INDEX = "diffusion_pytorch_model.safetensors.index.json"  # weights sharded over several files
+SAFETENSORS_WEIGHTS = "model.safetensors"  # export.py --format safetensors (ours; checkpoint.load_autoencoder reads it)
 
 
 class SourceError(ValueError):
@@ -110,3 +112,116 @@ def as_stored(value: Tensor) -> Tensor:
     """fp32 weights on the CPU; an integer buffer (bn.num_batches_tracked) keeps its dtype."""
     value = value.detach().cpu()
     return (value.float() if value.is_floating_point() else value).contiguous()
+
+
+# ============================================================================================
+# Writing: what export.py asks a family's writer, and the layouts every family writes alike
+# ============================================================================================
+@dataclass
+class ExportRequest:
+    """What export.py asks of a family's writer (families.export): where and in which --format, the normalisation
+    flags, what the checkpoint records, and --dataset_url's latent statistics, which only the command can measure
+    (evaluate.py is a layer above the layouts). Each family decides from it what normalisation its pipelines read,
+    what it keeps from the source, which formats it writes and what it refuses."""
+    out: str
+    format: str  # diffusers | safetensors | single_file | released
+    name: str  # --format released: the files' NAME
+    resolution: int
+    resolution_given: bool  # --resolution: the source folder's sample_size is not kept
+    info: dict  # checkpoint.load_model's: step, init_source (Source.describe()), train_parts, video_frames, ...
+    scaling_factor: float | None
+    shift_factor: float | None
+    latent_norm: str  # scalar | per_channel
+    summary: dict  # the fields of the JSON line every export prints, which the writer extends
+    # --dataset_url's latent statistics, statistics(vae, bn=False, frames=0, frame_stride=1) -> evaluate.latent_stats'
+    # result (latent_bn_stats' with bn); the model comes back on the CPU. None without --dataset_url
+    statistics: Callable[..., dict] | None = None
+
+    @property
+    def factor_flags(self) -> bool:
+        """Whether --scaling_factor, --shift_factor or --latent_norm per_channel was given."""
+        return self.scaling_factor is not None or self.shift_factor is not None or self.latent_norm != "scalar"
+
+    @property
+    def source(self) -> dict:
+        """Where the run started (Source.describe(); {} for a run from flags)."""
+        return self.info.get("init_source") or {}
+
+    def source_config(self) -> dict | None:
+        """The diffusers config.json of the folder the checkpoint's run started from: recorded in the run (runs since
+        issue 31), else read from the folder if it is still there, else None (the export writes its own). Its
+        sample_size (diffusers' tile size: 1024 for FLUX.2, not a 256 px training crop) is kept unless --resolution
+        is given."""
+        source, config = self.source, None
+        path = os.path.join(source.get("path") or "", "config.json")
+        if source.get("config"):
+            config = source["config"]
+        elif source.get("layout") == "diffusers" and os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    config = json.load(f)
+            except (OSError, ValueError):
+                config = None
+        if config and self.resolution_given:
+            config = {k: v for k, v in config.items() if k != "sample_size"}
+        return config
+
+
+def export_safetensors(vae: torch.nn.Module, out_dir: str, resolution: int | None, scaling_factor: float = 1.0,
+                       shift_factor: float = 0.0, step: int | None = None, latents_mean: list[float] | None = None,
+                       latents_std: list[float] | None = None, **fields) -> None:
+    """Our own format, any family's: the model's state dict as safetensors, its params as config.json
+    (checkpoint.load_autoencoder). `fields`: a model's own latent normalisation (ae.Trainable.source_fields),
+    recorded with the factors."""
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    state = {k: as_stored(v) for k, v in vae.state_dict().items()}
+    save_file(state, os.path.join(out_dir, SAFETENSORS_WEIGHTS), metadata={"format": "pt"})  # bn.* included
+    honour_umask(os.path.join(out_dir, SAFETENSORS_WEIGHTS))
+    config = {**vae.params.to_dict(), "scaling_factor": scaling_factor, "shift_factor": shift_factor,
+              "resolution": resolution, "step": step, "latents_mean": latents_mean, "latents_std": latents_std,
+              **fields}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def check_fields_export(vae, request: ExportRequest) -> None:
+    """ConfigError (one line) for what an export normalised by the model's own config fields cannot do (the Wan
+    family's, diffusers' classes': export_by_fields)."""
+    if request.factor_flags:
+        raise ConfigError(f"{vae.describe()} is normalised by its own config's fields "
+                          f"({vae.serves()}), not by --scaling_factor / --shift_factor / --latent_norm "
+                          "(--dataset_url re-estimates them)")
+    if request.format == "single_file":
+        raise ConfigError(f"{vae.describe()} exports as its diffusers folder (--format diffusers) or "
+                          "ours (--format safetensors): this trainer writes no single file of it")
+    if request.statistics and vae.cannot_reestimate():
+        raise ConfigError(vae.cannot_reestimate())
+
+
+def export_by_fields(vae, request: ExportRequest, write_diffusers: Callable) -> dict:
+    """The writer of a family whose pipelines normalise latents by fields of its own config (the Wan family's and
+    many diffusers classes' latents_mean/latents_std per channel, others' scaling_factor; ae.Trainable.source_fields):
+    after a decoder-only fine-tune the source's values are kept; --dataset_url re-estimates them (after a run that
+    trained the encoder), over clips of the run's length for a video run. `write_diffusers`: the family's
+    (Family.write_diffusers), the source's own layout (its class and config, every field kept, with the trained
+    weights). Returns the JSON line's fields."""
+    source = request.source
+    summary = {**request.summary, "latent_norm": vae.norm_label()}
+    fields = vae.source_fields(source)
+    if request.statistics:
+        # a video run's statistics over clips of its training length (every latent frame counted)
+        frames = request.info.get("video_frames", 0) if vae.temporal_factor else 0
+        stats = request.statistics(vae, frames=frames, frame_stride=request.info.get("video_frame_stride", 1))
+        fields = vae.fields_from_stats(stats)
+        summary["latent_stats"] = stats
+    elif request.info.get("train_parts") != "decoder":
+        print("note: the latent normalisation is the source's; if this run trained the encoder it describes the "
+              "latents of the encoder it started from: give --dataset_url to re-estimate it", file=sys.stderr)
+    vae.set_normalisation(fields)  # (where the model holds it: a diffusers class's config or buffers)
+    if request.format == "diffusers":
+        write_diffusers(vae, request.out, request.resolution, fields, request.source_config(), source.get("path"))
+        summary["serves"] = vae.serves()
+    else:
+        export_safetensors(vae, request.out, request.resolution, step=request.info["step"], **fields)
+    return summary

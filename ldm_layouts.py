@@ -41,7 +41,8 @@ from torch import Tensor
 from ae import AutoEncoder, AutoEncoderParams, check_widths
 from common import ConfigError, honour_umask
 from config import DECODER_INITS, FAMILY_CHOICES
-from layouts import DIFFUSERS_WEIGHTS, Source, SourceError, as_stored, kept_config, read_weights
+from layouts import (DIFFUSERS_WEIGHTS, ExportRequest, Source, SourceError, as_stored, export_safetensors, kept_config,
+                     read_weights)
 
 SINGLE_FILE_WEIGHTS = "ae.safetensors"  # export.py --format single_file
 
@@ -619,3 +620,112 @@ def narrow_decoder_model(source: Source, decoder_channels: tuple[int, ...], init
             state[name] = value[tuple(slice(0, n) for n in narrow.shape)].clone()
     model.load_state_dict(state)
     return model.eval()
+
+
+# ============================================================================================
+# export.py's writer for ae.py's model: the latent normalisation its pipelines read, and the layout written
+# ============================================================================================
+def pipelines_served(latent_norm: str, channels: int, shift_factor: float) -> str:
+    """Which diffusers pipeline families normalise latents with the config an AutoencoderKL export writes, for this
+    channel count (each claim is tested through that family's own code path: tests/test_export.py)."""
+    if latent_norm == "scalar":
+        scale_only = ("SD 1.x/2.x and SDXL-family pipelines apply scaling_factor only and ignore shift_factor "
+                      f"({shift_factor}): their latents would be off by it" if shift_factor else
+                      "SD 1.x/2.x and SDXL-family pipelines too (scaling_factor, shift 0)")
+        return f"FLUX and SD3 pipelines ((z - shift_factor) * scaling_factor); {scale_only}"
+    if channels == 4:
+        return ("SDXL-family pipelines (latents * latents_std / scaling_factor + latents_mean) and GLM-Image's (which "
+                "reads latent_channels values); FLUX and SD3 pipelines ignore latents_mean/latents_std")
+    return (f"pipelines that read latent_channels ({channels}) values of latents_mean/latents_std, as diffusers' "
+            "GLM-Image does; NOT SDXL-family pipelines (they read 4 values and fail on this config) nor FLUX and "
+            "SD3 pipelines (they ignore latents_mean/latents_std: use --latent_norm scalar for them)")
+
+
+def check_export(vae: AutoEncoder, request: ExportRequest) -> None:
+    """ConfigError (one line) for what an export of this model cannot do: factor flags on a model that normalises by
+    FLUX.2's bn statistics, or a --resolution they cannot be re-estimated at."""
+    if vae.latent_norm() != "bn":
+        return
+    if request.factor_flags:
+        raise ConfigError("this VAE normalises its latents by FLUX.2's bn statistics, not by factors: "
+                          "--scaling_factor / --shift_factor / --latent_norm do not apply (--dataset_url "
+                          "re-estimates the bn statistics)")
+    if request.statistics and request.resolution % (2 * vae.downsample_factor):
+        raise ConfigError(f"--resolution must be a multiple of {2 * vae.downsample_factor} to re-estimate the bn "
+                          f"statistics (2x2 patches of the latent), got {request.resolution}")
+
+
+def export(vae: AutoEncoder, request: ExportRequest) -> dict:
+    """Write ae.py's model as --format asks (diffusers: export_diffusers; single_file: export_single_file;
+    safetensors: ours), normalised for its pipelines: by FLUX.2's bn statistics (export_latent_bn) or by factors
+    (export_factors). Returns the JSON line's fields."""
+    return (export_latent_bn if vae.latent_norm() == "bn" else export_factors)(vae, request)
+
+
+def export_latent_bn(vae: AutoEncoder, request: ExportRequest) -> dict:
+    """A model that normalises its latents by FLUX.2's bn statistics, not by factors: --dataset_url re-estimates them
+    (evaluate.latent_bn_stats: after a run that trained the encoder), else they are exported as the model holds them
+    (the source's after a decoder-only fine-tune)."""
+    summary = {**request.summary, "latent_norm": "bn"}
+    if request.statistics:
+        stats = request.statistics(vae, bn=True)
+        vae.set_latent_bn(torch.tensor(stats["running_mean"]), torch.tensor(stats["running_var"]))
+        summary["latent_bn_images"] = stats["n_images"]
+    elif request.info.get("train_parts") != "decoder":
+        print("note: the bn statistics are exported as the checkpoint holds them; if this run trained the encoder "
+              "they describe the latents of the encoder it started from: give --dataset_url to re-estimate them",
+              file=sys.stderr)
+    if request.format == "diffusers":
+        export_diffusers(vae, request.out, request.resolution, source_config=request.source_config())
+    elif request.format == "single_file":
+        summary["file"] = export_single_file(vae, request.out)
+    else:
+        export_safetensors(vae, request.out, request.resolution, step=request.info["step"])
+    return summary
+
+
+def export_factors(vae: AutoEncoder, request: ExportRequest) -> dict:
+    """A model normalised by factors: a decoder-only fine-tune keeps its source's (a factor flag still wins);
+    --dataset_url measures them (scalar, or per channel with --latent_norm per_channel); else the flags' or 1.0 / 0.0."""
+    summary = dict(request.summary)
+    source = request.source
+    keep_source = request.info.get("train_parts") == "decoder" and bool(source) and not request.statistics
+    latents_mean = latents_std = None
+    if keep_source:
+        # the encoder was frozen: the latent space is the source's, and so are its factors (a factor given as a
+        # flag still wins); recomputed ones would break every diffusion model trained on that latent space
+        scale = source["scaling_factor"] if request.scaling_factor is None else request.scaling_factor
+        shift = source["shift_factor"] if request.shift_factor is None else request.shift_factor
+        latents_mean, latents_std = source.get("latents_mean"), source.get("latents_std")
+        print(f"note: decoder-only fine-tune of {source['path']}: keeping its latent factors (scaling_factor "
+              f"{source['scaling_factor']}, shift_factor {source['shift_factor']}) unless given as flags",
+              file=sys.stderr)
+    elif request.statistics:
+        stats = request.statistics(vae)
+        if request.latent_norm == "per_channel":  # the pipeline divides by scaling_factor after latents_std
+            scale, shift = 1.0, 0.0
+            latents_mean, latents_std = stats["channel_mean"], stats["channel_std"]
+        else:
+            scale, shift = stats["scaling_factor"], stats["shift_factor"]
+        summary["latent_stats"] = stats
+    else:
+        # per-channel statistics need --dataset_url (latents_mean/latents_std stay None)
+        scale = 1.0 if request.scaling_factor is None else request.scaling_factor
+        shift = 0.0 if request.shift_factor is None else request.shift_factor
+        if request.scaling_factor is None and request.shift_factor is None:
+            print("note: no --scaling_factor/--shift_factor or --dataset_url: writing scaling_factor 1.0 and "
+                  "shift_factor 0.0 (compute them with evaluate.py --latent_stats)", file=sys.stderr)
+    if request.format == "diffusers":
+        export_diffusers(vae, request.out, request.resolution, scale, shift, latents_mean, latents_std,
+                         request.source_config())
+    elif request.format == "single_file":
+        summary["file"] = export_single_file(vae, request.out, scale, shift)
+    else:
+        export_safetensors(vae, request.out, request.resolution, scale, shift, request.info["step"], latents_mean,
+                           latents_std)
+    summary.update(latent_norm=request.latent_norm, scaling_factor=scale, shift_factor=shift)
+    if request.format == "diffusers":  # the single file carries no normalisation; safetensors is read by our code
+        summary["serves"] = pipelines_served("per_channel" if latents_mean is not None else "scalar",
+                                             vae.params.z_channels, shift)
+        print(f"note: the latent normalisation written serves {summary['serves']}", file=sys.stderr)
+    return summary
