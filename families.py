@@ -2,7 +2,7 @@
 
     source = families.load_source("Lightricks/LTX-Video/vae")   # which family reads a folder or file, and how
     vae = families.build_model(source.params)                    # or families.named(cfg.model.vae_family).build
-    vae.encoder_side(), vae.temporal_factor, families.write_diffusers(vae, ...)   # the model answers for itself
+    vae.encoder_side(), vae.temporal_factor, families.export(vae, request)   # the model answers; its family writes
 
 Three families:
 - `ldm`: ae.py's LDM/FLUX autoencoder (FLUX.1, FLUX.2, SD 1.x/2.x, SDXL, SD3), from flags (a new model) or a source:
@@ -16,10 +16,12 @@ cache, checkpointing per level, a narrower decoder); every other class trains th
 
 What the rest of the program asks a family, instead of branching on its name, is about sources: how a source is
 read and the model built; the --vae_* flags that show its architecture (config.json, resume checks); how a model is
-written back in its layout (`write_diffusers`); and what a run's flags ask that it refuses, in one line (`check`).
+written back in its layouts (`export`, its writer, and what it refuses of export.py's flags: `check_export`); and
+what a run's flags ask that it refuses, in one line (`check`).
 What is about a built model (its encoder side, last layer, compression and clip rule, memory plan, shard units,
-latent normalisation) the model answers itself (ae.Trainable). tests/test_families.py parses the other modules: no family name or diffusers class is named outside this
-file, the native families' layouts (ldm_layouts.py, wan_layouts.py) and the model modules.
+latent normalisation) the model answers itself (ae.Trainable). tests/test_families.py parses the other modules: no
+family name or diffusers class is named outside this file, the native families' layouts (ldm_layouts.py,
+wan_layouts.py) and the model modules.
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""What the families' layouts share: the `Source` every reader returns, reading a diffusers folder and a weights file.
+"""What the families' layouts share: the `Source` every reader returns, reading a diffusers folder and a weights file;
+what export.py asks a family's writer (`ExportRequest`), our own safetensors format, and the writer of the families
+whose pipelines read their latent normalisation from their config's fields.
 
     config, weights = layouts.read_diffusers_folder("Qwen/Qwen-Image/vae")   # config.json + the weights' path
     state = layouts.read_weights(weights)                                     # safetensors, .bin, .ckpt, sharded
@@ -6,7 +8,8 @@
 Each family's own layouts live with it: ldm_layouts.py (ae.py's model: AutoencoderKL / AutoencoderKLFlux2 folders, the
 LDM/FLUX single file, SD checkpoints), wan_layouts.py (wan_ae.py's: the Wan family's folders), tae.py (the tiny
 autoencoders' released files, beside their model); diffusers' own classes are read and written by their module.
-families.py, the registry, is the one place that chooses among them.
+families.py, the registry, is the one place that chooses among them; export.py reaches a family's writer through it
+(families.check_export, families.export) and measures the latent statistics a writer asks for.
 """
 from __future__ import annotations
 

@@ -25,6 +25,9 @@ flux2/src/flux2/autoencoder.py defines the single file):
       (`encoder.quant_conv.*`, `decoder.post_quant_conv.*`), and `bn.running_mean`, `bn.running_var` (and
       `bn.num_batches_tracked`, which BFL's strict load_state_dict expects); eps 1e-4 and momentum 0.1 are BFL's
       constants, not in the file.
+`check_export` and `export` are this family's writer for export.py (through families.export): the factors a
+decoder-only fine-tune keeps, measures (--dataset_url) or takes from the flags, or FLUX.2's bn statistics, written
+as a diffusers folder, the single file or our safetensors.
 What every family's layouts share (`Source`, reading a folder or a weights file) is layouts.py's.
 """
 from __future__ import annotations
