@@ -453,7 +453,7 @@ class Trainable:
         return lambda z: (z - shift) * scale
 
     def latent_norm(self) -> str:
-        """How export.py normalises the latents: "fields" (the model's own config fields, source_fields), the LDM
+        """How an export normalises the latents: "fields" (the model's own config fields, source_fields), the LDM
         family's "factors" (scaling/shift, or per channel) and "bn" (FLUX.2's statistics), or "released" (none)."""
         return "fields"
 

@@ -35,7 +35,7 @@ import families
 import sharding
 from common import ConfigError, DistInfo, atomic_write, first_line
 from config import ARCH_FIELDS, HIGHER_IS_BETTER, CriticConfig, ModelConfig, RunConfig, with_legacy_arch
-from pretrained import DIFFUSERS_WEIGHTS
+from layouts import DIFFUSERS_WEIGHTS, SAFETENSORS_WEIGHTS
 
 # A run directory written with other values of config.ARCH_FIELDS (the ModelConfig fields marked `arch`) cannot
 # be resumed: the VAE's weights would not fit. The GAN settings are not among them: switching the critic on after
@@ -628,7 +628,6 @@ def remove_run_dir_if_unused(run_dir: str) -> None:
 
 # ------------------------------------------------------------------------------------- loading a trained VAE
 # Below both evaluate.py and export.py (which use it): a run directory, a checkpoint file, or an export.py folder.
-SAFETENSORS_WEIGHTS = "model.safetensors"  # export.py --format safetensors
 
 
 def json_file(path: str) -> dict:
@@ -663,7 +662,7 @@ def load_single_file(path: str, ema: bool = False) -> tuple[torch.nn.Module, dic
     """export.py --format single_file's ae.safetensors (or a released FLUX/SD VAE file, or a tiny autoencoder's
     released files): the model its weights and metadata describe, with the notes of what had to be assumed on stderr;
     no step or resolution (--resolution)."""
-    from pretrained import SourceError
+    from layouts import SourceError
     if ema:
         raise ConfigError(f"--ema: {path} is a released model, which holds one set of weights")
     try:

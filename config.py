@@ -32,8 +32,8 @@ DISC_TYPES = ("hinge", "bce")  # utils.discriminator_loss
 DISC_NORMS = ("batch", "group_spectral", "spectral", "none")  # critics.NLayerDiscriminator
 DIFFAUG_POLICIES = ("color", "translation", "cutout")  # critics.diff_augment
 TAE_VARIANTS = ("f8", "flux_2", "f32", "hv")  # tae.VARIANTS
-FAMILY_CHOICES = ("auto", "sd", "sdxl", "sd3", "flux", "flux2")  # pretrained.FAMILIES' latent factors, or auto
-DECODER_INITS = ("fresh", "slice")  # pretrained.narrow_decoder_model
+FAMILY_CHOICES = ("auto", "sd", "sdxl", "sd3", "flux", "flux2")  # ldm_layouts.FAMILIES' latent factors, or auto
+DECODER_INITS = ("fresh", "slice")  # ldm_layouts.narrow_decoder_model
 # evaluation's metrics a run can keep its best checkpoint by (checkpoint.BestCheckpoint), with their direction
 HIGHER_IS_BETTER = {"psnr": True, "ssim": True, "lpips": False, "rfid": False}
 BEST_METRICS = ("auto", "none", *HIGHER_IS_BETTER, *(f"ema_{m}" for m in HIGHER_IS_BETTER))

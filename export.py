@@ -47,48 +47,12 @@ if __name__ == "__main__":  # first: a torch/torchvision mismatch is one line, n
 import data as data_lib  # noqa: E402 (after the check above; so are the imports below)
 import evaluate
 import families
-import pretrained
 import sources
 from checkpoint import (SAFETENSORS_WEIGHTS, best_checkpoint, load_autoencoder, load_diffusers_export,  # noqa: F401
                         load_model)
-from common import ConfigError, OneLineParser, honour_umask
-from pretrained import export_single_file
-
-
-
-def pipelines_served(latent_norm: str, channels: int, shift_factor: float) -> str:
-    """Which diffusers pipeline families normalise latents with the config an AutoencoderKL export writes, for this
-    channel count (each claim is tested through that family's own code path: tests/test_export.py)."""
-    if latent_norm == "scalar":
-        scale_only = ("SD 1.x/2.x and SDXL-family pipelines apply scaling_factor only and ignore shift_factor "
-                      f"({shift_factor}): their latents would be off by it" if shift_factor else
-                      "SD 1.x/2.x and SDXL-family pipelines too (scaling_factor, shift 0)")
-        return f"FLUX and SD3 pipelines ((z - shift_factor) * scaling_factor); {scale_only}"
-    if channels == 4:
-        return ("SDXL-family pipelines (latents * latents_std / scaling_factor + latents_mean) and GLM-Image's (which "
-                "reads latent_channels values); FLUX and SD3 pipelines ignore latents_mean/latents_std")
-    return (f"pipelines that read latent_channels ({channels}) values of latents_mean/latents_std, as diffusers' "
-            "GLM-Image does; NOT SDXL-family pipelines (they read 4 values and fail on this config) nor FLUX and "
-            "SD3 pipelines (they ignore latents_mean/latents_std: use --latent_norm scalar for them)")
-
-
-# ============================================================================================
-# Our own format: the model's state dict as safetensors, its params as config.json (any family)
-# ============================================================================================
-def export_safetensors(vae: torch.nn.Module, out_dir: str, resolution: int | None, scaling_factor: float = 1.0,
-                       shift_factor: float = 0.0, step: int | None = None, latents_mean: list[float] | None = None,
-                       latents_std: list[float] | None = None, **fields) -> None:
-    """`fields`: a model's own latent normalisation (ae.Trainable.source_fields), recorded with the factors."""
-    from safetensors.torch import save_file
-    os.makedirs(out_dir, exist_ok=True)
-    state = {k: pretrained.as_stored(v) for k, v in vae.state_dict().items()}
-    save_file(state, os.path.join(out_dir, SAFETENSORS_WEIGHTS), metadata={"format": "pt"})  # bn.* included
-    honour_umask(os.path.join(out_dir, SAFETENSORS_WEIGHTS))
-    config = {**vae.params.to_dict(), "scaling_factor": scaling_factor, "shift_factor": shift_factor,
-              "resolution": resolution, "step": step, "latents_mean": latents_mean, "latents_std": latents_std,
-              **fields}
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+from common import ConfigError, OneLineParser
+from layouts import ExportRequest, export_safetensors  # noqa: F401 (export.export_safetensors: our format)
+from ldm_layouts import pipelines_served  # noqa: F401 (what an AutoencoderKL export's factors serve)
 
 
 # ============================================================================================
@@ -133,145 +97,27 @@ def check_data_and_out(args) -> None:
         raise ConfigError(f"--out {args.out} is a file")
 
 
-def source_config(args, info: dict) -> dict | None:
-    """The diffusers config.json of the folder the checkpoint's run started from: recorded in the run (runs since
-    issue 31), else read from the folder if it is still there, else None (the export writes its own). Its
-    sample_size (diffusers' tile size: 1024 for FLUX.2, not a 256 px training crop) is kept unless --resolution
-    is given."""
-    source, config = info.get("init_source") or {}, None
-    path = os.path.join(source.get("path") or "", "config.json")
-    if source.get("config"):
-        config = source["config"]
-    elif source.get("layout") == "diffusers" and os.path.isfile(path):
-        try:
-            with open(path) as f:
-                config = json.load(f)
-        except (OSError, ValueError):
-            config = None
-    if config and args.resolution:
-        config = {k: v for k, v in config.items() if k != "sample_size"}
-    return config
-
-
 def export_summary(args, info: dict, resolution: int) -> dict:
     """What every export's JSON line says of itself."""
     return {"out": args.out, "format": args.format, "checkpoint": info["checkpoint"], "step": info["step"],
             "ema": args.ema, "resolution": resolution}
 
 
-def export_latent_bn(args, vae: torch.nn.Module, info: dict, resolution: int) -> int:
-    """main() for a model that normalises its latents by FLUX.2's bn statistics, not by factors: --dataset_url
-    re-estimates them (evaluate.latent_bn_stats: after a run that trained the encoder), else they are exported as
-    the model holds them (the source's after a decoder-only fine-tune)."""
-    try:
-        if args.scaling_factor is not None or args.shift_factor is not None or args.latent_norm != "scalar":
-            raise ConfigError("this VAE normalises its latents by FLUX.2's bn statistics, not by factors: "
-                              "--scaling_factor / --shift_factor / --latent_norm do not apply (--dataset_url "
-                              "re-estimates the bn statistics)")
-        if args.dataset_url and resolution % (2 * vae.downsample_factor):
-            raise ConfigError(f"--resolution must be a multiple of {2 * vae.downsample_factor} to re-estimate the bn "
-                              f"statistics (2x2 patches of the latent), got {resolution}")
-        check_data_and_out(args)
-        summary = {**export_summary(args, info, resolution), "latent_norm": "bn"}
-        if args.dataset_url:
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            stats = evaluate.latent_bn_stats(vae.to(device), args.dataset_url, resolution, batch_size=args.batch_size,
-                                             device=device, max_images=args.latent_stats_images)
-            vae.cpu().set_latent_bn(torch.tensor(stats["running_mean"]), torch.tensor(stats["running_var"]))
-            summary["latent_bn_images"] = stats["n_images"]
-        elif info.get("train_parts") != "decoder":
-            print("note: the bn statistics are exported as the checkpoint holds them; if this run trained the encoder "
-                  "they describe the latents of the encoder it started from: give --dataset_url to re-estimate them",
-                  file=sys.stderr)
-        if args.format == "diffusers":
-            families.write_diffusers(vae, args.out, resolution, {}, source_config(args, info), None)
-        elif args.format == "single_file":
-            summary["file"] = export_single_file(vae, args.out)
-        else:
-            export_safetensors(vae, args.out, resolution, step=info["step"])
-    except (ConfigError, data_lib.DatasetError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary))
-    return 0
+def latent_statistics(args, resolution: int):
+    """--dataset_url's latent statistics as a family's writer asks for them (layouts.ExportRequest.statistics):
+    evaluate.latent_stats, or with bn=True FLUX.2's bn statistics (evaluate.latent_bn_stats), on the GPU when there
+    is one, the model back on the CPU after; None without --dataset_url."""
+    if not args.dataset_url:
+        return None
 
-
-def export_fields(args, vae: torch.nn.Module, info: dict, resolution: int) -> int:
-    """main() for a family whose pipelines normalise latents by fields of its own config (the Wan family's and many
-    diffusers classes' latents_mean/latents_std per channel, others' scaling_factor; ae.Trainable.source_fields):
-    after a decoder-only fine-tune the source's values are kept; --dataset_url re-estimates them (after a run that
-    trained the encoder), over clips of the run's length for a video run. The diffusers layout is the source's own
-    (its class and config, every field kept, with the trained weights)."""
-    try:
-        if args.scaling_factor is not None or args.shift_factor is not None or args.latent_norm != "scalar":
-            raise ConfigError(f"{vae.describe()} is normalised by its own config's fields "
-                              f"({vae.serves()}), not by --scaling_factor / --shift_factor / --latent_norm "
-                              "(--dataset_url re-estimates them)")
-        if args.format == "single_file":
-            raise ConfigError(f"{vae.describe()} exports as its diffusers folder (--format diffusers) or "
-                              "ours (--format safetensors): this trainer writes no single file of it")
-        if args.dataset_url and vae.cannot_reestimate():
-            raise ConfigError(vae.cannot_reestimate())
-        check_data_and_out(args)
-        source = info.get("init_source") or {}
-        summary = {**export_summary(args, info, resolution), "latent_norm": vae.norm_label()}
-        fields = vae.source_fields(source)
-        if args.dataset_url:
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            # a video run's statistics over clips of its training length (every latent frame counted)
-            frames = info.get("video_frames", 0) if vae.temporal_factor else 0
-            stats = evaluate.latent_stats(vae.to(device), args.dataset_url, resolution, batch_size=args.batch_size,
-                                          device=device, max_images=args.latent_stats_images, frames=frames,
-                                          frame_stride=info.get("video_frame_stride", 1))
-            vae.cpu()
-            fields = vae.fields_from_stats(stats)
-            summary["latent_stats"] = stats
-        elif info.get("train_parts") != "decoder":
-            print("note: the latent normalisation is the source's; if this run trained the encoder it describes the "
-                  "latents of the encoder it started from: give --dataset_url to re-estimate it", file=sys.stderr)
-        vae.set_normalisation(fields)  # (where the model holds it: a diffusers class's config or buffers)
-        if args.format == "diffusers":
-            families.write_diffusers(vae, args.out, resolution, fields, source_config(args, info), source.get("path"))
-            summary["serves"] = vae.serves()
-        else:
-            export_safetensors(vae, args.out, resolution, step=info["step"], **fields)
-    except (ConfigError, data_lib.DatasetError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary))
-    return 0
-
-
-def export_released(args, vae: torch.nn.Module, info: dict, resolution: int) -> int:
-    """main() for a tiny autoencoder (tae.py): its latents are already those of the diffusion model it serves, so
-    there is no normalisation to write or re-estimate. --format released writes the released layout, diffusers an
-    AutoencoderTiny folder (where the architecture is one it has), safetensors ours."""
-    try:
-        if (args.scaling_factor is not None or args.shift_factor is not None or args.latent_norm != "scalar"
-                or args.dataset_url):
-            raise ConfigError(f"{vae.describe()}: its latents are its diffusion model's already (the "
-                              "teacher's pipeline normalisation), so --scaling_factor / --shift_factor / --latent_norm "
-                              "/ --dataset_url do not apply")
-        if args.format == "single_file":
-            raise ConfigError("--format single_file is the LDM/FLUX file; a tiny autoencoder's released layout is "
-                              "--format released")
-        check_data_and_out(args)
-        summary = {**export_summary(args, info, resolution), "latent_norm": vae.norm_label()}
-        source = info.get("init_source") or {}  # (an AutoencoderTiny folder's factors are kept)
-        factors = {"scaling_factor": source.get("scaling_factor", 1.0), "shift_factor": source.get("shift_factor", 0.0)}
-        if args.format == "released":
-            name = args.name or os.path.basename(os.path.normpath(args.out))
-            summary["files"] = families.write_released(vae, args.out, name)
-        elif args.format == "diffusers":
-            families.write_diffusers(vae, args.out, resolution, factors, None, None)
-            summary["serves"] = vae.serves()
-        else:
-            export_safetensors(vae, args.out, resolution, step=info["step"], **factors)
-    except (ConfigError, data_lib.DatasetError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary))
-    return 0
+    def statistics(vae: torch.nn.Module, bn: bool = False, **clips) -> dict:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        measure = evaluate.latent_bn_stats if bn else evaluate.latent_stats
+        stats = measure(vae.to(device), args.dataset_url, resolution, batch_size=args.batch_size, device=device,
+                        max_images=args.latent_stats_images, **clips)
+        vae.cpu()
+        return stats
+    return statistics
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,66 +142,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--ckpt {args.ckpt} does not record the size it was trained at: give --resolution")
         if not resolution or resolution % vae.downsample_factor:
             raise ConfigError(f"--resolution must be a positive multiple of {vae.downsample_factor}, got {resolution}")
-        norm = vae.latent_norm()  # factors, bn (the LDM family), the model's own fields, or none
-        if norm == "released":
-            return export_released(args, vae, info, resolution)
-        if args.format == "released":
-            raise ConfigError(f"--format released is the tiny autoencoders' layout (tae.py); "
-                              f"{vae.describe()} exports as diffusers, safetensors or "
-                              "single_file")
-        if norm == "fields":
-            return export_fields(args, vae, info, resolution)
-        if norm == "bn":
-            return export_latent_bn(args, vae, info, resolution)
+        request = ExportRequest(args.out, args.format, args.name, resolution, bool(args.resolution), info,
+                                args.scaling_factor, args.shift_factor, args.latent_norm,
+                                export_summary(args, info, resolution), latent_statistics(args, resolution))
+        families.check_export(vae, request)  # the family's refusals, before anything is read or written
         check_data_and_out(args)
-
-        summary = export_summary(args, info, resolution)
-        source = info.get("init_source") or {}
-        keep_source = info.get("train_parts") == "decoder" and bool(source) and not args.dataset_url
-        latents_mean = latents_std = None
-        if keep_source:
-            # the encoder was frozen: the latent space is the source's, and so are its factors (a factor given as a
-            # flag still wins); recomputed ones would break every diffusion model trained on that latent space
-            scale = source["scaling_factor"] if args.scaling_factor is None else args.scaling_factor
-            shift = source["shift_factor"] if args.shift_factor is None else args.shift_factor
-            latents_mean, latents_std = source.get("latents_mean"), source.get("latents_std")
-            print(f"note: decoder-only fine-tune of {source['path']}: keeping its latent factors (scaling_factor "
-                  f"{source['scaling_factor']}, shift_factor {source['shift_factor']}) unless given as flags",
-                  file=sys.stderr)
-        elif args.dataset_url:
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            stats = evaluate.latent_stats(vae.to(device), args.dataset_url, resolution, batch_size=args.batch_size,
-                                          device=device, max_images=args.latent_stats_images)
-            vae.cpu()
-            if args.latent_norm == "per_channel":  # the pipeline divides by scaling_factor after latents_std
-                scale, shift = 1.0, 0.0
-                latents_mean, latents_std = stats["channel_mean"], stats["channel_std"]
-            else:
-                scale, shift = stats["scaling_factor"], stats["shift_factor"]
-            summary["latent_stats"] = stats
-        else:
-            # per-channel statistics need --dataset_url (latents_mean/latents_std stay None)
-            scale = 1.0 if args.scaling_factor is None else args.scaling_factor
-            shift = 0.0 if args.shift_factor is None else args.shift_factor
-            if args.scaling_factor is None and args.shift_factor is None:
-                print("note: no --scaling_factor/--shift_factor or --dataset_url: writing scaling_factor 1.0 and "
-                      "shift_factor 0.0 (compute them with evaluate.py --latent_stats)", file=sys.stderr)
-        if args.format == "diffusers":
-            families.write_diffusers(vae, args.out, resolution, dict(
-                scaling_factor=scale, shift_factor=shift, latents_mean=latents_mean, latents_std=latents_std),
-                source_config(args, info), None)
-        elif args.format == "single_file":
-            summary["file"] = export_single_file(vae, args.out, scale, shift)
-        else:
-            export_safetensors(vae, args.out, resolution, scale, shift, info["step"], latents_mean, latents_std)
+        summary = families.export(vae, request)  # the family's writer: its normalisation, its layouts
     except (ConfigError, data_lib.DatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summary.update(latent_norm=args.latent_norm, scaling_factor=scale, shift_factor=shift)
-    if args.format == "diffusers":  # the single file carries no normalisation; safetensors is read by our code
-        summary["serves"] = pipelines_served("per_channel" if latents_mean is not None else "scalar",
-                                             vae.params.z_channels, shift)
-        print(f"note: the latent normalisation written serves {summary['serves']}", file=sys.stderr)
     print(json.dumps(summary))
     return 0
 

@@ -2,13 +2,13 @@
 
     source = families.load_source("Lightricks/LTX-Video/vae")   # which family reads a folder or file, and how
     vae = families.build_model(source.params)                    # or families.named(cfg.model.vae_family).build
-    vae.encoder_side(), vae.temporal_factor, families.write_diffusers(vae, ...)   # the model answers for itself
+    vae.encoder_side(), vae.temporal_factor, families.export(vae, request)   # the model answers; its family writes
 
 Three families:
 - `ldm`: ae.py's LDM/FLUX autoencoder (FLUX.1, FLUX.2, SD 1.x/2.x, SDXL, SD3), from flags (a new model) or a source:
-  a diffusers AutoencoderKL / AutoencoderKLFlux2 folder, a FLUX/SD single file or a full SD checkpoint (pretrained.py).
+  a diffusers AutoencoderKL / AutoencoderKLFlux2 folder, a FLUX/SD single file or a full SD checkpoint (ldm_layouts.py).
 - `wan`: wan_ae.py's Wan 2.1 family (Qwen-Image's VAE, Wan 2.1/2.2's): its image model, or with clips its causal video
-  model with the explicit temporal cache (pretrained.py converts the diffusers folders both ways).
+  model with the explicit temporal cache (wan_layouts.py converts the diffusers folders both ways).
 - `diffusers`: any other KL autoencoder diffusers ships, trained through diffusers' own module (diffusers_ae.py: the
   wrapper and the table of classes, each with what it takes and what it refuses).
 The native families are reimplementations, bitwise against diffusers, where that buys something measured (an explicit
@@ -16,10 +16,12 @@ cache, checkpointing per level, a narrower decoder); every other class trains th
 
 What the rest of the program asks a family, instead of branching on its name, is about sources: how a source is
 read and the model built; the --vae_* flags that show its architecture (config.json, resume checks); how a model is
-written back in its layout (`write_diffusers`); and what a run's flags ask that it refuses, in one line (`check`).
+written back in its layouts (`export`, its writer, and what it refuses of export.py's flags: `check_export`); and
+what a run's flags ask that it refuses, in one line (`check`).
 What is about a built model (its encoder side, last layer, compression and clip rule, memory plan, shard units,
-latent normalisation) the model answers itself (ae.Trainable). tests/test_families.py parses the other modules: no family name or diffusers class is named outside this
-file, pretrained.py (the native families' layouts) and the model modules.
+latent normalisation) the model answers itself (ae.Trainable). tests/test_families.py parses the other modules: no
+family name or diffusers class is named outside this file, the native families' layouts (ldm_layouts.py,
+wan_layouts.py) and the model modules.
 """
 from __future__ import annotations
 
@@ -30,14 +32,16 @@ import torch
 from torch import nn
 
 import diffusers_ae
-import pretrained
+import layouts
+import ldm_layouts
 import tae
 import wan_ae
+import wan_layouts
 from ae import AutoEncoder, AutoEncoderParams, Trainable
 from common import ConfigError, honour_umask
 from config import (LR_TIMES_WIDTH, DataConfig, FinetuneConfig, LossConfig, ModelConfig, OptimConfig, RunConfig,
                     SpeedConfig, downsample_factor_of)
-from pretrained import Source, SourceError
+from layouts import ExportRequest, Source, SourceError, check_fields_export, export_by_fields, export_safetensors
 
 
 class Family:
@@ -144,6 +148,19 @@ class Family:
         raise ConfigError(f"--distill_weight: a narrower decoder is the LDM family's, not {self.name}'s")
 
     # ----------------------------------------------------------------------------- export (the layouts written)
+    def check_export(self, vae: nn.Module, request: ExportRequest) -> None:
+        """ConfigError (one line) for what export.py's flags ask that this family's writer cannot do, before anything
+        is measured or written."""
+        if request.format == "released":
+            raise ConfigError(f"--format released is the tiny autoencoders' layout (tae.py); "
+                              f"{vae.describe()} exports as diffusers, safetensors or "
+                              "single_file")
+
+    def export(self, vae: nn.Module, request: ExportRequest) -> dict:
+        """export.py's writer: the model written as --format asks, normalised as its pipelines read latents; returns
+        the JSON line's fields. The default: the model's own config fields (layouts.export_by_fields)."""
+        return export_by_fields(vae, request, self.write_diffusers)
+
     def write_diffusers(self, vae: nn.Module, out_dir: str, resolution: int, fields: dict,
                         source_config: dict | None, source_path: str | None) -> None:
         raise NotImplementedError
@@ -165,7 +182,7 @@ class LDM(Family):
         if video:
             raise SourceError(f"{path}: a {config.get('_class_name', 'AutoencoderKL')}, an image VAE: clips "
                               f"(--video_frames) need a video VAE ({VIDEO_HINT})")
-        return pretrained.load_ldm_folder(path, config, weights, init_family)
+        return ldm_layouts.load_ldm_folder(path, config, weights, init_family)
 
     def params_from_dict(self, d):
         return AutoEncoderParams.from_dict({k: v for k, v in d.items() if k != "family"})
@@ -214,7 +231,7 @@ class LDM(Family):
         if widths == source.params.decoder_widths:
             vae.load_state_dict(source.state)
             return ""
-        vae.load_state_dict(pretrained.narrow_decoder_model(source, widths, finetune.decoder_init,
+        vae.load_state_dict(ldm_layouts.narrow_decoder_model(source, widths, finetune.decoder_init,
                                                             optim.seed).state_dict())
         return f"; a decoder of widths {','.join(map(str, widths))} ({finetune.decoder_init})"
 
@@ -223,8 +240,15 @@ class LDM(Family):
         wide.load_state_dict(source.state)
         return wide
 
+    def check_export(self, vae, request):
+        super().check_export(vae, request)
+        ldm_layouts.check_export(vae, request)
+
+    def export(self, vae, request):
+        return ldm_layouts.export(vae, request)
+
     def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
-        pretrained.export_diffusers(vae, out_dir, resolution, source_config=source_config, **fields)
+        ldm_layouts.export_diffusers(vae, out_dir, resolution, source_config=source_config, **fields)
 
 
 # ============================================================================================
@@ -239,7 +263,7 @@ class Wan(Family):
         return class_name in self.CLASSES
 
     def load_folder(self, path, config, weights, init_family, video):
-        return pretrained.load_wan_folder(path, config, weights, init_family, video)
+        return wan_layouts.load_wan_folder(path, config, weights, init_family, video)
 
     def params_from_dict(self, d):
         return wan_ae.WanParams.from_dict(d)
@@ -258,12 +282,16 @@ class Wan(Family):
     def temporal_factor(self, params):
         return params.temporal_factor if params.video else 0
 
+    def check_export(self, vae, request):
+        super().check_export(vae, request)
+        check_fields_export(vae, request)
+
     def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
         if not os.path.isdir(source_path or ""):
             raise ConfigError(f"--format diffusers writes the source's layout back and keeps its earlier temporal "
                               f"slices: the run's --init_from folder {source_path} is needed and is not there")
         try:
-            pretrained.export_wan_diffusers(vae, source_path, out_dir, **fields)
+            wan_layouts.export_wan_diffusers(vae, source_path, out_dir, **fields)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -308,7 +336,7 @@ class Diffusers(Family):
                    "latents_mean": config.get("latents_mean"), "latents_std": config.get("latents_std")}
         notes = [params.spec.note] if params.spec.note else []
         return Source(path, "diffusers", "", params, state, factors, "", notes,
-                      pretrained.kept_config(config, class_name))
+                      layouts.kept_config(config, class_name))
 
     def params_from_dict(self, d):
         return diffusers_ae.DiffusersParams.from_dict(d)
@@ -335,11 +363,15 @@ class Diffusers(Family):
     def temporal_factor(self, params):
         return params.temporal_factor
 
+    def check_export(self, vae, request):
+        super().check_export(vae, request)
+        check_fields_export(vae, request)
+
     def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
         vae.set_normalisation(fields)
         vae.save_pretrained(out_dir)
         for name in os.listdir(out_dir):
-            if name.startswith(pretrained.DIFFUSERS_WEIGHTS.split(".")[0]):
+            if name.startswith(layouts.DIFFUSERS_WEIGHTS.split(".")[0]):
                 honour_umask(os.path.join(out_dir, name))
 
 
@@ -491,6 +523,32 @@ class TAE(Family):
                           "a teacher's latents with --distill_from")
 
     # ----------------------------------------------------------------------------- export
+    def check_export(self, vae, request):
+        if request.factor_flags or request.statistics:
+            raise ConfigError(f"{vae.describe()}: its latents are its diffusion model's already (the "
+                              "teacher's pipeline normalisation), so --scaling_factor / --shift_factor / --latent_norm "
+                              "/ --dataset_url do not apply")
+        if request.format == "single_file":
+            raise ConfigError("--format single_file is the LDM/FLUX file; a tiny autoencoder's released layout is "
+                              "--format released")
+
+    def export(self, vae, request):
+        """Its latents are already those of the diffusion model it serves, so there is no normalisation to write or
+        re-estimate. --format released writes the released layout, diffusers an AutoencoderTiny folder (where the
+        architecture is one it has), safetensors ours."""
+        summary = {**request.summary, "latent_norm": vae.norm_label()}
+        source = request.source  # (an AutoencoderTiny folder's factors are kept)
+        factors = {"scaling_factor": source.get("scaling_factor", 1.0), "shift_factor": source.get("shift_factor", 0.0)}
+        if request.format == "released":
+            name = request.name or os.path.basename(os.path.normpath(request.out))
+            summary["files"] = self.write_released(vae, request.out, name)
+        elif request.format == "diffusers":
+            self.write_diffusers(vae, request.out, request.resolution, factors, None, None)
+            summary["serves"] = vae.serves()
+        else:
+            export_safetensors(vae, request.out, request.resolution, step=request.info["step"], **factors)
+        return summary
+
     def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
         try:
             tae.write_diffusers(vae, out_dir, float(fields.get("scaling_factor") or 1.0),
@@ -498,7 +556,7 @@ class TAE(Family):
         except ValueError as e:
             raise ConfigError(str(e)) from None
         for name in os.listdir(out_dir):
-            if name.startswith(pretrained.DIFFUSERS_WEIGHTS.split(".")[0]):
+            if name.startswith(layouts.DIFFUSERS_WEIGHTS.split(".")[0]):
                 honour_umask(os.path.join(out_dir, name))
 
     def write_released(self, vae, out_dir: str, name: str) -> list[str]:
@@ -531,15 +589,15 @@ def of(vae: nn.Module) -> Family:
     return of_params(vae.params)
 
 
-def write_diffusers(vae: nn.Module, out_dir: str, resolution: int, fields: dict, source_config: dict | None,
-                    source_path: str | None) -> None:
-    """export.py --format diffusers: the model written in its family's diffusers layout, normalised by `fields`."""
-    of(vae).write_diffusers(vae, out_dir, resolution, fields, source_config, source_path)
+def check_export(vae: nn.Module, request: ExportRequest) -> None:
+    """export.py: ConfigError (one line) for what the flags ask that the model's family does not write."""
+    of(vae).check_export(vae, request)
 
 
-def write_released(vae: nn.Module, out_dir: str, name: str) -> list[str]:
-    """export.py --format released: the tiny autoencoder's released files (the paths written)."""
-    return of(vae).write_released(vae, out_dir, name)
+def export(vae: nn.Module, request: ExportRequest) -> dict:
+    """export.py: the model written by its family's writer (the normalisation its pipelines read, the layout --format
+    names); returns the JSON line's fields."""
+    return of(vae).export(vae, request)
 
 
 def params_from_dict(d: dict):
@@ -583,7 +641,7 @@ def load_source(path: str, family: str = "auto", video: bool = False, vae_family
     if tae.recognises(path) and vae_family in (None, TAE_FAMILY.name):  # (a folder of .pth files, not diffusers')
         return TAE_FAMILY.load_released(path, video)
     if os.path.isdir(path):
-        config, weights = pretrained.read_diffusers_folder(path)
+        config, weights = layouts.read_diffusers_folder(path)
         return folder_family(path, config, vae_family).load_folder(path, config, weights, family, video)
     if not os.path.isfile(path):
         raise SourceError(f"{path}: no such file or folder")
@@ -593,7 +651,7 @@ def load_source(path: str, family: str = "auto", video: bool = False, vae_family
     if vae_family not in (None, LDM_FAMILY.name):  # a flag the user gave is never dropped
         raise SourceError(f"{path}: a single file, which only the LDM family reads: --vae_family {vae_family} "
                           "loads from a diffusers folder (config.json beside the weights)")
-    return pretrained.load_single_file(path, family)
+    return ldm_layouts.load_single_file(path, family)
 
 
 def released_tiny(path: str) -> bool:
@@ -603,7 +661,7 @@ def released_tiny(path: str) -> bool:
 
 def load_exported_folder(path: str, video: bool = False) -> tuple[nn.Module, dict]:
     """(model in eval mode, its diffusers config) from a diffusers folder written by export.py (any family)."""
-    config, _ = pretrained.read_diffusers_folder(path)
+    config, _ = layouts.read_diffusers_folder(path)
     source = load_source(path, video=video)
     vae = build_model(source.params)
     vae.load_state_dict(source.state)

@@ -16,7 +16,7 @@ from typing import Any
 
 import data as data_lib
 import families
-import pretrained
+import layouts
 import shards
 import sharding
 import sources
@@ -42,10 +42,10 @@ class RunSetup:
     (vae_trainer.Start.settle) decides from instead of reading them again."""
     cfg: Config
     given: set[str]
-    source: pretrained.Source | None
+    source: layouts.Source | None
     notes: list[str]
     derived: dict[str, str | None]
-    teacher: pretrained.Source | None = None
+    teacher: layouts.Source | None = None
     record: RunRecord | None = None
 
     def __iter__(self):  # cfg, given, source, notes = prepare_run(...)
@@ -140,16 +140,16 @@ def prepare_demo(cfg: Config, given: set[str] = frozenset()) -> Config:
 
 
 def read_init_source(init_from: str, init_family: str, video: bool = False,
-                     vae_family: str | None = None) -> pretrained.Source:
+                     vae_family: str | None = None) -> layouts.Source:
     """The --init_from source (`video`: the run takes clips; `vae_family`: the family the user asked for)."""
     try:
         return families.load_source(init_from, init_family, video, vae_family)
-    except pretrained.SourceError as e:
+    except layouts.SourceError as e:
         raise ConfigError(f"--init_from {e}") from None
 
 
 def apply_init_source(cfg: Config, given: set[str] = frozenset(), record: RunRecord | None = None
-                      ) -> tuple[Config, pretrained.Source | None]:
+                      ) -> tuple[Config, layouts.Source | None]:
     """--init_from: load the source and take the run's architecture from it (one ConfigError line if it does not
     load; its family may change more, families.Family.apply_source). Runs before the checks, on every rank, before
     any process group exists. `record`: the run's config.json as read_run read it (None: read here)."""
@@ -176,8 +176,8 @@ def apply_init_source(cfg: Config, given: set[str] = frozenset(), record: RunRec
     return cfg, source
 
 
-def apply_teacher(cfg: Config, given: set[str], source: pretrained.Source | None
-                  ) -> tuple[Config, pretrained.Source | None, set[str]]:
+def apply_teacher(cfg: Config, given: set[str], source: layouts.Source | None
+                  ) -> tuple[Config, layouts.Source | None, set[str]]:
     """--distill_from: the teacher read (every rank, before any process group) and the student made a tiny
     autoencoder (--vae_family tae unless given) of the teacher's latent: its channels, spatial and temporal factors
     (families.TAE.student_of), unless --init_from gave a released one (which must fit that latent). Returns the config,
@@ -197,13 +197,13 @@ def apply_teacher(cfg: Config, given: set[str], source: pretrained.Source | None
     return with_values(cfg, **arch), teacher, set(arch)
 
 
-def read_teacher(cfg: Config) -> pretrained.Source:
+def read_teacher(cfg: Config) -> layouts.Source:
     """The --distill_from teacher (a single file's release: --init_family, where --init_from does not take it)."""
     try:
         return families.load_source(cfg.finetune.distill_from,
                                     "auto" if cfg.finetune.init_from else cfg.finetune.init_family,
                                     cfg.data.video_frames > 0)
-    except pretrained.SourceError as e:
+    except layouts.SourceError as e:
         raise ConfigError(f"--distill_from {e}") from None
 
 

@@ -34,8 +34,8 @@ import data as data_lib
 import evaluate as evaluate_lib
 import families
 import latents as latents_lib
+import layouts
 import memory
-import pretrained
 import probe as probe_lib
 import run_log
 import sharding
@@ -56,7 +56,7 @@ from weights import WeightsUnavailable, ensure_vgg16_weights, fetch_weights, loa
 # Building the parts from the config (the only functions outside config.py that take all of it)
 # ============================================================================================
 def build_vae(cfg: Config, device: torch.device, memory_format, resume: tuple[str, dict] | None = None,
-              source: pretrained.Source | None = None, log=print, distill_source: pretrained.Source | None = None
+              source: layouts.Source | None = None, log=print, distill_source: layouts.Source | None = None
               ) -> tuple[torch.nn.Module, dict | None, TeacherDecoder | None, TeacherLatents | None]:
     """The autoencoder of the run's family (families.py) on the device: its architecture the flags' (the LDM
     family's new model), the --init_from source's, or the checkpoint's a run resumes from (the source may have moved
@@ -312,9 +312,9 @@ class Trainer:
     report: run_log.Reporter                          # stdout, metrics.jsonl, wandb, grids, curves (run_log.py)
     state: checkpoint.Registry                        # training, adversary, guard, run, vf_projection
 
-    def __init__(self, cfg: Config, info: DistInfo, source: pretrained.Source | None = None,
+    def __init__(self, cfg: Config, info: DistInfo, source: layouts.Source | None = None,
                  derived: dict[str, str | None] | None = None, run_lock: checkpoint.RunLock | None = None,
-                 start: Start | None = None, distill_source: pretrained.Source | None = None):
+                 start: Start | None = None, distill_source: layouts.Source | None = None):
         """`cfg` is finished (run_setup.prepare_run); `source`: the --init_from source it read (None: read here
         if needed); `derived`: {automatic field: its basis}, recorded for a continued run; `run_lock`: main's,
         which main releases however the run ends; `start`: main's settled start (Start.settle; None:

@@ -1,5 +1,5 @@
 """The Wan family's VAE (Qwen-Image's, Wan 2.1's video VAE, and Wan 2.2's): one module for images and clips, with
-ae.AutoEncoder's interface. Its diffusers conversion, both ways, is in pretrained.py beside the other families'.
+ae.AutoEncoder's interface. Its diffusers conversion, both ways, is wan_layouts.py.
 
 diffusers' AutoencoderKLWan (and AutoencoderKLQwenImage, the same network) is a causal video VAE: Conv3d layers that
 pad time with two zero frames in front, RMS norms per frame, spatial resamplers and a mid attention per frame, and

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ae
 import families
-import pretrained
+import layouts
 from ae import AutoEncoder, AutoEncoderParams, GroupNorm32, kl_divergence
 from conftest import record_ops
 
@@ -517,16 +517,16 @@ def test_one_line_errors_quote_a_message_up_to_a_whole_word():
 def test_init_from_errors_name_what_to_give(tmp_path):
     """An unreadable file's error ends on a whole word; a pipeline's root names its vae/ subfolder, also when the
     VAE was not downloaded with it."""
-    import pretrained
+    import layouts
     bad = tmp_path / "ae.safetensors"
     bad.write_bytes(b"\xff" * 64)
-    with pytest.raises(pretrained.SourceError) as e:
+    with pytest.raises(layouts.SourceError) as e:
         families.load_source(str(bad))
     assert "unreadable" in str(e.value) and "\n" not in str(e.value)
     pipeline = tmp_path / "pipeline"
     pipeline.mkdir()
     (pipeline / "model_index.json").write_text("{}")
-    with pytest.raises(pretrained.SourceError, match=r"its VAE is the vae/ subfolder, .*pipeline/vae"):
+    with pytest.raises(layouts.SourceError, match=r"its VAE is the vae/ subfolder, .*pipeline/vae"):
         families.load_source(str(pipeline))
-    with pytest.raises(pretrained.SourceError, match="a pipeline's VAE is its vae/ subfolder"):
+    with pytest.raises(layouts.SourceError, match="a pipeline's VAE is its vae/ subfolder"):
         families.load_source(str(tmp_path))

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(180)  # the CLI tests take 10-20 s: a hang fail
 
 import evaluate as ev
 import export
-import pretrained
+import ldm_layouts
 from ae import AutoEncoder, AutoEncoderParams
 
 CONFIGS = {
@@ -68,7 +68,7 @@ def assert_one_line_error(r, message: str) -> None:
 def test_diffusers_export_matches_our_model(name, tmp_path):
     params = CONFIGS[name]
     vae = make_vae(params)
-    pretrained.export_diffusers(vae, str(tmp_path), resolution=32, scaling_factor=0.7, shift_factor=-0.1)
+    ldm_layouts.export_diffusers(vae, str(tmp_path), resolution=32, scaling_factor=0.7, shift_factor=-0.1)
     theirs = load_diffusers(tmp_path)
     torch.manual_seed(1)
     x = torch.rand(2, 3, 32, 40) * 2 - 1
@@ -111,7 +111,7 @@ def test_diffusers_export_loads_back_exactly(name, tmp_path):
     architecture (the posterior kind and variance included) and bitwise the same outputs."""
     params = CONFIGS[name]
     vae = make_vae(params)
-    pretrained.export_diffusers(vae, str(tmp_path), resolution=32)
+    ldm_layouts.export_diffusers(vae, str(tmp_path), resolution=32)
     loaded, info = ev.load_model(str(tmp_path))
     ours, theirs = params.to_dict(), loaded.params.to_dict()
     assert ours.keys() == theirs.keys() and info["resolution"] == 32
@@ -133,7 +133,7 @@ def test_evaluate_cli_takes_a_diffusers_export(tmp_path, photos_dir):
     save_checkpoint(tmp_path / "ckpt.pt", params)
     ema_vae, _ = ev.load_model(str(tmp_path / "ckpt.pt"), ema=True)
     out = tmp_path / "vae-diffusers"
-    pretrained.export_diffusers(ema_vae, str(out), resolution=32)  # what `export.py --ema` writes (tested above)
+    ldm_layouts.export_diffusers(ema_vae, str(out), resolution=32)  # what `export.py --ema` writes (tested above)
     r = run_cli("evaluate.py", ["--ckpt", str(out), "--dataset_url", photos_dir, "--max_images", "2",
                                 "--vgg16_weights", "none", "--inception_weights", "none"])
     assert r.returncode == 0, r.stderr[-2000:]
@@ -146,7 +146,7 @@ def test_evaluate_cli_takes_a_diffusers_export(tmp_path, photos_dir):
 
 def test_a_foreign_autoencoderkl_is_one_line(tmp_path, capsys):
     """An AutoencoderKL that ae.py cannot hold (level widths not multiples of the first) is one line, no
-    traceback. (The SD layout with quant_conv, this test's example before, now loads: pretrained.py.)"""
+    traceback. (The SD layout with quant_conv, this test's example before, now loads: ldm_layouts.py.)"""
     from diffusers import AutoencoderKL
     AutoencoderKL(block_out_channels=(32, 48), down_block_types=("DownEncoderBlock2D",) * 2, norm_num_groups=16,
                   up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4).save_pretrained(tmp_path / "sd")
@@ -162,7 +162,7 @@ def test_exported_files_honour_the_umask(tmp_path, umask):
     vae = make_vae(CONFIGS["constant_no_attn_2_levels"])
     old = os.umask(umask)
     try:
-        pretrained.export_diffusers(vae, str(tmp_path / "d"), resolution=32)
+        ldm_layouts.export_diffusers(vae, str(tmp_path / "d"), resolution=32)
         export.export_safetensors(vae, str(tmp_path / "s"), resolution=32)
     finally:
         os.umask(old)
@@ -375,13 +375,13 @@ def test_a_diffusers_export_starts_from_its_source_config(tmp_path):
     vae = make_vae(params)
     source_config = {"_class_name": "AutoencoderKL", "sample_size": 512, "force_upcast": False,
                      "scaling_factor": 0.5, "shift_factor": 0.1, "norm_num_groups": 16, "block_out_channels": [1]}
-    pretrained.export_diffusers(vae, str(tmp_path / "out"), 32, scaling_factor=0.25, shift_factor=0.0,
+    ldm_layouts.export_diffusers(vae, str(tmp_path / "out"), 32, scaling_factor=0.25, shift_factor=0.0,
                             source_config=source_config)
     with open(tmp_path / "out" / "config.json") as f:
         written = json.load(f)
     assert (written["sample_size"], written["force_upcast"]) == (512, False)
     assert (written["scaling_factor"], written["shift_factor"]) == (0.25, 0.0)
     assert written["norm_num_groups"] == params.norm_groups and written["block_out_channels"] == [32, 32, 64]
-    pretrained.export_diffusers(vae, str(tmp_path / "plain"), 32)  # no source: what this trainer writes
+    ldm_layouts.export_diffusers(vae, str(tmp_path / "plain"), 32)  # no source: what this trainer writes
     with open(tmp_path / "plain" / "config.json") as f:
         assert json.load(f)["sample_size"] == 32

@@ -19,7 +19,7 @@ import torch
 import diffusers_ae
 import export
 import families
-import pretrained
+import layouts
 import shards
 import sources
 from common import ConfigError
@@ -284,8 +284,8 @@ def test_every_diffusers_autoencoder_trains_here_or_is_refused_in_one_line(tmp_p
         folder = tmp_path / name
         os.makedirs(folder)
         json.dump({"_class_name": name}, open(folder / "config.json", "w"))
-        open(folder / pretrained.DIFFUSERS_WEIGHTS, "w").close()
-        with pytest.raises(pretrained.SourceError) as error:
+        open(folder / layouts.DIFFUSERS_WEIGHTS, "w").close()
+        with pytest.raises(layouts.SourceError) as error:
             families.load_source(str(folder))
         message = str(error.value)
         assert reason in message and "loadable are" in message and "\n" not in message, message
@@ -314,15 +314,15 @@ def test_the_adaptive_weights_last_layer_is_the_last_layer_the_decoder_runs():
             assert ran[-1] is convs[-1], class_name
 
 
-NAMING_MODULES = ("families", "pretrained", "diffusers_ae", "ae", "wan_ae", "tae")  # the registry and the model modules
+NAMING_MODULES = ("families", "ldm_layouts", "wan_layouts", "diffusers_ae", "ae", "wan_ae", "tae")  # the registry and the model modules
 MODEL_CLASSES = ("AutoEncoder", "WanAutoEncoder", "DiffusersAutoEncoder", "WanParams", "DiffusersParams",
                  "TinyAutoEncoder", "TAEParams")
 
 
 def test_no_module_outside_the_registry_names_a_family():
-    """Only families.py, pretrained.py (the native families' layouts) and the model modules know a family: no other
-    module branches on a family (its name, --vae_family, the class of its model or params), or names a diffusers
-    autoencoder class (in code: docstrings and comments may)."""
+    """Only families.py, the native families' layouts (ldm_layouts.py, wan_layouts.py) and the model modules know a
+    family: no other module branches on a family (its name, --vae_family, the class of its model or params), or names
+    a diffusers autoencoder class (in code: docstrings and comments may)."""
     import diffusers.models.autoencoders as autoencoders
     class_names = {name for name in dir(autoencoders) if name[0].isupper()}
     found = []

@@ -1,4 +1,4 @@
-"""Fine-tuning released VAEs (issue 11): pretrained.py loads each family's diffusers folder and single file and
+"""Fine-tuning released VAEs (issue 11): ldm_layouts.py loads each family's diffusers folder and single file and
 computes what diffusers computes; --init_from / --train_parts decoder train the decoder only (torchrun, resume);
 export keeps the source's latent space and factors; bad sources are one line."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 
 import export
 import families
-import pretrained
+import layouts
+import ldm_layouts
 import vae_trainer
 from ae import AutoEncoder, AutoEncoderParams
 from conftest import FAULTY, TINY, cli_env, run_cli
@@ -86,7 +87,7 @@ def diffusers_from_ldm_file(path: str, config: dict):
     """The reference for a single file: diffusers' own LDM -> AutoencoderKL conversion (single_file_utils)."""
     from diffusers import AutoencoderKL
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-    state = pretrained._read_file(path)
+    state = layouts.read_weights(path)
     model = AutoencoderKL(**config).eval()
     model.load_state_dict(convert_ldm_vae_checkpoint(state, model.config), strict=True)
     return model
@@ -102,7 +103,7 @@ def max_errors(ours: AutoEncoder, theirs) -> dict[str, float]:
             "decode": (ours.decode(dist.mean) - theirs.decode(dist.mean).sample).abs().max().item()}
 
 
-def as_model(source: pretrained.Source) -> AutoEncoder:
+def as_model(source: layouts.Source) -> AutoEncoder:
     vae = AutoEncoder(source.params)
     vae.load_state_dict(source.state)
     return vae.eval()
@@ -133,13 +134,13 @@ def test_each_family_loads_like_diffusers(family, tmp_path):
 
     # back out: diffusers (from_pretrained, strict) and the family's single file
     vae = as_model(folder)
-    pretrained.export_diffusers(vae, str(tmp_path / "out"), 32, **{k: folder.factors[k] for k in
+    ldm_layouts.export_diffusers(vae, str(tmp_path / "out"), 32, **{k: folder.factors[k] for k in
                                                                 ("scaling_factor", "shift_factor")})
     from diffusers import AutoencoderKL
     exported = AutoencoderKL.from_pretrained(tmp_path / "out", low_cpu_mem_usage=False).eval()
     assert exported.config.use_quant_conv == quant and exported.config.scaling_factor == folder.factors["scaling_factor"]
     errors["export_diffusers"] = max_errors(vae, exported)
-    file = pretrained.export_single_file(vae, str(tmp_path / "single_out"))
+    file = ldm_layouts.export_single_file(vae, str(tmp_path / "single_out"))
     again = families.load_source(file, family if family in ("sdxl", "sd3") else "auto")
     assert all(torch.equal(again.state[k], v) for k, v in folder.state.items())
     print(f"\n{family} max abs diff vs diffusers: {json.dumps(errors)}")
@@ -154,7 +155,7 @@ def test_latents_mean_and_std_travel_from_the_source_to_the_export(tmp_path):
     random_diffusers_vae("flux", latents_mean=mean, latents_std=std).save_pretrained(tmp_path / "src")
     source = families.load_source(str(tmp_path / "src"))
     assert source.factors["latents_mean"] == mean and source.factors["latents_std"] == std
-    pretrained.export_diffusers(as_model(source), str(tmp_path / "out"), 32, source.factors["scaling_factor"],
+    ldm_layouts.export_diffusers(as_model(source), str(tmp_path / "out"), 32, source.factors["scaling_factor"],
                             source.factors["shift_factor"], source.factors["latents_mean"],
                             source.factors["latents_std"])
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -179,13 +180,13 @@ def test_bad_sources_are_one_line(tmp_path, capsys):
     with open(path, "rb") as f:
         data = f.read()
     (tmp_path / "truncated.safetensors").write_bytes(data[:len(data) // 2])
-    state = pretrained._read_file(path)
+    state = layouts.read_weights(path)
     del state["decoder.up.1.block.0.conv2.weight"]
     save_file(state, tmp_path / "missing_key.safetensors")
     state["decoder.up.0.block.3.conv1.weight"] = torch.zeros(1)  # a 4th block the encoder does not have
     save_file(state, tmp_path / "extra_key.safetensors")
     random_diffusers_vae("flux").save_pretrained(tmp_path / "no_weights")
-    os.remove(tmp_path / "no_weights" / pretrained.DIFFUSERS_WEIGHTS)
+    os.remove(tmp_path / "no_weights" / layouts.DIFFUSERS_WEIGHTS)
     cases = {"resnet.safetensors": "no VAE of the FLUX/SD family in it", "truncated.safetensors": "unreadable",
              "missing_key.safetensors": "decoder.up.1.block.0.conv2.weight", "no_weights": "no weights",
              "extra_key.safetensors": "decoder.up.0.block.3.conv1.weight",

@@ -18,7 +18,8 @@ import torch
 
 import export
 import families
-import pretrained
+import layouts
+import ldm_layouts
 from ae import AutoEncoder, AutoEncoderParams, patchify_latents, unpatchify_latents
 from conftest import run_cli
 
@@ -76,7 +77,7 @@ def random_family(family: str, seed: int = 0):
     return model
 
 
-def as_model(source: pretrained.Source) -> AutoEncoder:
+def as_model(source: layouts.Source) -> AutoEncoder:
     vae = AutoEncoder(source.params)
     vae.load_state_dict(source.state)
     return vae.eval()
@@ -150,7 +151,7 @@ def test_diffusers_folder_loads_and_exports_bitwise(tmp_path, decoder):
         assert torch.equal(vae.normalize_latents(vae.encode(x)),
                            flux2_pipeline(reference)._encode_vae_image(x, torch.Generator().manual_seed(0)))
 
-    pretrained.export_diffusers(vae, str(tmp_path / "out"), 32)
+    ldm_layouts.export_diffusers(vae, str(tmp_path / "out"), 32)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["_class_name"] == "AutoencoderKLFlux2" and "scaling_factor" not in config
     assert config["decoder_block_out_channels"] == (list(decoder) if decoder else None)
@@ -161,7 +162,7 @@ def test_diffusers_folder_loads_and_exports_bitwise(tmp_path, decoder):
     assert reloaded.params == params and all(torch.equal(v, vae.state_dict()[k])
                                              for k, v in reloaded.state_dict().items())
 
-    path = pretrained.export_single_file(vae, str(tmp_path / "single"))
+    path = ldm_layouts.export_single_file(vae, str(tmp_path / "single"))
     from safetensors.torch import load_file
     keys = set(load_file(path))
     assert set(DIFFUSERS_TO_BFL.values()) | {"bn.num_batches_tracked"} <= keys
@@ -193,7 +194,7 @@ def diffusers_from_bfl_file(path: str, decoder: tuple[int, ...] | None):
     single_file_utils, and its FLUX.2 mapping for the quant convs and bn), loaded strictly."""
     from diffusers import AutoencoderKLFlux2
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-    state = pretrained._read_file(path)
+    state = layouts.read_weights(path)
     model = AutoencoderKLFlux2(**FLUX2, decoder_block_out_channels=decoder).eval()
     converted = convert_ldm_vae_checkpoint({k: v for k, v in state.items() if not k.startswith("bn.")},
                                            model.config)
@@ -217,7 +218,7 @@ def test_bfl_single_file_loads_as_diffusers_converts_it(tmp_path, decoder):
     assert_computes_like(vae, reference)
     # a file without num_batches_tracked (diffusers' conversion does not carry it) loads, the count at 0
     from safetensors.torch import save_file
-    state = pretrained._read_file(path)
+    state = layouts.read_weights(path)
     del state["bn.num_batches_tracked"]
     save_file(state, tmp_path / "no_count.safetensors")
     assert families.load_source(str(tmp_path / "no_count.safetensors")).state["bn.num_batches_tracked"] == 0
@@ -232,14 +233,14 @@ def test_families_the_file_contradicts_are_refused_in_one_line(tmp_path, capsys)
     torch.manual_seed(2)
     flux1 = AutoEncoder(AutoEncoderParams(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=16,
                                           posterior="learned"))
-    save_file(pretrained.single_file_state_dict(flux1), tmp_path / "flux1.safetensors")
+    save_file(ldm_layouts.single_file_state_dict(flux1), tmp_path / "flux1.safetensors")
     flux1_path = str(tmp_path / "flux1.safetensors")
     assert families.load_source(flux2).family == "flux2" and families.load_source(flux1_path).family == "flux"
     assert families.load_source(flux2, "flux2").family == "flux2"
     cases = [(flux2, family, "carries FLUX.2's bn statistics") for family in ("sd", "sdxl", "sd3", "flux")]
     cases += [(flux1_path, "flux2", "has no bn statistics"), (flux1_path, "sdxl", "latent has 4 channels")]
     for path, family, expected in cases:
-        with pytest.raises(pretrained.SourceError) as e:
+        with pytest.raises(layouts.SourceError) as e:
             families.load_source(path, family)
         assert expected in str(e.value) and f"--init_family {family}" in str(e.value), (family, str(e.value))
         assert "\n" not in str(e.value)
@@ -353,7 +354,7 @@ def test_an_export_keeps_the_source_config_and_a_single_file_its_architecture(tm
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "norm_groups 8" in warnings[0] and "latent_bn_eps 0.001" in warnings[0], warnings
     path = str(tmp_path / "single" / "ae.safetensors")
-    assert pretrained.single_file_metadata(path)["norm_groups"] == "8"
+    assert ldm_layouts.single_file_metadata(path)["norm_groups"] == "8"
     back = families.load_source(path)
     assert (back.params.norm_groups, back.params.latent_bn_eps) == (8, 1e-3) and back.notes == []
     again = AutoEncoder(back.params)
@@ -573,7 +574,7 @@ def test_narrow_decoder_keeps_the_latent_space_and_exports(tmp_path, family):
     reference = random_family(family)
     reference.save_pretrained(tmp_path / "source")
     source = families.load_source(str(tmp_path / "source"))
-    vae = pretrained.narrow_decoder_model(source, SMALL_DECODER)
+    vae = ldm_layouts.narrow_decoder_model(source, SMALL_DECODER)
     assert vae.params.decoder_widths == SMALL_DECODER and vae.params.encoder_channels == ENCODER
     assert vae.decoder.conv_in.weight.shape[0] == SMALL_DECODER[-1]
     assert vae.decoder.conv_out.weight.shape[1] == SMALL_DECODER[0]
@@ -584,7 +585,7 @@ def test_narrow_decoder_keeps_the_latent_space_and_exports(tmp_path, family):
     with torch.no_grad():
         assert torch.equal(vae.encode(x), reference.encode(x).latent_dist.mean)
 
-    pretrained.export_diffusers(vae, str(tmp_path / "out"), 32, source.factors["scaling_factor"],
+    ldm_layouts.export_diffusers(vae, str(tmp_path / "out"), 32, source.factors["scaling_factor"],
                             source.factors["shift_factor"])
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["_class_name"] == "AutoencoderKLFlux2"
@@ -600,7 +601,7 @@ def test_narrow_decoder_keeps_the_latent_space_and_exports(tmp_path, family):
     again = families.load_source(str(tmp_path / "out"))
     assert again.params == vae.params and again.factors == source.factors
     assert all(torch.equal(again.state[k], v) for k, v in vae.state_dict().items())
-    path = pretrained.export_single_file(vae, str(tmp_path / "single"))
+    path = ldm_layouts.export_single_file(vae, str(tmp_path / "single"))
     single = families.load_source(path, family)
     assert single.params == vae.params and all(torch.equal(single.state[k], v) for k, v in vae.state_dict().items())
 
@@ -618,11 +619,11 @@ def test_narrow_decoder_starts_fresh_or_sliced_from_the_wide_one(tmp_path):
     random_family("flux2").save_pretrained(tmp_path / "source")
     source = families.load_source(str(tmp_path / "source"))
     rng = torch.get_rng_state()
-    fresh = pretrained.narrow_decoder_model(source, SMALL_DECODER, "fresh", seed=4)
+    fresh = ldm_layouts.narrow_decoder_model(source, SMALL_DECODER, "fresh", seed=4)
     assert torch.equal(torch.get_rng_state(), rng)  # the caller's random stream is untouched
-    again = pretrained.narrow_decoder_model(source, SMALL_DECODER, "fresh", seed=4)
+    again = ldm_layouts.narrow_decoder_model(source, SMALL_DECODER, "fresh", seed=4)
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in fresh.state_dict().items())
-    sliced = pretrained.narrow_decoder_model(source, SMALL_DECODER, "slice")
+    sliced = ldm_layouts.narrow_decoder_model(source, SMALL_DECODER, "slice")
     decoder = {k: v for k, v in sliced.state_dict().items() if k.startswith("decoder.")}
     for name, narrow in decoder.items():  # every tensor the leading entries of the wide one's
         assert torch.equal(narrow, source.state[name][tuple(slice(0, n) for n in narrow.shape)]), name
@@ -630,6 +631,6 @@ def test_narrow_decoder_starts_fresh_or_sliced_from_the_wide_one(tmp_path):
     assert torch.equal(decoder["decoder.conv_out.weight"], source.state["decoder.conv_out.weight"][:, :32])
     assert all(torch.equal(sliced.state_dict()[k], v) for k, v in source.state.items() if not k.startswith("decoder."))
     with pytest.raises(ValueError, match="needs every decoder width <= the source's"):
-        pretrained.narrow_decoder_model(source, (64, 64, 128, 256), "slice")
+        ldm_layouts.narrow_decoder_model(source, (64, 64, 128, 256), "slice")
     with pytest.raises(ValueError, match="must be multiples of the 32 GroupNorm groups"):
-        pretrained.narrow_decoder_model(source, (24, 48, 96, 96))
+        ldm_layouts.narrow_decoder_model(source, (24, 48, 96, 96))

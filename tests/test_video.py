@@ -20,7 +20,6 @@ import data as data_lib
 import evaluate
 import export
 import families
-import pretrained
 import shards
 import sources
 from conftest import cli_env, run_cli

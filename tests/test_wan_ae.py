@@ -16,9 +16,10 @@ from torch.utils.checkpoint import checkpoint
 import ae
 import export
 import families
-import pretrained
+import layouts
 import train_state
 import wan_ae
+import wan_layouts
 from wan_ae import WanAutoEncoder, WanParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -60,7 +61,7 @@ def saved(model, folder) -> str:
     return str(folder)
 
 
-def as_model(source: pretrained.Source) -> WanAutoEncoder:
+def as_model(source: layouts.Source) -> WanAutoEncoder:
     vae = WanAutoEncoder(source.params)
     vae.load_state_dict(source.state)
     return vae.eval()
@@ -171,11 +172,11 @@ def test_released_structures_convert():
     for cls, config, factor in ((AutoencoderKLQwenImage, {}, 8), (AutoencoderKLWan, wan22, 16)):
         with torch.device("meta"):
             reference = cls(**config)
-        params = pretrained.wan_params_from_diffusers_config({**reference.config, "_class_name": cls.__name__}, cls.__name__)
+        params = wan_layouts.wan_params_from_diffusers_config({**reference.config, "_class_name": cls.__name__}, cls.__name__)
         assert params.downsample_factor == factor and params.z_channels == reference.config.z_dim
         if cls is AutoencoderKLQwenImage:
             assert params == WanParams()
-        state = pretrained.wan_from_diffusers_state_dict(reference.state_dict(), params, cls.__name__)
+        state = wan_layouts.wan_from_diffusers_state_dict(reference.state_dict(), params, cls.__name__)
         assert set(state) == {k for k in reference.state_dict() if ".time_conv." not in k}
 
 
@@ -323,14 +324,14 @@ def test_export_writes_the_source_layout_back(kind, tmp_path):
     with torch.no_grad():  # training moved every weight
         for p in vae.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    pretrained.export_wan_diffusers(vae, source_dir, str(tmp_path / "out"))
+    wan_layouts.export_wan_diffusers(vae, source_dir, str(tmp_path / "out"))
     class_name = CLASSES[kind][0]
     exported = getattr(diffusers, class_name).from_pretrained(tmp_path / "out", low_cpu_mem_usage=False).eval()
     assert type(exported).__name__ == class_name
     assert exported.config.latents_mean == TINY["latents_mean"] and exported.config.latents_std == TINY["latents_std"]
     compare_with_diffusers(vae, exported, images(), f"{kind} export")
 
-    source_state = pretrained._read_file(os.path.join(source_dir, pretrained.DIFFUSERS_WEIGHTS))
+    source_state = layouts.read_weights(os.path.join(source_dir, layouts.DIFFUSERS_WEIGHTS))
     exported_state = exported.state_dict()
     assert set(exported_state) == set(source_state)
     assert any(".time_conv." in k for k in source_state)
@@ -343,7 +344,7 @@ def test_export_writes_the_source_layout_back(kind, tmp_path):
     assert all(torch.equal(again.state[k], v) for k, v in vae.state_dict().items())
 
     mean, std = [0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]
-    pretrained.export_wan_diffusers(vae, source_dir, str(tmp_path / "restat"), latents_mean=mean, latents_std=std)
+    wan_layouts.export_wan_diffusers(vae, source_dir, str(tmp_path / "restat"), latents_mean=mean, latents_std=std)
     config = json.loads((tmp_path / "restat" / "config.json").read_text())
     assert (config["latents_mean"], config["latents_std"]) == (mean, std)
 
@@ -352,9 +353,9 @@ def test_export_refuses_another_source(tmp_path):
     vae = as_model(families.load_source(saved(diffusers_vae(), tmp_path / "source")))
     other = saved(diffusers_vae(base_dim=8), tmp_path / "other")
     with pytest.raises(ValueError, match="is not the model's"):
-        pretrained.export_wan_diffusers(vae, other, str(tmp_path / "out"))
+        wan_layouts.export_wan_diffusers(vae, other, str(tmp_path / "out"))
     with pytest.raises(ValueError, match="3 entries for 4 latent channels"):
-        pretrained.export_wan_diffusers(vae, str(tmp_path / "source"), str(tmp_path / "out"), latents_mean=[0.0] * 3)
+        wan_layouts.export_wan_diffusers(vae, str(tmp_path / "source"), str(tmp_path / "out"), latents_mean=[0.0] * 3)
 
 
 # ------------------------------------------------------------------------------------------------- bad sources
@@ -377,10 +378,10 @@ def test_bad_sources_are_one_line(tmp_path):
     original = {"decoder.middle.0.residual.0.gamma": torch.ones(4, 1, 1, 1), "encoder.conv1.weight": torch.zeros(1)}
     save_file(original, tmp_path / "qwen_image_vae.safetensors")
     extra = _edited(good, tmp_path, "extra")  # a weight no block of this config has
-    weights = pretrained._read_file(os.path.join(extra, pretrained.DIFFUSERS_WEIGHTS))
+    weights = layouts.read_weights(os.path.join(extra, layouts.DIFFUSERS_WEIGHTS))
     save_file({**weights, "decoder.up_blocks.2.upsamplers.0.resample.1.weight": torch.zeros(8, 16, 3, 3)},
-              os.path.join(extra, pretrained.DIFFUSERS_WEIGHTS))
-    weights_alone = os.path.join(good, pretrained.DIFFUSERS_WEIGHTS)  # the weights file given for the folder
+              os.path.join(extra, layouts.DIFFUSERS_WEIGHTS))
+    weights_alone = os.path.join(good, layouts.DIFFUSERS_WEIGHTS)  # the weights file given for the folder
     os.makedirs(tmp_path / "pipeline")
     os.symlink(good, tmp_path / "pipeline" / "vae")
     cases = {
@@ -401,7 +402,7 @@ def test_bad_sources_are_one_line(tmp_path):
         str(tmp_path / "pipeline"): f"give its VAE, {tmp_path / 'pipeline' / 'vae'}",
     }
     for path, expected in cases.items():
-        with pytest.raises(pretrained.SourceError) as error:
+        with pytest.raises(layouts.SourceError) as error:
             families.load_source(path)
         message = str(error.value)
         assert expected in message and "\n" not in message and message.startswith(path), (path, message)

@@ -11,8 +11,8 @@ import torch
 
 import export
 import families
-import pretrained
 import wan_ae
+import wan_layouts
 from wan_ae import WanAutoEncoder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -190,7 +190,7 @@ def test_export_is_a_folder_diffusers_decodes_as_we_do(source, tmp_path):
     vae = loaded(folder)
     for p in vae.parameters():
         p.add_(0.01 * torch.randn_like(p))
-    pretrained.export_wan_diffusers(vae, folder, str(tmp_path / "out"), latents_std=[1.0, 2.0, 3.0, 4.0])
+    wan_layouts.export_wan_diffusers(vae, folder, str(tmp_path / "out"), latents_std=[1.0, 2.0, 3.0, 4.0])
     theirs = diffusers.AutoencoderKLWan.from_pretrained(str(tmp_path / "out")).eval()
     assert theirs.config.latents_std == [1.0, 2.0, 3.0, 4.0] and theirs.config.latents_mean == TINY["latents_mean"]
     vae.time_chunks = (4, 1)

@@ -1,12 +1,11 @@
-"""The native families' layouts, both ways (families.py is the registry that calls them): diffusers' AutoencoderKL /
-AutoencoderKLFlux2 folder and the LDM/FLUX single file for ae.py's model, the AutoencoderKLQwenImage /
-AutoencoderKLWan folder for wan_ae.py's.
+"""The LDM family's layouts, both ways (families.py is the registry that calls them): diffusers' AutoencoderKL /
+AutoencoderKLFlux2 folder and the LDM/FLUX single file for ae.py's model; the Wan family's are wan_layouts.py's.
 
     source = families.load_source("black-forest-labs/FLUX.1-dev/ae.safetensors")    # or a diffusers folder,
     source.params, source.state, source.factors                                       # an SD VAE / SD checkpoint
-    vae = pretrained.narrow_decoder_model(source, (96, 192, 384, 384))                # the same latent space,
+    vae = ldm_layouts.narrow_decoder_model(source, (96, 192, 384, 384))                # the same latent space,
                                                                                       # a narrower decoder
-    pretrained.export_diffusers(vae, "out", 512, scaling_factor=0.3611, shift_factor=0.1159)   # and back
+    ldm_layouts.export_diffusers(vae, "out", 512, scaling_factor=0.3611, shift_factor=0.1159)   # and back
 
 `load_ldm_folder` and `load_single_file` read a diffusers folder (config.json + weights), FLUX.1's or FLUX.2's
 `ae.safetensors`, an SD/LDM VAE file (with `quant_conv`), or a full SD checkpoint whose VAE keys carry
@@ -26,31 +25,28 @@ flux2/src/flux2/autoencoder.py defines the single file):
       (`encoder.quant_conv.*`, `decoder.post_quant_conv.*`), and `bn.running_mean`, `bn.running_var` (and
       `bn.num_batches_tracked`, which BFL's strict load_state_dict expects); eps 1e-4 and momentum 0.1 are BFL's
       constants, not in the file.
-A diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder (Qwen-Image's and Wan 2.1's VAE, Wan 2.2's) loads into
-wan_ae.py's image model, or with `video=True` its video model (every temporal weight; its params a wan_ae.WanParams).
-Imports only the model modules and common.py: families.py, the trainer, export.py and bench.py use it without an
-import cycle.
+`check_export` and `export` are this family's writer for export.py (through families.export): the factors a
+decoder-only fine-tune keeps, measures (--dataset_url) or takes from the flags, or FLUX.2's bn statistics, written
+as a diffusers folder, the single file or our safetensors.
+What every family's layouts share (`Source`, reading a folder or a weights file) is layouts.py's.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-import wan_ae
 from ae import AutoEncoder, AutoEncoderParams, check_widths
-from common import ConfigError, first_line, honour_umask
+from common import ConfigError, honour_umask
 from config import DECODER_INITS, FAMILY_CHOICES
+from layouts import (DIFFUSERS_WEIGHTS, ExportRequest, Source, SourceError, as_stored, export_safetensors, kept_config,
+                     read_weights)
 
-DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
-DIFFUSERS_WEIGHTS_BIN = "diffusion_pytorch_model.bin"
-DIFFUSERS_WEIGHTS_INDEX = "diffusion_pytorch_model.safetensors.index.json"  # weights sharded over several files
 SINGLE_FILE_WEIGHTS = "ae.safetensors"  # export.py --format single_file
 
 # Released latent factors of each family (the diffusers configs of the released VAEs). FLUX.2's are the identity:
@@ -74,29 +70,6 @@ FAMILY_MARKERS = (("sd3", "model.diffusion_model.joint_blocks.0."), ("flux", "mo
                   ("sdxl", "conditioner.embedders.1."))
 
 
-class SourceError(ValueError):
-    """A source the user gave cannot be loaded: the message is one line."""
-
-
-@dataclass
-class Source:
-    path: str
-    layout: str  # "diffusers" (a folder) or "single_file"
-    family: str  # sd | sdxl | sd3 | flux | flux2, or "" (a diffusers folder: its config carries the factors)
-    params: AutoEncoderParams | wan_ae.WanParams
-    state: dict[str, Tensor]  # in ae.py's (LDM/FLUX) names; a Wan-family source's in wan_ae.py's (diffusers') names
-    factors: dict  # scaling_factor, shift_factor, latents_mean, latents_std (None where the source has none);
-    # FLUX.2's bn statistics are not factors: they are in `state` (bn.running_mean / bn.running_var) and `params`
-    prefix: str = ""  # the VAE keys' prefix in a full checkpoint
-    notes: list[str] = field(default_factory=list)
-    config: dict | None = None  # a diffusers folder's config.json: an export of the run starts from it
-
-    def describe(self) -> dict:
-        """What a run records about where its weights came from (config.json, checkpoints, export)."""
-        return {"path": self.path, "layout": self.layout, "family": self.family, "prefix": self.prefix,
-                **self.factors, **({"config": self.config} if self.config is not None else {})}
-
-
 # ============================================================================================
 # diffusers AutoencoderKL: config and state-dict conversion
 # ============================================================================================
@@ -106,7 +79,7 @@ def diffusers_class(params: AutoEncoderParams) -> str:
     Encoder and Decoder (AsymmetricAutoencoderKL's decoder is a MaskConditionDecoder with an inpainting branch and
     always quant convs; AutoencoderTiny and ConsistencyDecoderVAE are other networks). So a narrower decoder of any
     family is exported as an AutoencoderKLFlux2, whose unused bn keeps BatchNorm's defaults where the family has
-    factors (export.export_diffusers writes them into its config)."""
+    factors (export_diffusers writes them into its config)."""
     narrow = params.decoder_widths != params.encoder_channels
     return "AutoencoderKLFlux2" if params.latent_bn or narrow else "AutoencoderKL"
 
@@ -124,7 +97,6 @@ def flux2_config(params: AutoEncoderParams, resolution: int) -> dict:
         norm_num_groups=params.norm_groups, sample_size=resolution, use_quant_conv=params.quant_conv,
         use_post_quant_conv=params.quant_conv, mid_block_add_attention=params.use_attn,
         batch_norm_eps=params.latent_bn_eps, batch_norm_momentum=params.latent_bn_momentum, patch_size=[2, 2])
-
 
 
 def diffusers_config(params: AutoEncoderParams, resolution: int, scaling_factor: float, shift_factor: float,
@@ -190,12 +162,6 @@ def to_diffusers_state_dict(state: dict[str, Tensor], params: AutoEncoderParams)
     return out
 
 
-def as_stored(value: Tensor) -> Tensor:
-    """fp32 weights on the CPU; an integer buffer (bn.num_batches_tracked) keeps its dtype."""
-    value = value.detach().cpu()
-    return (value.float() if value.is_floating_point() else value).contiguous()
-
-
 def _constant_logvar(state: dict[str, Tensor], z: int, quant_conv: bool) -> float | None:
     """The constant posterior's variance if the encoder's log-variance half has zero weights and one bias (how
     this trainer writes it), else None (a learned posterior). With quant convs the posterior is learned."""
@@ -249,7 +215,7 @@ def from_diffusers_state_dict(state: dict[str, Tensor], config: dict,
     comes back as it went out: a log-variance half of `conv_out` with zero weights and one constant bias is the
     constant posterior (variance exp(bias)); anything else (every released VAE) is a learned one. An
     AutoencoderKLFlux2 is FLUX.2's (latent_bn) unless its config carries a scaling_factor (a narrower decoder of
-    another family, as export.export_diffusers writes it; FLUX.2's own configs have none), whose bn is then unused
+    another family, as export_diffusers writes it; FLUX.2's own configs have none), whose bn is then unused
     and not loaded. SourceError (one line) for a config or weights ae.py cannot hold."""
     kind = config.get("_class_name", "AutoencoderKL")
     if kind not in ("AutoencoderKL", "AutoencoderKLFlux2"):
@@ -412,7 +378,6 @@ def export_single_file(vae: AutoEncoder, out_dir: str, scaling_factor: float | N
     return path
 
 
-
 # ============================================================================================
 # The LDM/FLUX single file: our names, with the log-variance channels of the released layout
 # ============================================================================================
@@ -479,31 +444,6 @@ def single_file_state_dict(vae: AutoEncoder) -> dict[str, Tensor]:
     BFL's FLUX.2 layout (quant convs inside encoder and decoder, bn.*), which BFL's AutoEncoder loads strictly."""
     state = _with_constant_logvar({k: as_stored(v) for k, v in vae.state_dict().items()}, vae.params)
     return to_bfl_names(state) if vae.params.latent_bn else state
-
-
-def _read_file(path: str) -> dict[str, Tensor]:
-    if path.endswith(".index.json"):  # a sharded safetensors: the index names each tensor's file
-        try:
-            with open(path) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as e:
-            raise SourceError(f"{path}: unreadable index of sharded weights ({type(e).__name__})") from None
-        return {k: v for name in files for k, v in _read_file(os.path.join(os.path.dirname(path), name)).items()}
-    try:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-            state = load_file(path)
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)  # never runs code from the file
-    except Exception as e:
-        reason = first_line(e)
-        raise SourceError(f"{path}: unreadable ({type(e).__name__}{': ' + reason if reason else ''}): truncated, "
-                          "or not a .safetensors / PyTorch file") from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]  # LDM/SD .ckpt files
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise SourceError(f"{path}: holds no state dict of tensors")
-    return state
 
 
 def _single_file_family(state: dict[str, Tensor], prefix: str, z: int, notes: list[str], latent_bn: bool) -> str:
@@ -586,7 +526,7 @@ def load_single_file(path: str, family: str = "auto") -> Source:
     """An LDM/FLUX single file (module docstring) as ae.py's model; `family`: its release, for the latent factors."""
     if family not in FAMILY_CHOICES:
         raise SourceError(f"family must be one of {FAMILY_CHOICES}, got {family!r}")
-    full = _read_file(path)
+    full = read_weights(path)
     # diffusers' names (AutoencoderKL's and the Wan family's) have an encoder.conv_in.weight too: told apart first
     if "encoder.mid_block.resnets.0.conv1.weight" in full:
         raise SourceError(f"{path}: diffusers-named weights without their config: give the folder with config.json")
@@ -623,33 +563,6 @@ def load_single_file(path: str, family: str = "auto") -> Source:
     return Source(path, "single_file", family, params, ours, factors, prefix, notes)
 
 
-def read_diffusers_folder(path: str) -> tuple[dict, str]:
-    """A diffusers model folder's config.json and the path of its weights; SourceError (one line) for a pipeline's
-    root (its VAE is vae/), a folder without config.json or weights, an unreadable config."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        if os.path.isfile(os.path.join(path, "vae", "config.json")):  # a whole pipeline (model_index.json)
-            raise SourceError(f"{path}: a pipeline folder: give its VAE, {os.path.join(path, 'vae')}")
-        if os.path.isfile(os.path.join(path, "model_index.json")):  # a pipeline whose vae/ is not (all) here
-            raise SourceError(f"{path}: a diffusers pipeline folder (model_index.json): its VAE is the vae/ subfolder, "
-                              f"{os.path.join(path, 'vae')}, which holds no config.json here (download the VAE too: "
-                              "huggingface-cli download REPO --include 'vae/*')")
-        raise SourceError(f"{path}: a folder without config.json: not a diffusers model folder (a pipeline's VAE is "
-                          "its vae/ subfolder)")
-    try:
-        with open(config_path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise SourceError(f"{config_path}: unreadable ({type(e).__name__})") from None
-    if not isinstance(config, dict):
-        raise SourceError(f"{config_path}: not a diffusers config (a JSON object)")
-    weights = [os.path.join(path, n) for n in (DIFFUSERS_WEIGHTS, DIFFUSERS_WEIGHTS_BIN, DIFFUSERS_WEIGHTS_INDEX)
-               if os.path.isfile(os.path.join(path, n))]
-    if not weights:
-        raise SourceError(f"{path}: config.json but no weights ({DIFFUSERS_WEIGHTS} or {DIFFUSERS_WEIGHTS_BIN})")
-    return config, weights[0]
-
-
 def _folder_factors(config: dict, notes: list[str], init_family: str, latent_bn: bool = False) -> dict:
     """The latent factors a diffusers config carries (FLUX.2's none: its bn statistics are in the weights)."""
     if init_family != "auto":
@@ -660,191 +573,13 @@ def _folder_factors(config: dict, notes: list[str], init_family: str, latent_bn:
             "latents_mean": config.get("latents_mean"), "latents_std": config.get("latents_std")}
 
 
-def kept_config(config: dict, class_name: str) -> dict:
-    """What a Source records of a folder's config: every field, with its class (not _diffusers_version or
-    _name_or_path)."""
-    return {"_class_name": class_name, **{k: v for k, v in config.items() if not k.startswith("_")}}
-
-
 def load_ldm_folder(path: str, config: dict, weights: str, init_family: str = "auto") -> Source:
     """A diffusers AutoencoderKL / AutoencoderKLFlux2 folder as ae.py's model."""
-    params, ours = from_diffusers_state_dict(_read_file(weights), config, path)
+    params, ours = from_diffusers_state_dict(read_weights(weights), config, path)
     notes: list[str] = []
     factors = _folder_factors(config, notes, init_family, params.latent_bn)
     return Source(path, "diffusers", "flux2" if params.latent_bn else "", params, ours, factors, "", notes,
                   kept_config(config, config.get("_class_name", "AutoencoderKL")))
-
-
-def load_wan_folder(path: str, config: dict, weights: str, init_family: str = "auto", video: bool = False) -> Source:
-    """A diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder as wan_ae.py's image model, or its video model."""
-    params, ours, factors, notes = wan_from_diffusers(config, _read_file(weights), path, video)
-    if init_family != "auto":
-        notes.append(f"--init_family {init_family} ignored: the diffusers config carries the latent factors")
-    return Source(path, "diffusers", "", params, ours, factors, "", notes, kept_config(config, config["_class_name"]))
-
-
-# ============================================================================================
-# diffusers AutoencoderKLQwenImage / AutoencoderKLWan (Wan 2.1): config and weights, both ways
-# ============================================================================================
-WAN_DIFFUSERS_CLASSES = ("AutoencoderKLQwenImage", "AutoencoderKLWan")
-# causal Conv3d kernels are (out, in, k, k, k): their last temporal slice is the one-frame Conv2d
-TIME_CONV = ".time_conv."  # the temporal resamplers' convolutions: no part of the first frame's computation
-
-
-def wan_params_from_diffusers_config(config: dict, where: str, video: bool = False) -> wan_ae.WanParams:
-    """An AutoencoderKLQwenImage / AutoencoderKLWan config -> our params (diffusers' defaults where a key is
-    missing); SourceError (one line) for a config this 2D model cannot honour."""
-    class_name = config.get("_class_name")
-    dim_mult = list(config.get("dim_mult", [1, 2, 4, 4]))
-    temporal = list(config.get("temperal_downsample", [False, True, True]))
-    if not dim_mult or not all(isinstance(m, int) and m > 0 for m in dim_mult):
-        raise SourceError(f"{where}: dim_mult {dim_mult} is not a list of positive integers")
-    if len(temporal) != len(dim_mult) - 1:
-        # diffusers builds one resampler per level but the last, each reading its entry of temperal_downsample
-        raise SourceError(f"{where}: temperal_downsample has {len(temporal)} entries for {len(dim_mult)} levels "
-                            f"(dim_mult {dim_mult}): not a VAE diffusers can build")
-    if config.get("attn_scales"):
-        raise SourceError(f"{where}: attn_scales {config['attn_scales']}: diffusers' encoder cannot run those "
-                            "attention blocks (they take no feature cache), and no release has them")
-    base = config.get("base_dim", 96)
-    patch_size, level_shortcuts = 1, False
-    if class_name == "AutoencoderKLWan":
-        in_channels, out_channels = config.get("in_channels", 3), config.get("out_channels", 3)
-        decoder_ch = config.get("decoder_base_dim") or base
-        patch_size, level_shortcuts = config.get("patch_size") or 1, bool(config.get("is_residual", False))
-        if in_channels % patch_size ** 2 or out_channels % patch_size ** 2:
-            raise SourceError(f"{where}: in_channels {in_channels} / out_channels {out_channels} are not the "
-                                f"channels of {patch_size}x{patch_size} patches")
-        in_channels, out_channels = in_channels // patch_size ** 2, out_channels // patch_size ** 2
-    else:  # AutoencoderKLQwenImage: one input_channels for the image in and out
-        in_channels = out_channels = config.get("input_channels", 3)
-        decoder_ch = base
-    z = config.get("z_dim", 16)
-    for name in ("latents_mean", "latents_std"):
-        if config.get(name) is not None and len(config[name]) != z:
-            raise SourceError(f"{where}: {name} has {len(config[name])} entries for z_dim {z}")
-    return wan_ae.WanParams(in_channels=in_channels, out_ch=out_channels, ch=base, ch_mult=tuple(dim_mult),
-                          num_res_blocks=config.get("num_res_blocks", 2), z_channels=z, decoder_ch=decoder_ch,
-                          dropout=float(config.get("dropout", 0.0)), patch_size=patch_size,
-                          level_shortcuts=level_shortcuts, video=video,
-                          # the first frame depends on it only through Wan 2.2's shortcuts
-                          temporal_downsample=tuple(map(bool, temporal)) if level_shortcuts or video else ())
-
-
-def _wan_one_frame(value: Tensor, like: Tensor) -> Tensor | None:
-    """A diffusers tensor -> the tensor of our shape `like`: a causal (out, in, k, k, k) kernel's last temporal slice,
-    an RMS norm's (C, 1, 1, 1) gamma reshaped; None when it does not fit."""
-    if value.shape == like.shape:  # (the video model's every kernel)
-        return value
-    if value.dim() == 5 and value.shape[2] == value.shape[3] and value[:, :, -1].shape == like.shape:
-        return value[:, :, -1]
-    if value.dim() == like.dim() + 1 and value.numel() == like.numel() and value.shape[-1] == 1:
-        return value.reshape(like.shape)
-    return value if value.shape == like.shape else None
-
-
-def wan_from_diffusers_state_dict(state: dict[str, Tensor], params: wan_ae.WanParams, where: str) -> dict[str, Tensor]:
-    """diffusers' weights -> ours (the same names); SourceError (one line) naming the keys that do not fit. The
-    source's time_conv weights are the only ones the image model leaves out (the first frame never runs them)."""
-    try:
-        with torch.device("meta"):
-            ours = wan_ae.WanAutoEncoder(params).state_dict()
-    except ValueError as e:  # a shortcut's channel groups that do not divide
-        raise SourceError(f"{where}: not a VAE diffusers can build ({e})") from None
-    converted, missing, wrong = {}, [], []
-    for name, like in ours.items():
-        if name not in state:
-            missing.append(name)
-            continue
-        value = _wan_one_frame(state[name], like)
-        if value is None:
-            wrong.append(f"{name} {list(state[name].shape)} vs {list(like.shape)}")
-            continue
-        converted[name] = value.float().contiguous()
-    extra = sorted(k for k in state if k not in ours and TIME_CONV not in k)
-    if missing or wrong or extra:
-        parts = ([f"{len(missing)} missing (e.g. {', '.join(missing[:3])})"] if missing else []) + \
-                ([f"{len(wrong)} of another shape (e.g. {'; '.join(wrong[:2])})"] if wrong else []) + \
-                ([f"{len(extra)} unexpected (e.g. {', '.join(extra[:3])})"] if extra else [])
-        raise SourceError(f"{where}: keys do not fit the architecture read from its config: {', '.join(parts)}")
-    return converted
-
-
-def wan_to_diffusers_state_dict(state: dict[str, Tensor], source_state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Our weights back into the source's diffusers tensors: the video model's as they are; the image model's 2D
-    kernels into the last temporal slice of their 3D kernels, the other slices and every time_conv as the source has
-    them (they act on later video frames only)."""
-    out = {}
-    for name, source in source_state.items():
-        if name not in state:
-            if TIME_CONV not in name:
-                raise ValueError(f"{name} is in the source's weights but not in the model's")
-            out[name] = source.detach().float().clone()
-            continue
-        value = state[name].detach().float().cpu()
-        if value.shape == source.shape:
-            out[name] = value.clone()
-        elif source.dim() == 5:
-            merged = source.detach().float().clone()
-            merged[:, :, -1] = value
-            out[name] = merged
-        else:
-            out[name] = value.reshape(source.shape).clone()
-    left = sorted(set(state) - set(source_state))
-    if left:
-        raise ValueError(f"the model has {len(left)} weights the source lacks (e.g. {', '.join(left[:3])})")
-    return out
-
-
-def wan_from_diffusers(config: dict, state: dict[str, Tensor], where: str, video: bool = False
-                   ) -> tuple[wan_ae.WanParams, dict[str, Tensor], dict, list[str]]:
-    """A diffusers AutoencoderKLQwenImage / AutoencoderKLWan folder's config and weights -> (params, our weights,
-    latent factors, notes). The pipelines normalise with the config's per-channel statistics alone,
-    z' = (z - latents_mean) / latents_std: scaling_factor 1, shift_factor 0."""
-    params = wan_params_from_diffusers_config(config, where, video)
-    converted = wan_from_diffusers_state_dict(state, params, where)
-    factors = {"scaling_factor": 1.0, "shift_factor": 0.0, "latents_mean": config.get("latents_mean"),
-               "latents_std": config.get("latents_std")}
-    notes = []
-    if not video and config.get("_class_name") == "AutoencoderKLWan" and any(TIME_CONV in k for k in state):
-        notes.append("a video VAE trained here on images: its export decodes images (first frames) as trained; later "
-                     "video frames also go through the source's earlier temporal kernel slices and time_conv, which "
-                     "training does not touch")
-    return params, converted, factors, notes
-
-
-def export_wan_diffusers(vae: wan_ae.WanAutoEncoder, source_dir: str, out_dir: str,
-                         latents_mean: list[float] | None = None, latents_std: list[float] | None = None) -> None:
-    """Write `out_dir` as the diffusers folder `source_dir` is (its class and config), with the trained weights: the
-    video model's every tensor; the image model's 2D kernels into the last temporal slice of their causal 3D
-    kernels, the other slices and the temporal resamplers' time_conv kept from the source (the first frame never
-    uses them, so training on images could not learn them). The config's
-    latents_mean/latents_std stay the source's unless given (re-estimated statistics). Loaded strictly into the
-    diffusers class before saving: a key or shape mismatch fails here. ValueError (one line) for a source that is
-    not the one the model was trained from."""
-    import diffusers
-    with open(os.path.join(source_dir, "config.json")) as f:
-        config = json.load(f)
-    if config.get("_class_name") not in WAN_DIFFUSERS_CLASSES:
-        raise ValueError(f"{source_dir}: a {config.get('_class_name')}, not one of {WAN_DIFFUSERS_CLASSES}")
-    params = wan_params_from_diffusers_config(config, source_dir, vae.params.video)
-    if params != vae.params:
-        raise ValueError(f"{source_dir}: its architecture {params} is not the model's {vae.params}")
-    for name, values in (("latents_mean", latents_mean), ("latents_std", latents_std)):
-        if values is not None:
-            if len(values) != vae.params.z_channels:
-                raise ValueError(f"{name} has {len(values)} entries for {vae.params.z_channels} latent channels")
-            config[name] = [float(v) for v in values]
-    weights = [os.path.join(source_dir, n) for n in (DIFFUSERS_WEIGHTS, DIFFUSERS_WEIGHTS_BIN)
-               if os.path.isfile(os.path.join(source_dir, n))]
-    if not weights:  # the kept temporal slices come from them
-        raise ValueError(f"{source_dir}: no {DIFFUSERS_WEIGHTS}: the export needs the source's weights")
-    model = getattr(diffusers, config["_class_name"]).from_config(config)
-    model.load_state_dict(wan_to_diffusers_state_dict(vae.state_dict(), _read_file(weights[0])),
-                          strict=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    honour_umask(os.path.join(out_dir, DIFFUSERS_WEIGHTS))
-
 
 
 # ============================================================================================
@@ -888,3 +623,112 @@ def narrow_decoder_model(source: Source, decoder_channels: tuple[int, ...], init
             state[name] = value[tuple(slice(0, n) for n in narrow.shape)].clone()
     model.load_state_dict(state)
     return model.eval()
+
+
+# ============================================================================================
+# export.py's writer for ae.py's model: the latent normalisation its pipelines read, and the layout written
+# ============================================================================================
+def pipelines_served(latent_norm: str, channels: int, shift_factor: float) -> str:
+    """Which diffusers pipeline families normalise latents with the config an AutoencoderKL export writes, for this
+    channel count (each claim is tested through that family's own code path: tests/test_export.py)."""
+    if latent_norm == "scalar":
+        scale_only = ("SD 1.x/2.x and SDXL-family pipelines apply scaling_factor only and ignore shift_factor "
+                      f"({shift_factor}): their latents would be off by it" if shift_factor else
+                      "SD 1.x/2.x and SDXL-family pipelines too (scaling_factor, shift 0)")
+        return f"FLUX and SD3 pipelines ((z - shift_factor) * scaling_factor); {scale_only}"
+    if channels == 4:
+        return ("SDXL-family pipelines (latents * latents_std / scaling_factor + latents_mean) and GLM-Image's (which "
+                "reads latent_channels values); FLUX and SD3 pipelines ignore latents_mean/latents_std")
+    return (f"pipelines that read latent_channels ({channels}) values of latents_mean/latents_std, as diffusers' "
+            "GLM-Image does; NOT SDXL-family pipelines (they read 4 values and fail on this config) nor FLUX and "
+            "SD3 pipelines (they ignore latents_mean/latents_std: use --latent_norm scalar for them)")
+
+
+def check_export(vae: AutoEncoder, request: ExportRequest) -> None:
+    """ConfigError (one line) for what an export of this model cannot do: factor flags on a model that normalises by
+    FLUX.2's bn statistics, or a --resolution they cannot be re-estimated at."""
+    if vae.latent_norm() != "bn":
+        return
+    if request.factor_flags:
+        raise ConfigError("this VAE normalises its latents by FLUX.2's bn statistics, not by factors: "
+                          "--scaling_factor / --shift_factor / --latent_norm do not apply (--dataset_url "
+                          "re-estimates the bn statistics)")
+    if request.statistics and request.resolution % (2 * vae.downsample_factor):
+        raise ConfigError(f"--resolution must be a multiple of {2 * vae.downsample_factor} to re-estimate the bn "
+                          f"statistics (2x2 patches of the latent), got {request.resolution}")
+
+
+def export(vae: AutoEncoder, request: ExportRequest) -> dict:
+    """Write ae.py's model as --format asks (diffusers: export_diffusers; single_file: export_single_file;
+    safetensors: ours), normalised for its pipelines: by FLUX.2's bn statistics (export_latent_bn) or by factors
+    (export_factors). Returns the JSON line's fields."""
+    return (export_latent_bn if vae.latent_norm() == "bn" else export_factors)(vae, request)
+
+
+def export_latent_bn(vae: AutoEncoder, request: ExportRequest) -> dict:
+    """A model that normalises its latents by FLUX.2's bn statistics, not by factors: --dataset_url re-estimates them
+    (evaluate.latent_bn_stats: after a run that trained the encoder), else they are exported as the model holds them
+    (the source's after a decoder-only fine-tune)."""
+    summary = {**request.summary, "latent_norm": "bn"}
+    if request.statistics:
+        stats = request.statistics(vae, bn=True)
+        vae.set_latent_bn(torch.tensor(stats["running_mean"]), torch.tensor(stats["running_var"]))
+        summary["latent_bn_images"] = stats["n_images"]
+    elif request.info.get("train_parts") != "decoder":
+        print("note: the bn statistics are exported as the checkpoint holds them; if this run trained the encoder "
+              "they describe the latents of the encoder it started from: give --dataset_url to re-estimate them",
+              file=sys.stderr)
+    if request.format == "diffusers":
+        export_diffusers(vae, request.out, request.resolution, source_config=request.source_config())
+    elif request.format == "single_file":
+        summary["file"] = export_single_file(vae, request.out)
+    else:
+        export_safetensors(vae, request.out, request.resolution, step=request.info["step"])
+    return summary
+
+
+def export_factors(vae: AutoEncoder, request: ExportRequest) -> dict:
+    """A model normalised by factors: a decoder-only fine-tune keeps its source's (a factor flag still wins);
+    --dataset_url measures them (scalar, or per channel with --latent_norm per_channel); else the flags' or 1.0 / 0.0."""
+    summary = dict(request.summary)
+    source = request.source
+    keep_source = request.info.get("train_parts") == "decoder" and bool(source) and not request.statistics
+    latents_mean = latents_std = None
+    if keep_source:
+        # the encoder was frozen: the latent space is the source's, and so are its factors (a factor given as a
+        # flag still wins); recomputed ones would break every diffusion model trained on that latent space
+        scale = source["scaling_factor"] if request.scaling_factor is None else request.scaling_factor
+        shift = source["shift_factor"] if request.shift_factor is None else request.shift_factor
+        latents_mean, latents_std = source.get("latents_mean"), source.get("latents_std")
+        print(f"note: decoder-only fine-tune of {source['path']}: keeping its latent factors (scaling_factor "
+              f"{source['scaling_factor']}, shift_factor {source['shift_factor']}) unless given as flags",
+              file=sys.stderr)
+    elif request.statistics:
+        stats = request.statistics(vae)
+        if request.latent_norm == "per_channel":  # the pipeline divides by scaling_factor after latents_std
+            scale, shift = 1.0, 0.0
+            latents_mean, latents_std = stats["channel_mean"], stats["channel_std"]
+        else:
+            scale, shift = stats["scaling_factor"], stats["shift_factor"]
+        summary["latent_stats"] = stats
+    else:
+        # per-channel statistics need --dataset_url (latents_mean/latents_std stay None)
+        scale = 1.0 if request.scaling_factor is None else request.scaling_factor
+        shift = 0.0 if request.shift_factor is None else request.shift_factor
+        if request.scaling_factor is None and request.shift_factor is None:
+            print("note: no --scaling_factor/--shift_factor or --dataset_url: writing scaling_factor 1.0 and "
+                  "shift_factor 0.0 (compute them with evaluate.py --latent_stats)", file=sys.stderr)
+    if request.format == "diffusers":
+        export_diffusers(vae, request.out, request.resolution, scale, shift, latents_mean, latents_std,
+                         request.source_config())
+    elif request.format == "single_file":
+        summary["file"] = export_single_file(vae, request.out, scale, shift)
+    else:
+        export_safetensors(vae, request.out, request.resolution, scale, shift, request.info["step"], latents_mean,
+                           latents_std)
+    summary.update(latent_norm=request.latent_norm, scaling_factor=scale, shift_factor=shift)
+    if request.format == "diffusers":  # the single file carries no normalisation; safetensors is read by our code
+        summary["serves"] = pipelines_served("per_channel" if latents_mean is not None else "scalar",
+                                             vae.params.z_channels, shift)
+        print(f"note: the latent normalisation written serves {summary['serves']}", file=sys.stderr)
+    return summary
