@@ -510,8 +510,15 @@ class Adversary:
             self.lecam.abandon()
 
     def step(self, bad: Tensor, step_optimizer) -> None:
-        """The guarded optimizer step (`step_optimizer(optimizer, scaler, bad)`), LeCam's anchors, the schedule."""
+        """The guarded optimizer step (`step_optimizer(optimizer, scaler, bad)`), LeCam's anchors, the schedule. A
+        skipped step (`bad`, a device flag: no host sync) also leaves what the step's forward passes moved as the
+        step found it (spectral norm's vectors, BatchNorm's statistics: a NaN batch would poison them for good), so
+        that the critic after a skipped step is the critic before it, whichever kind."""
         step_optimizer(self.optimizer, self.scaler, bad)
+        if self.moved_by_forward:  # (one where per buffer of a few KB; nothing for the trainable VGG16 critic)
+            skipped = bad > 0
+            for now, start in zip(self.moved_by_forward, self.at_step_start):
+                torch.where(skipped, start, now, out=now)
         if self.lecam is not None:
             self.lecam.commit(skip=bad)  # the anchors move only with a step the critic took
         self.scheduler.step()

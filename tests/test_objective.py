@@ -148,7 +148,7 @@ def test_critic_loss_carries_lecam_and_the_frozen_critic_takes_no_gradient(objec
     assert not objective.gan_active(disc_start - 1) and objective.gan_active(disc_start)
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")  # the skipped step takes no optimizer step
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler")  # the skipped step takes no optimizer step
 def test_the_adversary_trains_and_checkpoints_on_its_own(objective, inputs):
     """The critic's owner without a trainer: its backward and guarded step move the critic, the schedule and
     LeCam's anchors; a skipped step moves none of them; state_dict/load_state_dict round-trip under the
@@ -285,6 +285,39 @@ def test_an_abandoned_step_restores_what_the_3d_critics_forward_moved(norm):
     assert bool(moved) == (norm != "none")
     adversary.abandon_step()
     assert all(torch.equal(v, before[k]) for k, v in adversary.critic.state_dict().items())
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler")  # the skipped step takes no optimizer step
+@pytest.mark.parametrize("discriminator,norm", [("patchgan", "spectral"), ("patchgan", "batch"),
+                                                ("patchgan3d", "group_spectral")])
+def test_a_skipped_step_leaves_the_critic_as_it_found_it(discriminator, norm):
+    """A non-finite step is skipped on every rank (the guard's device flag): the critic after it is the critic
+    before it, bitwise, its buffers included: spectral norm's power iteration and BatchNorm's statistics, which the
+    step's forward passes moved (before: they kept the move, and a NaN batch left BatchNorm's statistics NaN for
+    good). A step taken moves them."""
+    x_frames, recon_frames, _, _ = frames_and_clips()
+    torch.manual_seed(0)
+    adversary = objective_of(config(discriminator=discriminator, disc_norm=norm, video_frames=5),
+                             with_lpips=False).adversary
+    adversary.prepare_training(config().optim, lambda params, lr: torch.optim.AdamW(params, lr=lr))
+
+    def step_optimizer(optimizer, scaler, bad):
+        if not bad:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def a_step(bad: float) -> None:
+        adversary.step_began()
+        adversary.backward(x_frames, recon_frames, sync=True, accum=1, clip_frames=5)
+        adversary.step(torch.full((), bad), step_optimizer)
+
+    before = {k: v.clone() for k, v in adversary.critic.state_dict().items()}
+    buffers = set(dict(adversary.critic.named_buffers()))
+    a_step(1.0)
+    assert [k for k, v in adversary.critic.state_dict().items() if not torch.equal(v, before[k])] == []
+    a_step(0.0)
+    moved = {k for k, v in adversary.critic.state_dict().items() if not torch.equal(v, before[k])}
+    assert moved & buffers and moved - buffers  # the step's buffers and its weights
 
 
 @pytest.mark.parametrize("r1", [0.0, 1.0])
