@@ -314,7 +314,8 @@ def test_the_adaptive_weights_last_layer_is_the_last_layer_the_decoder_runs():
             assert ran[-1] is convs[-1], class_name
 
 
-NAMING_MODULES = ("families", "ldm_layouts", "wan_layouts", "diffusers_ae", "ae", "wan_ae", "tae")  # the registry and the model modules
+# the registry, the native families' layouts and the model modules
+NAMING_MODULES = ("families", "ldm_layouts", "wan_layouts", "diffusers_ae", "ae", "wan_ae", "tae")
 MODEL_CLASSES = ("AutoEncoder", "WanAutoEncoder", "DiffusersAutoEncoder", "WanParams", "DiffusersParams",
                  "TinyAutoEncoder", "TAEParams")
 

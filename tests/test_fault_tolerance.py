@@ -398,8 +398,8 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(shard_url, tmp_path,
 @pytest.mark.process
 def test_injected_nan_skips_the_step_on_every_rank(shard_url, tmp_path):
     """A NaN loss on rank 1 only at step index 3: both ranks skip that update (weights, EMA, critic with its spectral
-    norm's vectors, and optimizer state unchanged) and count it. A stop request right after it still saves (the weights are
-    the last good ones), and the resumed run trains on."""
+    norm's vectors, and optimizer state unchanged) and count it. A stop request right after it still saves (the
+    weights are the last good ones), and the resumed run trains on."""
     args = _args(shard_url, tmp_path, "nan", 6, 1, *GAN_2)
     proc = run_cli(FAULTY, args, nproc=2, env=cli_env(VAE_TRAINER_INJECT_NAN="3@1",
                                                                VAE_TRAINER_SIGTERM_AT="3@0"))

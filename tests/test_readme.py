@@ -183,6 +183,53 @@ def test_the_test_command_is_the_readme_line_ci_runs():
                for line in lines)
 
 
+GROUPED = """
+import os, time, pytest
+
+@pytest.fixture(scope="session")
+def shared():
+    with open(os.environ["BUILT"], "a") as f:
+        f.write(os.environ.get("PYTEST_XDIST_WORKER", "none") + "\\n")
+
+@pytest.mark.xdist_group("shared")
+@pytest.mark.parametrize("i", range(4))
+def test_grouped(shared, i):
+    time.sleep(0.3)
+
+@pytest.mark.parametrize("i", range(4))
+def test_free(i):
+    time.sleep(0.3)
+"""
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_the_tests_of_an_xdist_group_run_on_one_worker_and_build_their_fixture_once(tmp_path):
+    """The README's test command (-n 2, pytest.ini's --dist loadgroup) with tests/conftest.py's collection hook: the
+    tests of one xdist_group run on one worker, so the reference run they share is built once. With pytest 9 and
+    xdist 3.8 xdist's own suffix no longer took effect: the group was dealt to both workers and its fixture built on
+    each (the sharded runs: 2 x 100 s of the suite)."""
+    import subprocess
+    import sys
+    project = os.path.join(ROOT, "tests", "conftest.py")
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('project_conftest', {project!r})\n"
+        "project = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(project)\n"
+        "pytest_collection_modifyitems = project.pytest_collection_modifyitems\n")
+    (tmp_path / "test_grouped.py").write_text(GROUPED)
+    built = tmp_path / "built"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-v", "-n", "2", "--dist", "loadgroup", "-p",
+                             "no:cacheprovider", "-c", os.path.join(ROOT, "pytest.ini"), "--rootdir", str(tmp_path),
+                             str(tmp_path / "test_grouped.py")], cwd=tmp_path, capture_output=True, text=True,
+                            env=cli_env(BUILT=str(built)), timeout=100)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    workers = set(re.findall(r"\[(gw\d)\] .*PASSED .*test_grouped\[", result.stdout))
+    assert len(workers) == 1, result.stdout[-3000:]
+    assert built.read_text().split() == [workers.pop()]
+
+
 @pytest.mark.process
 @pytest.mark.timeout(300)
 def test_documented_examples_reproduce_their_output(tmp_path, photos_dir):

@@ -172,7 +172,8 @@ def test_released_structures_convert():
     for cls, config, factor in ((AutoencoderKLQwenImage, {}, 8), (AutoencoderKLWan, wan22, 16)):
         with torch.device("meta"):
             reference = cls(**config)
-        params = wan_layouts.wan_params_from_diffusers_config({**reference.config, "_class_name": cls.__name__}, cls.__name__)
+        params = wan_layouts.wan_params_from_diffusers_config({**reference.config, "_class_name": cls.__name__},
+                                                              cls.__name__)
         assert params.downsample_factor == factor and params.z_channels == reference.config.z_dim
         if cls is AutoencoderKLQwenImage:
             assert params == WanParams()
