@@ -730,7 +730,7 @@ def load_model(ckpt: str, ema: bool = False, video: bool = False) -> tuple[torch
         reason = first_line(e) or type(e).__name__
         raise ConfigError(f"--ckpt {path}: weights do not fit its model_params ({reason})") from None
     config = run.get("config") or {}
-    # where a fine-tune started (pretrained.Source.describe()) and what it trained: export keeps the source's
+    # where a fine-tune started (layouts.Source.describe()) and what it trained: export keeps the source's
     # latent factors after a decoder-only fine-tune
     return vae.eval(), {"checkpoint": path, "step": run.get("step"), "resolution": config.get("vae_resolution"),
                         "init_source": run.get("init_source"), "train_parts": state["training"]["train_parts"],

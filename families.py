@@ -244,11 +244,8 @@ class LDM(Family):
         super().check_export(vae, request)
         ldm_layouts.check_export(vae, request)
 
-    def export(self, vae, request):
+    def export(self, vae, request):  # (its own writer: the factors or FLUX.2's bn, the diffusers folder or single file)
         return ldm_layouts.export(vae, request)
-
-    def write_diffusers(self, vae, out_dir, resolution, fields, source_config, source_path):
-        ldm_layouts.export_diffusers(vae, out_dir, resolution, source_config=source_config, **fields)
 
 
 # ============================================================================================

@@ -525,7 +525,11 @@ class Trainer:
 
     def train_step(self, batches: list[torch.Tensor] | None = None) -> None:
         """One optimizer step over --grad_accum micro-batches (`batches`, or the loader's), each through the step's
-        one dataflow (objective.micro_step); then both optimizer steps, which the guard skips if anything blew up."""
+        one dataflow (objective.micro_step); then both optimizer steps, which the guard skips if anything blew up.
+        The critic's buffers are taken as the step finds them first (Adversary.step_began): a step skipped or abandoned
+        midway leaves them so, whoever calls the step (the loop, bench, a test)."""
+        if self.adversary is not None:
+            self.adversary.step_began()
         accum = self.cfg.optim.grad_accum
         step_loss = torch.zeros((), device=self.device)  # this step's losses, for the guard
         for micro in range(accum):
@@ -577,15 +581,13 @@ class Trainer:
 
     def before_step(self) -> None:
         """Before each step: its size in the metrics (--train_resolutions: metrics.jsonl's train/resolution is each
-        window's mean size), the last stage's freeze when its first step has come (a resumed run: before its first
-        step), and the critic's buffers as the step finds them (Adversary.step_began)."""
+        window's mean size), and the last stage's freeze when its first step has come (a resumed run: before its first
+        step)."""
         if self.cfg.data.train_resolutions:
             size = self.schedule.size_at(self.step)
             self.metrics.add(**{"train/resolution": torch.full((), float(size), device=self.device)})
         if self.last_stage is not None and self.step >= self.last_stage[0]:
             self.enter_last_stage()
-        if self.adversary is not None:
-            self.adversary.step_began()  # what its forward passes move, for a step abandoned midway
 
     def enter_last_stage(self) -> None:
         """--last_stage_trains N: from the last stage's first step, only the decoder's N highest-resolution levels,

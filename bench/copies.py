@@ -87,9 +87,7 @@ def parameter_shapes(*modules) -> list[tuple[int, ...]]:
 def step_census(trainer, cuda_layouts: bool = True) -> CopyCensus:
     """The copy census of one Trainer.train_step() (after one step outside it: the optimizer's state exists)."""
     census = CopyCensus(parameter_shapes(trainer.vae, trainer.objective), cuda_layouts)
-    with census:
-        if trainer.adversary is not None:  # what the loop does before each step (a few KB of critic buffers)
-            trainer.adversary.step_began()
+    with census:  # (train_step takes the critic's few KB of buffers first: Adversary.step_began)
         trainer.train_step()
     trainer.step += 1
     return census

@@ -443,6 +443,34 @@ def test_max_bad_steps_is_checked_every_step(shard_url, tmp_path, capsys, monkey
     assert "error: 3 consecutive steps had non-finite losses or gradients and were skipped" in capsys.readouterr().out
 
 
+def test_a_skipped_step_leaves_a_batchnorm_critic_as_the_step_found_it(shard_url, tmp_path, monkeypatch,
+                                                                      one_torch_thread):
+    """Trainer.train_step, called as bench and the tests call it (not through train()'s loop): a step whose loss is
+    NaN leaves the PatchGAN critic, its BatchNorm statistics included, as the step found it, after a step taken
+    moved them (the buffers are taken at the step's start, whoever calls it: before, only the loop took them, and a
+    direct caller's skipped step rewound them to the critic's construction)."""
+    trainer = in_process_trainer(shard_url, tmp_path, "--do_ganloss", "--disc_start", "0", "--discriminator",
+                                 "patchgan", "--disc_norm", "batch", "--perceptual_weight", "0", "--max_steps", "4")
+    try:
+        critic = trainer.adversary.critic
+        built = {k: v.clone() for k, v in critic.state_dict().items()}
+        trainer.train_step()
+        trainer.step += 1
+        taken = {k: v.clone() for k, v in critic.state_dict().items()}
+        assert any(not torch.equal(v, built[k]) for k, v in taken.items() if "running_" in k)
+        forward = trainer.objective.forward
+
+        def nan_loss(*args, **kwargs):
+            loss, logs = forward(*args, **kwargs)
+            return loss * float("nan"), logs
+        monkeypatch.setattr(trainer.objective, "forward", nan_loss)
+        trainer.train_step()
+        assert trainer.guard.streak.item() == 1
+        assert [k for k, v in critic.state_dict().items() if not torch.equal(v, taken[k])] == []
+    finally:
+        trainer.close()
+
+
 def test_a_run_that_ends_inside_a_streak_of_skipped_steps_still_saves_its_last_step(shard_url, tmp_path,
                                                                                      capsys, monkeypatch,
                                                                                      one_torch_thread):
