@@ -112,7 +112,8 @@ def xdist_groups(items) -> None:
     for item in items:
         mark = item.get_closest_marker("xdist_group")
         if mark is not None and "@" not in item.nodeid and isinstance(getattr(item, "_id", None), NodeId):
-            item._id = NodeId.parse(f"{item.nodeid}@{mark.args[0] if mark.args else mark.kwargs['name']}")
+            group = mark.args[0] if mark.args else mark.kwargs.get("name", "default")  # (as xdist names it)
+            item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 @pytest.fixture(scope="session")
