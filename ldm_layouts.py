@@ -418,24 +418,22 @@ def params_from_ldm_state(state: dict[str, Tensor], where: str) -> AutoEncoderPa
                              latent_bn="bn.running_mean" in state)
 
 
+def _renamed(state: dict[str, Tensor], prefixes) -> dict[str, Tensor]:
+    """`state` with each key's prefix `old` replaced by `new`, for the first (old, new) of `prefixes` it starts with."""
+    def name(key: str) -> str:
+        old, new = next(((old, new) for old, new in prefixes if key.startswith(old)), ("", ""))
+        return new + key[len(old):]
+    return {name(k): v for k, v in state.items()}
+
+
 def from_bfl_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """BFL's FLUX.2 names -> ours: `encoder.quant_conv.*` / `decoder.post_quant_conv.*` move to the top."""
-    def ours(key: str) -> str:
-        for bfl, top in BFL_QUANT_CONV_NAMES:
-            if key.startswith(bfl):
-                return top + key[len(bfl):]
-        return key
-    return {ours(k): v for k, v in state.items()}
+    return _renamed(state, BFL_QUANT_CONV_NAMES)
 
 
 def to_bfl_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """Ours -> BFL's FLUX.2 single-file names (the inverse of from_bfl_names)."""
-    def bfl(key: str) -> str:
-        for nested, top in BFL_QUANT_CONV_NAMES:
-            if key.startswith(top):
-                return nested + key[len(top):]
-        return key
-    return {bfl(k): v for k, v in state.items()}
+    return _renamed(state, [(top, nested) for nested, top in BFL_QUANT_CONV_NAMES])
 
 
 def single_file_state_dict(vae: AutoEncoder) -> dict[str, Tensor]:
