@@ -137,6 +137,16 @@ def shard_url(photos_dir, tmp_path_factory) -> str:
     return sources.brace_url(paths)
 
 
+@pytest.fixture(autouse=True)
+def no_curves(request, monkeypatch):
+    """In-process runs end without curves.png, as the commands do (NO_CURVES below): matplotlib's plot (about half
+    a second, and a second more for its first in a process) is not what they check. The tests that look at the
+    picture carry @pytest.mark.curves."""
+    if request.node.get_closest_marker("curves") is None:
+        import plots
+        monkeypatch.setattr(plots, "plot_metrics", lambda run_dir, out_path=None: None)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """In-process tests run single-threaded like the CLI ones (cli_env sets OMP_NUM_THREADS=1): on a small

@@ -126,6 +126,7 @@ def test_each_size_is_logged_with_its_suffix_and_its_own_numbers(multi_size_run,
 
 
 @pytest.mark.xdist_group("multi_size_run")  # shares the multi_size_run fixture: built once
+@pytest.mark.curves
 def test_reporter_prints_a_line_per_size_and_curves_draw_one(multi_size_run):
     trainer, run_dir = multi_size_run
     results = {k: v for k, v in eval_record(run_dir, 2).items() if k != "step"}

@@ -25,15 +25,7 @@ import sources
 from common import ConfigError
 from conftest import ROOT
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread", "no_curves")
-
-
-@pytest.fixture
-def no_curves(monkeypatch):
-    """curves.png (matplotlib: about 1.4 s a plot, twice a run) is not what these runs check (test_plots.py,
-    test_run_log.py and test_trainer.py do)."""
-    import plots
-    monkeypatch.setattr(plots, "plot_metrics", lambda run_dir, out_path=None: None)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # The tiny configs, one per class that trains here (diffusers' tests' where they have one: widths shrunk, the
 # structure that decides compression and causality the released one's).

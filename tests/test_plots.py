@@ -15,6 +15,8 @@ from PIL import Image
 import plots
 from conftest import TINY, cli_command, cli_env
 
+pytestmark = pytest.mark.curves
+
 
 def test_a_64px_grid_is_enlarged_4x_by_exact_blocks():
     torch.manual_seed(0)

@@ -654,6 +654,7 @@ def test_a_gpu_out_of_memory_error_becomes_one_line_and_a_checkpoint(shard_url, 
             assert all(torch.equal(ckpt["adversary"]["lecam"][k], v) for k, v in theirs["lecam"].items())
 
 
+@pytest.mark.curves
 def test_the_run_directory_holds_curves_and_grids_enlarged_for_viewing(shard_url, tmp_path, one_torch_thread):
     """Issue 18 item 4: 64 px tiles are saved 4x (256 px, nearest: every 4th pixel is the grid exactly), and
     curves.png is written (at the end of this run of less than a minute)."""
