@@ -227,11 +227,14 @@ def close_distributed(info: DistInfo) -> None:
     active exception" (torch's gloo with Python < 3.14: 6 % of the ranks of a two-rank all_reduce that exited at once;
     pytorch issue 190489). Dropping the references and collecting the cycles destroys the groups here, and their
     destructor joins the threads while the interpreter can still hand them the GIL. Call it once nothing that holds a
-    group (a trainer, a DDP model) is needed any more."""
+    group (a trainer, a DDP model) is needed any more. A run of one process without a group has nothing to end (and
+    a collection of a large heap takes a quarter of a second)."""
+    had_groups = info.ctrl_group is not None or dist.is_initialized()
     info.ctrl_group = info.store = None
     if dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()
+    if had_groups:
+        gc.collect()
 
 
 @contextlib.contextmanager
