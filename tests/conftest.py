@@ -67,9 +67,10 @@ def started_programs(request, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def programs_only_where_marked(request, monkeypatch):
-    """The edit-test loop (`-m "not process"`, docs/extending.md) leaves out the tests that start programs, each of
-    which costs seconds of imports: such a test carries @pytest.mark.process, and an unmarked test that starts one
-    fails, naming the program, so the loop stays fast without anyone keeping a list."""
+    """The edit-test loop (`-m "not process"`, docs/extending.md) leaves out the end-to-end tests: those that start
+    programs, each of which costs seconds of imports, and those that train whole runs in-process to compare them
+    (more than about 3 s each on 2 cores). Such a test carries @pytest.mark.process; an unmarked test that starts a
+    program fails, naming it, so the loop stays fast without anyone keeping a list of those."""
     if request.node.get_closest_marker("process") is not None:
         yield
         return
@@ -86,8 +87,8 @@ def programs_only_where_marked(request, monkeypatch):
 
 @pytest.hookimpl(trylast=True)  # after pytest's own grouping of the tests that share a fixture, and xdist's hook
 def pytest_collection_modifyitems(config, items):
-    """Stretches the timeout marks; then the tests that start programs go first (stably, each file's in its order).
-    They are the long ones (seconds to minutes each, 15% of the tests and 3/4 of the suite's time): under xdist the
+    """Stretches the timeout marks; then the end-to-end tests go first (stably, each file's in its order). They
+    are the long ones (seconds to minutes each, a fifth of the tests and 85% of the suite's time): under xdist the
     many short in-process tests then fill the gaps at the end, instead of one worker starting a 2-minute torchrun
     test while the other has nothing left to do. On an xdist worker, the tests of one xdist_group are named so
     that they run on one worker (xdist_groups)."""

@@ -104,6 +104,7 @@ def test_tf32_emulation_cuts_the_multiplicands_to_ten_bits():
     assert torch.allclose(emulated_grad, image.grad, rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.process
 def test_gpu_cases_run_their_plumbing(shard_url, tmp_path, monkeypatch):
     """The gpu section's cases (issue 30's table) on a CPU at a tiny size: the reference's habits (GroupNorm left to
     autocast, loss networks in fp32, .item() calls) and ours build, step and report; the profiler's copy share is a

@@ -50,6 +50,7 @@ def saved_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("saved ")]
 
 
+@pytest.mark.process
 def test_the_best_step_is_kept_through_rotation_and_export_and_evaluate_take_it(shard_url, tmp_path, monkeypatch,
                                                                                capsys, one_torch_thread):
     """Evaluations at steps 0-6 report PSNRs whose best is step 3's, a step no periodic save falls on (every 4, one
@@ -91,6 +92,7 @@ def test_the_best_step_is_kept_through_rotation_and_export_and_evaluate_take_it(
     assert (result["checkpoint"], result["step"], result["ema"]) == (str(ckpt_dir / "step_00000003.pt"), 3, True)
 
 
+@pytest.mark.process
 def test_lpips_is_better_lower_and_a_best_at_a_periodic_save_is_written_once(shard_url, tmp_path, monkeypatch,
                                                                             capsys, one_torch_thread):
     """--best_metric lpips (the weights', without EMA): the lowest value wins; its step 4 is also a periodic save,
@@ -109,6 +111,7 @@ def test_lpips_is_better_lower_and_a_best_at_a_periodic_save_is_written_once(sha
     assert all(torch.equal(v, measured[4]["vae"][k]) for k, v in ckpt["training"]["vae"].items())
 
 
+@pytest.mark.process
 def test_a_resumed_run_remembers_the_best_and_crowns_no_worse_step(shard_url, tmp_path, monkeypatch, capsys,
                                                                   one_torch_thread):
     """Stopped at step 4 with the best at step 2 (15 dB), the run continues to step 8 with evaluations below 15 dB:

@@ -187,6 +187,7 @@ def test_the_memory_check_probes_the_plan_and_offers_it():
     assert "--train_time_chunks 4,1 (~" in line, line
 
 
+@pytest.mark.process
 def test_the_trainer_trains_a_clip_in_the_chunks_of_its_flag(wan_folder, clip_url, tmp_path, monkeypatch):
     """--train_time_chunks reaches the model (families.Family.set_memory_plan): a step of a full fine-tune on 5-frame
     clips (one latent frame after the first) runs every clip through checkpointed chunks, and its gradient is the

@@ -57,6 +57,7 @@ def activation_mib(summary: dict, *kinds) -> float:
     return sum(v["mib"] for k, v in summary.items() if k.endswith("/activation") and k.split("/")[0] in kinds)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_a_step_moves_no_activation_it_does_not_compute(shard_url, tmp_path, batches, precision):
     """With the memory format --channels_last auto gives the VAE on a GPU, a step's copies and casts of activations,

@@ -99,6 +99,7 @@ def multi_size_run(shard_url, tmp_path_factory):
     return trainer, str(out / "vae")
 
 
+@pytest.mark.process
 @pytest.mark.xdist_group("multi_size_run")  # shares the multi_size_run fixture: built once
 def test_each_size_is_logged_with_its_suffix_and_its_own_numbers(multi_size_run, shard_url):
     """metrics.jsonl's @SIZE keys hold an evaluation at that size: equal (to rounding: these run one image per
@@ -125,6 +126,7 @@ def test_each_size_is_logged_with_its_suffix_and_its_own_numbers(multi_size_run,
     assert {k for k in eval_record(run_dir, 0) if "@" in k} == {k for k in record if "@" in k}
 
 
+@pytest.mark.process
 @pytest.mark.xdist_group("multi_size_run")  # shares the multi_size_run fixture: built once
 @pytest.mark.curves
 def test_reporter_prints_a_line_per_size_and_curves_draw_one(multi_size_run):
@@ -142,6 +144,7 @@ def test_reporter_prints_a_line_per_size_and_curves_draw_one(multi_size_run):
     assert plots.plot_metrics(run_dir) is not None
 
 
+@pytest.mark.process
 def test_the_default_logs_the_keys_and_numbers_it_logged_before(shard_url, tmp_path):
     """No --eval_resolutions: the record holds the keys evaluation always logged (evaluate_model's at the training
     size, latent diagnostics included) and the numbers of that call with the trainer's own arguments, bitwise."""
@@ -160,6 +163,7 @@ def test_the_default_logs_the_keys_and_numbers_it_logged_before(shard_url, tmp_p
     assert set(record) == expected
 
 
+@pytest.mark.process
 def test_sizes_above_the_tile_size_are_evaluated_by_tiles_as_evaluate_py_does(shard_url, tmp_path, capsys):
     """--eval_tile_size 64: the 128 px evaluation encodes and decodes in 64 px tiles (overlap 16), the 64 px one
     whole. The logged values are those of evaluate.py's command with --tile_size 64 --tile_overlap 16 on the run's
@@ -214,6 +218,7 @@ def test_a_size_that_cannot_be_evaluated_is_refused_in_one_line_before_anything_
     assert captured.out == "" and not os.path.exists(tmp_path / "vae")
 
 
+@pytest.mark.process
 @pytest.mark.xdist_group("multi_size_run")  # shares the multi_size_run fixture: built once
 def test_evaluate_py_refuses_a_bad_size_among_several_in_one_line(multi_size_run, shard_url, capsys):
     _, run_dir = multi_size_run
@@ -225,6 +230,7 @@ def test_evaluate_py_refuses_a_bad_size_among_several_in_one_line(multi_size_run
     assert "--latent_stats takes one --resolution" in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_an_evaluation_stopped_between_two_sizes_is_redone_on_resume(shard_url, tmp_path, monkeypatch):
     """A stop (Ctrl-C twice, kill -9) during the 128 px part of step 2's evaluation, after its checkpoint and its
     64 px part: nothing of step 2's evaluation is in metrics.jsonl, so the resumed run owes it and logs every size."""

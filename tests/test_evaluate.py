@@ -30,11 +30,17 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(3
 
 @pytest.fixture(scope="session")
 def run_dir(shard_url, tmp_path_factory) -> str:
-    """A real 2-step training run of the tiny model (with EMA)."""
+    """A real 2-step training run of the tiny model (with EMA), in this process: the commands under test read its
+    files."""
+    import vae_trainer
     out = tmp_path_factory.mktemp("eval_runs")
-    r = run_cli("vae_trainer.py", ["--dataset_url", shard_url, "--output_dir", str(out), "--run_name", "t",
-                                   "--max_steps", "2", "--save_every_n_steps", "2", "--log_every_n_steps", "1", *TINY])
-    assert r.returncode == 0, r.stderr[-2000:]
+    threads = torch.get_num_threads()
+    try:
+        assert vae_trainer.main(["--dataset_url", shard_url, "--output_dir", str(out), "--run_name", "t",
+                                 "--max_steps", "2", "--save_every_n_steps", "2", "--log_every_n_steps", "1", *TINY,
+                                 "--num_threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
     return str(out / "t")
 
 
@@ -149,6 +155,7 @@ class MeanAbsError(nn.Module):
         return (a - b).abs().mean(dim=(1, 2, 3), keepdim=True)
 
 
+@pytest.mark.process
 @pytest.mark.xdist_group("eval_run_dir")  # shares the run_dir fixture: built once
 def test_evaluate_model_matches_direct_computation(run_dir, shard_url):
     vae, info = ev.load_model(run_dir)

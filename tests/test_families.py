@@ -133,6 +133,7 @@ def diffusers_decode(model, spec: diffusers_ae.ClassSpec, z: torch.Tensor) -> to
 
 
 # ------------------------------------------------------------------------------------------ each class that trains
+@pytest.mark.process
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("class_name", list(TINY))
 def test_each_class_fine_tunes_resumes_and_exports_through_its_own_module(class_name, clip_url, shard_url, tmp_path,
@@ -283,6 +284,7 @@ def test_every_diffusers_autoencoder_trains_here_or_is_refused_in_one_line(tmp_p
         assert reason in message and "loadable are" in message and "\n" not in message, message
 
 
+@pytest.mark.process
 def test_the_adaptive_weights_last_layer_is_the_last_layer_the_decoder_runs():
     """LDM's adaptive GAN weight reads each loss's gradient at the decoder's last layer: the last one it *runs* (hooks
     on a real decode of every class here record it), which for Mochi is a Linear registered after convolutions it runs

@@ -380,6 +380,7 @@ def test_console_survives_a_dead_pipe_and_a_full_disk():
         assert isinstance(full.lost, OSError) and full.lost.errno == 28  # ENOSPC
 
 
+@pytest.mark.process
 def test_truncated_newest_checkpoint_falls_back_to_previous(shard_url, tmp_path, capsys):
     assert vae_trainer.main(_args(shard_url, tmp_path, "t", 4, 2)) == 0
     newest = tmp_path / "t" / "checkpoints" / "step_00000004.pt"
@@ -585,6 +586,7 @@ def _run_dir_at_step_2(run, args: list[str]) -> None:
                run / "checkpoints" / "step_00000002.pt")
 
 
+@pytest.mark.process
 def test_run_dir_of_another_architecture_is_refused_unless_forced(shard_url, tmp_path, capsys):
     _run_dir_at_step_2(tmp_path / "arch", _args(shard_url, tmp_path, "arch"))
     other = _args(shard_url, tmp_path, "arch", 2, 2, "--vae_z_channels", "8")

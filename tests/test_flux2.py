@@ -310,6 +310,7 @@ def test_flux2_decoder_only_fine_tune_under_torchrun_keeps_its_latent_space_bitw
     assert_computes_like(ours, exported)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_an_export_keeps_the_source_config_and_a_single_file_its_architecture(tmp_path, shard_url, capsys,
                                                                              monkeypatch):
@@ -419,6 +420,7 @@ def test_the_teacher_decodes_the_transformed_latent_with_the_sources_own_decoder
         trainer.close()
 
 
+@pytest.mark.process
 def test_a_narrower_decoder_distilled_from_the_released_one_trains_and_exports(tmp_path, shard_url, capsys):
     """--vae_decoder_ch (BFL's small decoder, at this test's width) with --distill_weight: the decoder starts fresh
     behind the released encoder, the teacher term (loss/distill) is logged and counted, the encoder and bn stay the
@@ -450,6 +452,7 @@ def test_a_narrower_decoder_distilled_from_the_released_one_trains_and_exports(t
     assert_computes_like(ours, load_flux2(tmp_path / "out"))
 
 
+@pytest.mark.process
 def test_a_narrow_decoder_for_a_run_of_the_wide_one_and_a_teacher_without_its_source_are_refused(tmp_path,
                                                                                                 shard_url, capsys):
     """A run directory holding the wide decoder's checkpoints cannot be continued with a narrower decoder (its
@@ -502,6 +505,7 @@ def offset_latent_model(seed: int = 3) -> AutoEncoder:
     return vae.eval()
 
 
+@pytest.mark.process
 @pytest.mark.timeout(180)
 def test_reestimated_statistics_normalise_held_out_latents_in_the_flux2_pipeline(tmp_path, capsys):
     import data as data_lib

@@ -81,6 +81,7 @@ def test_shared_pass_gives_the_vae_the_gradient_of_separate_passes():
     torch.testing.assert_close(logs["loss/gan_g"], g_loss.detach(), rtol=1e-6, atol=0)
 
 
+@pytest.mark.process
 def test_frozen_critic_in_the_trainer_one_trunk_pass_each_heads_train(shard_url, tmp_path, monkeypatch):
     """Through the real Trainer: two trunk passes per micro-batch (images, reconstructions), also with LPIPS off;
     the critic's optimizer holds the heads only; the heads move; a checkpoint holds them."""
@@ -232,6 +233,7 @@ def reference_gan_step(vae, critic, lecam, lpips, x, noise_state, *, perceptual_
     return tuple(grads)
 
 
+@pytest.mark.process
 def test_the_trainable_critic_step_is_the_reference_recipe(shard_url, tmp_path):
     """Issue 19 (--critic_trunk trainable, the default, is the reference's critic, unchanged by the frozen trunk's
     arrival), as a comparison computed in this process (issue 23 item 8: numbers pinned on one CPU failed on

@@ -207,6 +207,7 @@ class HalfSizeInPlace(NoRegularisers):
                 lambda z: torch.nn.functional.interpolate(z, size=(z.shape[-1] // 2,) * 2, mode="area"))
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_the_replace_form_is_the_latent_decoded_in_place_and_is_the_default(shard_url, tmp_path, batches):
     """--scale_equivariance_form replace (and the default) is bitwise the step of HalfSizeInPlace: no added term,

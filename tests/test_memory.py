@@ -79,6 +79,7 @@ def test_the_estimate_is_printed_whether_or_not_the_step_fits(shard_url, tmp_pat
     assert needed.process > 0 and needed.peak == needed.total + needed.process
 
 
+@pytest.mark.process
 def test_extrapolation_from_small_probes_matches_the_saved_bytes_at_full_size():
     vae, objective = build()
     shape = memory.StepShape(batch_size=2, resolution=192)

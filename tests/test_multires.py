@@ -148,6 +148,7 @@ def test_one_size_schedule_reads_todays_batches(shard_url):
         assert all(torch.equal(a, b) for a, b in zip(batches["none"], batches[name])), name
 
 
+@pytest.mark.process
 def test_a_default_run_is_bitwise_one_with_the_reference_size_as_its_schedule(shard_url, tmp_path, one_torch_thread):
     """In process: 3 steps of the default trainer and of one with --train_resolutions 64 (TINY's --vae_resolution)
     end in the same weights, optimizer moments and EMA."""

@@ -50,6 +50,7 @@ def run_steps(trainer, n) -> list[dict]:
     return out
 
 
+@pytest.mark.process
 def test_bf16_tracks_fp32(shard_url, tmp_path, fixed_batches):
     """Same weights, data and noise: bf16 autocast losses stay finite over four steps and within 5% of fp32 over
     the first two, GAN included (the islands - GroupNorm, posterior, KL, low-pass filter, loss reductions - are
@@ -72,6 +73,7 @@ def test_bf16_tracks_fp32(shard_url, tmp_path, fixed_batches):
         assert low["guard/skipped_vae"] == 0.0
 
 
+@pytest.mark.process
 def test_fp16_uses_loss_scaling_and_tracks_fp32(shard_url, tmp_path, fixed_batches):
     """fp16: one GradScaler per optimizer; GradNorm's branches receive the loss scale as a weight (its
     normalisation would otherwise erase it). The first steps overflow at the default scale of 2^16 and are
@@ -212,6 +214,7 @@ def test_fp32_islands_under_autocast():
     assert all(value.dtype == torch.float32 for value in values)
 
 
+@pytest.mark.process
 def test_grad_checkpointing_gives_the_same_training(shard_url, tmp_path, fixed_batches):
     """decoder_hr / all recompute activations in backward: the trained weights are the same as without."""
     weights = {}
@@ -229,6 +232,7 @@ def test_grad_checkpointing_gives_the_same_training(shard_url, tmp_path, fixed_b
             torch.testing.assert_close(weights[mode][k], v, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.process
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")  # the optimizer step is captured
 def test_grad_accum_averages_the_per_micro_batch_gradients(shard_url, tmp_path, fixed_batches, monkeypatch):
     """docs/precision.md's claim: with --grad_accum N, GradNorm normalises each micro-batch's branch gradient to
@@ -344,6 +348,7 @@ def host_tensors_read(step, known: list[torch.Tensor]) -> list[str]:
 @pytest.mark.parametrize("extra", [[], ["--do_ganloss", "--disc_start", "0", "--lecam_weight", "0.1",
                                         "--grad_accum", "2"],
                                    ["--do_ganloss", "--disc_start", "0", "--loss_balance", "adaptive"]])
+@pytest.mark.process
 def test_training_step_has_no_host_syncs(shard_url, tmp_path, fixed_batches, extra):
     """Losses, GradNorm norms, the non-finite guard, EMA and the schedule stay on the device: a training
     step reads nothing back to the host. Only logging steps do (one reduce, one copy). Nor does it copy
@@ -413,6 +418,7 @@ def test_speed_switches_are_in_effect(shard_url, tmp_path):
     off.close()
 
 
+@pytest.mark.process
 def test_compile_keeps_checkpoint_keys_clean(shard_url, tmp_path, fixed_batches, monkeypatch):
     """--compile compiles the inner modules (never the DDP wrapper) in place: same parameter names, and a
     compiled step gives the eager step's losses. Dynamo traces our modules and AOT autograd their backward as in

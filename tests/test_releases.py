@@ -63,6 +63,7 @@ def changed_flags(before: dict, after: dict) -> dict:
             and k not in ("max_steps", "resume", "force") and config.as_written_now(k, v) != after.get(k)}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("release", FINE_TUNES)
 @pytest.mark.parametrize("with_init_from", [True, False], ids=["its_command", "without_init_from"])
 def test_a_run_of_an_earlier_release_continues_with_its_recipe(release, with_init_from, tmp_path, monkeypatch,

@@ -102,6 +102,7 @@ def load_released_pair(prefix: str, z: int, pooled: bool):
 
 
 # ------------------------------------------------------------------------------------------- the release
+@pytest.mark.process
 def test_the_released_taef2_read_by_the_project_scores_what_its_release_does():
     """Loaded as --init_from loads it (families.load_source: the layout and variant from the state dict alone), TAEF2
     reconstructs the four photos at its published PSNR; the released-layout loader above agrees with it."""
@@ -276,6 +277,7 @@ def checkpoint_of(out, run, step) -> dict:
     return torch.load(os.path.join(out, run, "checkpoints", f"step_{step:08d}.pt"), weights_only=True)
 
 
+@pytest.mark.process
 def test_taef2_decoder_fine_tune_keeps_the_encoder_resumes_exactly_and_exports_the_released_layout(shard_url,
                                                                                                     tmp_path, capsys):
     """--init_from TAEF2 --train_parts decoder: the encoder stays the release's bitwise (weights and EMA); 2 steps
@@ -321,6 +323,7 @@ def test_taef2_decoder_fine_tune_keeps_the_encoder_resumes_exactly_and_exports_t
         assert "\n" not in capsys.readouterr().err.strip()
 
 
+@pytest.mark.process
 def test_a_whole_tiny_autoencoder_trains_and_its_autoencoder_tiny_export_loads_in_diffusers(shard_url, tmp_path,
                                                                                             capsys):
     """A new f8 TAE from flags (--vae_family tae) trains whole (encoder included) under bf16 with checkpointing and
@@ -361,6 +364,7 @@ def photo_crops(folder, names: tuple[str, ...], count: int, seed: int) -> str:
     return str(folder)
 
 
+@pytest.mark.process
 def test_a_fine_tune_of_the_release_at_the_documented_recipe_keeps_nothing_worse_than_it(tmp_path, capsys):
     """docs/finetuning.md's recipe for a small set (decoder only, the defaults: lr 1e-5 for a released TAE, EMA, a
     held-out test set, the best step kept) on crops of four photos: what the run keeps (export.py --best's model, or the release where no step beat it)
@@ -473,6 +477,7 @@ def test_a_student_of_flux2_or_wan_takes_their_layout_and_normalisation(kind, tm
         assert student.decode(expected).shape == x.shape
 
 
+@pytest.mark.process
 def test_a_taehv_trains_on_clips_new_or_as_the_student_of_a_video_vae(clip_url, tmp_path, capsys):
     """Clips: a new TAEHV (--tae_variant hv) with the 3D critic and the temporal term, and a TAEHV student of a Wan
     video VAE (clips and single frames mixed), each trains; a deterministic latent is never called collapsed."""

@@ -608,6 +608,7 @@ def test_a_step_that_clearly_will_not_fit_stops_before_training(shard_url, tmp_p
                                          "--lecam_weight", "0.1"],
                                     ["--do_ganloss", "--disc_start", "0", "--critic_trunk", "frozen"]],
                          ids=["no_gan", "patchgan_spectral", "frozen_trunk_heads"])
+@pytest.mark.process
 def test_a_gpu_out_of_memory_error_becomes_one_line_and_a_checkpoint(shard_url, tmp_path, capsys, monkeypatch,
                                                                    one_torch_thread, critic):
     """torch.OutOfMemoryError in step 3, in its loss after the VAE's forward drew its noise (as CUDA raises it):
@@ -683,6 +684,7 @@ def run_files(run_dir) -> dict[str, bytes]:
     return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.process
 def test_a_continued_run_keeps_its_recipe_and_one_asked_to_stop_before_its_step_changes_nothing(
         shard_url, photos_dir, tmp_path, capsys, one_torch_thread):
     """Issue 23 item 9, one command after another in one run directory: continued with only --max_steps (no
@@ -711,6 +713,7 @@ def test_a_continued_run_keeps_its_recipe_and_one_asked_to_stop_before_its_step_
     assert "done:" not in out and run_files(run) == before
 
 
+@pytest.mark.process
 def test_a_resume_reads_its_checkpoint_once_and_the_trainer_gets_a_settled_config(shard_url, tmp_path, monkeypatch,
                                                                                   one_torch_thread):
     """Issue 40 item 14: `--resume PATH` read the whole checkpoint twice (run_setup for its config, then the
@@ -739,6 +742,7 @@ def test_a_resume_reads_its_checkpoint_once_and_the_trainer_gets_a_settled_confi
     assert settled == ["settle", True]
 
 
+@pytest.mark.process
 def test_a_run_is_decided_from_one_read_of_its_config_and_its_checkpoint(shard_url, tmp_path, monkeypatch,
                                                                          one_torch_thread):
     """Issue 49 item 3: a continued run directory's config.json was read by run_setup and again by checkpoint's

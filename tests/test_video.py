@@ -62,6 +62,7 @@ def an_mp4(frames: int = FRAMES, size: int = 64, seed: int = 0) -> tuple[bytes, 
 
 
 # ------------------------------------------------------------------------------------------ clips and shards
+@pytest.mark.process
 def test_a_training_clip_is_a_window_of_consecutive_frames_with_one_crop_and_flip():
     """decode_clip's training draw is frames s .. s+4 of the video, each cropped at the same place and flipped (or
     not) together: it is found, bitwise, inside the whole decoded video. The codec is real: the decoded video is
@@ -237,6 +238,7 @@ def trainer_args(folder, url, test_url, runs, name, *extra) -> list[str]:
 
 @pytest.mark.parametrize("critic", [["patchgan"], ["patchgan3d", "--disc_norm", "batch", "--r1_weight", "0.5",
                                                    "--lecam_weight", "0.1"]], ids=["frames", "clips"])
+@pytest.mark.process
 def test_a_run_on_clips_stopped_and_resumed_is_the_uninterrupted_run(wan_folder, clip_url, tmp_path, capsys, critic):
     """A full fine-tune on clips with the critic (PatchGAN on frames; or the 3D PatchGAN on whole clips, with
     BatchNorm's running statistics, R1 and LeCam: all that a resume must carry) and decoder checkpointing: 4 steps
@@ -361,6 +363,7 @@ def test_the_temporal_measures_see_flicker_and_not_a_steady_error():
         assert (evaluate.tlp_per_clip(flicker * 2 - 1, x * 2 - 1, lpips_model) > 0).all()
 
 
+@pytest.mark.process
 def test_evaluate_on_clips_reports_per_frame_and_temporal_metrics(wan_folder, clip_url, tmp_path, capsys):
     """`python evaluate.py --ckpt <Wan folder> --video_frames 9`: the folder loads as the video model, the held-out
     videos as clips of their first 9 frames; per-frame PSNR (the same as evaluating the decoded frames as images)
@@ -389,6 +392,7 @@ def test_evaluate_on_clips_reports_per_frame_and_temporal_metrics(wan_folder, cl
         assert len(err) == 1 and message in err[0], err
 
 
+@pytest.mark.process
 def test_evaluate_takes_a_clip_runs_clip_length_from_its_checkpoint(wan_folder, clip_url, tmp_path, capsys):
     """`python evaluate.py --ckpt RUN` of a run trained on clips, without --video_frames: the checkpoint records the
     run's --video_frames and --video_frame_stride, and the held-out videos are evaluated as the run's clips (issue
@@ -416,6 +420,7 @@ def vae_trainer_main(argv: list[str]) -> int:
 
 
 # -------------------------------------------------------------------------------------------- refusals, memory
+@pytest.mark.process
 def test_what_clips_cannot_do_is_refused_in_one_line(wan_folder, clip_url, shard_url, tmp_path, capsys):
     import vae_trainer
     train, test = clip_url

@@ -453,6 +453,7 @@ def test_qwen_image_decoder_only_fine_tune_keeps_the_encoder_and_exports_back(tm
         assert_matches(ours.eval().decode(z), exported.decode(z[:, :, None]).sample[:, :, 0], "decode")
 
 
+@pytest.mark.process
 def test_qwen_image_statistics_re_estimated_after_a_full_fine_tune_normalise_in_its_pipeline(tmp_path, shard_url,
                                                                                              photos_dir, capsys):
     """After a run that trained the encoder, export --dataset_url re-estimates latents_mean/latents_std, and the

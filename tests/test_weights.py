@@ -69,6 +69,7 @@ def _assert_features_equal(feats: dict, state: dict, prefix: str = "features.") 
         assert torch.equal(value, state[prefix + key]), key
 
 
+@pytest.mark.process
 def test_load_vgg16_features_formats(tmp_path, vgg16_state):
     full = tmp_path / "vgg16-torchvision.pth"
     torch.save(vgg16_state, full)
