@@ -560,19 +560,22 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.process
-def test_checkpoint_with_pickled_code_is_refused_not_executed(shard_url, tmp_path):
+def test_checkpoint_with_pickled_code_is_refused_not_executed(shard_url, tmp_path, capsys, one_torch_thread):
+    """A checkpoint whose pickle runs a command when loaded (--resume, --load_path, evaluate.py --ckpt): refused in
+    one line, the command never run (the commands' own functions, in this process: what they load is the point)."""
+    import evaluate
     marker = tmp_path / "PWNED"
     evil = tmp_path / "evil.pt"
     with open(evil, "wb") as f:
         pickle.dump({"vae": _RunsCode(marker), "step": 1}, f)
-    for script, args in [("vae_trainer.py", _args(shard_url, tmp_path, "a", 2, 2, "--resume", str(evil))),
-                         ("vae_trainer.py", _args(shard_url, tmp_path, "b", 2, 2, "--load_path", str(evil))),
-                         ("evaluate.py", ["--ckpt", str(evil), "--dataset_url", shard_url])]:
-        proc = run_cli(script, args)
-        assert proc.returncode != 0, (script, proc.stdout[-1000:])
-        assert proc.stderr.strip().splitlines()[-1].startswith("error: "), proc.stderr
-        assert "Traceback" not in proc.stderr
+    for command, args in [(vae_trainer.main, _args(shard_url, tmp_path, "a", 2, 2, "--resume", str(evil))),
+                          (vae_trainer.main, _args(shard_url, tmp_path, "b", 2, 2, "--load_path", str(evil))),
+                          (evaluate.main, ["--ckpt", str(evil), "--dataset_url", shard_url])]:
+        code = command(args)
+        err = capsys.readouterr().err
+        assert code != 0, (command.__module__, err[-1000:])
+        assert err.strip().splitlines()[-1].startswith("error: "), err
+        assert "Traceback" not in err
         assert not marker.exists(), "loading a checkpoint ran code"
 
 
