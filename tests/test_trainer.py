@@ -507,6 +507,24 @@ TOY_BLOCK = ("        # A GradNorm branch's gradient has norm `weight` over all 
              "        # A GradNorm branch's gradient has norm `weight` over all the reconstruction's elements")
 
 
+# Run in the edited copy: each command of argv[1] (a JSON {name: vae_trainer argv}) through vae_trainer.main, and
+# flags.flag_tables(); prints {name: [exit code, stdout, stderr], "tables": ...} as its last line.
+TOY_DRIVER = """import contextlib, io, json, sys
+import flags, vae_trainer
+results = {}
+for name, argv in json.loads(sys.argv[1]).items():
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = vae_trainer.main(argv)
+        except SystemExit as e:  # --help
+            code = e.code
+    results[name] = [code, out.getvalue(), err.getvalue()]
+results["tables"] = flags.flag_tables()
+print(json.dumps(results))
+"""
+
+
 @pytest.mark.process
 def test_a_new_loss_term_is_a_field_and_one_block(shard_url, tmp_path):
     """Issue 24 item 5, through the real path: a copy of the repository with the two edits trains with
@@ -526,18 +544,23 @@ def test_a_new_loss_term_is_a_field_and_one_block(shard_url, tmp_path):
         text = (repo / file).read_text()
         assert text.count(anchor) == 1, (file, anchor)
         (repo / file).write_text(text.replace(anchor, replacement))
-    env = cli_env()
-
-    def run(*args):
-        return subprocess.run([sys.executable, str(repo / "vae_trainer.py"), *args], capture_output=True, text=True,
-                              env=env, timeout=240)
-
+    # one interpreter in the copy (five commands took 28 s, mostly imports): the two runs, --help, the flag table
+    # and the refusal, each through the command's own main, its stdout, stderr and exit code kept
+    (repo / "drive.py").write_text(TOY_DRIVER)
+    train = ["--dataset_url", shard_url, *TINY, "--max_steps", "2", "--log_every_n_steps", "1", "--save_every_n_steps",
+             "100", "--perceptual_weight", "0", "--evaluate_every_n_steps", "0"]
+    commands = {w: [*train, "--output_dir", str(tmp_path / w), "--toy_weight", w] for w in ("0", "50")}
+    commands["help"] = ["--help"]
+    commands["negative"] = ["--dataset_url", shard_url, "--output_dir", str(tmp_path / "negative"),
+                            "--toy_weight", "-1"]
+    proc = subprocess.run([sys.executable, str(repo / "drive.py"), json.dumps(commands)], capture_output=True,
+                          text=True, env=cli_env(), timeout=240, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.splitlines()[-1])
     finals = {}
     for weight in ("0", "50"):
-        proc = run("--dataset_url", shard_url, "--output_dir", str(tmp_path / weight), *TINY, "--max_steps", "2",
-                   "--log_every_n_steps", "1", "--save_every_n_steps", "100", "--perceptual_weight", "0",
-                   "--evaluate_every_n_steps", "0", "--toy_weight", weight)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        code, _, err = results[weight]
+        assert code == 0, err[-3000:]
         ckpt = torch.load(tmp_path / weight / "vae" / "checkpoints" / "step_00000002.pt", weights_only=True)
         finals[weight] = ckpt["training"]["vae"]["decoder.conv_out.weight"]
     records = _metrics(str(tmp_path / "50" / "vae"))
@@ -545,13 +568,12 @@ def test_a_new_loss_term_is_a_field_and_one_block(shard_url, tmp_path):
     assert records[-1]["loss/total"] == pytest.approx(
         records[-1]["loss/pooled_mse"] + records[-1]["loss/lowpass_mse"] + 0.003 * records[-1]["loss/kl"]
         + 50.0 * records[-1]["loss/toy"], rel=1e-5)
-    assert "| toy " in proc.stdout and not torch.equal(finals["0"], finals["50"])
-    assert "--toy_weight" in run("--help").stdout
-    tables = subprocess.run([sys.executable, "-c", "import flags; print(flags.flag_tables())"], cwd=repo,
-                            capture_output=True, text=True, env=env).stdout
-    assert "| `--toy_weight` | `0.0` | weight of the toy term: the mean reconstruction, pulled to 0 |" in tables
-    refused = run("--dataset_url", shard_url, "--output_dir", str(tmp_path / "negative"), "--toy_weight", "-1")
-    assert refused.returncode == 2 and refused.stderr.strip() == "error: --toy_weight must be >= 0, got -1.0"
+    assert "| toy " in results["50"][1] and not torch.equal(finals["0"], finals["50"])
+    assert "--toy_weight" in results["help"][1]
+    table_row = "| `--toy_weight` | `0.0` | weight of the toy term: the mean reconstruction, pulled to 0 |"
+    assert table_row in results["tables"]
+    code, _, err = results["negative"]
+    assert code == 2 and err.strip() == "error: --toy_weight must be >= 0, got -1.0"
 
 
 @pytest.mark.parametrize("gan", [True, False])
