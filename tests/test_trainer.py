@@ -15,7 +15,7 @@ import config
 import flags as flags_lib
 import objective as objective_lib
 import vae_trainer
-from conftest import TINY, cli_env, run_cli
+from conftest import PLUMBING, TINY, cli_env, run_cli
 import ae
 import common
 import run_setup
@@ -371,15 +371,15 @@ def test_automatic_defaults_are_resolved_to_numbers(argv, expected, shard_url):
     cfg.validate()  # every resolved value is a valid flag value
 
 
-@pytest.mark.process
-def test_a_run_written_before_norm_groups_existed_continues_with_its_32_groups(shard_url, tmp_path):
+def test_a_run_written_before_norm_groups_existed_continues_with_its_32_groups(shard_url, tmp_path, capsys,
+                                                                              one_torch_thread):
     """Runs from before --vae_norm_groups used 32 groups and did not record them. GroupNorm's weights have the
     same shapes with any group count, so resuming such a run at --vae_ch 32 with the new automatic 8 groups
     would load silently and train another function: continued without the flag it keeps its recipe (32 groups,
     what it was trained with), and another count given is refused in one line."""
     args = ["--dataset_url", shard_url, "--output_dir", str(tmp_path), "--run_name", "old", "--max_steps", "1",
-            "--save_every_n_steps", "1", "--evaluate_every_n_steps", "0", *TINY, "--vae_norm_groups", "32"]
-    assert run_cli("vae_trainer.py", args).returncode == 0
+            "--save_every_n_steps", "1", "--evaluate_every_n_steps", "0", *PLUMBING, "--vae_norm_groups", "32"]
+    assert vae_trainer.main(args) == 0
     run_dir = tmp_path / "old"
     recorded = json.loads((run_dir / "config.json").read_text())
     del recorded["vae_norm_groups"], recorded["derived"]
@@ -389,10 +389,11 @@ def test_a_run_written_before_norm_groups_existed_continues_with_its_32_groups(s
     del ckpt["run"]["config"]["vae_norm_groups"], ckpt["run"]["model_params"]["norm_groups"]
     torch.save(ckpt, ckpt_path)
     again = args[:args.index("--max_steps")] + ["--max_steps", "2"] + args[args.index("--max_steps") + 2:-2]
-    proc = run_cli("vae_trainer.py", again + ["--vae_norm_groups", "8"])
-    assert proc.returncode == 1 and "vae_norm_groups: 32 -> 8" in proc.stderr, proc.stderr[-2000:]
-    proc = run_cli("vae_trainer.py", again)
-    assert proc.returncode == 0 and "resum" in proc.stdout.lower(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    capsys.readouterr()
+    assert vae_trainer.main(again + ["--vae_norm_groups", "8"]) == 1
+    assert "vae_norm_groups: 32 -> 8" in capsys.readouterr().err
+    assert vae_trainer.main(again) == 0
+    assert "resum" in capsys.readouterr().out.lower()
     assert json.loads((run_dir / "config.json").read_text())["vae_norm_groups"] == 32
 
 
