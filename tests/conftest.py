@@ -253,6 +253,37 @@ def run_cli(script: str, args: list[str], nproc: int = 0, env: dict | None = Non
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def run_in_process(main, args: list[str], capfd) -> subprocess.CompletedProcess:
+    """A command's main(args) in this process, returned as run_cli returns the program's run: its exit code (a
+    SystemExit's too, argparse's) and what it printed (capfd: what a data worker prints is there too). For the tests
+    whose point is what the command does with its arguments, not what only a process shows (signals, torchrun, a
+    broken install): a program costs seconds of imports."""
+    capfd.readouterr()
+    try:
+        code = main(args)
+    except SystemExit as e:
+        code = e.code
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def sigterm_before_step(monkeypatch, completed: int) -> None:
+    """The next in-process run gets SIGTERM once, as it starts the step after `completed` steps: what
+    tests/faulty_trainer.py's VAE_TRAINER_SIGTERM_AT=completed does to a command (the trainer's own handler takes it,
+    saves that step and returns 0). For the exact-resume tests whose point is what a checkpoint carries; the
+    signals' own paths (torchrun, a rank's, a process group's) are test_fault_tolerance's."""
+    import signal
+    import vae_trainer
+    train_step, sent = vae_trainer.Trainer.train_step, []
+
+    def step_then_stop(self, *args):
+        if self.step == completed and not sent:
+            sent.append(completed)
+            signal.raise_signal(signal.SIGTERM)
+        return train_step(self, *args)
+    monkeypatch.setattr(vae_trainer.Trainer, "train_step", step_then_stop)
+
+
 def record_ops():
     """A dispatch mode that records every aten op run inside it (after autocast's casts, so it sees the
     dtypes the kernels really compute in) as (op name, [dtypes of its floating-point tensor inputs])."""

@@ -255,17 +255,20 @@ def _run_args(url, out, run, steps, save, *extra):
 
 @pytest.mark.process
 @pytest.mark.timeout(300)
-def test_resume_with_alignment_and_probe_on_is_bitwise(shard_url, tmp_path):
+def test_resume_with_alignment_and_probe_on_is_bitwise(shard_url, tmp_path, capfd, monkeypatch, one_torch_thread):
     """Stopped at step 3 (before that step's probe, which the uninterrupted run does) and resumed: the VAE, the
-    projection and both optimizers end bitwise equal, and the probe curve is the same numbers."""
+    projection and both optimizers end bitwise equal, and the probe curve is the same numbers. (In-process: the
+    runs' own main, a stop as SIGTERM gives it.)"""
     import json
-    from conftest import FAULTY, cli_env, run_cli
-    ref = run_cli("vae_trainer.py", _run_args(shard_url, tmp_path, "ref", 6, 6))
+    import vae_trainer
+    from conftest import run_in_process, sigterm_before_step
+    ref = run_in_process(vae_trainer.main, _run_args(shard_url, tmp_path, "ref", 6, 6), capfd)
     assert ref.returncode == 0, ref.stderr[-2000:]
     assert any("loss/vf" in json.loads(line) for line in open(tmp_path / "ref" / "metrics.jsonl"))
-    first = run_cli(FAULTY, _run_args(shard_url, tmp_path, "cut", 6, 100), env=cli_env(VAE_TRAINER_SIGTERM_AT="2"))
+    sigterm_before_step(monkeypatch, 2)
+    first = run_in_process(vae_trainer.main, _run_args(shard_url, tmp_path, "cut", 6, 100), capfd)
     assert first.returncode == 0 and "checkpoint written at step 3" in first.stdout, first.stderr[-2000:]
-    again = run_cli("vae_trainer.py", _run_args(shard_url, tmp_path, "cut", 6, 6))
+    again = run_in_process(vae_trainer.main, _run_args(shard_url, tmp_path, "cut", 6, 6), capfd)
     assert again.returncode == 0 and "at step 3" in again.stdout, again.stderr[-2000:]
     a, b = (torch.load(tmp_path / run / "checkpoints" / "step_00000006.pt", weights_only=True) for run in ("ref", "cut"))
     for entry, key in (("training", "vae"), ("vf_projection", "projection")):

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import TINY, cli_env, run_cli
+from conftest import TINY, cli_env, run_cli, run_in_process
 
 import data as data_lib
 import evaluate as ev
@@ -326,10 +326,9 @@ def test_cli_missing_weights_give_null_not_fake(run_dir, shard_url, tmp_path):
 
 
 @pytest.mark.xdist_group("eval_run_dir")  # shares the run_dir fixture: built once
-@pytest.mark.process
-def test_cli_latent_stats_with_ema(run_dir, shard_url):
-    r = run_cli("evaluate.py", ["--ckpt", run_dir, "--dataset_url", shard_url, "--latent_stats", "--ema",
-                                "--max_images", "4", "--batch_size", "2"])
+def test_cli_latent_stats_with_ema(run_dir, shard_url, capfd):
+    r = run_in_process(ev.main, ["--ckpt", run_dir, "--dataset_url", shard_url, "--latent_stats", "--ema",
+                                 "--max_images", "4", "--batch_size", "2"], capfd)
     assert r.returncode == 0, r.stderr[-2000:]
     stats = parse_json(r.stdout)
     assert stats["ema"] is True and stats["n_images"] == 4 and len(stats["channel_std"]) == 4
@@ -340,8 +339,7 @@ def test_cli_latent_stats_with_ema(run_dir, shard_url):
 
 
 @pytest.mark.xdist_group("eval_run_dir")  # shares the run_dir fixture: built once
-@pytest.mark.process
-def test_cli_reconstructs_any_size(run_dir, photos_dir, tmp_path):
+def test_cli_reconstructs_any_size(run_dir, photos_dir, tmp_path, capfd):
     """Sizes that are not multiples of the downsample factor (4) come back at their size and name, tiled
     (tile 32 px) or not."""
     src = tmp_path / "src"
@@ -352,8 +350,8 @@ def test_cli_reconstructs_any_size(run_dir, photos_dir, tmp_path):
         im.crop((0, 0, 45, 31)).save(src / "sub" / "b.jpg")  # grayscale JPEG, 45 x 31
     for tile in ("0", "32"):
         dst = tmp_path / f"dst{tile}"
-        r = run_cli("evaluate.py", ["--ckpt", run_dir, "--images", str(src), "--reconstruct_to", str(dst),
-                                    "--tile_size", tile, "--tile_overlap", "8"])
+        r = run_in_process(ev.main, ["--ckpt", run_dir, "--images", str(src), "--reconstruct_to", str(dst),
+                                     "--tile_size", tile, "--tile_overlap", "8"], capfd)
         assert r.returncode == 0, r.stderr[-2000:]
         assert parse_json(r.stdout)["reconstructed"] == 2
         with Image.open(dst / "a.png.png") as a, Image.open(dst / "sub" / "b.jpg.png") as b:
@@ -392,12 +390,12 @@ def test_reconstructions_keep_the_full_source_name(photos_dir, tmp_path):
 
 
 @pytest.mark.xdist_group("eval_run_dir")  # shares the run_dir fixture: built once
-@pytest.mark.process
-def test_cli_user_errors_are_one_line(run_dir, shard_url, tmp_path):
-    r = run_cli("evaluate.py", ["--ckpt", str(tmp_path / "nope"), "--dataset_url", shard_url])
+def test_cli_user_errors_are_one_line(run_dir, shard_url, tmp_path, capfd):
+    r = run_in_process(ev.main, ["--ckpt", str(tmp_path / "nope"), "--dataset_url", shard_url], capfd)
     assert_one_line_error(r)
     assert "nope" in r.stderr
-    r = run_cli("evaluate.py", ["--ckpt", run_dir, "--dataset_url", str(tmp_path / "missing" / "{0..3}.tar")])
+    r = run_in_process(ev.main, ["--ckpt", run_dir, "--dataset_url", str(tmp_path / "missing" / "{0..3}.tar")],
+                       capfd)
     assert_one_line_error(r)
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, run_in_process
 
 pytestmark = pytest.mark.timeout(180)  # the CLI tests take 10-20 s: a hang fails one test
 
@@ -125,17 +125,16 @@ def test_diffusers_export_loads_back_exactly(name, tmp_path):
         assert torch.equal(vae.decode(z), loaded.decode(z))
 
 
-@pytest.mark.process
 @pytest.mark.timeout(120)
-def test_evaluate_cli_takes_a_diffusers_export(tmp_path, photos_dir):
+def test_evaluate_cli_takes_a_diffusers_export(tmp_path, photos_dir, capfd):
     """docs/evaluation.md's path: a checkpoint -> its diffusers export -> evaluate.py --ckpt <that folder>."""
     params = CONFIGS["constant_no_attn_2_levels"]
     save_checkpoint(tmp_path / "ckpt.pt", params)
     ema_vae, _ = ev.load_model(str(tmp_path / "ckpt.pt"), ema=True)
     out = tmp_path / "vae-diffusers"
     ldm_layouts.export_diffusers(ema_vae, str(out), resolution=32)  # what `export.py --ema` writes (tested above)
-    r = run_cli("evaluate.py", ["--ckpt", str(out), "--dataset_url", photos_dir, "--max_images", "2",
-                                "--vgg16_weights", "none", "--inception_weights", "none"])
+    r = run_in_process(ev.main, ["--ckpt", str(out), "--dataset_url", photos_dir, "--max_images", "2",
+                                 "--vgg16_weights", "none", "--inception_weights", "none"], capfd)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert (result["checkpoint"], result["resolution"], result["n_images"]) == (str(out), 32, 2)
@@ -219,13 +218,13 @@ def test_cli_diffusers_with_factors_and_ema(tmp_path):
         torch.testing.assert_close(load_diffusers(out).encode(x).latent_dist.mean, ema_vae.encode(x), atol=1e-5, rtol=0)
 
 
-@pytest.mark.process
-def test_cli_factors_from_latent_stats(tmp_path, photos_dir):
+def test_cli_factors_from_latent_stats(tmp_path, photos_dir, capfd):
     params = CONFIGS["constant_no_attn_2_levels"]
     vae = save_checkpoint(tmp_path / "ckpt.pt", params)
     out = tmp_path / "vae-st"
-    r = run_cli("export.py", ["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(out), "--format", "safetensors",
-                              "--dataset_url", photos_dir, "--latent_stats_images", "4", "--batch_size", "2"])
+    r = run_in_process(export.main, ["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(out), "--format",
+                                     "safetensors", "--dataset_url", photos_dir, "--latent_stats_images", "4",
+                                     "--batch_size", "2"], capfd)
     assert r.returncode == 0, r.stderr[-2000:]
     ref = ev.latent_stats(vae, photos_dir, 32, batch_size=2, device=torch.device("cpu"), max_images=4)
     config = json.loads((out / "config.json").read_text())
@@ -234,25 +233,23 @@ def test_cli_factors_from_latent_stats(tmp_path, photos_dir):
     assert json.loads(r.stdout)["latent_stats"]["n_images"] == 4
 
 
-@pytest.mark.process
-def test_cli_defaults_and_clamp_warning(tmp_path):
+def test_cli_defaults_and_clamp_warning(tmp_path, capfd):
     params = AutoEncoderParams(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4, use_attn=False, clamp_th=4.0)
     save_checkpoint(tmp_path / "ckpt.pt", params)
     out = tmp_path / "vae-diffusers"
-    r = run_cli("export.py", ["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(out)])
+    r = run_in_process(export.main, ["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(out)], capfd)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "scaling_factor 1.0 and shift_factor 0.0" in r.stderr and "does not clamp" in r.stderr
     config = json.loads((out / "config.json").read_text())
     assert (config["scaling_factor"], config["shift_factor"], config["sample_size"]) == (1.0, 0.0, 32)
 
 
-@pytest.mark.process
-def test_cli_user_errors(tmp_path, photos_dir):
-    r = run_cli("export.py", ["--ckpt", str(tmp_path / "missing.pt"), "--out", str(tmp_path / "o")])
+def test_cli_user_errors(tmp_path, photos_dir, capfd):
+    r = run_in_process(export.main, ["--ckpt", str(tmp_path / "missing.pt"), "--out", str(tmp_path / "o")], capfd)
     assert_one_line_error(r, "missing.pt")
     save_checkpoint(tmp_path / "ckpt.pt", CONFIGS["constant_no_attn_2_levels"])
-    r = run_cli("export.py", ["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "o"),
-                              "--scaling_factor", "0.5", "--dataset_url", photos_dir])
+    r = run_in_process(export.main, ["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "o"),
+                                     "--scaling_factor", "0.5", "--dataset_url", photos_dir], capfd)
     assert_one_line_error(r, "not both")
 
 

@@ -15,7 +15,7 @@ import layouts
 import ldm_layouts
 import vae_trainer
 from ae import AutoEncoder, AutoEncoderParams
-from conftest import FAULTY, TINY, cli_env, run_cli
+from conftest import TINY, run_cli, run_in_process, sigterm_before_step
 import train_state
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -270,15 +270,17 @@ def test_decoder_only_under_torchrun_keeps_the_encoder_and_exports_the_source_la
 
 @pytest.mark.process
 @pytest.mark.timeout(150)
-def test_decoder_only_resume_equals_uninterrupted(shard_url, tmp_path):
+def test_decoder_only_resume_equals_uninterrupted(shard_url, tmp_path, capfd, monkeypatch, one_torch_thread):
+    """(In-process: the runs' own main, a stop as SIGTERM gives it.)"""
+    import vae_trainer
     source_dir = tiny_sd_source(tmp_path / "sd")
-    ref = run_cli("vae_trainer.py", finetune_args(shard_url, source_dir, tmp_path, "ref", 4, 4))
+    ref = run_in_process(vae_trainer.main, finetune_args(shard_url, source_dir, tmp_path, "ref", 4, 4), capfd)
     assert ref.returncode == 0, ref.stderr[-2000:]
-    cut = run_cli(FAULTY, finetune_args(shard_url, source_dir, tmp_path, "cut", 4, 100),
-                  env=cli_env(VAE_TRAINER_SIGTERM_AT="1"))
+    sigterm_before_step(monkeypatch, 1)
+    cut = run_in_process(vae_trainer.main, finetune_args(shard_url, source_dir, tmp_path, "cut", 4, 100), capfd)
     assert cut.returncode == 0 and "checkpoint written at step 2" in cut.stdout, cut.stderr[-2000:]
     os.rename(source_dir, tmp_path / "moved")  # a resume needs the run's architecture, not the source
-    again = run_cli("vae_trainer.py", finetune_args(shard_url, source_dir, tmp_path, "cut", 4, 2))
+    again = run_in_process(vae_trainer.main, finetune_args(shard_url, source_dir, tmp_path, "cut", 4, 2), capfd)
     assert again.returncode == 0 and "at step 2" in again.stdout, again.stderr[-2000:]
     a, b = _ckpt(tmp_path, "ref", 4), _ckpt(tmp_path, "cut", 4)
     for key in ("vae", "ema"):
@@ -288,8 +290,8 @@ def test_decoder_only_resume_equals_uninterrupted(shard_url, tmp_path):
         assert all(torch.equal(v, b["training"]["optimizer"]["state"][pid][n]) for n, v in state.items())
     assert b["run"]["init_source"] == a["run"]["init_source"] and b["run"]["init_source"]["path"] == source_dir
     # the optimizer holds the decoder only: a resume that would train the whole VAE is refused, in one line
-    switch = run_cli("vae_trainer.py", finetune_args(shard_url, source_dir, tmp_path, "cut", 6, 2, "--train_parts",
-                                                     "all"))
+    switch = run_in_process(vae_trainer.main, finetune_args(shard_url, source_dir, tmp_path, "cut", 6, 2,
+                                                            "--train_parts", "all"), capfd)
     assert switch.returncode != 0 and "trained with --train_parts decoder" in switch.stderr, switch.stderr[-2000:]
     assert "Traceback" not in switch.stderr
 

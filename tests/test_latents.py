@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import data
 import latents
 import vae_trainer
-from conftest import FAULTY, TINY, cli_env, free_port, run_cli
+from conftest import TINY, free_port, run_cli, run_in_process, sigterm_before_step
 import common
 import config
 import run_setup
@@ -307,12 +307,14 @@ def _args(url, out, run, steps, save, *extra):
 
 @pytest.mark.process
 @pytest.mark.timeout(90)
-def test_resume_with_regularisers_on_is_bitwise(shard_url, tmp_path):
-    ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 6, 6))
+def test_resume_with_regularisers_on_is_bitwise(shard_url, tmp_path, capfd, monkeypatch, one_torch_thread):
+    """(In-process: the runs' own main, a stop as SIGTERM gives it.)"""
+    ref = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "ref", 6, 6), capfd)
     assert ref.returncode == 0, ref.stderr[-2000:]
-    first = run_cli(FAULTY, _args(shard_url, tmp_path, "cut", 6, 100), env=cli_env(VAE_TRAINER_SIGTERM_AT="2"))
+    sigterm_before_step(monkeypatch, 2)
+    first = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "cut", 6, 100), capfd)
     assert first.returncode == 0 and "checkpoint written at step 3" in first.stdout, first.stderr[-2000:]
-    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 6, 6))
+    again = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "cut", 6, 6), capfd)
     assert again.returncode == 0 and "at step 3" in again.stdout, again.stderr[-2000:]
     a, b = (torch.load(tmp_path / run / "checkpoints" / "step_00000006.pt", weights_only=True) for run in ("ref", "cut"))
     for name in a["training"]["vae"]:

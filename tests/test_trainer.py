@@ -32,18 +32,19 @@ def _metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-@pytest.mark.process
-def test_help_lists_every_flag_with_its_default():
-    proc = run_cli("vae_trainer.py", ["--help"])
-    assert proc.returncode == 0, proc.stderr
+def test_help_lists_every_flag_with_its_default(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        vae_trainer.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
     for name in config.FIELD_SECTION:
-        assert f"--{name}" in proc.stdout
+        assert f"--{name}" in out
     # the reference trainer's names, for its users
     for name in ("dataset_url", "test_dataset_url", "learning_rate_vae", "learning_rate_disc", "vae_ch_mult",
                  "vae_num_res_blocks", "vae_z_channels", "do_attn", "do_ganloss", "disc_type", "do_clamp",
                  "clamp_th", "load_path", "project_name", "max_steps", "run_name"):
-        assert f"--{name}" in proc.stdout
-    assert "(default: 1,2,4,4)" in proc.stdout and "(default: fp32)" in proc.stdout
+        assert f"--{name}" in out
+    assert "(default: 1,2,4,4)" in out and "(default: fp32)" in out
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -87,18 +88,19 @@ def test_a_torchvision_built_for_another_torch_is_one_line(tmp_path, command):
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.process
 @pytest.mark.parametrize("url, message", [("missing/{00000..00003}.tar", "shard not found"),
                                           ("EMPTY_DIR", "holds no image files"),
                                           ("", "no dataset given")])
-def test_bad_dataset_paths_via_the_cli(tmp_path, url, message):
+def test_bad_dataset_paths_are_one_line_before_anything_starts(tmp_path, capfd, url, message):
+    """(capfd: what any data worker of the run would print is in the output too)"""
     empty = tmp_path / "empty"
     empty.mkdir()
     url = str(empty) if url == "EMPTY_DIR" else url
-    proc = run_cli("vae_trainer.py", ["--dataset_url", url, "--output_dir", str(tmp_path / "runs"), *TINY])
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr
+    code = vae_trainer.main(["--dataset_url", url, "--output_dir", str(tmp_path / "runs"), *TINY])
+    out, err = capfd.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
+    assert "Traceback" not in out + err
     assert not (tmp_path / "runs").exists()
 
 
