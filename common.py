@@ -318,6 +318,25 @@ class StopFlag:
 STOP_KEY = "vae_trainer/stop"
 
 
+@contextlib.contextmanager
+def signal_handlers_kept():
+    """The handlers of SIGTERM and SIGINT, and the wakeup fd, as they are on entry, back on exit: what a run's
+    StopFlag (and signal_watch) replaced comes back when vae_trainer.main returns to a program that ran it in its
+    own process (a notebook, a test), whose Ctrl-C would otherwise ask the finished run to stop. Entered before the
+    process groups and left after them: a signal during the close (torchrun forwards the one its group got) still
+    finds the run's flag, not the default that ends the process."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            if handler is not None:  # (None: a handler not set from Python, which cannot be set back from it)
+                signal.signal(sig, handler)
+        signal.set_wakeup_fd(wakeup)
+
+
 def signal_watch(on_signal) -> None:
     """Call `on_signal()` from a daemon thread as soon as SIGTERM or SIGINT reaches this process, whatever its main
     thread is doing. Python runs a signal's handler only between bytecodes of the main thread, so a rank blocked in

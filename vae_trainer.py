@@ -41,7 +41,7 @@ import run_log
 import sharding
 from alignment import fetch_foundation_weights
 from common import (ConfigError, DistInfo, StopFlag, any_rank, capture_rng, closing_distributed, init_distributed,
-                    redact, restore_rng)
+                    redact, restore_rng, signal_handlers_kept)
 from config import (Config, DeviceSpeed, best_metric_of, downsample_factor_of, last_stage_levels, min_loss_image_size,
                     public_config, uses_vgg16, with_values)
 from objective import Adversary, VAEObjective, micro_step
@@ -744,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed()
     trainer, failed = None, False
     run_lock = checkpoint.RunLock(cfg.run.run_dir) if info.is_main else None
-    with closing_distributed(info):  # however the run ends
+    with signal_handlers_kept(), closing_distributed(info):  # however the run ends
         try:
             start = Start.settle(cfg, info, run_lock, lambda line: print(line, flush=True) if info.is_main else None,
                                  setup.record)

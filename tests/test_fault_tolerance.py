@@ -155,6 +155,22 @@ WORKER = ("import common, torch, torch.distributed as dist\n"
           "common.close_distributed(info)\n")
 
 
+def test_a_run_in_process_gives_back_the_signal_handlers_it_took(shard_url, tmp_path, one_torch_thread):
+    """vae_trainer.main in a program's own process (a notebook, a test): the handlers of SIGINT and SIGTERM it
+    replaced with its stop flag's are back when it returns. Before, the finished run's flag kept them: the first
+    Ctrl-C afterwards asked that run to stop, and the program went on."""
+    def mine(signum, frame):
+        pass
+    before = {sig: signal.signal(sig, mine) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert vae_trainer.main(_args(shard_url, tmp_path, "r", 1, 1)) == 0
+        assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is mine
+        assert signal.set_wakeup_fd(-1) == -1  # nor is a wakeup fd left behind (signal_watch's, under torchrun)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 @pytest.mark.process
 def test_workers_meet_when_the_nodes_restart_counts_differ(tmp_path):
     """Two attempts of a two-rank job on one store kept across them, as torchrun's agents keep theirs. In the
