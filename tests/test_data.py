@@ -26,7 +26,7 @@ from PIL import Image
 import data
 import sources
 import shards
-from conftest import free_port, run_cli
+from conftest import free_port, run_cli, run_in_process
 
 # data workers are processes and the CLI tests start one: a hang (a stuck worker) fails one test
 pytestmark = pytest.mark.timeout(180)
@@ -1352,12 +1352,12 @@ def test_make_shards_cli(image_folder, tmp_path):
         assert loader.skipped()["corrupt"] == 0
 
 
-@pytest.mark.process
 @pytest.mark.parametrize("args", [["make-shards", "/nonexistent/src", "/tmp/whatever"],
                                   ["make-shards", "{src}", "{dst}", "--shard_size", "0"]])
-def test_make_shards_bad_input(tmp_path, args):
+def test_make_shards_bad_input(tmp_path, args, capfd):
+    """(shards.main, what `python data.py make-shards` runs: test_make_shards_cli starts that command)"""
     args = [a.format(src=tmp_path, dst=tmp_path / "dst") for a in args]
-    proc = run_cli("data.py", args, timeout=120)
+    proc = run_in_process(shards.main, args, capfd)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr

@@ -17,7 +17,7 @@ import export
 import probe
 from ae import AutoEncoder, AutoEncoderParams
 from common import DistInfo, close_distributed
-from conftest import cli_env, run_cli
+from conftest import cli_env, run_cli, run_in_process
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -85,12 +85,13 @@ def test_two_ranks_table_holds_every_vae_and_is_fair(vaes, shard_url, tmp_path):
 
 @pytest.mark.process
 @pytest.mark.timeout(90)
-def test_resume_after_a_kill_is_exact(vaes, shard_url, tmp_path):
-    ref = run_cli("probe.py", _args(vaes, "a", shard_url, tmp_path / "ref"))
+def test_resume_after_a_kill_is_exact(vaes, shard_url, tmp_path, capfd):
+    """The killed run is a process (SIGKILL); the others run probe.main in this process."""
+    ref = run_in_process(probe.main, _args(vaes, "a", shard_url, tmp_path / "ref"), capfd)
     assert ref.returncode == 0, ref.stderr[-2000:]
     killed = run_cli("probe.py", _args(vaes, "a", shard_url, tmp_path / "cut"), env=cli_env(PROBE_KILL_AT="3"))
     assert killed.returncode != 0 and not (tmp_path / "cut" / "probe.json").exists()
-    again = run_cli("probe.py", _args(vaes, "a", shard_url, tmp_path / "cut"))
+    again = run_in_process(probe.main, _args(vaes, "a", shard_url, tmp_path / "cut"), capfd)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed the probe at step 2" in again.stdout
     ref_row, cut_row = (json.loads((tmp_path / d / "probe.json").read_text())["vaes"][0] for d in ("ref", "cut"))
@@ -99,14 +100,13 @@ def test_resume_after_a_kill_is_exact(vaes, shard_url, tmp_path):
                             for d in ("ref", "cut"))
     assert all(torch.equal(ref_state["model"][k], cut_state["model"][k]) for k in ref_state["model"])
     # other settings in the same --out: refused, not silently mixed
-    other = run_cli("probe.py", _args(vaes, "a", shard_url, tmp_path / "cut", 8))
+    other = run_in_process(probe.main, _args(vaes, "a", shard_url, tmp_path / "cut", 8), capfd)
     assert other.returncode == 2 and other.stderr.strip().startswith("error:") and "other settings" in other.stderr
 
 
-@pytest.mark.process
 @pytest.mark.timeout(40)
-def test_latents_of_other_shapes_are_refused_with_one_line(vaes, shard_url, tmp_path):
-    proc = run_cli("probe.py", _args(vaes, "ac", shard_url, tmp_path))
+def test_latents_of_other_shapes_are_refused_with_one_line(vaes, shard_url, tmp_path, capfd):
+    proc = run_in_process(probe.main, _args(vaes, "ac", shard_url, tmp_path), capfd)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"error: latents of other shapes cannot be compared in one probe: {vaes['a']} "
                                    f"gives 4x16x16, {vaes['c']} gives 8x16x16 at 32 px")
