@@ -287,11 +287,11 @@ EVAL_ARGS = ["--max_images", "3", "--batch_size", "1", "--vgg16_weights", "rando
 
 @pytest.mark.xdist_group("eval_run_dir")  # shares the run_dir fixture: built once
 @pytest.mark.process
-def test_cli_metrics_out_and_torchrun_agree(run_dir, shard_url, tmp_path):
-    """3 images on 2 ranks (2 + 1): the same numbers as one process. batch_size 1 makes every image's
+def test_cli_metrics_out_and_torchrun_agree(run_dir, shard_url, tmp_path, capfd):
+    """3 images on 2 ranks (2 + 1, the command under torchrun): the same numbers as one process (its main, here). batch_size 1 makes every image's
     forward pass identical in both runs, so only the float64 summation order differs (rel 1e-9)."""
     out = tmp_path / "eval"
-    r = run_cli("evaluate.py", ["--ckpt", run_dir, "--dataset_url", shard_url, "--out", str(out), *EVAL_ARGS])
+    r = run_in_process(ev.main, ["--ckpt", run_dir, "--dataset_url", shard_url, "--out", str(out), *EVAL_ARGS], capfd)
     assert r.returncode == 0, r.stderr[-2000:]
     single = parse_json(r.stdout)
     assert single["n_images"] == 3 and single["resolution"] == 64 and single["world_size"] == 1

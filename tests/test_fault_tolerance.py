@@ -22,7 +22,7 @@ from PIL import Image
 import run_log
 import vae_trainer
 from conftest import (FAULTY, PLUMBING, ROOT, agent_command, agent_logs, cli_command, cli_env, free_port,
-                      kill_tree, read_agent_logs, run_cli)
+                      kill_tree, read_agent_logs, run_cli, run_in_process)
 import ae
 import common
 import config
@@ -72,8 +72,10 @@ def _metrics(out, run) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------ exact resume
 @pytest.mark.process
-def test_sigterm_then_resume_equals_uninterrupted_single_process(shard_url, tmp_path):
-    ref = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "ref", 6, 6, *RECIPE))
+def test_sigterm_then_resume_equals_uninterrupted_single_process(shard_url, tmp_path, capfd, one_torch_thread):
+    """The stopped run is a process that gets a real SIGTERM; the uninterrupted run and the same command run again
+    (which resumes) are vae_trainer.main in this process, bitwise the same computation."""
+    ref = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "ref", 6, 6, *RECIPE), capfd)
     assert ref.returncode == 0, ref.stderr[-2000:]
 
     # SIGTERM arrives during step 3: the step finishes, a checkpoint is written, exit 0
@@ -83,7 +85,7 @@ def test_sigterm_then_resume_equals_uninterrupted_single_process(shard_url, tmp_
     assert "received signal 15: checkpoint written at step 4" in first.stdout
     assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["latest", "step_00000004.pt"]
 
-    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 6, 2, *RECIPE))  # same command: auto-resume
+    again = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "cut", 6, 2, *RECIPE), capfd)  # auto-resume
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed from" in again.stdout and "at step 4" in again.stdout
     _assert_same_state(_ckpt(tmp_path, "ref", 6), _ckpt(tmp_path, "cut", 6))
