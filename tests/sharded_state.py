@@ -1,7 +1,8 @@
 """Run under torchrun (gloo): the VAE's training state as sharding.py lays it out on this rank, after one real step
 of tests/test_sharding.py's tiny model (a random batch through the training forward, AdamW, the EMA): the bytes of
 its local parameters, gradients, optimizer state and EMA, and of its frozen parameters, written as
-<out>/rank<R>.json. argv: out folder, --sharding value, --train_parts value."""
+<out>/<train_parts>/rank<R>.json. argv: out folder, --sharding value, --train_parts values (comma-separated: one
+launch measures each in turn)."""
 import json
 import os
 import sys
@@ -23,9 +24,16 @@ def local_bytes(tensors) -> int:
     return sum(sharding.local(t).numel() * t.element_size() for t in tensors if t is not None)
 
 
-def main(out: str, kind: str, train_parts: str) -> None:
+def main(out: str, kind: str, parts: str) -> None:
     dist.init_process_group("gloo")
     info = DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size())
+    for train_parts in parts.split(","):
+        os.makedirs(os.path.join(out, train_parts), exist_ok=True)
+        measure(os.path.join(out, train_parts), kind, train_parts, info)
+    dist.destroy_process_group()
+
+
+def measure(out: str, kind: str, train_parts: str, info: DistInfo) -> None:
     torch.manual_seed(0)
     vae = AutoEncoder(AutoEncoderParams(ch=32, ch_mult=(1, 2, 2), norm_groups=8,
                                         num_res_blocks=1, z_channels=4, use_attn=False))
@@ -46,7 +54,6 @@ def main(out: str, kind: str, train_parts: str) -> None:
               "whole_trained": sum(p.numel() * p.element_size() for p in trained)}
     with open(os.path.join(out, f"rank{info.rank}.json"), "w") as f:
         json.dump(record, f)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

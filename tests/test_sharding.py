@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY, cli_env, run_cli
+from conftest import PLUMBING, ROOT, TINY, cli_env, run_cli
 from test_elastic import step_images
 
 import checkpoint
@@ -22,12 +22,14 @@ from common import ConfigError, DistInfo
 
 
 def sharded_args(url, out, run, steps, *extra):
-    """Checkpoints every step, all kept; LPIPS, the GAN (the PatchGAN critic: the critic is not sharded, and the
-    VGG16 one doubles a step's time) with LeCam from step 1, EMA, 2 micro-batches per step; NCHW (the sharded VAE's
-    layout: on a CPU the DDP run would otherwise be channels_last, whose noise draws differ)."""
+    """Checkpoints every step, all kept; the pixel losses (conftest.PLUMBING: LPIPS is a frozen network outside the
+    sharded VAE, a loss on its reconstruction like the others, and half of a step's time here), the GAN (the PatchGAN
+    critic: the critic is not sharded, and the VGG16 one doubles a step's time) with LeCam from step 1, EMA, 2
+    micro-batches per step; NCHW (the sharded VAE's layout: on a CPU the DDP run would otherwise be channels_last,
+    whose noise draws differ)."""
     return ["--dataset_url", url, "--output_dir", str(out), "--run_name", run, "--max_steps", str(steps),
             "--save_every_n_steps", "1", "--log_every_n_steps", "1", "--evaluate_every_n_steps", "0",
-            "--keep_last_k", "20", *TINY, "--do_ganloss", "--disc_start", "1", "--lecam_weight", "0.1",
+            "--keep_last_k", "20", *PLUMBING, "--do_ganloss", "--disc_start", "1", "--lecam_weight", "0.1",
             "--discriminator", "patchgan", "--ema_decay", "0.9", "--num_threads", "1", "--channels_last", "false",
             "--memory_check", "false", *extra]
 
@@ -174,23 +176,26 @@ def test_a_single_file_checkpoint_of_a_ddp_run_resumes_sharded(runs, tmp_path, s
 
 @pytest.mark.process
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("train_parts,n", [("all", 4), ("decoder", 2)])
-def test_each_rank_holds_a_1_over_n_share_of_the_trained_state(tmp_path, train_parts, n):
-    """tests/sharded_state.py on 4 ranks (the whole VAE trained) and on 2 (a decoder-only fine-tune), after a real
-    step: each rank's local parameters, gradients, AdamW moments and EMA are its share of the whole (they add up to
-    it exactly, and none exceeds 1/N of it by more than FSDP's padding of each tensor's first dimension: one row per
-    tensor); the decoder-only fine-tune's frozen encoder stays whole on every rank and is no DTensor."""
-    result = run_cli("tests/sharded_state.py", [str(tmp_path), "fsdp", train_parts], nproc=n)
+def test_each_rank_holds_a_1_over_n_share_of_the_trained_state(tmp_path):
+    """tests/sharded_state.py on 4 ranks, the whole VAE trained and then a decoder-only fine-tune (one launch),
+    after a real step: each rank's local parameters, gradients, AdamW moments and EMA are its share of the whole
+    (they add up to it exactly, and none exceeds 1/N of it by more than FSDP's padding of each tensor's first
+    dimension: one row per tensor); the decoder-only fine-tune's frozen encoder stays whole on every rank and is no
+    DTensor."""
+    n = 4
+    result = run_cli("tests/sharded_state.py", [str(tmp_path), "fsdp", "all,decoder"], nproc=n)
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
-    whole = ranks[0]["whole_trained"]
-    for part, factor in (("params", 1), ("grads", 1), ("optimizer", 2), ("ema", 1)):
-        assert sum(r[part] for r in ranks) == factor * whole, (n, part)
-        # the padding: at most one row of each of the model's tensors (a bias: one element), well under 2 %
-        assert all(r[part] <= factor * whole / n * 1.02 for r in ranks), (n, part, [r[part] for r in ranks])
-    frozen = {r["frozen"] for r in ranks}
-    assert len(frozen) == 1 and all(r["frozen_dtensors"] == 0 for r in ranks)
-    assert (frozen.pop() > 0) == (train_parts == "decoder")
+    for train_parts in ("all", "decoder"):
+        ranks = [json.loads((tmp_path / train_parts / f"rank{r}.json").read_text()) for r in range(n)]
+        whole = ranks[0]["whole_trained"]
+        for part, factor in (("params", 1), ("grads", 1), ("optimizer", 2), ("ema", 1)):
+            assert sum(r[part] for r in ranks) == factor * whole, (train_parts, part)
+            # the padding: at most one row of each of the model's tensors (a bias: one element), well under 2 %
+            assert all(r[part] <= factor * whole / n * 1.02 for r in ranks), (train_parts, part,
+                                                                            [r[part] for r in ranks])
+        frozen = {r["frozen"] for r in ranks}
+        assert len(frozen) == 1 and all(r["frozen_dtensors"] == 0 for r in ranks)
+        assert (frozen.pop() > 0) == (train_parts == "decoder")
 
 
 def test_frozen_parameters_stay_whole_plain_tensors_outside_the_groups(tmp_path):
