@@ -241,20 +241,20 @@ def trainer_args(folder, url, test_url, runs, name, *extra) -> list[str]:
 @pytest.mark.process
 def test_a_run_on_clips_stopped_and_resumed_is_the_uninterrupted_run(wan_folder, clip_url, tmp_path, capsys, critic):
     """A full fine-tune on clips with the critic (PatchGAN on frames; or the 3D PatchGAN on whole clips, with
-    BatchNorm's running statistics, R1 and LeCam: all that a resume must carry) and decoder checkpointing: 4 steps
-    at once, or 2 and 2 more resumed from the step-2 checkpoint; every tensor of the step-4 checkpoint (VAE, EMA,
+    BatchNorm's running statistics, R1 and LeCam: all that a resume must carry) and decoder checkpointing: 3 steps
+    at once, or 2 and 1 more resumed from the step-2 checkpoint; every tensor of the step-3 checkpoint (VAE, EMA,
     critic) and the stream's position are equal. Its sample grid is a clip's frames over their reconstruction."""
     import vae_trainer
     flags = ["--do_ganloss", "--discriminator", *critic, "--disc_start", "1", "--save_every_n_steps", "2",
              "--num_workers", "0", "--grad_checkpointing", "decoder"]
     train, test = clip_url
-    assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "ref", *flags, "--max_steps", "4")) == 0
+    assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "ref", *flags, "--max_steps", "3")) == 0
     out = capsys.readouterr().out
     assert "batch 2 clips of 5 frames x 1 accum" in out and "VAE NCHW" in out
-    for steps in ("2", "4"):
+    for steps in ("2", "3"):
         assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "cut", *flags, "--max_steps",
                                              steps)) == 0
-    a, b = (torch.load(tmp_path / run / "checkpoints" / "step_00000004.pt", weights_only=True)
+    a, b = (torch.load(tmp_path / run / "checkpoints" / "step_00000003.pt", weights_only=True)
             for run in ("ref", "cut"))
     for part in ("vae", "ema"):
         for name, value in a["training"][part].items():
@@ -263,8 +263,8 @@ def test_a_run_on_clips_stopped_and_resumed_is_the_uninterrupted_run(wan_folder,
     assert a["adversary"]["lecam"] == b["adversary"]["lecam"] or critic == ["patchgan"]
     if critic[0] == "patchgan3d":  # it judged clips: its weights are Conv3d's, and they trained
         assert a["adversary"]["critic"]["main.0.weight"].dim() == 5
-        # BatchNorm counts the critic's 4 steps and the generator term's 3 passes (from --disc_start 1)
-        assert int(a["adversary"]["critic"]["main.3.num_batches_tracked"]) == 4 + 3
+        # BatchNorm counts the critic's 3 steps and the generator term's 2 passes (from --disc_start 1)
+        assert int(a["adversary"]["critic"]["main.3.num_batches_tracked"]) == 3 + 2
     assert a["run"]["ranks"][0]["data"] == b["run"]["ranks"][0]["data"]
     assert a["run"]["model_params"]["video"] is True
     # a full fine-tune's export re-estimates latents_mean / latents_std over clips of the run's length: every
@@ -278,7 +278,7 @@ def test_a_run_on_clips_stopped_and_resumed_is_the_uninterrupted_run(wan_folder,
     source = families.load_source(wan_folder, video=True)
     assert not torch.equal(a["training"]["vae"]["encoder.conv_in.weight"], source.state["encoder.conv_in.weight"])
     from PIL import Image
-    grid = Image.open(tmp_path / "ref" / "samples" / "step_00000004.png")
+    grid = Image.open(tmp_path / "ref" / "samples" / "step_00000003.png")
     width, height = grid.size  # (enlarged for viewing) one clip: its 5 frames over their reconstruction
     assert width * (2 + 2 * 34) == height * (2 + 5 * 34)
 
