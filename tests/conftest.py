@@ -27,9 +27,11 @@ PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycl
 # vae_trainer.py with the test faults of its VAE_TRAINER_* variables (NaN loss/reconstruction, SIGKILL, SIGTERM)
 FAULTY = "tests/faulty_trainer.py"
 
-# tiny architecture for CLI tests: f4, 64 px, < 1M parameters
+# tiny architecture for CLI tests: f4, 64 px, < 1M parameters; one torch thread (the automatic count is 2 on a 2-core
+# machine when a test sets --num_workers 0: on tensors this small the second thread costs more CPU than it saves,
+# and with the other pytest worker busy it waits for a core)
 TINY = ["--vae_ch", "32", "--vae_ch_mult", "1,2,2", "--vae_num_res_blocks", "1", "--vae_z_channels", "4",
-        "--do_attn", "false", "--vae_resolution", "64", "--batch_size", "2", "--num_workers", "1",
+        "--do_attn", "false", "--vae_resolution", "64", "--batch_size", "2", "--num_workers", "1", "--num_threads", "1",
         "--shuffle_buffer", "8", "--mse_pool_factor", "4", "--vgg16_weights", "random", "--wandb_mode", "disabled",
         "--warmup_steps", "2"]
 

@@ -16,7 +16,7 @@ from conftest import TINY
 
 
 # the tiny model without its warm-up and worker count: these tests follow the automatic values
-TINY_AUTO = [f for i, f in enumerate(TINY[:-2]) if "--num_workers" not in TINY[i - 1:i + 1]]
+TINY_AUTO = [f for i, f in enumerate(TINY[:-2]) if not {"--num_workers", "--num_threads"} & set(TINY[i - 1:i + 1])]
 
 
 def finished(tmp_path, shard_url, *flags):
