@@ -52,6 +52,17 @@ def test_curves_from_a_synthetic_metrics_file(tmp_path):
     assert image.shape[0] > 400 and image.shape[1] > 800 and image.std() > 10  # drawn, not blank
 
 
+def test_every_label_of_the_curves_is_inside_the_picture(tmp_path):
+    """A log axis spanning less than a decade (a loss settling, a learning rate) labels its minor ticks, as wide as
+    "1.75x10^-3": the fixed margins leave room for them (0.7 in cut them off at the picture's left edge), in the left
+    column and between panels. The picture's border is background: nothing drawn past it."""
+    records = [{"step": s, "loss/total": 0.0021 + 0.0003 * (s % 3), "loss/kl": 0.1, "eval/psnr": 20 + s / 10,
+                "lr/vae": 1.5e-3 + 1e-5 * s, "grad_norm/vae": 1.5e-3 + 1e-5 * s} for s in range(1, 30)]
+    write_jsonl(tmp_path / "metrics.jsonl", records)
+    image = np.asarray(Image.open(plots.plot_metrics(str(tmp_path))).convert("L"))
+    assert image[:, :2].min() == 255 and image[:, -2:].min() == 255, "a label runs past the picture's edge"
+
+
 @pytest.mark.process
 def test_the_command_writes_curves_of_a_real_run_and_one_error_line_without_metrics(shard_url, tmp_path, capsys):
     args = ["--dataset_url", shard_url, "--test_dataset_url", shard_url, "--output_dir", str(tmp_path),
