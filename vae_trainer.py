@@ -15,6 +15,7 @@ registry of stateful entries, run_log.py everything the user sees).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -726,7 +727,10 @@ def resolution_stages(cfg: Config) -> tuple[data_lib.ResolutionSchedule, tuple[i
     return schedule, None if levels is None else (schedule.stages[-1][0], levels)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, give_back_signals: bool = True) -> int:
+    """The command. Run inside another program (a notebook, a test), it gives back the SIGINT/SIGTERM handlers its
+    run's stop flag took; as the program itself (give_back_signals=False) the flag stays to the interpreter's end,
+    so that a late SIGTERM (torchrun or a scheduler forwarding one) still ends it with exit 0."""
     common.guard_console()  # a dead `tee` or ssh session must not end the run (common.Console)
     is_rank0 = os.environ.get("RANK", "0") == "0"
     try:
@@ -744,7 +748,8 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed()
     trainer, failed = None, False
     run_lock = checkpoint.RunLock(cfg.run.run_dir) if info.is_main else None
-    with signal_handlers_kept(), closing_distributed(info):  # however the run ends
+    kept = signal_handlers_kept() if give_back_signals else contextlib.nullcontext()
+    with kept, closing_distributed(info):  # however the run ends
         try:
             start = Start.settle(cfg, info, run_lock, lambda line: print(line, flush=True) if info.is_main else None,
                                  setup.record)
@@ -778,4 +783,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(give_back_signals=False))

@@ -142,9 +142,9 @@ def shard_url(photos_dir, tmp_path_factory) -> str:
 
 @pytest.fixture(autouse=True)
 def no_curves(request, monkeypatch):
-    """In-process runs end without curves.png, as the commands do (NO_CURVES below): matplotlib's plot (about half
-    a second, and a second more for its first in a process) is not what they check. The tests that look at the
-    picture carry @pytest.mark.curves."""
+    """A test's in-process runs end without curves.png, as the commands do (NO_CURVES below): matplotlib's plot
+    (about half a second, and a second more for its first in a process) is not what they check. The tests that look
+    at the picture carry @pytest.mark.curves. (A module or session fixture is set up before this one: its runs draw.)"""
     if request.node.get_closest_marker("curves") is None:
         import plots
         monkeypatch.setattr(plots, "plot_metrics", lambda run_dir, out_path=None: None)
@@ -256,17 +256,36 @@ def run_cli(script: str, args: list[str], nproc: int = 0, env: dict | None = Non
 
 
 def run_in_process(main, args: list[str], capfd) -> subprocess.CompletedProcess:
-    """A command's main(args) in this process, returned as run_cli returns the program's run: its exit code (a
-    SystemExit's too, argparse's) and what it printed (capfd: what a data worker prints is there too). For the tests
-    whose point is what the command does with its arguments, not what only a process shows (signals, torchrun, a
-    broken install): a program costs seconds of imports."""
+    """A command's main(args) in this process, returned as run_cli returns the program's run: its exit code
+    (SystemExit's as the interpreter maps it: None 0, a message 1) and what it printed (capfd: what a data worker
+    prints is there too), with what a program would also print on stderr and pytest would otherwise keep: the
+    warnings a fresh interpreter shows (its default filters), and log records of WARNING and above (Python's last-resort
+    handler). For the tests whose point is what the command does with its arguments, not what only a process shows
+    (signals, torchrun, a broken install): a program costs seconds of imports."""
+    import logging
+    import warnings
     capfd.readouterr()
+    handler = logging.StreamHandler(sys.stderr)  # (written where and when the program would write it)
+    handler.setLevel(logging.WARNING)
+    logging.getLogger().addHandler(handler)
     try:
-        code = main(args)
-    except SystemExit as e:
-        code = e.code
+        with warnings.catch_warnings():
+            warnings.resetwarnings()
+            warnings.simplefilter("default")  # then the categories a fresh interpreter hides outside __main__
+            for hidden in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.filterwarnings("ignore", category=hidden)
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: \
+                sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+            try:
+                code = main(args)
+            except SystemExit as e:
+                code = e.code
+    finally:
+        logging.getLogger().removeHandler(handler)
     out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(args, code, out, err)
+    if code is not None and not isinstance(code, int):
+        err, code = err + f"{code}\n", 1
+    return subprocess.CompletedProcess(args, code or 0, out, err)
 
 
 def sigterm_before_step(monkeypatch, completed: int) -> None:
@@ -275,12 +294,16 @@ def sigterm_before_step(monkeypatch, completed: int) -> None:
     saves that step and returns 0). For the exact-resume tests whose point is what a checkpoint carries; the
     signals' own paths (torchrun, a rank's, a process group's) are test_fault_tolerance's."""
     import signal
+    import common
     import vae_trainer
     train_step, sent = vae_trainer.Trainer.train_step, []
 
     def step_then_stop(self, *args):
         if self.step == completed and not sent:
             sent.append(completed)
+            # only to the run's stop flag: SIGTERM's default would end this pytest process
+            assert isinstance(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), common.StopFlag), \
+                "no run's stop flag takes SIGTERM here (train_step called outside Trainer.train?)"
             signal.raise_signal(signal.SIGTERM)
         return train_step(self, *args)
     monkeypatch.setattr(vae_trainer.Trainer, "train_step", step_then_stop)

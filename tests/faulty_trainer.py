@@ -85,4 +85,4 @@ train_state.TrainingForward.forward = faulty_training_forward
 objective.VAEObjective.forward = faulty_objective_forward
 
 if __name__ == "__main__":
-    sys.exit(vae_trainer.main())
+    sys.exit(vae_trainer.main(give_back_signals=False))

@@ -1,6 +1,7 @@
 """Runs a command of the project (`python tests/no_curves.py SCRIPT ARGS...` is `python SCRIPT ARGS...`) without the
 trainer's curves.png: matplotlib's plot at the end of every run took 3-6 s of a CLI test's 15-30 (about a fifth of
-the suite), and only tests/test_plots.py, test_run_log.py and test_trainer.py look at the picture (in-process).
+the suite), and only the tests marked @pytest.mark.curves look at the picture (in-process; conftest.no_curves
+does the same for a test's in-process runs).
 conftest.run_cli starts every command this way; VAE_TEST_CURVES=1 draws the curves as a run does.
 
 Nothing of the project is imported before the script runs (a torchvision built for another torch must still give

@@ -27,4 +27,4 @@ def recording_train_step(self, batches=None):
 vae_trainer.Trainer.train_step = recording_train_step
 
 if __name__ == "__main__":
-    sys.exit(vae_trainer.main())
+    sys.exit(vae_trainer.main(give_back_signals=False))

@@ -40,4 +40,4 @@ if __name__ == "__main__":
     key, _, values = os.environ["VAE_TRAINER_EVAL_SCRIPT"].partition(":")
     evaluate.Validator.run = scripted(key, [float(v) for v in values.split(",")],
                                       os.environ.get("VAE_TRAINER_EVAL_WEIGHTS"))[0]
-    sys.exit(vae_trainer.main())
+    sys.exit(vae_trainer.main(give_back_signals=False))

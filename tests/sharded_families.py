@@ -42,7 +42,7 @@ def main() -> None:
             vae = diffusers_ae.DiffusersAutoEncoder(params)
         reference = TrainingForward(copy.deepcopy(vae))
         t = vae.temporal_factor
-        size = max(32, 2 * vae.downsample_factor)  # a latent 2 wide: the least that every padding takes
+        size = max(32, 2 * vae.downsample_factor)  # a latent at least 2 wide: the least that every padding takes
         shape = (1, 3, 1 + t, size, size) if t else (2, 3, size, size)
         x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
         try:

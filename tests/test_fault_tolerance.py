@@ -167,10 +167,34 @@ def test_a_run_in_process_gives_back_the_signal_handlers_it_took(shard_url, tmp_
     try:
         assert vae_trainer.main(_args(shard_url, tmp_path, "r", 1, 1)) == 0
         assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is mine
-        assert signal.set_wakeup_fd(-1) == -1  # nor is a wakeup fd left behind (signal_watch's, under torchrun)
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def test_the_kept_handlers_include_the_wakeup_fd_a_ranks_stop_watch_takes():
+    """Under torchrun a rank's stop flag also watches the signals through the wakeup fd (common.signal_watch): the
+    program's own wakeup fd is back too when the run returns."""
+    class Store:
+        def set(self, key, value):
+            pass
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous = signal.set_wakeup_fd(write_fd)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with common.signal_handlers_kept():
+            common.StopFlag(common.DistInfo(rank=0, world_size=2, store=Store()))
+            watch = signal.set_wakeup_fd(-1)  # (read by setting it: put back at once)
+            signal.set_wakeup_fd(watch)
+            assert watch not in (-1, write_fd)  # the watch's, until the run returns
+        assert signal.set_wakeup_fd(previous) == write_fd
+        assert {sig: signal.getsignal(sig) for sig in before} == before
+    finally:
+        signal.set_wakeup_fd(previous)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        os.close(read_fd), os.close(write_fd)
 
 
 @pytest.mark.process
@@ -578,7 +602,7 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_checkpoint_with_pickled_code_is_refused_not_executed(shard_url, tmp_path, capsys, one_torch_thread):
+def test_checkpoint_with_pickled_code_is_refused_not_executed(shard_url, tmp_path, capfd, one_torch_thread):
     """A checkpoint whose pickle runs a command when loaded (--resume, --load_path, evaluate.py --ckpt): refused in
     one line, the command never run (the commands' own functions, in this process: what they load is the point)."""
     import evaluate
@@ -589,8 +613,8 @@ def test_checkpoint_with_pickled_code_is_refused_not_executed(shard_url, tmp_pat
     for command, args in [(vae_trainer.main, _args(shard_url, tmp_path, "a", 2, 2, "--resume", str(evil))),
                           (vae_trainer.main, _args(shard_url, tmp_path, "b", 2, 2, "--load_path", str(evil))),
                           (evaluate.main, ["--ckpt", str(evil), "--dataset_url", shard_url])]:
-        code = command(args)
-        err = capsys.readouterr().err
+        proc = run_in_process(command, args, capfd)
+        code, err = proc.returncode, proc.stderr
         assert code != 0, (command.__module__, err[-1000:])
         assert err.strip().splitlines()[-1].startswith("error: "), err
         assert "Traceback" not in err

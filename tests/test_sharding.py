@@ -23,7 +23,8 @@ from common import ConfigError, DistInfo
 
 def sharded_args(url, out, run, steps, *extra):
     """Checkpoints every step, all kept; the pixel losses (conftest.PLUMBING: LPIPS is a frozen network outside the
-    sharded VAE, a loss on its reconstruction like the others, and half of a step's time here), the GAN (the PatchGAN
+    sharded VAE, a loss on its reconstruction like the others, and half of a step's time here; test_best's fsdp run
+    trains it), the GAN (the PatchGAN
     critic: the critic is not sharded, and the VGG16 one doubles a step's time) with LeCam from step 1, EMA, 2
     micro-batches per step; NCHW (the sharded VAE's layout: on a CPU the DDP run would otherwise be channels_last,
     whose noise draws differ)."""

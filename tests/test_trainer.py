@@ -15,7 +15,7 @@ import config
 import flags as flags_lib
 import objective as objective_lib
 import vae_trainer
-from conftest import PLUMBING, TINY, cli_env, run_cli
+from conftest import PLUMBING, TINY, cli_env, run_cli, run_in_process
 import ae
 import common
 import run_setup
@@ -92,12 +92,12 @@ def test_a_torchvision_built_for_another_torch_is_one_line(tmp_path, command):
                                           ("EMPTY_DIR", "holds no image files"),
                                           ("", "no dataset given")])
 def test_bad_dataset_paths_are_one_line_before_anything_starts(tmp_path, capfd, url, message):
-    """(capfd: what any data worker of the run would print is in the output too)"""
     empty = tmp_path / "empty"
     empty.mkdir()
     url = str(empty) if url == "EMPTY_DIR" else url
-    code = vae_trainer.main(["--dataset_url", url, "--output_dir", str(tmp_path / "runs"), *TINY])
-    out, err = capfd.readouterr()
+    argv = ["--dataset_url", url, "--output_dir", str(tmp_path / "runs"), *TINY]
+    proc = run_in_process(vae_trainer.main, argv, capfd)
+    code, out, err = proc.returncode, proc.stdout, proc.stderr
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and message in lines[0], lines
     assert "Traceback" not in out + err
@@ -615,13 +615,13 @@ def test_pixel_only_evaluation_reports_lpips_missing_without_vgg16(shard_url, tm
     assert len(notes) == 1 and notes[0].startswith("note: evaluation's LPIPS will not be computed")
 
 
-def test_a_step_that_clearly_will_not_fit_stops_before_training(shard_url, tmp_path, capsys, one_torch_thread):
+def test_a_step_that_clearly_will_not_fit_stops_before_training(shard_url, tmp_path, capfd, one_torch_thread):
     """Issue 18 item 2's case (2048 px, width 32, on CPU), at batch 16 so that it exceeds any test machine's RAM
     (about 400 GiB; batch 4 is 100 GiB): one line naming the flags that help, exit 2, nothing written."""
     args = ["--dataset_url", shard_url, "--output_dir", str(tmp_path / "runs"), *TINY, "--perceptual_weight", "0",
             "--vae_resolution", "2048", "--batch_size", "16", "--max_steps", "2"]
-    code = vae_trainer.main(args)
-    out, err = capsys.readouterr()
+    proc = run_in_process(vae_trainer.main, args, capfd)
+    code, out, err = proc.returncode, proc.stdout, proc.stderr
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith("error: a training step at batch 16 x 2048 px needs about ")

@@ -20,4 +20,4 @@ if os.environ.get("RANK") == "1":
     checkpoint.find_resume = late_find_resume
 
 if __name__ == "__main__":
-    sys.exit(vae_trainer.main())
+    sys.exit(vae_trainer.main(give_back_signals=False))
