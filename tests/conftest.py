@@ -161,6 +161,20 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+def cut_after(run, dst, step: int) -> None:
+    """A copy of the run directory `run` at `dst` as if stopped after `step`: its later checkpoints (a sharded run's
+    directories, a ddp run's .pt files) gone and `latest` naming the checkpoint of `step`. An exact-resume test
+    continues this copy instead of training a run of its own up to `step`: a stop writes its checkpoint with the
+    save a periodic one goes through (the stop itself, by signal or by --max_steps: test_fault_tolerance)."""
+    import pathlib
+    shutil.copytree(run, dst)
+    ckpts = pathlib.Path(dst) / "checkpoints"
+    for name in os.listdir(ckpts):
+        if name.startswith("step_") and int(name[5:13]) > step:
+            (shutil.rmtree if (ckpts / name).is_dir() else os.remove)(ckpts / name)
+    (ckpts / "latest").write_text(next(n for n in os.listdir(ckpts) if n.startswith(f"step_{step:08d}")))
+
+
 def cli_env(**extra) -> dict:
     env = dict(os.environ)
     env.update({"WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})

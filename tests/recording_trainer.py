@@ -2,7 +2,9 @@
 (the multi-resolution tests compare shapes across ranks, the elastic tests the images across runs); the production
 code has no hook for it. Run it like vae_trainer.py (plain python or under torchrun); VAE_TRAINER_RECORD names a
 folder that receives batches_rank<R>.jsonl, one line {"step", "shapes", "digests", "first"} per step ("first": the
-step's index of this rank's first micro-batch among the step's micro-batches of all ranks)."""
+step's index of this rank's first micro-batch among the step's micro-batches of all ranks). A test's in-process run
+records the same with monkeypatch.setattr(vae_trainer.Trainer, "train_step", recording_trainer.recording_train_step)
+and VAE_TRAINER_RECORD in its environment."""
 import hashlib
 import json
 import os
@@ -24,7 +26,6 @@ def recording_train_step(self, batches=None):
     train_step(self, batches)
 
 
-vae_trainer.Trainer.train_step = recording_train_step
-
 if __name__ == "__main__":
+    vae_trainer.Trainer.train_step = recording_train_step
     sys.exit(vae_trainer.main(give_back_signals=False))

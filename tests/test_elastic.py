@@ -24,7 +24,7 @@ import sources
 import utils
 import vae_trainer
 from conftest import (PLUMBING, ROOT, agent_command, agent_logs, cli_env, free_port, kill_tree, read_agent_logs,
-                      run_cli)
+                      run_cli, run_in_process)
 
 SLOTS = 4  # micro-batches per step
 BATCH = 2  # images per micro-batch
@@ -239,12 +239,14 @@ def same_step(run_dir, other_dir, index: int) -> None:
 
 @pytest.mark.process
 @pytest.mark.timeout(600)
-def test_a_run_stopped_on_2_ranks_continues_on_1_then_on_4_with_the_same_steps(shard_url, tmp_path, reference):
+def test_a_run_stopped_on_2_ranks_continues_on_1_then_on_4_with_the_same_steps(shard_url, tmp_path, reference, capfd,
+                                                                             one_torch_thread):
     """torchrun, gloo: 2 ranks x --grad_accum 2 for 2 steps, then 1 rank (--grad_accum follows: 4) with 2 data
     workers for 2, then 4 ranks (--grad_accum 1) without workers; the GAN with LeCam from step 1 and the latent
     noise on. Every step trains on the images of the uninterrupted 2-rank run's step, micro-batch by micro-batch,
     and the first step on each new topology computes what the old one computes from the same checkpoint (the
-    uninterrupted run; a 1-rank control), up to the order of the fp32 sums (same_step)."""
+    uninterrupted run; a 1-rank control, in this process: one rank is the same computation without torchrun), up to
+    the order of the fp32 sums (same_step)."""
     import shutil
     ref_dir, ref_record = reference[0] / "ref", reference[1]
     cut_record = tmp_path / "cut_record"
@@ -261,7 +263,7 @@ def test_a_run_stopped_on_2_ranks_continues_on_1_then_on_4_with_the_same_steps(s
             in one.stdout), one.stdout[-3000:]
     same_step(tmp_path / "cut", ref_dir, 2)  # 1 rank x 4 from the 2 x 2 run's checkpoint (its steps 3-4 kept)
     shutil.copytree(tmp_path / "cut", tmp_path / "control")
-    control = run_cli("vae_trainer.py", elastic_args(shard_url, tmp_path, "control", 5), nproc=1)
+    control = run_in_process(vae_trainer.main, elastic_args(shard_url, tmp_path, "control", 5), capfd)
     assert control.returncode == 0 and "was written by" not in control.stdout, control.stderr[-3000:]
     four = run_cli("tests/recording_trainer.py", elastic_args(shard_url, tmp_path, "cut", 6, "--grad_accum", "2",
                                                              "--num_workers", "0"), nproc=4, env=env)
@@ -327,7 +329,7 @@ def test_an_elastic_job_that_loses_a_node_continues_on_the_other_with_the_same_s
     assert ref.returncode == 0, ref.stderr[-3000:]
     port = free_port()
     node = agent_command(port, "elastic", "tests/recording_trainer.py", args, nnodes="1:2",
-                         rdzv_conf="last_call_timeout=10")
+                         rdzv_conf="last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5")
     env = cli_env(VAE_TRAINER_RECORD=str(record))
     logs = agent_logs(tmp_path)
     # node 0 first: the agent that binds the endpoint hosts the rendezvous store (on a cluster, the head node's),

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import PLUMBING, ROOT, TINY, cli_env, run_cli
+from conftest import PLUMBING, ROOT, TINY, cli_env, cut_after, run_cli, run_in_process
 from test_elastic import step_images
 
 import checkpoint
@@ -47,35 +47,29 @@ def worst_relative(a: dict, b: dict) -> float:
     return max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-6) for k in a if k in b)
 
 
-def cut_after(run, dst, step: int) -> None:
-    """A copy of `run` at `dst` as if stopped after `step`: its later checkpoints (a sharded run's directories, a
-    ddp run's .pt files) gone and `latest` naming the checkpoint of `step`."""
-    shutil.copytree(run, dst)
-    ckpts = dst / "checkpoints"
-    for name in os.listdir(ckpts):
-        if name.startswith("step_") and int(name[5:13]) > step:
-            (shutil.rmtree if (ckpts / name).is_dir() else os.remove)(ckpts / name)
-    (ckpts / "latest").write_text(next(n for n in os.listdir(ckpts) if n.startswith(f"step_{step:08d}")))
-
-
 @pytest.fixture(scope="session")  # not per module: xdist interleaves modules, which built it twice (2 x 2 minutes)
 def runs(shard_url, tmp_path_factory):
     """5 steps of 2 ranks x --grad_accum 2 three ways: ddp, fsdp (recorded: tests/recording_trainer.py), and ddp on
     1 rank x --grad_accum 4 (the same micro-batches, issue 34: it differs from the 2-rank run only in the order of
-    the fp32 sums, the yardstick of "float rounding")."""
+    the fp32 sums, the yardstick of "float rounding"; in this process: one rank is the same computation without
+    torchrun)."""
+    import vae_trainer
     out = tmp_path_factory.mktemp("sharded")
     (out / "record").mkdir()
     env = cli_env(VAE_TRAINER_RECORD=str(out / "record"))
-    for run, nproc, extra in (("ddp", 2, ["--sharding", "ddp"]), ("fsdp", 2, ["--sharding", "fsdp"]),
-                              ("one", 1, ["--grad_accum", "4"])):
+    for run, extra in (("ddp", ["--sharding", "ddp"]), ("fsdp", ["--sharding", "fsdp"])):
         script = "tests/recording_trainer.py" if run == "fsdp" else "vae_trainer.py"
-        accum = [] if run == "one" else ["--grad_accum", "2"]
-        result = run_cli(script, sharded_args(shard_url, out, run, 5, *accum, *extra), nproc=nproc,
+        result = run_cli(script, sharded_args(shard_url, out, run, 5, "--grad_accum", "2", *extra), nproc=2,
                          env=env if run == "fsdp" else cli_env())
         assert result.returncode == 0, result.stderr[-3000:]
         if run == "fsdp":
             assert "sharding: fsdp, the trained state in 2 shards" in result.stdout, result.stdout[-2000:]
             assert "(sharded: each rank wrote its shards)" in result.stdout
+    threads = torch.get_num_threads()
+    try:  # (--num_threads 1 is set for the whole process: given back after)
+        assert vae_trainer.main(sharded_args(shard_url, out, "one", 5, "--grad_accum", "4")) == 0
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
@@ -108,10 +102,11 @@ def test_fsdp_trains_as_ddp_does_to_float_rounding(runs):
 @pytest.mark.xdist_group("sharded_runs")  # shares the runs fixture: built once
 @pytest.mark.process
 @pytest.mark.timeout(600)
-def test_a_sharded_run_resumes_on_4_ranks_then_on_1_with_the_same_steps(runs, tmp_path, shard_url):
+def test_a_sharded_run_resumes_on_4_ranks_then_on_1_with_the_same_steps(runs, tmp_path, shard_url, capfd, monkeypatch,
+                                                                       one_torch_thread):
     """The fsdp run stopped after step 3 (its own directory, cut back) continues on 4 ranks (the DCP checkpoint of 2
     ranks resharded onto 4: each reads only its shards) for step 4, then on 1 process (which reads it whole and
-    writes a single file) for step 5. Every step trains on the uninterrupted run's images, bitwise; step 4 computes
+    writes a single file; this one) for step 5. Every step trains on the uninterrupted run's images, bitwise; step 4 computes
     what the uninterrupted run computed from the same checkpoint up to the order of the fp32 sums (1e-5, the bound
     of the elastic tests), and so does step 5 against a 2-rank fsdp run resumed from the same step-4 checkpoint."""
     cut = tmp_path / "cut"
@@ -125,8 +120,12 @@ def test_a_sharded_run_resumes_on_4_ranks_then_on_1_with_the_same_steps(runs, tm
     assert "resumed from" in four.stdout and "sharding: fsdp, the trained state in 4 shards" in four.stdout
     assert sorted(os.listdir(cut / "checkpoints" / "step_00000004")).count("rest.pt") == 1
     shutil.copytree(cut, tmp_path / "control")
-    one = run_cli("tests/recording_trainer.py", sharded_args(shard_url, tmp_path, "cut", 5, "--grad_accum", "2",
-                                                            "--sharding", "fsdp"), nproc=0, env=env)
+    import recording_trainer
+    import vae_trainer
+    monkeypatch.setattr(vae_trainer.Trainer, "train_step", recording_trainer.recording_train_step)
+    monkeypatch.setenv("VAE_TRAINER_RECORD", str(record))
+    one = run_in_process(vae_trainer.main, sharded_args(shard_url, tmp_path, "cut", 5, "--grad_accum", "2",
+                                                        "--sharding", "fsdp"), capfd)
     assert one.returncode == 0, one.stderr[-3000:]
     assert "--sharding fsdp on one process shards nothing" in one.stdout, one.stdout[-2000:]
     assert os.path.isfile(cut / "checkpoints" / "step_00000005.pt")
@@ -143,16 +142,18 @@ def test_a_sharded_run_resumes_on_4_ranks_then_on_1_with_the_same_steps(runs, tm
 @pytest.mark.xdist_group("sharded_runs")  # shares the runs fixture: built once
 @pytest.mark.process
 @pytest.mark.timeout(300)
-def test_a_sharded_run_continues_under_ddp_on_one_process_with_the_same_steps(runs, tmp_path, shard_url):
-    """The fsdp run stopped after step 3 continues on 1 process under --sharding ddp, its VAE channels_last there
+def test_a_sharded_run_continues_under_ddp_on_one_process_with_the_same_steps(runs, tmp_path, shard_url, capfd,
+                                                                              one_torch_thread):
+    """The fsdp run stopped after step 3 continues on 1 process (this one) under --sharding ddp, its VAE channels_last there
     (a CPU's auto; the sharded run's was NCHW): steps 4 and 5 compute what the uninterrupted run computed up to
     rounding (1e-4: channels_last convolutions are other kernels, 1.6e-5 off in the gradient norm). Issue 48:
     AdamW's moments came back in the sharded run's layout, which fused AdamW walks in the parameter's memory order
     (step 5 7.4e-2 off), and the posterior noise followed the layout."""
     cut = tmp_path / "cut"
     cut_after(runs / "fsdp", cut, 3)
-    result = run_cli("vae_trainer.py", sharded_args(shard_url, tmp_path, "cut", 5, "--grad_accum", "2",
-                                                    "--sharding", "ddp", "--channels_last", "auto"))
+    import vae_trainer
+    result = run_in_process(vae_trainer.main, sharded_args(shard_url, tmp_path, "cut", 5, "--grad_accum", "2",
+                                                           "--sharding", "ddp", "--channels_last", "auto"), capfd)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--sharding fsdp -> ddp" in result.stdout, result.stdout[-2000:]
     for step in (4, 5):

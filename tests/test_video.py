@@ -22,7 +22,7 @@ import export
 import families
 import shards
 import sources
-from conftest import cli_env, run_cli
+from conftest import cli_env, cut_after, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -242,8 +242,9 @@ def trainer_args(folder, url, test_url, runs, name, *extra) -> list[str]:
 def test_a_run_on_clips_stopped_and_resumed_is_the_uninterrupted_run(wan_folder, clip_url, tmp_path, capsys, critic):
     """A full fine-tune on clips with the critic (PatchGAN on frames; or the 3D PatchGAN on whole clips, with
     BatchNorm's running statistics, R1 and LeCam: all that a resume must carry) and decoder checkpointing: 3 steps
-    at once, or 2 and 1 more resumed from the step-2 checkpoint; every tensor of the step-3 checkpoint (VAE, EMA,
-    critic) and the stream's position are equal. Its sample grid is a clip's frames over their reconstruction."""
+    at once, or 1 more resumed from its step-2 checkpoint (conftest.cut_after); every tensor of the step-3
+    checkpoint (VAE, EMA, critic) and the stream's position are equal. Its sample grid is a clip's frames over
+    their reconstruction."""
     import vae_trainer
     flags = ["--do_ganloss", "--discriminator", *critic, "--disc_start", "1", "--save_every_n_steps", "2",
              "--num_workers", "0", "--grad_checkpointing", "decoder"]
@@ -251,9 +252,10 @@ def test_a_run_on_clips_stopped_and_resumed_is_the_uninterrupted_run(wan_folder,
     assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "ref", *flags, "--max_steps", "3")) == 0
     out = capsys.readouterr().out
     assert "batch 2 clips of 5 frames x 1 accum" in out and "VAE NCHW" in out
-    for steps in ("2", "3"):
-        assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "cut", *flags, "--max_steps",
-                                             steps)) == 0
+    cut_after(tmp_path / "ref", tmp_path / "cut", 2)
+    assert vae_trainer.main(trainer_args(wan_folder, train, test, tmp_path, "cut", *flags, "--max_steps", "3")) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at step 2" in out, out[-2000:]
     a, b = (torch.load(tmp_path / run / "checkpoints" / "step_00000003.pt", weights_only=True)
             for run in ("ref", "cut"))
     for part in ("vae", "ema"):
