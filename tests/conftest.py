@@ -323,6 +323,17 @@ def sigterm_before_step(monkeypatch, completed: int) -> None:
     monkeypatch.setattr(vae_trainer.Trainer, "train_step", step_then_stop)
 
 
+def faults_in_process(monkeypatch, **faults) -> None:
+    """tests/faulty_trainer.py's faults for this test's in-process runs: VAE_TRAINER_INJECT_NAN="3",
+    VAE_TRAINER_INJECT_NAN_RECON, VAE_TRAINER_SIGTERM_AT (its SIGTERM goes to the run's stop flag, as
+    sigterm_before_step's). Not the SIGKILL, which would end this pytest process."""
+    assert "VAE_TRAINER_KILL_AT" not in faults, "a SIGKILL needs a process of its own (run_cli)"
+    for name, steps in faults.items():
+        monkeypatch.setenv(name, steps)
+    import faulty_trainer
+    faulty_trainer.install(monkeypatch.setattr)
+
+
 def record_ops():
     """A dispatch mode that records every aten op run inside it (after autocast's casts, so it sees the
     dtypes the kernels really compute in) as (op name, [dtypes of its floating-point tensor inputs])."""

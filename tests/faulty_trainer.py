@@ -1,5 +1,6 @@
 """vae_trainer.py with faults injected for the fault-tolerance tests; the production code has no hooks for them.
-Run it like vae_trainer.py (plain python or under torchrun). Each variable names steps, optionally ranks:
+Run it like vae_trainer.py (plain python or under torchrun), or in a test's process through
+conftest.faults_in_process (all but the SIGKILL). Each variable names steps, optionally ranks:
 '3,4@1' -> steps 3 and 4 on rank 1 (every rank without '@').
 
     VAE_TRAINER_INJECT_NAN        the VAE's loss is NaN at these steps
@@ -26,63 +27,57 @@ def steps_from_env(name: str) -> set[int]:
     return {int(s) for s in steps.split(",") if s}
 
 
-NAN_LOSS, NAN_RECON = steps_from_env("INJECT_NAN"), steps_from_env("INJECT_NAN_RECON")
-KILL_AT, SIGTERM_AT = steps_from_env("KILL_AT"), steps_from_env("SIGTERM_AT")
-
-
-def flag(name: str) -> str:
-    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else ""
-
-
-def first_time(fault: str) -> bool:
+def first_time(run_dir: str, fault: str) -> bool:
     """True once per run directory and fault: a restarted worker must not fault again. Not by
     TORCHELASTIC_RESTART_COUNT: on two nodes the ranks can move between agents whose counts differ."""
-    marker = os.path.join(flag("--output_dir"), flag("--run_name"), f".fault_{fault}_rank{os.environ.get('RANK', '0')}")
+    marker = os.path.join(run_dir, f".fault_{fault}_rank{os.environ.get('RANK', '0')}")
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
         return True
     except FileExistsError:
         return False
-current_step = [None]  # the step train_step is running, None outside it
-
-train_step = vae_trainer.Trainer.train_step
 
 
-def faulty_train_step(self, *args):
-    if self.step in KILL_AT and first_time(f"kill{self.step}"):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if self.step in SIGTERM_AT and first_time(f"sigterm{self.step}"):
-        os.kill(os.getpid(), signal.SIGTERM)
-    current_step[0] = self.step
-    try:
-        train_step(self, *args)
-    finally:
-        current_step[0] = None
+def install(patch=setattr) -> None:
+    """Wraps the trainer's step, the training forward and the objective with the faults the environment names now.
+    The command: at its start. A test's in-process runs: conftest.faults_in_process (patch: monkeypatch.setattr, so
+    that the wrappers go when the test ends)."""
+    nan_loss, nan_recon = steps_from_env("INJECT_NAN"), steps_from_env("INJECT_NAN_RECON")
+    kill_at, sigterm_at = steps_from_env("KILL_AT"), steps_from_env("SIGTERM_AT")
+    train_step = vae_trainer.Trainer.train_step
+    training_forward = train_state.TrainingForward.forward
+    objective_forward = objective.VAEObjective.forward
+    current_step = [None]  # the step train_step is running, None outside it
 
+    def faulty_train_step(self, *args):
+        run_dir = os.path.dirname(self.ckpt_dir)
+        if self.step in kill_at and first_time(run_dir, f"kill{self.step}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.step in sigterm_at and first_time(run_dir, f"sigterm{self.step}"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        current_step[0] = self.step
+        try:
+            train_step(self, *args)
+        finally:
+            current_step[0] = None
 
-training_forward = train_state.TrainingForward.forward
+    def faulty_training_forward(self, *args, **kwargs):
+        recon, *rest = training_forward(self, *args, **kwargs)
+        if current_step[0] in nan_recon:
+            recon = recon * float("nan")
+        return recon, *rest
 
+    def faulty_objective_forward(self, *args, **kwargs):
+        loss, logs = objective_forward(self, *args, **kwargs)
+        if current_step[0] in nan_loss:
+            loss = loss * float("nan")
+        return loss, logs
 
-def faulty_training_forward(self, *args, **kwargs):
-    recon, *rest = training_forward(self, *args, **kwargs)
-    if current_step[0] in NAN_RECON:
-        recon = recon * float("nan")
-    return recon, *rest
+    patch(vae_trainer.Trainer, "train_step", faulty_train_step)
+    patch(train_state.TrainingForward, "forward", faulty_training_forward)
+    patch(objective.VAEObjective, "forward", faulty_objective_forward)
 
-
-objective_forward = objective.VAEObjective.forward
-
-
-def faulty_objective_forward(self, *args, **kwargs):
-    loss, logs = objective_forward(self, *args, **kwargs)
-    if current_step[0] in NAN_LOSS:
-        loss = loss * float("nan")
-    return loss, logs
-
-
-vae_trainer.Trainer.train_step = faulty_train_step
-train_state.TrainingForward.forward = faulty_training_forward
-objective.VAEObjective.forward = faulty_objective_forward
 
 if __name__ == "__main__":
+    install()
     sys.exit(vae_trainer.main(give_back_signals=False))

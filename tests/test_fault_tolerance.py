@@ -21,8 +21,8 @@ from PIL import Image
 
 import run_log
 import vae_trainer
-from conftest import (FAULTY, PLUMBING, ROOT, agent_command, agent_logs, cli_command, cli_env, free_port,
-                      kill_tree, read_agent_logs, run_cli, run_in_process)
+from conftest import (FAULTY, PLUMBING, ROOT, agent_command, agent_logs, cli_command, cli_env, faults_in_process,
+                      free_port, kill_tree, read_agent_logs, run_cli, run_in_process)
 import ae
 import common
 import config
@@ -468,15 +468,18 @@ def test_injected_nan_skips_the_step_on_every_rank(shard_url, tmp_path):
 
 @pytest.mark.process
 @pytest.mark.timeout(240)
-def test_nan_reconstruction_reaching_the_critic_is_skipped_and_training_recovers(shard_url, tmp_path):
+def test_nan_reconstruction_reaching_the_critic_is_skipped_and_training_recovers(shard_url, tmp_path, capfd,
+                                                                                 monkeypatch, one_torch_thread):
     """A NaN reconstruction at step index 3 (what an fp16 overflow in the decoder gives) reaches the critic
     and LeCam's pending anchors. The guard skips the step for both networks and the anchors stay as they
     were: a stop request right then saves finite anchors, and the resumed run has finite losses and
     finishes. Before the fix the anchors turned NaN for good: every later step was skipped and the run
-    stopped at --max_bad_steps."""
+    stopped at --max_bad_steps. (In-process: the runs' own main, the faults of tests/faulty_trainer.py.)"""
     args = _args(shard_url, tmp_path, "nanrec", 7, 1, *GAN_2, "--max_bad_steps", "2")
     args[args.index("--log_every_n_steps") + 1] = "1"
-    first = run_cli(FAULTY, args, env=cli_env(VAE_TRAINER_INJECT_NAN_RECON="3", VAE_TRAINER_SIGTERM_AT="3"))
+    with monkeypatch.context() as faulty:
+        faults_in_process(faulty, VAE_TRAINER_INJECT_NAN_RECON="3", VAE_TRAINER_SIGTERM_AT="3")
+        first = run_in_process(vae_trainer.main, args, capfd)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     before, skipped = _ckpt(tmp_path, "nanrec", 3), _ckpt(tmp_path, "nanrec", 4)
     assert skipped["guard"] == {"bad_steps_total": 1, "bad_streak": 1}
@@ -485,7 +488,7 @@ def test_nan_reconstruction_reaching_the_critic_is_skipped_and_training_recovers
         # the bad step left them
         assert torch.equal(before["adversary"]["lecam"][name], skipped["adversary"]["lecam"][name]), name
 
-    again = run_cli("vae_trainer.py", args)
+    again = run_in_process(vae_trainer.main, args, capfd)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     records = {r["step"]: r for r in _metrics(tmp_path, "nanrec")}
     assert records[4]["guard/skipped_disc"] == 1.0 and records[4]["guard/skipped_vae"] == 1.0
@@ -500,11 +503,14 @@ def test_nan_reconstruction_reaching_the_critic_is_skipped_and_training_recovers
 
 
 @pytest.mark.process
-def test_repeated_nans_stop_cleanly_with_last_good_checkpoint(shard_url, tmp_path):
+def test_repeated_nans_stop_cleanly_with_last_good_checkpoint(shard_url, tmp_path, capfd, monkeypatch,
+                                                             one_torch_thread):
+    """(In-process: the run's own main, the faults of tests/faulty_trainer.py.)"""
     args = _args(shard_url, tmp_path, "nans", 20, 2, "--max_bad_steps", "3")
     args[args.index("--log_every_n_steps") + 1] = "1"
-    proc = run_cli(FAULTY, args, env=cli_env(VAE_TRAINER_INJECT_NAN="2,3,4,5,6,7,8,9"))
-    assert proc.returncode == 1
+    faults_in_process(monkeypatch, VAE_TRAINER_INJECT_NAN="2,3,4,5,6,7,8,9")
+    proc = run_in_process(vae_trainer.main, args, capfd)
+    assert proc.returncode == 1, proc.stderr[-2000:]
     assert "3 consecutive steps had non-finite losses" in proc.stdout
     assert "not saving at step 4: inside a streak of skipped steps" in proc.stdout
     ckpts = sorted(f for f in os.listdir(tmp_path / "nans" / "checkpoints") if f.endswith(".pt"))
@@ -684,16 +690,18 @@ def test_load_path_of_another_shape_is_one_line_and_leaves_no_run_dir(shard_url,
 
 @pytest.mark.process
 @pytest.mark.timeout(300)
-def test_precision_can_change_on_resume(shard_url, tmp_path):
+def test_precision_can_change_on_resume(shard_url, tmp_path, capfd, monkeypatch, one_torch_thread):
     """fp32 -> fp16 crashed (a disabled GradScaler saves {}, an enabled one refuses to load it); fp16 ->
     fp32 goes back. GAN on: the critic's scaler too. fp16 convolutions are slow on CPUs: a small model. The
     first fp16 steps overflow and are skipped (the scaler backs off), so the fp16 leg saves on a stop
-    request, which is honoured inside a streak of skipped steps."""
+    request, which is honoured inside a streak of skipped steps. (In-process: the runs' own main.)"""
     small = [*GAN_2, "--vae_ch", "16", "--vae_ch_mult", "1,2", "--vae_resolution", "32", "--batch_size", "1"]
     legs = [(1, "fp32", {}), (3, "fp16", {"VAE_TRAINER_SIGTERM_AT": "1"}), (3, "fp32", {})]
-    for steps, precision, env in legs:
-        proc = run_cli(FAULTY, _args(shard_url, tmp_path, "prec", steps, 1, *small, "--precision", precision),
-                       env=cli_env(**env))
+    for steps, precision, faults in legs:
+        with monkeypatch.context() as faulty:
+            faults_in_process(faulty, **faults)
+            proc = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "prec", steps, 1, *small,
+                                                          "--precision", precision), capfd)
         assert proc.returncode == 0, proc.stderr[-3000:]
         if precision == "fp16":
             assert "at step 1" in proc.stdout and "checkpoint written at step 2" in proc.stdout, proc.stdout
@@ -709,26 +717,30 @@ def test_precision_can_change_on_resume(shard_url, tmp_path):
 
 @pytest.mark.process
 @pytest.mark.timeout(300)
-def test_fp16_stopped_and_resumed_equals_uninterrupted(shard_url, tmp_path):
+def test_fp16_stopped_and_resumed_equals_uninterrupted(shard_url, tmp_path, capfd, monkeypatch, one_torch_thread):
     """fp16 into fp16: the VAE's GradScaler (its loss scale and growth tracker) is part of the state. Steps 1 and 2
     have a NaN loss (what an overflow gives), so the scale backs off from 2^16 whatever this CPU's own fp16 overflows
     do; a resume that restarted the scale would go on at another scale (and skip or underflow other steps). Both
     runs meet this machine's overflows at the same steps, wherever those fall, so the stop lands wherever the run
     honours it and the two runs agree bitwise: weights, optimizer, scaler and the count of skipped steps. (fp16
-    autocast runs on CPU; fp16 convolutions are slow there, their backward 100x fp32's: a small model, no critic.)"""
+    autocast runs on CPU; fp16 convolutions are slow there, their backward 100x fp32's: a small model, no critic.
+    In-process: the runs' own main, the faults of tests/faulty_trainer.py.)"""
     small = ["--vae_ch", "16", "--vae_ch_mult", "1,2", "--vae_resolution", "16", "--batch_size", "1",
              "--precision", "fp16"]  # (1 image of 16 px: the scaler's state is the point, not the images)
     nan = {"VAE_TRAINER_INJECT_NAN": "1,2"}
-    ref = run_cli(FAULTY, _args(shard_url, tmp_path, "ref", 10, 10, *small), env=cli_env(**nan))
-    assert ref.returncode == 0, ref.stderr[-2000:]
-    first = run_cli(FAULTY, _args(shard_url, tmp_path, "cut", 10, 100, *small),
-                    env=cli_env(**nan, VAE_TRAINER_SIGTERM_AT="5"))
+    for run, faults in (("ref", nan), ("cut", {**nan, "VAE_TRAINER_SIGTERM_AT": "5"})):
+        with monkeypatch.context() as faulty:
+            faults_in_process(faulty, **faults)
+            proc = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, run, 10, 10 if run == "ref" else 100,
+                                                          *small), capfd)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    first = proc
     written = re.findall(r"checkpoint written at step (\d+)", first.stdout)
     assert first.returncode == 0 and written, first.stdout[-2000:] + first.stderr[-2000:]
     stop = int(written[-1])
     assert 3 <= stop < 10, first.stdout[-2000:]  # after the injected overflows, before the end
     assert _ckpt(tmp_path, "cut", stop)["training"]["scaler"]["scale"] <= 2.0 ** 14  # backed off twice at least
-    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "cut", 10, 10, *small))
+    again = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "cut", 10, 10, *small), capfd)
     assert again.returncode == 0 and f"at step {stop}" in again.stdout, again.stderr[-2000:]
     # (a scale restarted at 2^16 overflows again: the resumed run skips steps the uninterrupted one took, and its
     # last steps may be a streak that writes no checkpoint)

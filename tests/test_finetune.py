@@ -15,7 +15,7 @@ import layouts
 import ldm_layouts
 import vae_trainer
 from ae import AutoEncoder, AutoEncoderParams
-from conftest import TINY, run_cli, run_in_process, sigterm_before_step
+from conftest import TINY, cut_after, run_cli, run_in_process
 import train_state
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -270,15 +270,13 @@ def test_decoder_only_under_torchrun_keeps_the_encoder_and_exports_the_source_la
 
 @pytest.mark.process
 @pytest.mark.timeout(150)
-def test_decoder_only_resume_equals_uninterrupted(shard_url, tmp_path, capfd, monkeypatch, one_torch_thread):
-    """(In-process: the runs' own main, a stop as SIGTERM gives it.)"""
+def test_decoder_only_resume_equals_uninterrupted(shard_url, tmp_path, capfd, one_torch_thread):
+    """The uninterrupted run's step-2 checkpoint continued (conftest.cut_after; in-process: the runs' own main)."""
     import vae_trainer
     source_dir = tiny_sd_source(tmp_path / "sd")
-    ref = run_in_process(vae_trainer.main, finetune_args(shard_url, source_dir, tmp_path, "ref", 4, 4), capfd)
+    ref = run_in_process(vae_trainer.main, finetune_args(shard_url, source_dir, tmp_path, "ref", 4, 2), capfd)
     assert ref.returncode == 0, ref.stderr[-2000:]
-    sigterm_before_step(monkeypatch, 1)
-    cut = run_in_process(vae_trainer.main, finetune_args(shard_url, source_dir, tmp_path, "cut", 4, 100), capfd)
-    assert cut.returncode == 0 and "checkpoint written at step 2" in cut.stdout, cut.stderr[-2000:]
+    cut_after(tmp_path / "ref", tmp_path / "cut", 2)
     os.rename(source_dir, tmp_path / "moved")  # a resume needs the run's architecture, not the source
     again = run_in_process(vae_trainer.main, finetune_args(shard_url, source_dir, tmp_path, "cut", 4, 2), capfd)
     assert again.returncode == 0 and "at step 2" in again.stdout, again.stderr[-2000:]

@@ -4,7 +4,6 @@ statistics that travel with an export."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch.multiprocessing as mp
 import data
 import latents
 import vae_trainer
-from conftest import TINY, free_port, run_cli, run_in_process, sigterm_before_step
+from conftest import TINY, cut_after, free_port, run_cli, run_in_process
 import common
 import config
 import run_setup
@@ -307,13 +306,11 @@ def _args(url, out, run, steps, save, *extra):
 
 @pytest.mark.process
 @pytest.mark.timeout(90)
-def test_resume_with_regularisers_on_is_bitwise(shard_url, tmp_path, capfd, monkeypatch, one_torch_thread):
-    """(In-process: the runs' own main, a stop as SIGTERM gives it.)"""
-    ref = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "ref", 6, 6), capfd)
+def test_resume_with_regularisers_on_is_bitwise(shard_url, tmp_path, capfd, one_torch_thread):
+    """The uninterrupted run's step-3 checkpoint continued (conftest.cut_after; in-process: the runs' own main)."""
+    ref = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "ref", 6, 3), capfd)
     assert ref.returncode == 0, ref.stderr[-2000:]
-    sigterm_before_step(monkeypatch, 2)
-    first = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "cut", 6, 100), capfd)
-    assert first.returncode == 0 and "checkpoint written at step 3" in first.stdout, first.stderr[-2000:]
+    cut_after(tmp_path / "ref", tmp_path / "cut", 3)
     again = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "cut", 6, 6), capfd)
     assert again.returncode == 0 and "at step 3" in again.stdout, again.stderr[-2000:]
     a, b = (torch.load(tmp_path / run / "checkpoints" / "step_00000006.pt", weights_only=True) for run in ("ref", "cut"))

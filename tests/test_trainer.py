@@ -271,15 +271,15 @@ def test_torchrun_two_ranks_writes_everything(shard_url, tmp_path):
 
 @pytest.mark.process
 @pytest.mark.timeout(300)  # 40 CPU steps with 3 evaluations: 20-30 s
-def test_it_learns_on_real_photos(shard_url, tmp_path):
+def test_it_learns_on_real_photos(shard_url, tmp_path, capfd, one_torch_thread):
     """The held-out reconstruction (fixed center crops, posterior mean) improves clearly in 40 CPU steps (+4.6 dB;
     80 steps gave +6 dB at twice the time). Pixel losses only: LPIPS on random VGG16 features (all this machine
-    has) is not the recipe, and doubles the time."""
+    has) is not the recipe, and doubles the time. (In-process: the command's main.)"""
     args = ["--dataset_url", shard_url, "--test_dataset_url", shard_url, "--output_dir", str(tmp_path),
             "--run_name", "learn", "--max_steps", "40", "--log_every_n_steps", "10", "--save_every_n_steps", "40",
             "--evaluate_every_n_steps", "20", "--eval_max_images", "8", "--inception_weights", "none",
             "--learning_rate_vae", "1e-3", "--ema_decay", "0", *TINY, "--batch_size", "4", "--perceptual_weight", "0"]
-    proc = run_cli("vae_trainer.py", args)
+    proc = run_in_process(vae_trainer.main, args, capfd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = [r for r in _metrics(str(tmp_path / "learn")) if "eval/psnr" in r]
     assert [r["step"] for r in evals] == [0, 20, 40]  # step 0: the untrained baseline
@@ -291,15 +291,15 @@ def test_it_learns_on_real_photos(shard_url, tmp_path):
 
 
 @pytest.mark.process
-def test_demo_runs_from_nothing(tmp_path):
-    """`python vae_trainer.py --demo` builds its shards from bundled photos and trains (shortened here). Without
-    pretrained VGG16 weights (an empty torch hub cache) it says so in one line and builds no random VGG16: no
-    LPIPS, no critic, no random-VGG warning."""
+def test_demo_runs_from_nothing(tmp_path, capfd, monkeypatch, one_torch_thread):
+    """`python vae_trainer.py --demo` builds its shards from bundled photos and trains (shortened here; its main in
+    this process: test_readme runs the command). Without pretrained VGG16 weights (an empty torch hub cache) it says
+    so in one line and builds no random VGG16: no LPIPS, no critic, no random-VGG warning."""
     out = tmp_path / "runs"
-    proc = run_cli("vae_trainer.py", ["--demo", "--output_dir", str(out), "--max_steps", "4",
-                                      "--log_every_n_steps", "2", "--save_every_n_steps", "4",
-                                      "--evaluate_every_n_steps", "0", "--wandb_mode", "disabled"],
-                   env=cli_env(TORCH_HOME=str(tmp_path / "empty_torch_home")))
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty_torch_home"))
+    proc = run_in_process(vae_trainer.main, ["--demo", "--output_dir", str(out), "--max_steps", "4",
+                                             "--log_every_n_steps", "2", "--save_every_n_steps", "4",
+                                             "--evaluate_every_n_steps", "0", "--wandb_mode", "disabled"], capfd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "demo_data" / "READY").exists()
     assert os.listdir(out / "demo" / "samples") == ["step_00000004.png"]
