@@ -297,19 +297,20 @@ def test_resume_with_alignment_and_probe_on_is_bitwise(shard_url, tmp_path, capf
 
 @pytest.mark.process
 @pytest.mark.timeout(300)
-def test_two_ranks_train_the_projection_in_sync_and_probe_like_one(shard_url, tmp_path):
+def test_two_ranks_train_the_projection_in_sync_and_probe_like_one(shard_url, tmp_path, capfd, one_torch_thread):
     """2 gloo ranks with the alignment (accumulation, bf16, checkpointing): the VAE and the projection stay equal on
     every rank (checked at the save), every rank takes part in the probe (no hang), and its first point, the same
-    initial VAE, is the number one rank gets."""
+    initial VAE, is the number one rank gets (this process)."""
     import json
-    from conftest import run_cli
+    import vae_trainer
+    from conftest import run_cli, run_in_process
     extra = ["--grad_accum", "2", "--precision", "bf16", "--grad_checkpointing", "decoder"]
     two = run_cli("vae_trainer.py", _run_args(shard_url, tmp_path, "two", 2, 2, *extra), nproc=2)
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
     assert "(weights identical on all ranks)" in two.stdout
     saved = torch.load(tmp_path / "two" / "checkpoints" / "step_00000002.pt", weights_only=True)
     assert saved["run"]["ranks_in_sync"] is True  # the VAE and the projection: each tensor's fingerprint on both ranks
-    one = run_cli("vae_trainer.py", _run_args(shard_url, tmp_path, "one", 1, 1, *extra))
+    one = run_in_process(vae_trainer.main, _run_args(shard_url, tmp_path, "one", 1, 1, *extra), capfd)
     assert one.returncode == 0, one.stderr[-2000:]
 
     def first_probe(run):

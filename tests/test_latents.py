@@ -355,7 +355,8 @@ def test_latent_noise_passes_the_gradient_through_unchanged():
 # ------------------------------------------------------------------------------------------ export
 @pytest.mark.process
 @pytest.mark.timeout(60)
-def test_export_writes_per_channel_latents_mean_and_std(tmp_path, photos_dir):
+def test_export_writes_per_channel_latents_mean_and_std(tmp_path, photos_dir, capfd, one_torch_thread):
+    """(export.py's main in this process: test_export runs the command.)"""
     import evaluate as ev
     from diffusers import AutoencoderKL
     import export
@@ -363,17 +364,17 @@ def test_export_writes_per_channel_latents_mean_and_std(tmp_path, photos_dir):
     torch.manual_seed(0)
     vae = AutoEncoder(AutoEncoderParams(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4, use_attn=False))
     export.export_safetensors(vae, str(tmp_path / "st"), 32)
-    r = run_cli("export.py", ["--ckpt", str(tmp_path / "st"), "--out", str(tmp_path / "hf"), "--dataset_url",
-                              photos_dir, "--latent_stats_images", "4", "--batch_size", "2",
-                              "--latent_norm", "per_channel"])
+    r = run_in_process(export.main, ["--ckpt", str(tmp_path / "st"), "--out", str(tmp_path / "hf"), "--dataset_url",
+                                     photos_dir, "--latent_stats_images", "4", "--batch_size", "2",
+                                     "--latent_norm", "per_channel"], capfd)
     assert r.returncode == 0, r.stderr
     ref = ev.latent_stats(vae, photos_dir, 32, batch_size=2, device=torch.device("cpu"), max_images=4)
     model = AutoencoderKL.from_pretrained(str(tmp_path / "hf"))
     assert list(model.config.latents_mean) == pytest.approx(ref["channel_mean"], rel=1e-9)
     assert list(model.config.latents_std) == pytest.approx(ref["channel_std"], rel=1e-9)
-    r = run_cli("export.py", ["--ckpt", str(tmp_path / "st"), "--out", str(tmp_path / "st2"), "--format",
-                              "safetensors", "--dataset_url", photos_dir, "--latent_stats_images", "4",
-                              "--latent_norm", "per_channel"])
+    r = run_in_process(export.main, ["--ckpt", str(tmp_path / "st"), "--out", str(tmp_path / "st2"), "--format",
+                                     "safetensors", "--dataset_url", photos_dir, "--latent_stats_images", "4",
+                                     "--latent_norm", "per_channel"], capfd)
     assert r.returncode == 0, r.stderr
     config = json.loads((tmp_path / "st2" / "config.json").read_text())
     assert config["latents_std"] == pytest.approx(ref["channel_std"], rel=1e-9)
