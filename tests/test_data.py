@@ -1007,11 +1007,13 @@ def test_unreadable_remote_dataset_fails_at_start(remote, short_timeouts):
 
 @pytest.mark.process
 @pytest.mark.timeout(60)
-def test_unreachable_dataset_url_is_one_line_before_anything_starts(remote, tmp_path):
-    """The CLI with the default timeouts: a refused URL is one `error:` line at once, no run directory."""
-    from conftest import TINY
-    proc = run_cli("vae_trainer.py", ["--dataset_url", remote["dead"].replace("00003", "{00000..00003}"),
-                                      "--output_dir", str(tmp_path / "runs"), *TINY], timeout=50)
+def test_unreachable_dataset_url_is_one_line_before_anything_starts(remote, tmp_path, capfd):
+    """The command with the default timeouts (its main, in this process): a refused URL is one `error:` line at
+    once, no run directory."""
+    import vae_trainer
+    from conftest import TINY, run_in_process
+    proc = run_in_process(vae_trainer.main, ["--dataset_url", remote["dead"].replace("00003", "{00000..00003}"),
+                                             "--output_dir", str(tmp_path / "runs"), *TINY], capfd)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert lines[0].startswith("error: --dataset_url: cannot read") and "Failed to connect" in lines[0], lines

@@ -581,10 +581,11 @@ def test_hostile_shards_train_to_completion_and_count_skips(hostile_shards, tmp_
 
 @pytest.mark.process
 @pytest.mark.timeout(120)
-def test_data_without_an_image_is_one_line_and_leaves_no_run_dir(tmp_path):
-    """The run stops at its first batch; before, its run directory stayed behind with config.json only."""
+def test_data_without_an_image_is_one_line_and_leaves_no_run_dir(tmp_path, capfd, one_torch_thread):
+    """The run stops at its first batch; before, its run directory stayed behind with config.json only. (The
+    command's main, in this process.)"""
     shard = _tar(tmp_path / "text.tar", [(f"note{i}.txt", b"no image here") for i in range(4)])
-    proc = run_cli("vae_trainer.py", _args(shard, tmp_path / "runs", "nodata", 2, 2))
+    proc = run_in_process(vae_trainer.main, _args(shard, tmp_path / "runs", "nodata", 2, 2), capfd)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in proc.stderr
     assert os.listdir(tmp_path / "runs") == []
@@ -763,15 +764,17 @@ def test_resume_never_refuses_a_run_dir_with_checkpoints(shard_url, tmp_path, ca
 
 
 @pytest.mark.process
-def test_secrets_never_land_in_outputs(shard_url, tmp_path):
-    """Credentials in the dataset url and secrets in the environment reach no log, config or checkpoint."""
+def test_secrets_never_land_in_outputs(shard_url, tmp_path, capfd, monkeypatch, one_torch_thread):
+    """Credentials in the dataset url and secrets in the environment reach no log, config or checkpoint. (The
+    command's main, in this process.)"""
     secrets = {"password": "pw-7f3a9c1e5b2d", "token": "tok-4e8b2a6c9d1f", "wandb": "wk-1c5e9a3f7b2d",
                "hf": "hf-9b3d7f1a5c2e"}
     first_shard = shard_url.replace("{00000..00002}", "00000")
     url = (f"pipe:cat {first_shard} # https://alice:{secrets['password']}@data.example.com/x.tar"
            f"?token={secrets['token']}")
-    proc = run_cli("vae_trainer.py", _args(url, tmp_path, "s", 2, 2),
-                   env=cli_env(WANDB_API_KEY=secrets["wandb"], HF_TOKEN=secrets["hf"]))
+    monkeypatch.setenv("WANDB_API_KEY", secrets["wandb"])
+    monkeypatch.setenv("HF_TOKEN", secrets["hf"])
+    proc = run_in_process(vae_trainer.main, _args(url, tmp_path, "s", 2, 2), capfd)
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = tmp_path / "s"
     texts = [proc.stdout, proc.stderr, (run / "config.json").read_text(), (run / "metrics.jsonl").read_text(),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 import numpy as np
@@ -13,7 +12,7 @@ import torchvision
 from PIL import Image
 
 import plots
-from conftest import TINY, cli_command, cli_env
+from conftest import TINY
 
 pytestmark = pytest.mark.curves
 
@@ -64,14 +63,16 @@ def test_every_label_of_the_curves_is_inside_the_picture(tmp_path):
 
 
 @pytest.mark.process
-def test_the_command_writes_curves_of_a_real_run_and_one_error_line_without_metrics(shard_url, tmp_path, capsys):
+def test_the_command_writes_curves_of_a_real_run_and_one_error_line_without_metrics(shard_url, tmp_path, capsys,
+                                                                                    one_torch_thread):
+    """The trainer's run (its main, in this process) writes the keys plots.py draws; the command draws them."""
+    import vae_trainer
     args = ["--dataset_url", shard_url, "--test_dataset_url", shard_url, "--output_dir", str(tmp_path),
             "--run_name", "r", "--max_steps", "2", "--log_every_n_steps", "1", "--evaluate_every_n_steps", "2",
             "--save_every_n_steps", "2", "--eval_max_images", "2", "--inception_weights", "none", *TINY]
     # (rFID off: a random Inception costs ~10 s an evaluation here and its panel is drawn like PSNR's)
-    out = subprocess.run(cli_command("vae_trainer.py", args), env=cli_env(), capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
+    assert vae_trainer.main(args) == 0
+    capsys.readouterr()
     run_dir = str(tmp_path / "r")
     titles = [t for t, _, _ in plots.panels_with_data(plots.read_metrics(os.path.join(run_dir, "metrics.jsonl")))]
     for title in ("training losses", "KL", "held-out PSNR (dB)", "held-out SSIM", "held-out LPIPS", "learning rate",
