@@ -96,7 +96,7 @@ def test_sigterm_then_resume_equals_uninterrupted_single_process(shard_url, tmp_
 @pytest.fixture(scope="session")  # not per module: xdist interleaves modules, which rebuilt it 3 times
 def two_rank_reference(shard_url, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref2")
-    proc = run_cli("vae_trainer.py", _args(shard_url, out, "ref", 8, 8, *GAN_2), nproc=2)
+    proc = run_cli("vae_trainer.py", _args(shard_url, out, "ref", 6, 6, *GAN_2), nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -104,14 +104,14 @@ def two_rank_reference(shard_url, tmp_path_factory):
 @pytest.mark.xdist_group("two_rank_reference")  # shares the two_rank_reference fixture: built once
 @pytest.mark.process
 def test_sigkill_of_one_rank_restarts_and_matches_uninterrupted(shard_url, tmp_path, two_rank_reference):
-    """kill -9 of rank 1 at step 5 under torchrun --max-restarts=1: the group restarts, resumes from the
-    step-4 checkpoint, finishes, and ends bitwise equal to the uninterrupted run."""
-    proc = run_cli(FAULTY, _args(shard_url, tmp_path, "killed", 8, 2, *GAN_2), nproc=2,
-                   extra_torchrun=["--max-restarts=1"], env=cli_env(VAE_TRAINER_KILL_AT="5@1"))
+    """kill -9 of rank 1 at step 3 under torchrun --max-restarts=1: the group restarts, resumes from the
+    step-2 checkpoint, finishes, and ends bitwise equal to the uninterrupted run."""
+    proc = run_cli(FAULTY, _args(shard_url, tmp_path, "killed", 6, 2, *GAN_2), nproc=2,
+                   extra_torchrun=["--max-restarts=1"], env=cli_env(VAE_TRAINER_KILL_AT="3@1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "exitcode: -9" in proc.stderr  # the agent saw the SIGKILL
-    assert "resumed from" in proc.stdout and "at step 4" in proc.stdout
-    _assert_same_state(_ckpt(two_rank_reference, "ref", 8), _ckpt(tmp_path, "killed", 8))
+    assert "resumed from" in proc.stdout and "at step 2" in proc.stdout
+    _assert_same_state(_ckpt(two_rank_reference, "ref", 6), _ckpt(tmp_path, "killed", 6))
 
 
 @pytest.mark.xdist_group("two_rank_reference")  # shares the two_rank_reference fixture: built once
@@ -119,15 +119,15 @@ def test_sigkill_of_one_rank_restarts_and_matches_uninterrupted(shard_url, tmp_p
 @pytest.mark.timeout(300)
 def test_two_nodes_one_killed_worker_re_form_resume_and_match_uninterrupted(shard_url, tmp_path, two_rank_reference):
     """The README's multi-node recipe on loopback: two torchrun agents as two nodes (--nnodes=2, one process
-    each, c10d rendezvous on 127.0.0.1, the README's --max-restarts=3). kill -9 of rank 1's worker at step 5: both
+    each, c10d rendezvous on 127.0.0.1, the README's --max-restarts=3). kill -9 of rank 1's worker at step 3: both
     agents re-form the job, it resumes from the step-4 checkpoint and ends bitwise equal to the uninterrupted
     two-rank run (world size 2 either way). The agent of the surviving node may restart its worker for the
     membership change without counting it, so the nodes' TORCHELASTIC_RESTART_COUNT can differ from then on: the
     workers must meet all the same (test_workers_meet_when_the_nodes_restart_counts_differ; a namespace named by
     that count hung this test in a loaded CI run)."""
     port = free_port()
-    node = agent_command(port, "two_nodes", FAULTY, _args(shard_url, tmp_path, "nodes", 8, 2, *GAN_2))
-    env = cli_env(VAE_TRAINER_KILL_AT="5@1")
+    node = agent_command(port, "two_nodes", FAULTY, _args(shard_url, tmp_path, "nodes", 6, 2, *GAN_2))
+    env = cli_env(VAE_TRAINER_KILL_AT="3@1")
     logs = agent_logs(tmp_path)  # the agents' tracebacks of the killed attempt would fill a pipe
     nodes = [subprocess.Popen(node, stdout=o, stderr=e, text=True, env=env, cwd=ROOT) for o, e in logs]
     deadline, timed_out = time.monotonic() + 240, False
@@ -145,8 +145,8 @@ def test_two_nodes_one_killed_worker_re_form_resume_and_match_uninterrupted(shar
     assert not timed_out, "the agents were still running after 240 s:\n" + out[-2000:] + err[-4000:]
     assert [proc.returncode for proc in nodes] == [0, 0], out[-2000:] + err[-4000:]
     assert "exitcode: -9" in err  # an agent saw its worker killed
-    assert "resumed from" in out and "at step 4" in out
-    _assert_same_state(_ckpt(two_rank_reference, "ref", 8), _ckpt(tmp_path, "nodes", 8))
+    assert "resumed from" in out and "at step 2" in out
+    _assert_same_state(_ckpt(two_rank_reference, "ref", 6), _ckpt(tmp_path, "nodes", 6))
 
 
 WORKER = ("import common, torch, torch.distributed as dist\n"
@@ -294,13 +294,13 @@ def test_the_trainer_ends_its_process_groups_before_it_returns(shard_url, tmp_pa
 @pytest.mark.process
 def test_sigterm_on_one_rank_stops_all_and_resumes_exactly(shard_url, tmp_path, two_rank_reference):
     """Preemption seen by rank 1 only: the ranks agree to stop after the same step, save, exit 0."""
-    first = run_cli(FAULTY, _args(shard_url, tmp_path, "pre", 8, 100, *GAN_2), nproc=2,
+    first = run_cli(FAULTY, _args(shard_url, tmp_path, "pre", 6, 100, *GAN_2), nproc=2,
                     env=cli_env(VAE_TRAINER_SIGTERM_AT="2@1"))
     assert first.returncode == 0, first.stderr[-3000:]
     assert "checkpoint written at step 3" in first.stdout
-    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "pre", 8, 2, *GAN_2), nproc=2)
+    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "pre", 6, 2, *GAN_2), nproc=2)
     assert again.returncode == 0, again.stderr[-3000:]
-    _assert_same_state(_ckpt(two_rank_reference, "ref", 8), _ckpt(tmp_path, "pre", 8))
+    _assert_same_state(_ckpt(two_rank_reference, "ref", 6), _ckpt(tmp_path, "pre", 6))
 
 
 @pytest.mark.process
