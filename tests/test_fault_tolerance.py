@@ -340,7 +340,8 @@ def _sigterm_process_group(cmd: list[str], after_line: str) -> tuple[int, str, s
 @pytest.mark.process
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("nproc", [0, 2], ids=["python", "torchrun"])
-def test_sigterm_to_the_process_group_saves_and_the_same_command_resumes(shard_url, tmp_path, nproc):
+def test_sigterm_to_the_process_group_saves_and_the_same_command_resumes(shard_url, tmp_path, nproc, capfd,
+                                                                         one_torch_thread):
     """Before: the data workers died of the SIGTERM and the main process with "DataLoader worker (pid N)
     is killed by signal: Terminated", without a checkpoint. Under torchrun the signal reaches the agent,
     which forwards it to each rank's process group (data workers included) and gives the ranks 30 s."""
@@ -359,7 +360,8 @@ def test_sigterm_to_the_process_group_saves_and_the_same_command_resumes(shard_u
         assert "forcefully exiting" not in err, err[-3000:]
     else:
         assert code == 0, err[-3000:]
-    again = run_cli("vae_trainer.py", args, nproc=nproc)  # the same command, as a requeued job runs it
+    # the same command, as a requeued job runs it (one process: its main, in this process)
+    again = run_cli("vae_trainer.py", args, nproc=nproc) if nproc else run_in_process(vae_trainer.main, args, capfd)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"step_{step:08d}.pt at step {step}" in again.stdout
     assert _ckpt(tmp_path, "pre", 8)["run"]["step"] == 8
@@ -367,12 +369,12 @@ def test_sigterm_to_the_process_group_saves_and_the_same_command_resumes(shard_u
 
 @pytest.mark.process
 @pytest.mark.timeout(240)
-def test_ctrl_c_behind_a_dead_pipe_saves_exits_0_and_resumes(shard_url, tmp_path):
+def test_ctrl_c_behind_a_dead_pipe_saves_exits_0_and_resumes(shard_url, tmp_path, capfd, one_torch_thread):
     """`./train.sh 2>&1 | tee log` and Ctrl-C (issue 31 item 0): the terminal signals the whole foreground group, `tee`
     dies too, and the trainer's next lines meet a closed pipe. Before, its print raised BrokenPipeError: after the
     checkpoint (exit 1), or in a step's log line before it (no checkpoint, the steps since the last one lost). Here
     the reader goes first, the trainer notices at its next line (train.log says so), then SIGINT reaches the group:
-    checkpoint, exit 0, and the same command resumes from it."""
+    checkpoint, exit 0, and the same command resumes from it (its main, in this process)."""
     args = _args(shard_url, tmp_path, "piped", 100000, 100000) + ["--log_every_n_steps", "1"]
     proc = subprocess.Popen(cli_command("vae_trainer.py", args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=cli_env(), cwd=ROOT, start_new_session=True)
@@ -398,7 +400,7 @@ def test_ctrl_c_behind_a_dead_pipe_saves_exits_0_and_resumes(shard_url, tmp_path
     step = int(stopped.group(1))
     assert _ckpt(tmp_path, "piped", step)["run"]["step"] == step
     assert [r["step"] for r in _metrics(tmp_path, "piped") if "loss/total" in r] == list(range(1, step + 1))
-    again = run_cli("vae_trainer.py", _args(shard_url, tmp_path, "piped", step + 1, 100000))
+    again = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "piped", step + 1, 100000), capfd)
     assert again.returncode == 0 and f"at step {step}" in again.stdout, again.stderr[-2000:]
     assert _ckpt(tmp_path, "piped", step + 1)["run"]["step"] == step + 1
 
