@@ -175,13 +175,12 @@ def test_lecams_anchors_move_once_per_step_by_the_mean_of_its_micro_batches():
 # --------------------------------------------------------------------------------------------
 # the trainer under torchrun: 2 ranks -> 1 -> 4
 # --------------------------------------------------------------------------------------------
-def elastic_args(url, out, run, steps, *extra, gan: bool = True):
+def elastic_args(url, out, run, steps, *extra):
     """Checkpoints every step, the last 2 kept; pixel losses (conftest.PLUMBING) and the PatchGAN critic: what
     resumes and what the ranks agree on is the same with LPIPS and the VGG16 critic, at half the time. NCHW (a
     sharded VAE's layout: the hsdp job below draws the latent noise of the ddp reference, which on a CPU would
     otherwise be channels_last)."""
     critic = ["--do_ganloss", "--disc_start", "1", "--lecam_weight", "0.1", "--discriminator", "patchgan"]
-    critic = critic if gan else []
     return ["--dataset_url", url, "--output_dir", str(out), "--run_name", run, "--max_steps", str(steps),
             "--save_every_n_steps", "1", "--log_every_n_steps", "1", "--evaluate_every_n_steps", "0",
             "--keep_last_k", "2", *PLUMBING, *critic, "--latent_noise_prob", "0.5", "--latent_noise_max", "0.2",
@@ -325,8 +324,8 @@ def test_an_elastic_job_that_loses_a_node_continues_on_the_other_with_the_same_s
     goes away (its agent and worker killed); node 0's agent restarts its worker, the job re-forms with one node,
     --grad_accum becomes 4, and the run finishes with every step's images those of the uninterrupted two-rank run
     (the reference), and the first step after the loss equal to that run's step up to the order of the fp32 sums
-    (losses to 1e-5). hsdp: shards within a node (one rank here), replicas across the two:
-    the step-2 checkpoint is the directory both nodes wrote (DCP), which the one remaining process reads whole."""
+    (losses to 1e-5). hsdp: shards within a node (one rank here), replicas across the two: the step-2 checkpoint is
+    the directory both nodes wrote (DCP), which the one remaining process reads whole."""
     import shutil
     ref_dir, ref_record = reference[0] / "ref", reference[1]
     record = tmp_path / "record"
