@@ -305,31 +305,11 @@ def run_in_process(main, args: list[str], capfd) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code or 0, out, err)
 
 
-def sigterm_before_step(monkeypatch, completed: int) -> None:
-    """The next in-process run gets SIGTERM once, as it starts the step after `completed` steps: what
-    tests/faulty_trainer.py's VAE_TRAINER_SIGTERM_AT=completed does to a command (the trainer's own handler takes it,
-    saves that step and returns 0). For the exact-resume tests whose point is what a checkpoint carries; the
-    signals' own paths (torchrun, a rank's, a process group's) are test_fault_tolerance's."""
-    import signal
-    import common
-    import vae_trainer
-    train_step, sent = vae_trainer.Trainer.train_step, []
-
-    def step_then_stop(self, *args):
-        if self.step == completed and not sent:
-            sent.append(completed)
-            # only to the run's stop flag: SIGTERM's default would end this pytest process
-            assert isinstance(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), common.StopFlag), \
-                "no run's stop flag takes SIGTERM here (train_step called outside Trainer.train?)"
-            signal.raise_signal(signal.SIGTERM)
-        return train_step(self, *args)
-    monkeypatch.setattr(vae_trainer.Trainer, "train_step", step_then_stop)
-
-
 def faults_in_process(monkeypatch, **faults) -> None:
     """tests/faulty_trainer.py's faults for this test's in-process runs: VAE_TRAINER_INJECT_NAN="3",
-    VAE_TRAINER_INJECT_NAN_RECON, VAE_TRAINER_SIGTERM_AT (its SIGTERM goes to the run's stop flag, as
-    sigterm_before_step's). Not the SIGKILL, which would end this pytest process."""
+    VAE_TRAINER_INJECT_NAN_RECON, VAE_TRAINER_SIGTERM_AT="2" (a real SIGTERM as the step after 2 completed steps
+    starts, which the run's own stop flag takes: it saves that step and returns 0). Not the SIGKILL, which would
+    end this pytest process."""
     assert "VAE_TRAINER_KILL_AT" not in faults, "a SIGKILL needs a process of its own (run_cli)"
     for name, steps in faults.items():
         monkeypatch.setenv(name, steps)

@@ -14,6 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import common  # noqa: E402
 import objective  # noqa: E402
 import vae_trainer  # noqa: E402
 import train_state  # noqa: E402
@@ -54,6 +55,9 @@ def install(patch=setattr) -> None:
         if self.step in kill_at and first_time(run_dir, f"kill{self.step}"):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.step in sigterm_at and first_time(run_dir, f"sigterm{self.step}"):
+            # only to the run's stop flag: SIGTERM's default would end the process (a test's: pytest)
+            assert isinstance(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), common.StopFlag), \
+                "no run's stop flag takes SIGTERM here (train_step called outside Trainer.train?)"
             os.kill(os.getpid(), signal.SIGTERM)
         current_step[0] = self.step
         try:

@@ -261,12 +261,13 @@ def test_resume_with_alignment_and_probe_on_is_bitwise(shard_url, tmp_path, capf
     runs' own main, a stop as SIGTERM gives it.)"""
     import json
     import vae_trainer
-    from conftest import run_in_process, sigterm_before_step
+    from conftest import faults_in_process, run_in_process
     ref = run_in_process(vae_trainer.main, _run_args(shard_url, tmp_path, "ref", 6, 6), capfd)
     assert ref.returncode == 0, ref.stderr[-2000:]
     assert any("loss/vf" in json.loads(line) for line in open(tmp_path / "ref" / "metrics.jsonl"))
-    sigterm_before_step(monkeypatch, 2)
-    first = run_in_process(vae_trainer.main, _run_args(shard_url, tmp_path, "cut", 6, 100), capfd)
+    with monkeypatch.context() as faulty:
+        faults_in_process(faulty, VAE_TRAINER_SIGTERM_AT="2")
+        first = run_in_process(vae_trainer.main, _run_args(shard_url, tmp_path, "cut", 6, 100), capfd)
     assert first.returncode == 0 and "checkpoint written at step 3" in first.stdout, first.stderr[-2000:]
     again = run_in_process(vae_trainer.main, _run_args(shard_url, tmp_path, "cut", 6, 6), capfd)
     assert again.returncode == 0 and "at step 3" in again.stdout, again.stderr[-2000:]
