@@ -441,10 +441,11 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(shard_url, tmp_path,
 
 # ------------------------------------------------------------------------------------------ numerical guard
 @pytest.mark.process
-def test_injected_nan_skips_the_step_on_every_rank(shard_url, tmp_path):
+def test_injected_nan_skips_the_step_on_every_rank(shard_url, tmp_path, capfd, one_torch_thread):
     """A NaN loss on rank 1 only at step index 3: both ranks skip that update (weights, EMA, critic with its spectral
     norm's vectors, and optimizer state unchanged) and count it. A stop request right after it still saves (the
-    weights are the last good ones), and the resumed run trains on."""
+    weights are the last good ones), and the resumed run (the same command on one process, its main here) trains on
+    with the guard's counts."""
     args = _args(shard_url, tmp_path, "nan", 6, 1, *GAN_2)
     proc = run_cli(FAULTY, args, nproc=2, env=cli_env(VAE_TRAINER_INJECT_NAN="3@1",
                                                                VAE_TRAINER_SIGTERM_AT="3@0"))
@@ -460,8 +461,8 @@ def test_injected_nan_skips_the_step_on_every_rank(shard_url, tmp_path):
     assert skipped["run"]["ranks_in_sync"] is True
     assert skipped["guard"] == {"bad_steps_total": 1, "bad_streak": 1}
 
-    again = run_cli("vae_trainer.py", args, nproc=2)
-    assert again.returncode == 0, again.stderr[-3000:]
+    again = run_in_process(vae_trainer.main, args, capfd)
+    assert again.returncode == 0 and "at step 4" in again.stdout, again.stderr[-3000:]
     after = _ckpt(tmp_path, "nan", 6)
     assert not all(torch.equal(skipped["training"]["vae"][k], v) for k, v in after["training"]["vae"].items())
     assert after["guard"] == {"bad_steps_total": 1, "bad_streak": 0}
