@@ -52,17 +52,17 @@ def run_steps(trainer, n) -> list[dict]:
 
 @pytest.mark.process
 def test_bf16_tracks_fp32(shard_url, tmp_path, fixed_batches):
-    """Same weights, data and noise: bf16 autocast losses stay finite over four steps and within 5% of fp32 over
+    """Same weights, data and noise: bf16 autocast losses stay finite over three steps and within 5% of fp32 over
     the first two, GAN included (the islands - GroupNorm, posterior, KL, low-pass filter, loss reductions - are
     fp32). Measured here: step 1 within 0.2%, step 2 within 1.3%; from step 3 the two trajectories part (up to 5%
     at step 3, 15% at step 5 on these crops, which order and content move; a 1-level change of one input pixel
-    moves fp32 by 0.05%), so later steps are only checked finite."""
+    moves fp32 by 0.05%), so the third step is only checked finite."""
     results = {}
     for prec in ("fp32", "bf16"):
         trainer = make_trainer(shard_url, tmp_path / prec, "--precision", prec, "--do_ganloss", "--disc_start", "0")
-        feed(trainer, fixed_batches[:4])
+        feed(trainer, fixed_batches[:3])
         torch.manual_seed(0)
-        results[prec] = run_steps(trainer, 4)
+        results[prec] = run_steps(trainer, 3)
         assert not trainer.training.scaler.is_enabled()
         trainer.close()
     for step, (ref, low) in enumerate(zip(results["fp32"], results["bf16"])):
@@ -345,9 +345,12 @@ def host_tensors_read(step, known: list[torch.Tensor]) -> list[str]:
     return check.found
 
 
+# (the adaptive balance with the PatchGAN critic: what it adds to a step is the generator's side; the VGG16 critic's
+# steps are the second case's)
 @pytest.mark.parametrize("extra", [[], ["--do_ganloss", "--disc_start", "0", "--lecam_weight", "0.1",
                                         "--grad_accum", "2"],
-                                   ["--do_ganloss", "--disc_start", "0", "--loss_balance", "adaptive"]])
+                                   ["--do_ganloss", "--disc_start", "0", "--loss_balance", "adaptive",
+                                    "--discriminator", "patchgan"]])
 @pytest.mark.process
 def test_training_step_has_no_host_syncs(shard_url, tmp_path, fixed_batches, extra):
     """Losses, GradNorm norms, the non-finite guard, EMA and the schedule stay on the device: a training
