@@ -90,12 +90,16 @@ def weights_and_ema(trainer) -> list[tuple[str, AutoEncoder]]:
     return [("eval", trainer.vae), ("eval_ema", ema)]
 
 
+TILES = {"tile_size": 64, "tile_overlap": 16}  # multi_size_run's: its 128 px evaluation is tiled
+
+
 @pytest.fixture(scope="module")
 def multi_size_run(shard_url, tmp_path_factory):
-    """A run evaluating at its training size 64 and at 128 and 32, with rFID (on PooledFeatures)."""
+    """A run evaluating at its training size 64 and at 128 and 32, with rFID (on PooledFeatures); 128 px is above
+    --eval_tile_size 64, so it is encoded and decoded in 64 px tiles (overlap 16), the others whole."""
     out = tmp_path_factory.mktemp("evalres")
-    trainer = trained(shard_url, out, "--eval_resolutions", "128,32,64", "--inception_weights", "none",
-                      inception=PooledFeatures())
+    trainer = trained(shard_url, out, "--eval_resolutions", "128,32,64", "--eval_tile_size", "64",
+                      "--eval_tile_overlap", "16", "--inception_weights", "none", inception=PooledFeatures())
     return trainer, str(out / "vae")
 
 
@@ -105,13 +109,14 @@ def test_each_size_is_logged_with_its_suffix_and_its_own_numbers(multi_size_run,
     """metrics.jsonl's @SIZE keys hold an evaluation at that size: equal (to rounding: these run one image per
     batch, the trainer fewer images per batch above its size: fp32 convolutions of other batch shapes round apart by
     a few 1e-6 of an MSE, 1e-5 of a PSNR, where another size's numbers differ by percents) to evaluate_model called
-    here at that size on the same weights. The un-suffixed keys are the training size's."""
+    here at that size on the same weights (128 px by the same tiles). The un-suffixed keys are the training size's."""
     trainer, run_dir = multi_size_run
     record = eval_record(run_dir, 2)
     for prefix, model in weights_and_ema(trainer):
         for size, suffix in ((64, ""), (128, "@128"), (32, "@32")):
             direct = ev.evaluate_model(model, shard_url, size, batch_size=1, device=CPU, max_images=3,
-                                       lpips_model=trainer.objective.lpips, inception=trainer.validator.inception)
+                                       lpips_model=trainer.objective.lpips, inception=trainer.validator.inception,
+                                       **(TILES if size == 128 else {}))
             assert record[f"{prefix}/n_images{suffix}"] == direct["n_images"] == 3
             for metric in METRICS:
                 logged = record[f"{prefix}/{metric}{suffix}"]
@@ -164,13 +169,12 @@ def test_the_default_logs_the_keys_and_numbers_it_logged_before(shard_url, tmp_p
 
 
 @pytest.mark.process
-def test_sizes_above_the_tile_size_are_evaluated_by_tiles_as_evaluate_py_does(shard_url, tmp_path, capsys):
-    """--eval_tile_size 64: the 128 px evaluation encodes and decodes in 64 px tiles (overlap 16), the 64 px one
-    whole. The logged values are those of evaluate.py's command with --tile_size 64 --tile_overlap 16 on the run's
-    final checkpoint (the same key names), and differ from a whole-image evaluation at 128."""
-    trainer = trained(shard_url, tmp_path, "--eval_resolutions", "128", "--eval_tile_size", "64",
-                      "--eval_tile_overlap", "16", "--inception_weights", "none")
-    run_dir = str(tmp_path / "vae")
+@pytest.mark.xdist_group("multi_size_run")  # shares the multi_size_run fixture: built once
+def test_sizes_above_the_tile_size_are_evaluated_by_tiles_as_evaluate_py_does(multi_size_run, shard_url, capsys):
+    """--eval_tile_size 64 (multi_size_run): the 128 px evaluation encodes and decodes in 64 px tiles (overlap 16),
+    the 64 px one whole. The logged values are those of evaluate.py's command with --tile_size 64 --tile_overlap 16
+    on the run's final checkpoint (the same key names), and differ from a whole-image evaluation at 128."""
+    trainer, run_dir = multi_size_run
     record = eval_record(run_dir, 2)
     capsys.readouterr()
     for ema in (False, True):
