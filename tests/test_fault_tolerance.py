@@ -75,22 +75,23 @@ def _metrics(out, run) -> list[dict]:
 def test_sigterm_then_resume_equals_uninterrupted_single_process(shard_url, tmp_path, capfd, one_torch_thread):
     """The stopped run is a process that gets a real SIGTERM; the uninterrupted run and the same command run again
     (which resumes) are vae_trainer.main in this process, bitwise the same computation."""
-    ref = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "ref", 6, 6, *RECIPE), capfd)
+    ref = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "ref", 4, 4, *RECIPE), capfd)
     assert ref.returncode == 0, ref.stderr[-2000:]
 
-    # SIGTERM arrives during step 3: the step finishes, a checkpoint is written, exit 0
-    first = run_cli(FAULTY, _args(shard_url, tmp_path, "cut", 6, 100, *RECIPE),
-                    env=cli_env(VAE_TRAINER_SIGTERM_AT="3"))
+    # SIGTERM arrives during step 2 (from 0): the step finishes, a checkpoint is written, exit 0
+    first = run_cli(FAULTY, _args(shard_url, tmp_path, "cut", 4, 100, *RECIPE),
+                    env=cli_env(VAE_TRAINER_SIGTERM_AT="2"))
     assert first.returncode == 0, first.stderr[-2000:]
-    assert "received signal 15: checkpoint written at step 4" in first.stdout
-    assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["latest", "step_00000004.pt"]
+    assert "received signal 15: checkpoint written at step 3" in first.stdout
+    assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["latest", "step_00000003.pt"]
 
-    again = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "cut", 6, 2, *RECIPE), capfd)  # auto-resume
+    again = run_in_process(vae_trainer.main, _args(shard_url, tmp_path, "cut", 4, 2, *RECIPE), capfd)  # auto-resume
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "resumed from" in again.stdout and "at step 4" in again.stdout
-    _assert_same_state(_ckpt(tmp_path, "ref", 6), _ckpt(tmp_path, "cut", 6))
-    # the resumed run's metrics continue the file: one record per logged step, none duplicated
-    assert [r["step"] for r in _metrics(tmp_path, "cut")] == [2, 4, 6]
+    assert "resumed from" in again.stdout and "at step 3" in again.stdout
+    _assert_same_state(_ckpt(tmp_path, "ref", 4), _ckpt(tmp_path, "cut", 4))
+    # the resumed run's metrics continue the file: one record per logged step (the stopped run's step 3 logged
+    # nothing), none duplicated
+    assert [r["step"] for r in _metrics(tmp_path, "cut")] == [2, 4]
 
 
 @pytest.fixture(scope="session")  # not per module: xdist interleaves modules, which rebuilt it 3 times
