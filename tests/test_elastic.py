@@ -280,6 +280,8 @@ def test_a_run_stopped_on_2_ranks_continues_on_1_then_on_4_with_the_same_steps(s
     images = step_images(ref_record)
     assert len(images) == 6 and all(len(set(step)) == 4 for step in images.values())
     assert step_images(cut_record) == images
+    with open(tmp_path / "cut" / "metrics.jsonl") as f:  # the reference's rows after step 2 gone, each step once
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5, 6]
     same_step(tmp_path / "cut", tmp_path / "control", 4)  # 4 ranks x 1 from the 1 x 4 run's checkpoint
 
 

@@ -263,6 +263,9 @@ def test_an_evaluation_stopped_between_two_sizes_is_redone_on_resume(shard_url, 
         resumed.close()
     for key in ("eval/psnr", "eval/psnr@128", "eval_ema/psnr@128"):
         assert [r["step"] for r in records(run_dir) if key in r] == [0, 2, 4], key
+    # without --eval_tile_size, 128 px (above the training size) is evaluated whole (multi_size_run's is tiled)
+    direct = ev.evaluate_model(resumed.vae, shard_url, 128, batch_size=1, device=CPU, max_images=3)
+    assert eval_record(run_dir, 4)["eval/psnr@128"] == pytest.approx(direct["psnr"], rel=1e-5)
 
 
 def test_eval_sizes_and_batches():

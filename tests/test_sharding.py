@@ -184,7 +184,7 @@ def test_each_rank_holds_a_1_over_n_share_of_the_trained_state(tmp_path):
     (they add up to it exactly, and none exceeds 1/N of it by more than FSDP's padding of each tensor's first
     dimension: one row per tensor); the decoder-only fine-tune's frozen encoder stays whole on every rank and is no
     DTensor."""
-    n = 2  # (4 ranks: the same shares of 4, at two processes more; the resume onto 4 ranks is the test above's)
+    n = 2  # (4 ranks: the same shares of 4, at two processes more; onto 4 ranks: the 4 -> 1 resume test's run)
     result = run_cli("tests/sharded_state.py", [str(tmp_path), "fsdp", "all,decoder"], nproc=n)
     assert result.returncode == 0, result.stderr[-3000:]
     for train_parts in ("all", "decoder"):
