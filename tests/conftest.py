@@ -38,7 +38,8 @@ TINY = ["--vae_ch", "32", "--vae_ch_mult", "1,2,2", "--vae_num_res_blocks", "1",
 # TINY without LPIPS, for the process tests whose point is plumbing (an exact resume, signals, ranks that agree,
 # elastic jobs, outages): LPIPS on random VGG16 features is half of a CLI step's time on this CPU (a 10-step run:
 # 11.5 s, 6.4 s without) and holds no state to resume or keep in sync. The recipe's LPIPS still runs under torchrun
-# (test_trainer's two-rank run, the sharded runs) and through an exact resume (test_fault_tolerance's single process).
+# (test_trainer's two-rank run, test_best's fsdp run) and through an exact resume (test_fault_tolerance's single
+# process).
 # Sample grids of 2 images, not 8: a grid is drawn at every save, which these runs do every step or two (a 16-step
 # run saving every step: 12.4 s against 8.2 s saving once, two thirds of it the grid's encode and decode); the
 # default grid: test_trainer's two-rank run.

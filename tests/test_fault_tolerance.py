@@ -122,7 +122,7 @@ def test_sigkill_of_one_rank_restarts_and_matches_uninterrupted(shard_url, tmp_p
 def test_two_nodes_one_killed_worker_re_form_resume_and_match_uninterrupted(shard_url, tmp_path, two_rank_reference):
     """The README's multi-node recipe on loopback: two torchrun agents as two nodes (--nnodes=2, one process
     each, c10d rendezvous on 127.0.0.1, the README's --max-restarts=3). kill -9 of rank 1's worker at step 3: both
-    agents re-form the job, it resumes from the step-4 checkpoint and ends bitwise equal to the uninterrupted
+    agents re-form the job, it resumes from the step-2 checkpoint and ends bitwise equal to the uninterrupted
     two-rank run (world size 2 either way). The agent of the surviving node may restart its worker for the
     membership change without counting it, so the nodes' TORCHELASTIC_RESTART_COUNT can differ from then on: the
     workers must meet all the same (test_workers_meet_when_the_nodes_restart_counts_differ; a namespace named by
